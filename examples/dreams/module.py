@@ -1,0 +1,216 @@
+"""The LightningModule and LightningDataModule of the DreaMS-style fine-tuning example."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from examples.dreams.data import NUM_PROPERTIES, SpectraDataset, collate_spectra, generate_spectra_h5
+from examples.dreams.model import SpectrumEncoder, model_config
+
+__all__ = ["SpectraDataModule", "SpectraFineTuner", "load_backbone_state"]
+
+
+def load_backbone_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Backbone weights from a Lightning checkpoint of this example or from a plain backbone ``state_dict``.
+
+    Loaded onto the CPU (``map_location="cpu"``): loading a GPU checkpoint onto the GPU keeps a second copy of
+    the weights alive next to the model's own until the dict is dropped.
+    """
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    state = obj.get("state_dict", obj)
+    if any(k.startswith("backbone.") for k in state):
+        state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
+    if not state:
+        raise ValueError(f"`pre_trained_pth` {str(path)!r} holds no backbone weights (no `backbone.*` keys).")
+    return state
+
+
+class SpectraFineTuner(pl.LightningModule):
+    """Fine-tunes a spectrum transformer to predict substructure bits (BCE) and 4 properties (MSE).
+
+    The loss is ``BCE(substructures) + MSE(properties)``; validation also logs each part and
+    ``val_baseline_loss``, the loss of always predicting the training set's mean (the bar to beat).
+
+    Args:
+        model_preset: ``tiny``, ``small`` or ``dreams-base`` (see ``examples.dreams.model.MODEL_PRESETS``).
+        d_fourier: Override of the preset's Fourier width.
+        d_peak: Override of the preset's peak-MLP width.
+        n_layers: Override of the preset's layer count.
+        n_heads: Override of the preset's head count.
+        dropout: Override of the preset's dropout.
+        num_substructures: Length of the substructure fingerprint.
+        lr: AdamW learning rate (linear warm-up over ``warmup_steps``).
+        weight_decay: AdamW weight decay.
+        warmup_steps: Optimizer steps of linear learning-rate warm-up.
+        pre_trained_pth: Checkpoint to load the backbone from (a Lightning checkpoint of this example or a backbone
+            ``state_dict``).
+        unfreeze_backbone_at_epoch: Keep the backbone frozen (only the head trains) until this epoch; 0 = never frozen.
+        gradient_checkpointing: Recompute encoder-layer activations in backward.
+    """
+
+    def __init__(
+        self,
+        model_preset: str = "tiny",
+        d_fourier: int | None = None,
+        d_peak: int | None = None,
+        n_layers: int | None = None,
+        n_heads: int | None = None,
+        dropout: float | None = None,
+        num_substructures: int = 32,
+        lr: float = 3e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 20,
+        pre_trained_pth: str | None = None,
+        unfreeze_backbone_at_epoch: int = 0,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        cfg = model_config(model_preset, d_fourier=d_fourier, d_peak=d_peak, n_layers=n_layers, n_heads=n_heads,
+                           dropout=dropout)
+        self.backbone = SpectrumEncoder(cfg)
+        self.head = nn.Linear(cfg.d_model, num_substructures + NUM_PROPERTIES)
+        self.num_substructures = num_substructures
+        if gradient_checkpointing:
+            self.backbone.gradient_checkpointing_enable()
+        if pre_trained_pth:
+            missing, unexpected = self.backbone.load_state_dict(load_backbone_state(pre_trained_pth), strict=False)
+            rank_zero_info(f"Loaded backbone from {pre_trained_pth} (missing: {len(missing)}, unexpected: "
+                           f"{len(unexpected)} keys)")
+        self.register_buffer("prior_bits", torch.full((num_substructures,), 0.15), persistent=False)
+        self.register_buffer("prior_properties", torch.zeros(NUM_PROPERTIES), persistent=False)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Hugging Face-style switch, so ``GradientCheckpointing`` callbacks can turn it on."""
+        self.backbone.gradient_checkpointing_enable()
+
+    def forward(self, peaks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.head(self.backbone(peaks)[:, 0])
+        return out[:, : self.num_substructures], out[:, self.num_substructures :]
+
+    def _losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits, props = self(batch["peaks"])
+        bce = F.binary_cross_entropy_with_logits(logits.float(), batch["substructures"])
+        mse = F.mse_loss(props.float(), batch["properties"])
+        return {"loss": bce + mse, "bce": bce, "mse": mse}
+
+    @override
+    def on_fit_start(self) -> None:
+        dm = self.trainer.datamodule
+        if isinstance(dm, SpectraDataModule):
+            bits, props = dm.train_label_means()
+            self.prior_bits.copy_(bits)
+            self.prior_properties.copy_(props)
+
+    @override
+    def on_train_epoch_start(self) -> None:
+        frozen = self.current_epoch < self.hparams.unfreeze_backbone_at_epoch
+        for p in self.backbone.parameters():
+            p.requires_grad_(not frozen)
+        if frozen:
+            self.backbone.eval()
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        losses = self._losses(batch)
+        self.log_dict({f"train_{k}": v for k, v in losses.items()}, prog_bar=False, batch_size=len(batch["peaks"]))
+        return losses["loss"]
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        losses = self._losses(batch)
+        n = len(batch["peaks"])
+        p = self.prior_bits.clamp(1e-6, 1 - 1e-6).expand_as(batch["substructures"])
+        baseline = F.binary_cross_entropy(p, batch["substructures"]) + F.mse_loss(
+            self.prior_properties.expand_as(batch["properties"]), batch["properties"])
+        self.log_dict({f"val_{k}": v for k, v in losses.items()}, prog_bar=True, batch_size=n, sync_dist=True)
+        self.log("val_baseline_loss", baseline, batch_size=n, sync_dist=True)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        warmup = max(1, int(self.hparams.warmup_steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class SpectraDataModule(pl.LightningDataModule):
+    """Spectra from an HDF5 file (generated on first use when it does not exist).
+
+    Args:
+        data_path: HDF5 file; generated with ``num_spectra`` synthetic spectra when missing.
+        num_spectra: Spectra to generate when ``data_path`` does not exist.
+        batch_size: Micro-batch size per device.
+        max_peaks_n: Peaks kept per spectrum.
+        num_workers_data: DataLoader workers.
+        in_mem: Read each fold into RAM instead of reading lazily per worker.
+        dynamic_padding: Pad each batch to its longest spectrum instead of ``max_peaks_n``.
+        seed: Seed of the generated data.
+    """
+
+    def __init__(
+        self,
+        data_path: str = "data/dreams_synthetic.hdf5",
+        num_spectra: int = 4000,
+        batch_size: int = 32,
+        max_peaks_n: int = 100,
+        num_workers_data: int = 0,
+        in_mem: bool = False,
+        dynamic_padding: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.data_path = Path(data_path)
+        self._sets: dict[str, SpectraDataset] = {}
+
+    @override
+    def prepare_data(self) -> None:
+        if not self.data_path.exists():
+            rank_zero_info(f"Generating {self.hparams.num_spectra} synthetic spectra -> {self.data_path}")
+            generate_spectra_h5(self.data_path, num_spectra=self.hparams.num_spectra, seed=self.hparams.seed)
+
+    @override
+    def setup(self, stage: str) -> None:
+        for fold in ("train", "val", "test"):
+            if fold not in self._sets:
+                self._sets[fold] = SpectraDataset(self.data_path, fold, self.hparams.max_peaks_n, self.hparams.in_mem)
+
+    def train_label_means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean substructure bits and properties of the training fold (the mean-prediction baseline)."""
+        import h5py
+
+        ds = self._sets.get("train") or SpectraDataset(self.data_path, "train", self.hparams.max_peaks_n)
+        with h5py.File(self.data_path, "r") as f:
+            bits = f["substructures"][:][ds.indices].mean(axis=0)
+            props = f["properties"][:][ds.indices].mean(axis=0)
+        return torch.as_tensor(bits, dtype=torch.float32), torch.as_tensor(props, dtype=torch.float32)
+
+    def _loader(self, fold: str, shuffle: bool) -> DataLoader:
+        workers = self.hparams.num_workers_data
+        return DataLoader(self._sets[fold], batch_size=self.hparams.batch_size, shuffle=shuffle,
+                          num_workers=workers, persistent_workers=workers > 0,
+                          collate_fn=partial(collate_spectra, dynamic_padding=self.hparams.dynamic_padding))
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

@@ -1,0 +1,450 @@
+"""MemoryAudit: where the memory goes before the first step, duplicate model copies, and step-over-step leaks."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_memopt.functional.footprint import (
+    Duplicates,
+    Footprint,
+    LiveTensor,
+    find_duplicates,
+    live_tensors,
+    model_footprint,
+    tensor_names,
+    unexplained_bytes,
+)
+from lightning_memopt.functional.leaks import (
+    Growth,
+    detect_growth,
+    grad_fn_holders,
+    metric_states_requiring_grad,
+    tensors_with_grad_fn,
+)
+from lightning_memopt.functional.memory import MemoryReading, memory_record, read_memory, supports_device_memory
+from lightning_memopt.utilities.checks import check_fraction, check_positive_int, check_writable_dir
+from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.jsonl import JsonlWriter
+from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
+from lightning_memopt.utilities.warnings import WarnOnce, log
+
+__all__ = ["MemoryAudit"]
+
+_LEAK_CAUSES = (
+    "tensors with autograd history kept in a list or attribute (e.g. `self.losses.append(loss)`; append"
+    " `loss.detach()`), an undetached loss or output logged or stored outside `self.log`, or outputs accumulated"
+    " across steps (keep `.detach().cpu()` copies and clear them at epoch end)"
+)
+
+
+class MemoryAudit(Callback):
+    """Audits what is in memory: the model's footprint, stray copies of its weights, and leaks.
+
+    * **Footprint at fit start** (model on its device, optimizers built): parameters, buffers, gradients and
+      optimizer states, in bytes by dtype and device (storages shared by views and tied weights counted
+      once; parameters are counted at their real dtype, bf16 as 2 bytes). Printed by rank zero, written to
+      the JSONL file as an ``event="audit"`` record (``audit="fit_start"``), and again after the first
+      optimizer step (``audit="first_step"``), when gradients and lazily created optimizer states exist.
+      The record also holds ``unexplained_bytes``: allocated device bytes minus the footprint on the device
+      (``null`` on CPU), and the bytes and largest entries of the live tensors on the device that nothing
+      in the model or optimizers owns.
+    * **Duplicate copies**: live tensors on the training device that the model and optimizers do not own but
+      that have the shapes of its parameters (a leftover fp32 copy of bf16 weights, a state dict loaded
+      onto the device, a ``deepcopy``). When they add up to at least ``duplicate_fraction`` of the
+      parameters' elements, one warning gives their bytes, count, dtypes and the likely cause.
+    * **Leaks**: every ``leak_every_n_steps`` optimizer steps (stretched on CPU, see ``leak_max_overhead``),
+      right after the optimizer step, one sample:
+      allocated bytes of the device (CUDA/XPU/MPS), or on CPU the bytes of the live CPU tensors (one
+      ``gc.get_objects()`` walk). When the last ``leak_window`` samples rise steadily by at least
+      ``leak_min_bytes_per_step`` per step, one warning names the growth per step, the step it was first
+      seen and the usual causes, and lists the attributes of the LightningModule (and its submodules) that
+      hold tensors with a ``grad_fn``; that attribute scan runs only when growth is seen.
+    * **Grad tracking**: one warning when ``validation_step`` returns tensors with autograd history or
+      leaves grad enabled, and one when metric states (torchmetrics) hold tensors that require grad.
+
+    Nothing here stops training: an audit that fails (an object that breaks the garbage-collector walk, a
+    file that cannot be written) warns once and training goes on. Per-step cost is one integer comparison
+    on the steps between samples.
+
+    Args:
+        dirpath: Directory of the JSONL files (``memory_rank{rank}.jsonl``, shared with ``MemoryMonitor``).
+            Default: ``<trainer.log_dir or default_root_dir>/memory``.
+        duplicate_fraction: Fraction in (0, 1] of the parameters' elements that unowned same-shape tensors
+            must mirror before a duplicate warning.
+        leak_every_n_steps: Optimizer steps between leak samples.
+        leak_window: Samples judged together (at least 3): growth must be sustained over
+            ``leak_window * leak_every_n_steps`` steps.
+        leak_min_bytes_per_step: Growth per optimizer step below which nothing is reported. The default
+            reports any sustained growth: at the same point of each step a clean run holds exactly the same
+            tensors, and a graph kept alive after ``backward`` costs little more than its output (4 bytes for
+            a float32 loss; 512 on CUDA, the allocator's smallest block) since backward frees what it saved.
+            Raise it to ignore growth you expect (e.g. predictions gathered over an epoch).
+        audit_fit_start: Whether to take the footprint and look for duplicates at fit start and after the
+            first optimizer step.
+        detect_leaks: Whether to sample for leaks.
+        check_grad_tracking: Whether to run the grad-tracking checks.
+        max_listed: How many of the largest unowned tensors / duplicate copies each record lists.
+        collect_garbage: Whether to run one full ``gc.collect()`` before each of the two audits, so that
+            unreachable objects waiting for the collector (an old model in a reference cycle) are not
+            reported as copies. Leak samples never collect.
+        leak_max_overhead: On devices without allocator readings (CPU) a leak sample walks every Python object
+            (``gc.get_objects()``, ~0.1 s per million objects); when one walk costs more than this fraction of
+            the training time since the previous sample, the sample interval doubles. ``None`` keeps
+            ``leak_every_n_steps`` fixed. Allocator samples (CUDA) cost microseconds and never stretch.
+
+    Logged metrics (rank zero, once at fit start, bytes):
+        ``memory/audit/{parameters,buffers,gradients,optimizer_states}_bytes``,
+        ``memory/audit/unexplained_bytes`` (devices with allocator readings), ``memory/audit/duplicate_bytes``.
+
+    Device requirements: none. On CUDA, unexplained bytes and leak samples come from the caching
+    allocator; on CPU the same duplicate and leak logic runs over host tensors.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=[MemoryAudit(leak_every_n_steps=50)], logger=False)
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        duplicate_fraction: float = 0.5,
+        leak_every_n_steps: int = 10,
+        leak_window: int = 10,
+        leak_min_bytes_per_step: int = 1,
+        audit_fit_start: bool = True,
+        detect_leaks: bool = True,
+        check_grad_tracking: bool = True,
+        max_listed: int = 5,
+        collect_garbage: bool = True,
+        leak_max_overhead: float | None = 0.01,
+    ) -> None:
+        check_fraction("duplicate_fraction", duplicate_fraction, hint="Use e.g. 0.5 to warn at half a copy.")
+        check_positive_int("leak_every_n_steps", leak_every_n_steps)
+        check_positive_int("leak_window", leak_window)
+        if leak_window < 3:
+            raise ValueError(f"`leak_window` must be at least 3 samples, got {leak_window}: growth needs a trend.")
+        if isinstance(leak_min_bytes_per_step, bool) or not isinstance(leak_min_bytes_per_step, int) or (
+            leak_min_bytes_per_step < 1
+        ):
+            raise ValueError(
+                f"`leak_min_bytes_per_step` must be a positive int (bytes per optimizer step), got"
+                f" {leak_min_bytes_per_step!r}. Use 1 to report any sustained growth, 16384 to ignore less than"
+                " 16 KiB per step."
+            )
+        check_positive_int("max_listed", max_listed)
+        check_fraction("leak_max_overhead", leak_max_overhead, allow_none=True,
+                       hint="Use e.g. 0.01 for 1 % of the training time, or None for a fixed interval.")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.duplicate_fraction = float(duplicate_fraction)
+        self.leak_every_n_steps = leak_every_n_steps
+        self.leak_window = leak_window
+        self.leak_min_bytes_per_step = leak_min_bytes_per_step
+        self.audit_fit_start = audit_fit_start
+        self.detect_leaks = detect_leaks
+        self.check_grad_tracking = check_grad_tracking
+        self.max_listed = max_listed
+        self.collect_garbage = collect_garbage
+        self.leak_max_overhead = leak_max_overhead
+
+        self._warn = WarnOnce()
+        self._writer: JsonlWriter | None = None
+        self._device = torch.device("cpu")
+        self._has_device_memory = False
+        self._rank = 0
+        self._samples: deque[tuple[int, int]] = deque(maxlen=leak_window)
+        self._last_sampled_step = -1
+        self._leak_reported = False
+        self._first_step_audited = False
+        self._interval = leak_every_n_steps
+        self._next_sample_step = leak_every_n_steps
+        self._last_sample_time = 0.0
+        #: The last audit record written (``fit_start`` or ``first_step``), for inspection.
+        self.last_audit: dict[str, Any] | None = None
+        #: The leak verdict that was warned about, if any.
+        self.leak: Growth | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=str(self.dirpath) if self.dirpath else None)
+
+    @property
+    def path(self) -> Path | None:
+        """The JSONL file of this rank, known after ``setup``."""
+        return None if self._writer is None else self._writer.path
+
+    # ---------------------------------------------------------------- setup / teardown
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._device = trainer_device(trainer)
+        self._has_device_memory = supports_device_memory(self._device)
+        self._rank = trainer.global_rank
+        dirpath = self.dirpath if self.dirpath is not None else default_artifact_dir(trainer, "memory")
+        dirpath = check_writable_dir("dirpath", dirpath)
+        path = dirpath / f"memory_rank{self._rank}.jsonl"
+        if self._writer is None or self._writer.path != path:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = JsonlWriter(path)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    # ---------------------------------------------------------------- fit start: footprint and duplicates
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == 0:  # a new run; a resumed one keeps its leak window (see `state_dict`)
+            self._samples.clear()
+            self._leak_reported = False
+            self.leak = None
+        self._last_sampled_step = -1
+        self._first_step_audited = False
+        self._interval = self.leak_every_n_steps
+        self._next_sample_step = (trainer.global_step // self._interval + 1) * self._interval
+        self._last_sample_time = time.perf_counter()
+        if self.audit_fit_start:
+            self._guarded("audit", self._audit, trainer, pl_module, "fit_start")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_sampled_step or step == 0:
+            return  # no optimizer step since the last look (gradient accumulation), or none yet
+        self._last_sampled_step = step
+        if self.audit_fit_start and not self._first_step_audited:
+            self._first_step_audited = True
+            self._guarded("audit", self._audit, trainer, pl_module, "first_step")
+        if self.detect_leaks and not self._leak_reported and step >= self._next_sample_step:
+            self._guarded("leak", self._leak_sample, trainer, pl_module, step, batch_idx)
+        if step % self.leak_every_n_steps != 0:
+            return
+        if self.check_grad_tracking:
+            self._guarded("metric-states", self._check_metric_states, trainer, pl_module)
+
+    # ---------------------------------------------------------------- grad-tracking checks
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if not self.check_grad_tracking or batch_idx % self.leak_every_n_steps != 0:
+            return
+        self._guarded("validation-grad", self._check_validation_outputs, trainer, outputs, batch_idx)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.check_grad_tracking:
+            self._guarded("metric-states", self._check_metric_states, trainer, pl_module)
+
+    # ---------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"leak_samples": [list(sample) for sample in self._samples], "leak_reported": self._leak_reported}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._samples.clear()
+        for step, value in state_dict.get("leak_samples", []):
+            self._samples.append((int(step), int(value)))
+        self._leak_reported = bool(state_dict.get("leak_reported", False))
+
+    # ---------------------------------------------------------------- internals
+    def _guarded(self, key: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as err:
+            self._warn.warn(f"failed-{key}", f"MemoryAudit: the {key} check failed ({err!r}); training goes on.")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        try:
+            self._writer.write(record)
+        except Exception as err:
+            self._warn.warn("write", f"MemoryAudit: writing {self._writer.path} failed ({err!r}); training goes on.")
+
+    def _record(self, trainer: pl.Trainer, reading: MemoryReading, event: str, batch_idx: int | None,
+                **extra: Any) -> dict[str, Any]:
+        return memory_record(reading, rank=self._rank, phase="train", event=event, epoch=trainer.current_epoch,
+                             global_step=trainer.global_step, batch_idx=batch_idx, **extra)
+
+    def _audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
+        if self.collect_garbage:
+            gc.collect()
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        footprint = model_footprint(pl_module, optimizers)
+        names = tensor_names(pl_module, optimizers)
+        live = live_tensors(self._device, names=names)
+        reading = read_memory(self._device)
+        device = str(self._device)
+        unexplained = unexplained_bytes(reading.allocated_bytes, footprint, device)
+        unowned = [t for t in live if t.name is None]
+        duplicates = find_duplicates(pl_module, live, max_listed=self.max_listed)
+        warn_duplicates = duplicates.num_tensors > 0 and duplicates.fraction >= self.duplicate_fraction
+        record = self._record(
+            trainer, reading, "audit", None,
+            audit=when,
+            footprint=footprint.as_dict(),
+            footprint_device_bytes=footprint.total_bytes(device),
+            unexplained_bytes=unexplained,
+            unowned_tensor_bytes=sum(t.bytes for t in unowned),
+            num_unowned_tensors=len(unowned),
+            largest_unowned=[_tensor_dict(t) for t in unowned[: self.max_listed]],
+            duplicates=duplicates.as_dict() if duplicates.num_tensors else None,
+        )
+        self.last_audit = record
+        self._write(record)
+        if when == "fit_start":
+            rank_zero_info(_footprint_text(footprint, device, unexplained, unowned, when))
+            self._log_metrics(trainer, footprint, unexplained, duplicates if warn_duplicates else None)
+        else:
+            log.info(_footprint_text(footprint, device, unexplained, unowned, when))
+        if warn_duplicates:
+            self._warn_duplicates(trainer, reading, duplicates, device, when)
+
+    def _warn_duplicates(self, trainer: pl.Trainer, reading: MemoryReading, dup: Duplicates, device: str,
+                         when: str) -> None:
+        largest = ", ".join(f"{tuple(t.shape)} {t.dtype.replace('torch.', '')} {format_bytes(t.bytes)}"
+                            for t in dup.largest)
+        message = (
+            f"MemoryAudit [rank {self._rank}] ({when.replace('_', ' ')}): {dup.num_tensors} tensors on {device}"
+            f" ({format_bytes(dup.bytes)} = {dup.bytes} bytes, dtypes {', '.join(dup.dtypes)}) are not owned by the"
+            f" model or optimizer but have the shapes of its parameters: {dup.fraction:.2f}x the parameters'"
+            f" elements. Likely cause: {dup.cause}. Largest: {largest}."
+        )
+        if self._warn.warn("duplicates", message):
+            self._write(self._record(trainer, reading, "warning", None, check="duplicates", message=message,
+                                     duplicate_bytes=dup.bytes, num_duplicate_tensors=dup.num_tensors))
+
+    def _log_metrics(self, trainer: pl.Trainer, footprint: Footprint, unexplained: int | None,
+                     dup: Duplicates | None) -> None:
+        if trainer.global_rank != 0 or not trainer.loggers:
+            return
+        metrics = {f"memory/audit/{k}_bytes": float(v) for k, v in footprint.bytes_by_category().items()}
+        if unexplained is not None:
+            metrics["memory/audit/unexplained_bytes"] = float(unexplained)
+        metrics["memory/audit/duplicate_bytes"] = float(dup.bytes if dup is not None else 0)
+        for logger in trainer.loggers:
+            try:
+                logger.log_metrics(metrics, step=trainer.global_step)
+            except Exception as err:
+                self._warn.warn(f"logger-{type(logger).__name__}",
+                                f"MemoryAudit: logging to {type(logger).__name__} failed ({err!r}).")
+
+    def _sample_bytes(self) -> int | None:
+        if self._has_device_memory:
+            return read_memory(self._device).allocated_bytes
+        return sum(t.bytes for t in live_tensors(self._device))
+
+    def _leak_sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_idx: int) -> None:
+        start = time.perf_counter()
+        value = self._sample_bytes()
+        now = time.perf_counter()
+        # the CPU sample walks every Python object: keep it under `leak_max_overhead` of the training time
+        if (
+            self.leak_max_overhead is not None
+            and not self._has_device_memory
+            and now - start > self.leak_max_overhead * max(start - self._last_sample_time, 1e-9)
+        ):
+            self._interval = min(self._interval * 2, 1 << 20)
+        self._last_sample_time = now
+        self._next_sample_step = step + self._interval
+        if value is None:
+            return
+        self._samples.append((step, int(value)))
+        if len(self._samples) < self.leak_window:
+            return
+        steps, values = zip(*self._samples)
+        growth = detect_growth(steps, values, self.leak_min_bytes_per_step)
+        if not growth.growing:
+            return
+        self._leak_reported = True
+        self.leak = growth
+        holders = grad_fn_holders(pl_module)
+        where = (
+            "Attributes holding tensors with autograd history: "
+            + "; ".join(f"{h.path} ({h.num_tensors} tensors with grad_fn)" for h in holders[:5]) + "."
+            if holders else "No attribute of the LightningModule holds tensors with autograd history."
+        )
+        kind = "allocated" if self._has_device_memory else "live tensor"
+        message = (
+            f"MemoryAudit [rank {self._rank}]: {kind} memory on {self._device} grows by"
+            f" {format_bytes(growth.bytes_per_step)} per optimizer step ({int(growth.bytes_per_step)} bytes/step,"
+            f" {format_bytes(growth.total_bytes)} over steps {steps[0]}-{steps[-1]}), first seen at step"
+            f" {growth.first_step}. {where} Usual causes: {_LEAK_CAUSES}."
+        )
+        self._warn.warn("leak", message)
+        reading = read_memory(self._device)
+        self._write(self._record(
+            trainer, reading, "warning", batch_idx, check="leak", message=message,
+            bytes_per_step=growth.bytes_per_step, first_step=growth.first_step, samples=list(self._samples),
+            grad_fn_holders=[{"path": h.path, "num_tensors": h.num_tensors, "bytes": h.bytes} for h in holders],
+        ))
+
+    def _check_validation_outputs(self, trainer: pl.Trainer, outputs: Any, batch_idx: int) -> None:
+        count, nbytes = tensors_with_grad_fn(outputs)
+        if count:
+            self._warn.warn(
+                "validation-graph",
+                f"MemoryAudit [rank {self._rank}]: validation_step (batch {batch_idx}) returned {count} tensors with"
+                f" autograd history ({format_bytes(nbytes)} plus their graphs): validation code ran with grad"
+                " enabled (`torch.enable_grad()`/`set_grad_enabled(True)`) and built graphs. Detach what you"
+                " return, or compute under `torch.no_grad()`.",
+            )
+        if torch.is_grad_enabled():
+            self._warn.warn(
+                "validation-grad-enabled",
+                f"MemoryAudit [rank {self._rank}]: grad is enabled after validation_step (batch {batch_idx}):"
+                " something called `torch.set_grad_enabled(True)` in validation code, so every validation"
+                " forward builds an autograd graph. Use `with torch.enable_grad():` around the part that needs it.",
+            )
+
+    def _check_metric_states(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        found = metric_states_requiring_grad(pl_module)
+        if found:
+            self._warn.warn(
+                "metric-states-grad",
+                f"MemoryAudit [rank {self._rank}]: metric states hold tensors that require grad: {', '.join(found)}."
+                " Each `update` keeps its autograd graph alive until `reset`: pass detached tensors"
+                " (`metric.update(preds.detach(), target)`).",
+            )
+
+
+def _tensor_dict(t: LiveTensor) -> dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": t.dtype, "device": t.device, "bytes": t.bytes,
+            "requires_grad": t.requires_grad, "has_grad_fn": t.has_grad_fn}
+
+
+def _footprint_text(footprint: Footprint, device: str, unexplained: int | None, unowned: list[LiveTensor],
+                    when: str) -> str:
+    lines = [f"MemoryAudit ({when.replace('_', ' ')}): model and optimizer footprint", footprint.table()]
+    if unexplained is not None:
+        lines.append(f"unexplained allocated bytes on {device}: {format_bytes(unexplained)} ({unexplained} bytes)")
+    lines.append(f"live tensors on {device} not owned by the model or optimizer: {len(unowned)},"
+                 f" {format_bytes(sum(t.bytes for t in unowned))}")
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""Convert a model once, in place: the "convert once" rule for device moves and dtype casts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_memopt.functional.footprint import model_footprint
+from lightning_memopt.functional.memory import read_memory, supports_device_memory
+
+__all__ = ["ConversionResult", "to_device_and_dtype"]
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What :func:`to_device_and_dtype` did.
+
+    Args:
+        converted: Whether anything was converted (``False``: every tensor already matched, nothing ran).
+        num_converted: Parameters and buffers that changed device or dtype.
+        num_skipped: Parameters and buffers already on the target device and dtype (or not floating point,
+            which a dtype cast leaves alone).
+        bytes_before: Bytes of the parameters and buffers before, by device (``{"cpu": ..., "cuda:0": ...}``).
+        bytes_after: The same after the conversion.
+        allocated_before: Allocated bytes of the target device (without ``device``: the device of the first
+            converted tensor) before; ``None`` without allocator readings (CPU).
+        allocated_after: The same after: if it did not go down after a cast to a smaller dtype, another
+            reference still holds the old weights.
+    """
+
+    converted: bool
+    num_converted: int
+    num_skipped: int
+    bytes_before: dict[str, int]
+    bytes_after: dict[str, int]
+    allocated_before: int | None = None
+    allocated_after: int | None = None
+
+    @property
+    def total_bytes_before(self) -> int:
+        return sum(self.bytes_before.values())
+
+    @property
+    def total_bytes_after(self) -> int:
+        return sum(self.bytes_after.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        return dataclasses.asdict(self)
+
+
+def _bytes_by_device(module: torch.nn.Module) -> dict[str, int]:
+    fp = model_footprint(module)
+    out: dict[str, int] = {}
+    for row in fp.rows:
+        if row.category in ("parameters", "buffers"):
+            out[row.device] = out.get(row.device, 0) + row.bytes
+    return out
+
+
+def _needs(tensor: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    if device is not None and tensor.device != device:
+        return True
+    return bool(dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype)
+
+
+def _resolve(device: torch.device | str | int | None) -> torch.device | None:
+    if device is None:
+        return None
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type in ("cuda", "xpu") and device.index is None:
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
+    return device
+
+
+def _allocated(device: torch.device | None) -> int | None:
+    if device is None or not supports_device_memory(device):
+        return None
+    try:
+        return read_memory(device).allocated_bytes
+    except Exception:
+        return None
+
+
+def to_device_and_dtype(
+    model: torch.nn.Module,
+    device: torch.device | str | int | None = None,
+    dtype: torch.dtype | None = None,
+) -> ConversionResult:
+    """Move and cast ``model`` in place, skipping the call when nothing would change, and report the bytes.
+
+    ``nn.Module.to`` replaces each parameter's data in place, so the old storage is freed unless something
+    else still references it (a state dict, the original weights kept in a variable, a ``deepcopy``). Calling
+    ``.to`` several times (a dtype cast, then a device move, then a second move of an already placed
+    model) is harmless only if nothing holds the intermediate copies: convert once, here, with both targets.
+    A dtype applies to floating-point tensors only (integer buffers such as ``num_batches_tracked`` keep
+    theirs), as with ``nn.Module.to``.
+
+    Args:
+        model: The module (a ``LightningModule`` too).
+        device: Target device; ``None`` keeps each tensor where it is.
+        dtype: Target floating-point dtype; ``None`` keeps dtypes.
+
+    Returns:
+        A :class:`ConversionResult`; ``converted`` is ``False`` when the call was a no-op.
+
+    Raises:
+        ValueError: if ``dtype`` is not a floating-point ``torch.dtype``.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> first = to_device_and_dtype(model, dtype=torch.bfloat16)
+        >>> first.converted, first.total_bytes_before, first.total_bytes_after, model.weight.dtype
+        (True, 80, 40, torch.bfloat16)
+        >>> to_device_and_dtype(model, device="cpu", dtype=torch.bfloat16).converted  # already there: skipped
+        False
+    """
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(
+            f"`dtype` must be a floating-point torch.dtype such as torch.bfloat16 or torch.float16, got {dtype!r}."
+            " Integer tensors are never cast by a model conversion."
+        )
+    target = _resolve(device)
+    tensors = [*model.parameters(), *model.buffers()]
+    pending = [t for t in tensors if _needs(t, target, dtype)]
+    before = _bytes_by_device(model)
+    if not pending:
+        return ConversionResult(False, 0, len(tensors), before, before)
+    reading_device = target if target is not None else pending[0].device
+    alloc_before = _allocated(reading_device)
+    kwargs: dict[str, Any] = {}
+    if target is not None:
+        kwargs["device"] = target
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model.to(**kwargs)
+    return ConversionResult(
+        converted=True,
+        num_converted=len(pending),
+        num_skipped=len(tensors) - len(pending),
+        bytes_before=before,
+        bytes_after=_bytes_by_device(model),
+        allocated_before=alloc_before,
+        allocated_after=_allocated(reading_device),
+    )

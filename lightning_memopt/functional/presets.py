@@ -1,0 +1,243 @@
+"""Pure preset arithmetic: accumulation, preset tables, GPU-size tiers and precision capability decisions.
+
+Nothing here touches a device or a Trainer: every decision takes plain values (device type, compute capability,
+total memory) so that it can be tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_memopt.utilities.checks import check_choice, check_positive_int
+
+__all__ = [
+    "PRECISION_MODES",
+    "PRESETS",
+    "PRESET_NAMES",
+    "TIERS",
+    "AccumulationPlan",
+    "PrecisionChoice",
+    "choose_precision",
+    "has_native_bf16",
+    "plan_accumulation",
+    "tier_for_memory",
+]
+
+#: Modes accepted by ``MemoryPrecision`` (Lightning's precision strings plus ``"auto"``).
+PRECISION_MODES = ("auto", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+#: The knobs of each named preset. ``target_accumulation`` is used only when ``micro_batch_size`` is not given.
+PRESETS: dict[str, dict[str, Any]] = {
+    "max-savings": {
+        "precision": "auto",
+        "gradient_checkpointing": True,
+        "float32_matmul_precision": "high",
+        "allocator_conf": "expandable_segments:True",
+        "target_accumulation": 4,
+        "cache_clean_on_phase_end": True,
+        "gc_every_n_steps": 50,
+        "monitor": True,
+    },
+    "balanced": {
+        "precision": "auto",
+        "gradient_checkpointing": False,
+        "float32_matmul_precision": "high",
+        "allocator_conf": "expandable_segments:True",
+        "target_accumulation": 2,
+        "cache_clean_on_phase_end": True,
+        "gc_every_n_steps": 0,
+        "monitor": True,
+    },
+    "max-speed": {
+        "precision": "auto",
+        "gradient_checkpointing": False,
+        "float32_matmul_precision": "high",
+        "allocator_conf": "",
+        "target_accumulation": 1,
+        "cache_clean_on_phase_end": False,
+        "gc_every_n_steps": 0,
+        "monitor": False,
+    },
+}
+PRESET_NAMES = tuple(PRESETS)
+
+#: GPU-size tiers: (upper bound in GiB, tier label, preset name). The last bound is open.
+TIERS: tuple[tuple[float, str, str], ...] = (
+    (12.0, "8GB", "max-savings"),
+    (20.0, "16GB", "balanced"),
+    (float("inf"), "24GB+", "max-speed"),
+)
+
+
+def tier_for_memory(total_memory_gib: float) -> tuple[str, str]:
+    """The ``(tier label, preset name)`` for a device with ``total_memory_gib`` GiB.
+
+    Cards up to 12 GiB get ``max-savings`` (the "8 GB" tier), up to 20 GiB ``balanced`` ("16 GB"), larger ones
+    ``max-speed`` ("24 GB+").
+
+    Example:
+        >>> tier_for_memory(7.8), tier_for_memory(15.9), tier_for_memory(79.1)
+        (('8GB', 'max-savings'), ('16GB', 'balanced'), ('24GB+', 'max-speed'))
+    """
+    if isinstance(total_memory_gib, bool) or not isinstance(total_memory_gib, (int, float)) or total_memory_gib <= 0:
+        raise ValueError(f"`total_memory_gib` must be a positive number, got {total_memory_gib!r}.")
+    for bound, label, name in TIERS:
+        if total_memory_gib <= bound:
+            return label, name
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class AccumulationPlan:
+    """How an effective batch is split: ``micro_batch_size x accumulate_grad_batches x world_size``."""
+
+    effective_batch_size: int
+    micro_batch_size: int
+    accumulate_grad_batches: int
+    world_size: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_accumulation(
+    effective_batch_size: int,
+    micro_batch_size: int | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    target_accumulation: int = 1,
+) -> AccumulationPlan:
+    """Split ``effective_batch_size`` into micro-batches per rank and gradient-accumulation steps.
+
+    ``accumulate_grad_batches = effective / (micro x devices x num_nodes)``. The effective batch is never changed
+    silently: when the division is not exact a ``ValueError`` names the nearest effective batches and the micro-batch
+    sizes that do divide. When ``micro_batch_size`` is ``None`` the smallest number of accumulation steps
+    ``>= target_accumulation`` that divides the per-rank batch is used (micro-batch 1 at worst).
+
+    Example:
+        >>> plan_accumulation(128, 16)
+        AccumulationPlan(effective_batch_size=128, micro_batch_size=16, accumulate_grad_batches=8, world_size=1)
+        >>> plan_accumulation(128, 8, devices=4, num_nodes=2).accumulate_grad_batches
+        2
+        >>> plan_accumulation(96, target_accumulation=5).micro_batch_size  # 6 steps of 16
+        16
+    """
+    check_positive_int("effective_batch_size", effective_batch_size)
+    check_positive_int("micro_batch_size", micro_batch_size, allow_none=True)
+    check_positive_int("devices", devices, hint="Pass the number of devices per node, as given to the Trainer.")
+    check_positive_int("num_nodes", num_nodes)
+    check_positive_int("target_accumulation", target_accumulation)
+    world = devices * num_nodes
+    micro = micro_batch_size or 1
+    if effective_batch_size < micro * world:
+        raise ValueError(
+            f"`effective_batch_size` must be at least `micro_batch_size` x `devices` x `num_nodes` ="
+            f" {micro} x {devices} x {num_nodes} = {micro * world}, got {effective_batch_size}."
+            f" Raise `effective_batch_size` to a multiple of {micro * world} or lower `micro_batch_size`."
+        )
+    if effective_batch_size % world:
+        lower, upper = (effective_batch_size // world) * world, (effective_batch_size // world + 1) * world
+        raise ValueError(
+            f"`effective_batch_size`={effective_batch_size} is not divisible by the world size"
+            f" {world} (`devices`={devices} x `num_nodes`={num_nodes}). Use {lower} or {upper}."
+        )
+    per_rank = effective_batch_size // world
+    if micro_batch_size is None:
+        accumulation = next(d for d in _divisors(per_rank) if d >= min(target_accumulation, per_rank))
+        return AccumulationPlan(effective_batch_size, per_rank // accumulation, accumulation, world)
+    if per_rank % micro_batch_size:
+        step = micro_batch_size * world
+        lower = (effective_batch_size // step) * step
+        micros = [d for d in _divisors(per_rank) if d <= micro_batch_size][-3:]
+        raise ValueError(
+            f"`effective_batch_size`={effective_batch_size} is not divisible by `micro_batch_size` x world size ="
+            f" {micro_batch_size} x {world} = {step}. Use `effective_batch_size`={lower} or {lower + step}, or"
+            f" `micro_batch_size` in {micros} (the effective batch is never rounded silently)."
+        )
+    return AccumulationPlan(effective_batch_size, micro_batch_size, per_rank // micro_batch_size, world)
+
+
+def has_native_bf16(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether ``device_type`` with compute ``capability`` computes bf16 in hardware.
+
+    ``torch.cuda.is_bf16_supported()`` also counts emulation (True on a V100); native bf16 on CUDA needs compute
+    capability >= 8.0 (Ampere). CPUs run bf16 autocast everywhere torch supports it.
+
+    Example:
+        >>> has_native_bf16("cuda", (7, 0)), has_native_bf16("cuda", (8, 0)), has_native_bf16("cpu", None)
+        (False, True, True)
+    """
+    if device_type == "cuda":
+        return capability is not None and tuple(capability) >= (8, 0)
+    return device_type in ("cpu", "xpu")
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The Lightning precision string chosen and the reason, in words."""
+
+    precision: str
+    reason: str
+
+
+def _describe_device(device_type: str, capability: tuple[int, int] | None, device_name: str | None) -> str:
+    name = device_name or device_type
+    if capability is not None:
+        return f"{name} (compute capability {capability[0]}.{capability[1]})"
+    return name
+
+
+def choose_precision(
+    mode: str,
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+    device_name: str | None = None,
+    allow_emulated_bf16: bool = False,
+) -> PrecisionChoice:
+    """Resolve a ``MemoryPrecision`` mode to a Lightning precision string for one device.
+
+    ``"auto"`` picks ``bf16-mixed`` on a GPU with native bf16, ``16-mixed`` (with a GradScaler) on older GPUs and
+    ``32-true`` on CPU and other devices. Asking for bf16 on a CUDA GPU without native bf16 raises (suggesting fp16)
+    unless ``allow_emulated_bf16`` is set.
+
+    Example:
+        >>> choose_precision("auto", "cuda", (8, 0), "NVIDIA A100").precision
+        'bf16-mixed'
+        >>> choose_precision("auto", "cuda", (7, 0), "Tesla V100").precision
+        '16-mixed'
+        >>> choose_precision("auto", "cpu").precision
+        '32-true'
+        >>> choose_precision("bf16-mixed", "cuda", (7, 5), "Tesla T4")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `precision`='bf16-mixed' needs native bf16, but Tesla T4 (compute capability 7.5) ...
+    """
+    check_choice("precision", mode, PRECISION_MODES)
+    where = _describe_device(device_type, capability, device_name)
+    native = has_native_bf16(device_type, capability)
+    if mode == "auto":
+        if device_type == "cuda":
+            if native:
+                return PrecisionChoice("bf16-mixed", f"{where} has native bf16: bf16 autocast, no loss scaling needed.")
+            return PrecisionChoice(
+                "16-mixed",
+                f"{where} has no native bf16 (needs compute capability >= 8.0; torch would emulate it slowly):"
+                " fp16 autocast with a GradScaler.",
+            )
+        return PrecisionChoice(
+            "32-true",
+            f"mixed precision is chosen automatically only on CUDA GPUs; {where} trains in fp32."
+            " Pass `precision='bf16-mixed'` to use bf16 autocast anyway.",
+        )
+    if mode.startswith("bf16") and device_type == "cuda" and not native:
+        if allow_emulated_bf16:
+            return PrecisionChoice(mode, f"{where} emulates bf16 (slow); used because `allow_emulated_bf16=True`.")
+        fp16 = mode.replace("bf16", "16")
+        raise ValueError(
+            f"`precision`={mode!r} needs native bf16, but {where} has none (compute capability >= 8.0 is needed;"
+            f" `torch.cuda.is_bf16_supported()` also counts slow emulation). Use `precision={fp16!r}` (fp16 with"
+            " loss scaling) or pass `allow_emulated_bf16=True`."
+        )
+    return PrecisionChoice(mode, f"`precision`={mode!r} was asked for explicitly on {where}.")

@@ -1,0 +1,664 @@
+r"""Exact video<->text retrieval ranks computed in blocks, without the full similarity matrix.
+
+Every number the field reports (R@K, median rank, mean rank) is a function of one integer per query,
+
+.. math::
+
+    \mathrm{rank0}(q) = \#\{\, g \notin P(q) : S[q, g] > \max_{p \in P(q)} S[q, p] \,\}
+
+where :math:`S` is the score matrix (query x gallery) and :math:`P(q)` the positives of query :math:`q`. From it,
+
+.. math::
+
+    \mathrm{R@K} = \operatorname{mean}_q [\mathrm{rank0}(q) < K], \quad
+    \mathrm{MeanR} = \operatorname{mean}_q \mathrm{rank0}(q) + 1, \quad
+    \mathrm{MedR} = \lfloor \operatorname{median}_q \mathrm{rank0}(q) \rfloor + 1
+
+(the open_clip / VSE++ median convention; ``median="mean"`` keeps the half, ``median="lower"`` takes the lower
+middle value as torchmetrics and CLIP4Clip's multi-sentence code do).
+
+No sort and no top-k is needed: for each block ``S_b = V_b @ T_b.T`` the counts of gallery items above each
+query's best positive are accumulated for both directions from the same product, and the positives' own
+contributions are removed by index afterwards (an ``O(pairs)`` gather), so a positive never beats itself whatever
+the rounding of the matrix product. Thresholds (the best positive's score) come from one pass over the positive
+pairs, accumulated in float64 and rounded to float32; blocks are always multiplied in full float32 (TF32 is
+switched off for the duration and restored), whatever the storage dtype of the features.
+
+Protocols (see :func:`retrieval_ranks`):
+
+- ``"dedup"`` (default): texts are deduplicated by ``text_ids``; the v2t gallery is the unique texts and a video's
+  positives are its captions (one, or all captions of rows sharing a ``video_ids`` value); the t2v gallery is the
+  videos and a text's positives are all videos with that caption, ranked by the best of them.
+- ``"paired"``: row ``i`` <-> row ``i`` only, no deduplication (open_clip, CLIP4Clip 1:1). Repeated captions are
+  then separate gallery items that tie with the positive, which ``ties`` decides.
+- ``v2t_gallery="groups"``: the v2t gallery holds one item per video, scored by the best of that video's captions
+  (CLIP4Clip multi-sentence "group max"); a video's rank counts the other videos whose best caption beats its own.
+- ``ties="optimistic"`` counts only strictly higher negatives (a tie goes to the positive); ``"pessimistic"``
+  counts ties against the query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from lightning_memopt.utilities.checks import check_choice, check_positive_int
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "RetrievalPlan",
+    "RetrievalRanks",
+    "as_id_tensor",
+    "choose_block_sizes",
+    "count_ranks",
+    "full_fp32_matmul",
+    "pair_scores",
+    "plan_retrieval",
+    "positive_thresholds",
+    "retrieval_ranks",
+    "streaming_retrieval",
+    "summarize_rank_histogram",
+    "summarize_ranks",
+]
+
+#: Default working-set budget for one block computation (score block, comparison buffer, upcast features).
+DEFAULT_MEMORY_BUDGET_BYTES = 2 * 1024**3
+
+Protocol = Literal["dedup", "paired"]
+Ties = Literal["optimistic", "pessimistic"]
+Median = Literal["floor", "mean", "lower"]
+V2TGallery = Literal["texts", "groups"]
+
+PROTOCOLS = ("dedup", "paired")
+TIES = ("optimistic", "pessimistic")
+MEDIANS = ("floor", "mean", "lower")
+V2T_GALLERIES = ("texts", "groups")
+
+# Block-size caps: on CPU, blocks that stay near the last-level cache count fastest; on a GPU, big blocks keep the
+# matrix units busy. The memory budget can only shrink them.
+_CPU_MAX_BLOCK = (2048, 4096)
+_CUDA_MAX_BLOCK = (16384, 32768)
+_PAIR_CHUNK = 8192
+
+
+class RetrievalRanks(NamedTuple):
+    """Per-query ``rank0`` values (0 = the best positive is first) and the ids of the queries.
+
+    ``v2t[i]`` belongs to video ``video_ids[i]``; ``t2v[j]`` to text ``text_ids[j]`` (int64 keys; string ids are
+    hashed by :func:`as_id_tensor`). ``v2t_gallery_size`` and ``t2v_gallery_size`` are the gallery sizes.
+    """
+
+    v2t: Tensor
+    t2v: Tensor
+    video_ids: Tensor
+    text_ids: Tensor
+    v2t_gallery_size: int
+    t2v_gallery_size: int
+
+
+class RetrievalPlan(NamedTuple):
+    """Which rows count, the video and text galleries, and the positive pairs, computed from ids alone.
+
+    Attributes:
+        kept_rows: bool mask over rows (the first occurrence of each row key is kept).
+        video_keys: one key per video, in order of first kept occurrence.
+        video_rows: the row each video's feature is taken from (its first kept row).
+        text_keys: one key per text, sorted.
+        pair_video: video index of each positive pair (unique pairs, sorted by video then text).
+        pair_text: text index of each positive pair.
+    """
+
+    kept_rows: Tensor
+    video_keys: Tensor
+    video_rows: Tensor
+    text_keys: Tensor
+    pair_video: Tensor
+    pair_text: Tensor
+
+
+# --------------------------------------------------------------------------------------------------- ids
+
+
+def _hash_str(value: str) -> int:
+    digest = hashlib.blake2b(value.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def as_id_tensor(ids: Any, name: str, length: int | None = None) -> Tensor:
+    """Turn ids (int tensor, ints, or strings hashed stably with BLAKE2b) into a 1-D int64 CPU tensor.
+
+    Raises:
+        ValueError: naming ``name`` when the ids are not 1-D ints/strings or their length differs from ``length``.
+
+    Example:
+        >>> as_id_tensor([3, 1, 3], "text_ids")
+        tensor([3, 1, 3])
+        >>> bool(as_id_tensor(["a cat"], "text_ids") == as_id_tensor(("a cat",), "text_ids"))
+        True
+    """
+    if isinstance(ids, Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"`{name}` must hold integer ids or strings, got a tensor of dtype {ids.dtype}.")
+        out = ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64) if ids.dim() <= 1 else None
+        if out is None:
+            raise ValueError(f"`{name}` must be 1-D (one id per row), got shape {tuple(ids.shape)}.")
+    else:
+        if isinstance(ids, (str, bytes)) or (not isinstance(ids, Sequence) and not hasattr(ids, "__iter__")):
+            raise ValueError(f"`{name}` must be a sequence of ids (one per row), got {type(ids).__name__}.")
+        values = list(ids)
+        if all(isinstance(v, str) for v in values):
+            out = torch.tensor([_hash_str(v) for v in values], dtype=torch.int64)
+        else:
+            try:
+                ints = [int(v) for v in values]
+                if any(isinstance(v, (float, bool, str)) for v in values):
+                    raise TypeError
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"`{name}` must hold only ints or only strings, got {values[:3]!r}... ."
+                    " Use one id type per argument."
+                ) from None
+            out = torch.tensor(ints, dtype=torch.int64).reshape(-1)
+    if length is not None and out.numel() != length:
+        raise ValueError(
+            f"`{name}` must have one id per row ({length}), got {out.numel()}. Pass the ids of the same batch."
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- planning
+
+
+def _first_occurrence(keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sorted unique keys, the position of each unique key's first occurrence, and the inverse map."""
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    positions = torch.arange(keys.numel(), dtype=torch.int64)
+    first = torch.full((uniq.numel(),), keys.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, positions, reduce="amin")
+    return uniq, first, inverse
+
+
+def plan_retrieval(row_keys: Tensor, video_keys: Tensor, text_keys: Tensor) -> RetrievalPlan:
+    """Deduplicate rows by ``row_keys`` and build the galleries and positive pairs from ids only.
+
+    Rows are in global order (rank by rank in a distributed run), so "first occurrence" is the same everywhere.
+
+    Example:
+        >>> plan = plan_retrieval(torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 2, 0]), torch.tensor([7, 7, 5, 7]))
+        >>> plan.kept_rows.tolist(), plan.text_keys.tolist(), plan.pair_video.tolist(), plan.pair_text.tolist()
+        ([True, True, True, False], [5, 7], [0, 1, 2], [1, 1, 0])
+    """
+    n = row_keys.numel()
+    kept = torch.zeros(n, dtype=torch.bool)
+    if n:
+        _, first_rows, _ = _first_occurrence(row_keys)
+        kept[first_rows] = True
+    kept_idx = kept.nonzero().squeeze(1)
+    v_keys_rows = video_keys[kept_idx]
+    t_keys_rows = text_keys[kept_idx]
+    v_uniq, v_first, v_inv = _first_occurrence(v_keys_rows)
+    # videos in order of first kept occurrence
+    order = torch.argsort(v_first)
+    rank_of = torch.empty_like(order)
+    rank_of[order] = torch.arange(order.numel())
+    video_index_of_row = rank_of[v_inv]
+    t_uniq, t_inv = torch.unique(t_keys_rows, sorted=True, return_inverse=True)
+    n_text = max(int(t_uniq.numel()), 1)
+    pair_code = torch.unique(video_index_of_row * n_text + t_inv, sorted=True)
+    return RetrievalPlan(
+        kept_rows=kept,
+        video_keys=v_uniq[order],
+        video_rows=kept_idx[v_first[order]],
+        text_keys=t_uniq,
+        pair_video=pair_code // n_text,
+        pair_text=pair_code % n_text,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+
+
+@contextlib.contextmanager
+def full_fp32_matmul() -> Iterator[None]:
+    """Multiply float32 matrices in full precision inside the block (TF32 off), restoring the setting after.
+
+    Example:
+        >>> before = torch.get_float32_matmul_precision()
+        >>> with full_fp32_matmul():
+        ...     inside = torch.get_float32_matmul_precision()
+        >>> inside, torch.get_float32_matmul_precision() == before
+        ('highest', True)
+    """
+    try:
+        previous = torch.get_float32_matmul_precision()
+    except Exception:  # the newer per-backend API is in use; leave it alone
+        previous = None
+    if previous is not None and previous != "highest":
+        torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        if previous is not None and previous != "highest":
+            torch.set_float32_matmul_precision(previous)
+
+
+def pair_scores(video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tensor, chunk: int = _PAIR_CHUNK) -> Tensor:
+    """Scores of the positive pairs, accumulated in float64 and rounded to float32 (deterministic in any layout).
+
+    Example:
+        >>> v, t = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0], [0.5, 0.5]])
+        >>> pair_scores(v, t, torch.tensor([0, 0]), torch.tensor([0, 1]))
+        tensor([1.0000, 1.5000])
+    """
+    out = torch.empty(pair_video.numel(), dtype=torch.float32, device=video.device)
+    for start in range(0, pair_video.numel(), chunk):
+        pv = pair_video[start : start + chunk].to(video.device)
+        pt = pair_text[start : start + chunk].to(text.device)
+        a = video.index_select(0, pv).double()
+        b = text.index_select(0, pt).to(video.device).double()
+        out[start : start + chunk] = torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1).float()
+    return out
+
+
+def positive_thresholds(scores: Tensor, index: Tensor, size: int) -> Tensor:
+    """Best positive score per query: ``max`` of ``scores`` grouped by ``index`` (``-inf`` where none).
+
+    Example:
+        >>> positive_thresholds(torch.tensor([0.5, 2.0, -1.0]), torch.tensor([0, 0, 2]), 3).tolist()
+        [2.0, -inf, -1.0]
+    """
+    out = torch.full((size,), float("-inf"), dtype=torch.float32, device=scores.device)
+    return out.scatter_reduce_(0, index.to(scores.device), scores.float(), reduce="amax")
+
+
+def choose_block_sizes(
+    n_video: int,
+    n_text: int,
+    dim: int,
+    device: torch.device | str = "cpu",
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    video_block_size: int | None = None,
+    text_block_size: int | None = None,
+    n_groups: int = 0,
+) -> tuple[int, int]:
+    """Block sizes whose working set fits ``memory_budget_bytes``; explicit sizes are kept as given.
+
+    The working set is the float32 texts on the device, one float32 video block, the score block and the comparison
+    buffer (and, for the group-max gallery, one float per video and group).
+
+    Example:
+        >>> choose_block_sizes(117_000, 23_000, 512)
+        (2048, 4096)
+        >>> choose_block_sizes(117_000, 23_000, 512, memory_budget_bytes=80 * 2**20)
+        (1024, 4096)
+    """
+    device = torch.device(device)
+    cap_v, cap_t = _CUDA_MAX_BLOCK if device.type == "cuda" else _CPU_MAX_BLOCK
+    bt = text_block_size or max(1, min(cap_t, n_text))
+    if video_block_size is not None:
+        return video_block_size, bt
+    fixed = n_text * dim * 4
+    per_video_row = (2 * bt + dim + n_groups) * 4
+    bv = (memory_budget_bytes - fixed) // per_video_row
+    bv = int(max(1, min(cap_v, max(n_video, 1), bv)))
+    if bv >= 64:
+        bv = bv // 64 * 64
+    return bv, bt
+
+
+def count_ranks(
+    video: Tensor,
+    text: Tensor,
+    pair_video: Tensor,
+    pair_text: Tensor,
+    video_threshold: Tensor,
+    text_threshold: Tensor,
+    *,
+    ties: Ties = "optimistic",
+    video_groups: Tensor | None = None,
+    group_pairs: tuple[Tensor, Tensor, int] | None = None,
+    positive_scores: Tensor | None = None,
+    video_block_size: int | None = None,
+    text_block_size: int | None = None,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Count, per video and per text, the non-positive gallery items scoring above the query's best positive.
+
+    One pass over ``(video block x text block)`` products serves both directions. ``video`` rows may be only this
+    process's videos: the v2t counts are then complete and the t2v counts are this process's share (sum them over
+    processes). Positives are excluded by index, using the block's own products.
+
+    Args:
+        video: ``(V, D)`` video features (any float dtype; blocks are upcast to float32).
+        text: ``(T, D)`` text features.
+        pair_video: video index of each positive pair.
+        pair_text: text index of each positive pair.
+        video_threshold: ``(V,)`` best positive score of each video.
+        text_threshold: ``(T,)`` best positive score of each text (over all processes' videos).
+        ties: ``"optimistic"`` counts strictly higher items, ``"pessimistic"`` also counts ties.
+        video_groups: for the group-max v2t gallery, the group (global video index) of each local video.
+        group_pairs: for the group-max v2t gallery, ``(text index, group index, number of groups)`` of every
+            (caption, video) membership over all processes.
+        positive_scores: the :func:`pair_scores` of the pairs (needed with ``video_groups``).
+        video_block_size: rows of ``video`` per block; chosen from ``memory_budget_bytes`` when ``None``.
+        text_block_size: rows of ``text`` per block; chosen likewise when ``None``.
+        memory_budget_bytes: working-set budget used to choose block sizes.
+        device: where blocks are computed; defaults to ``video``'s device.
+
+    Returns:
+        ``(v2t_counts, t2v_counts)`` as int64 tensors on CPU.
+
+    Example:
+        >>> v = torch.tensor([[1.0, 0.0], [0.0, 1.0]]); t = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
+        >>> pv, pt = torch.tensor([0, 1]), torch.tensor([0, 1])
+        >>> s = pair_scores(v, t, pv, pt)
+        >>> count_ranks(v, t, pv, pt, positive_thresholds(s, pv, 2), positive_thresholds(s, pt, 2))
+        (tensor([0, 0]), tensor([0, 0]))
+    """
+    check_choice("ties", ties, TIES)
+    device = torch.device(device) if device is not None else video.device
+    n_video, dim = video.shape
+    n_text = text.shape[0]
+    grouped = video_groups is not None
+    if grouped and (group_pairs is None or positive_scores is None):
+        raise ValueError("`video_groups` needs `group_pairs` and `positive_scores` (the group-max v2t gallery).")
+    n_groups = group_pairs[2] if grouped and group_pairs is not None else 0
+    bv, bt = choose_block_sizes(
+        n_video, n_text, dim, device, memory_budget_bytes, video_block_size, text_block_size, n_groups
+    )
+    check_positive_int("video_block_size", bv)
+    check_positive_int("text_block_size", bt)
+    v_counts = torch.zeros(n_video, dtype=torch.int64, device=device)
+    t_counts = torch.zeros(n_text, dtype=torch.int64, device=device)
+    if n_video == 0 or n_text == 0:
+        return v_counts.cpu(), t_counts.cpu()
+    compare = torch.gt if ties == "optimistic" else torch.ge
+    n_vb, n_tb = math.ceil(n_video / bv), math.ceil(n_text / bt)
+
+    # bucket the positive pairs by block, so each block removes its own positives with one gather
+    pv, pt = pair_video.to(torch.int64).cpu(), pair_text.to(torch.int64).cpu()
+    key = (pv // bv) * n_tb + pt // bt
+    order = torch.argsort(key, stable=True)
+    offsets = [0, *torch.bincount(key, minlength=n_vb * n_tb).cumsum(0).tolist()]
+    pv_s, pt_s = pv[order].to(device), pt[order].to(device)
+    ps_s = positive_scores.cpu()[order].to(device) if positive_scores is not None else None
+    if grouped and group_pairs is not None:
+        g_text, g_group, _ = group_pairs
+        g_text, g_group = g_text.to(torch.int64).cpu(), g_group.to(torch.int64).cpu()
+        g_order = torch.argsort(g_text // bt, stable=True)
+        g_offsets = [0, *torch.bincount(g_text // bt, minlength=n_tb).cumsum(0).tolist()]
+        g_text_s, g_group_s = g_text[g_order].to(device), g_group[g_order].to(device)
+        own_group = video_groups.to(device=device, dtype=torch.int64)
+
+    v_thr = video_threshold.to(device=device, dtype=torch.float32)
+    t_thr = text_threshold.to(device=device, dtype=torch.float32)
+    text32 = text.to(device=device, dtype=torch.float32).contiguous()
+    score_buf = torch.empty(bv * min(bt, n_text), dtype=torch.float32, device=device)
+    cmp_buf = torch.empty_like(score_buf)
+    hits = torch.empty(bv, n_groups, dtype=torch.float32, device=device) if grouped else None
+
+    with full_fp32_matmul(), torch.no_grad():
+        for i in range(n_vb):
+            v0, v1 = i * bv, min(n_video, (i + 1) * bv)
+            nv = v1 - v0
+            vb = video[v0:v1].to(device=device, dtype=torch.float32, non_blocking=True)
+            thr_col = v_thr[v0:v1].unsqueeze(1)
+            v_acc = torch.zeros(nv, dtype=torch.int64, device=device)
+            if hits is not None:
+                hit = hits[:nv]
+                hit.zero_()
+            for j in range(n_tb):
+                t0, t1 = j * bt, min(n_text, (j + 1) * bt)
+                nt = t1 - t0
+                scores = score_buf[: nv * nt].view(nv, nt)
+                torch.mm(vb, text32[t0:t1].T, out=scores)
+                flags = cmp_buf[: nv * nt].view(nv, nt)
+                a, b = offsets[i * n_tb + j], offsets[i * n_tb + j + 1]
+                lv = pv_s[a:b] - v0
+                lt = pt_s[a:b] - t0
+                compare(scores, thr_col, out=flags)
+                if hits is None:
+                    v_acc += flags.sum(1).to(torch.int64)
+                    if b > a:
+                        own = compare(scores[lv, lt], v_thr[lv + v0])
+                        v_acc.index_add_(0, lv, own.to(torch.int64), alpha=-1)
+                else:
+                    if b > a and ps_s is not None:
+                        # a positive caption shared with another video: decide it by the threshold's own rounding
+                        flags[lv, lt] = compare(ps_s[a:b], v_thr[lv + v0]).float()
+                    ga, gb = g_offsets[j], g_offsets[j + 1]
+                    if gb > ga:
+                        cols = flags.index_select(1, g_text_s[ga:gb] - t0)
+                        index = g_group_s[ga:gb].unsqueeze(0).expand(nv, -1)
+                        hit.scatter_reduce_(1, index, cols, "amax")
+                compare(scores, t_thr[t0:t1].unsqueeze(0), out=flags)
+                t_counts[t0:t1] += flags.sum(0).to(torch.int64)
+                if b > a:
+                    own_t = compare(scores[lv, lt], t_thr[lt + t0])
+                    t_counts.index_add_(0, lt + t0, own_t.to(torch.int64), alpha=-1)
+            if hits is not None:
+                rows = torch.arange(nv, device=device)
+                v_acc = (hit.sum(1) - hit[rows, own_group[v0:v1]]).to(torch.int64)
+            v_counts[v0:v1] = v_acc
+    return v_counts.cpu(), t_counts.cpu()
+
+
+# --------------------------------------------------------------------------------------------------- summaries
+
+
+def _value_at(cumulative: Tensor, position: int) -> int:
+    """The value at sorted ``position`` of a sample whose histogram has the given cumulative sum."""
+    return int(torch.searchsorted(cumulative, torch.tensor([position], dtype=cumulative.dtype), right=True).item())
+
+
+def summarize_rank_histogram(
+    histogram: Tensor,
+    top_k: Sequence[int] = (1, 5, 10),
+    median: Median = "floor",
+    prefix: str = "",
+) -> dict[str, Tensor]:
+    """R@K, MedR and MeanR from a histogram of ``rank0`` values (``histogram[r]`` = number of queries with rank r).
+
+    Example:
+        >>> hist = torch.bincount(torch.tensor([0, 0, 3, 9]), minlength=10)
+        >>> {k: round(v.item(), 3) for k, v in summarize_rank_histogram(hist, (1, 5), prefix="v2t/").items()}
+        {'v2t/R@1': 0.5, 'v2t/R@5': 0.75, 'v2t/MedR': 2.0, 'v2t/MeanR': 4.0}
+    """
+    check_choice("median", median, MEDIANS)
+    hist = histogram.detach().to(device="cpu", dtype=torch.int64)
+    n = int(hist.sum().item())
+    if n == 0:
+        raise ValueError("Cannot summarize ranks of zero queries: call `update` with at least one row first.")
+    cumulative = hist.cumsum(0)
+    out: dict[str, Tensor] = {}
+    for k in top_k:
+        hits = int(cumulative[min(k, hist.numel()) - 1].item()) if k > 0 else 0
+        out[f"{prefix}R@{k}"] = torch.tensor(hits / n, dtype=torch.float32)
+    lower = _value_at(cumulative, (n - 1) // 2)
+    upper = _value_at(cumulative, n // 2)
+    if median == "floor":
+        med = float((lower + upper) // 2 + 1)
+    elif median == "mean":
+        med = (lower + upper) / 2 + 1
+    else:
+        med = float(lower + 1)
+    total = (hist.double() * torch.arange(hist.numel(), dtype=torch.float64)).sum().item()
+    out[f"{prefix}MedR"] = torch.tensor(med, dtype=torch.float32)
+    out[f"{prefix}MeanR"] = torch.tensor(total / n + 1, dtype=torch.float32)
+    return out
+
+
+def summarize_ranks(
+    ranks: Tensor, top_k: Sequence[int] = (1, 5, 10), median: Median = "floor", prefix: str = ""
+) -> dict[str, Tensor]:
+    """R@K, MedR and MeanR from per-query ``rank0`` values (see :func:`summarize_rank_histogram`).
+
+    Example:
+        >>> summarize_ranks(torch.tensor([0, 1, 2, 3]), top_k=(1,), median="mean")
+        {'R@1': tensor(0.2500), 'MedR': tensor(2.5000), 'MeanR': tensor(2.5000)}
+    """
+    ranks = ranks.detach().to(device="cpu", dtype=torch.int64)
+    size = int(ranks.max().item()) + 1 if ranks.numel() else 1
+    return summarize_rank_histogram(torch.bincount(ranks, minlength=size), top_k, median, prefix)
+
+
+# --------------------------------------------------------------------------------------------------- front door
+
+
+def _check_features(video_features: Tensor, text_features: Tensor) -> None:
+    for name, x in (("video_features", video_features), ("text_features", text_features)):
+        if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"`{name}` must be a 2-D float tensor (rows x dim), got {shape}.")
+    if video_features.shape[0] != text_features.shape[0]:
+        raise ValueError(
+            f"`video_features` and `text_features` must have one row per sample each, got {video_features.shape[0]}"
+            f" and {text_features.shape[0]} rows. Pass the features of the same samples."
+        )
+    if video_features.shape[1] != text_features.shape[1]:
+        raise ValueError(
+            f"`video_features` and `text_features` must have the same feature dim, got {video_features.shape[1]}"
+            f" and {text_features.shape[1]}. Project both modalities into the shared embedding space first."
+        )
+    for name, x in (("video_features", video_features), ("text_features", text_features)):
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"`{name}` contains NaN or inf values; retrieval ranks are undefined for them.")
+
+
+def retrieval_ranks(
+    video_features: Tensor,
+    text_features: Tensor,
+    text_ids: Any = None,
+    *,
+    video_ids: Any = None,
+    sample_ids: Any = None,
+    protocol: Protocol = "dedup",
+    v2t_gallery: V2TGallery = "texts",
+    ties: Ties = "optimistic",
+    video_block_size: int | None = None,
+    text_block_size: int | None = None,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    device: torch.device | str | None = None,
+) -> RetrievalRanks:
+    """Per-query ``rank0`` in both directions from one row per sample (the functional form of the metric).
+
+    Args:
+        video_features: ``(N, D)`` one row per sample.
+        text_features: ``(N, D)`` the caption of each sample.
+        text_ids: caption id of each row (ints or strings); rows with the same id share one gallery text. Needed by
+            ``protocol="dedup"``; ignored by ``"paired"``.
+        video_ids: video id of each row; rows with the same id are one video whose positives are all its captions.
+            ``None``: each (deduplicated) row is its own video.
+        sample_ids: sample id of each row; repeated samples (padding of a distributed sampler) count once.
+        protocol: ``"dedup"`` or ``"paired"`` (row i <-> row i, no deduplication).
+        v2t_gallery: ``"texts"`` (best of captions) or ``"groups"`` (one gallery item per video, group max).
+        ties: ``"optimistic"`` or ``"pessimistic"``.
+        video_block_size: videos per block (``None``: from the memory budget).
+        text_block_size: texts per block (``None``: from the memory budget).
+        memory_budget_bytes: working-set budget for the blocks.
+        device: where blocks are computed (default: where ``video_features`` are).
+
+    Example:
+        >>> v = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+        >>> r = retrieval_ranks(v, v.clone(), text_ids=[0, 1, 2])
+        >>> r.v2t.tolist(), r.t2v.tolist()
+        ([0, 0, 0], [0, 0, 0])
+        >>> r = retrieval_ranks(v, v.clone(), text_ids=[0, 1, 2], ties="pessimistic")
+        >>> r.v2t.tolist(), r.t2v.tolist()
+        ([1, 1, 0], [1, 1, 0])
+    """
+    check_choice("protocol", protocol, PROTOCOLS)
+    check_choice("v2t_gallery", v2t_gallery, V2T_GALLERIES)
+    check_choice("ties", ties, TIES)
+    _check_features(video_features, text_features)
+    n = video_features.shape[0]
+    if n == 0:
+        raise ValueError("No rows to rank: `video_features` is empty. Pass at least one sample.")
+    row_keys = as_id_tensor(sample_ids, "sample_ids", n) if sample_ids is not None else torch.arange(n)
+    v_keys = as_id_tensor(video_ids, "video_ids", n) if video_ids is not None else row_keys
+    if protocol == "paired":
+        t_keys = row_keys
+    elif text_ids is None:
+        raise ValueError("`text_ids` is required by protocol='dedup'; pass caption ids or use protocol='paired'.")
+    else:
+        t_keys = as_id_tensor(text_ids, "text_ids", n)
+    plan = plan_retrieval(row_keys, v_keys, t_keys)
+    kept_idx = plan.kept_rows.nonzero().squeeze(1)
+    # one text feature per text key: its first kept row
+    _, t_first, _ = _first_occurrence(t_keys[kept_idx])
+    text_rows = kept_idx[t_first].to(text_features.device)
+    video = video_features.detach().index_select(0, plan.video_rows.to(video_features.device))
+    text = text_features.detach().index_select(0, text_rows)
+    device = torch.device(device) if device is not None else video.device
+    v2t, t2v = _ranks_single(plan, video, text, v2t_gallery, ties, video_block_size, text_block_size,
+                             memory_budget_bytes, device)
+    n_video = plan.video_keys.numel()
+    v2t_size = n_video if v2t_gallery == "groups" else plan.text_keys.numel()
+    return RetrievalRanks(v2t, t2v, plan.video_keys, plan.text_keys, v2t_size, n_video)
+
+
+def _ranks_single(
+    plan: RetrievalPlan,
+    video: Tensor,
+    text: Tensor,
+    v2t_gallery: str,
+    ties: Ties,
+    video_block_size: int | None,
+    text_block_size: int | None,
+    memory_budget_bytes: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    n_video, n_text = plan.video_keys.numel(), plan.text_keys.numel()
+    with torch.no_grad():
+        scores = pair_scores(video, text, plan.pair_video, plan.pair_text).cpu()
+    v_thr = positive_thresholds(scores, plan.pair_video, n_video)
+    t_thr = positive_thresholds(scores, plan.pair_text, n_text)
+    grouped = v2t_gallery == "groups"
+    return count_ranks(
+        video,
+        text,
+        plan.pair_video,
+        plan.pair_text,
+        v_thr,
+        t_thr,
+        ties=ties,
+        video_groups=torch.arange(n_video) if grouped else None,
+        group_pairs=(plan.pair_text, plan.pair_video, n_video) if grouped else None,
+        positive_scores=scores if grouped else None,
+        video_block_size=video_block_size,
+        text_block_size=text_block_size,
+        memory_budget_bytes=memory_budget_bytes,
+        device=device,
+    )
+
+
+def streaming_retrieval(
+    video_features: Tensor,
+    text_features: Tensor,
+    text_ids: Any = None,
+    *,
+    top_k: Sequence[int] = (1, 5, 10),
+    median: Median = "floor",
+    **kwargs: Any,
+) -> dict[str, Tensor]:
+    """The metric's dict (``"v2t/R@1"``, ..., ``"t2v/MeanR"``) computed from tensors in one call.
+
+    Takes the arguments of :func:`retrieval_ranks` plus ``top_k`` and ``median``.
+
+    Example:
+        >>> v = torch.eye(3)
+        >>> out = streaming_retrieval(v, v.clone(), text_ids=[0, 1, 2], top_k=(1,))
+        >>> {k: v.item() for k, v in out.items()}
+        {'v2t/R@1': 1.0, 'v2t/MedR': 1.0, 'v2t/MeanR': 1.0, 't2v/R@1': 1.0, 't2v/MedR': 1.0, 't2v/MeanR': 1.0}
+    """
+    ranks = retrieval_ranks(video_features, text_features, text_ids, **kwargs)
+    out = summarize_ranks(ranks.v2t, top_k, median, prefix="v2t/")
+    out.update(summarize_ranks(ranks.t2v, top_k, median, prefix="t2v/"))
+    return out

@@ -1,0 +1,5 @@
+"""lightning_memopt.metrics."""
+
+from lightning_memopt.metrics.streaming_retrieval import StreamingRetrievalMetric
+
+__all__ = ["StreamingRetrievalMetric"]

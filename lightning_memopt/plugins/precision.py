@@ -1,0 +1,304 @@
+"""MemoryPrecision: AMP fp16 / bf16 with a real hardware check, true-half modes and TF32 through one API."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_memopt.functional.presets import PRECISION_MODES, PrecisionChoice, choose_precision
+from lightning_memopt.utilities.checks import check_choice
+from lightning_memopt.utilities.warnings import WarnOnce
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES"]
+
+#: Strategies that bring their own precision classes; ``MemoryPrecision`` refuses them instead of misbehaving.
+UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+_MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def _get_matmul_precision() -> str | None:
+    try:
+        return torch.get_float32_matmul_precision()
+    except Exception:  # the legacy getter raises once the newer fp32_precision API was used
+        return None
+
+
+class MemoryPrecision(Precision):
+    """A Lightning precision plugin that picks mixed precision from what the GPU really supports.
+
+    The mode is resolved in ``setup`` on the device the Trainer trains on:
+
+    * ``"auto"``: ``bf16-mixed`` where the GPU has native bf16 (compute capability >= 8.0), else ``16-mixed`` with a
+      ``GradScaler``; ``32-true`` on CPU and other devices. A warning (rank zero) says what was chosen and why.
+    * ``"16-mixed"``, ``"bf16-mixed"``: autocast; asking for bf16 on a GPU without native bf16 raises an error that
+      names the GPU and suggests fp16 (``torch.cuda.is_bf16_supported()`` would say True there: it counts emulation).
+    * ``"16-true"``, ``"bf16-true"``: weights, inputs and tensors created in ``trainer.init_module()`` are half.
+    * ``"32-true"``: plain fp32.
+
+    ``float32_matmul_precision`` (``"high"`` allows TF32 on Ampere+) is set only through
+    ``torch.set_float32_matmul_precision`` at setup and the previous value is restored at teardown.
+
+    **Short last window.** Lightning divides every loss by ``accumulate_grad_batches``, also in the last window of an
+    epoch when fewer micro-batches remain (upstream #19987): those samples get too small a gradient. With
+    ``exact_accumulation=True`` (default) this plugin rescales the loss in that window by
+    ``accumulate_grad_batches / len(window)``, so each optimizer step uses the mean gradient of the samples it saw.
+    Needs a sized train dataloader (no-op for iterable ones) and automatic optimization.
+
+    FSDP, DeepSpeed and model-parallel strategies have their own precision classes: this plugin raises a ``TypeError``
+    for them. Pass ``Trainer(precision="bf16-mixed")`` there, or let ``MemoryPreset.trainer_kwargs(strategy=...)``
+    emit the precision string.
+
+    Args:
+        mode: one of ``"auto"``, ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``.
+        float32_matmul_precision: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (leave as is).
+        allow_emulated_bf16: use bf16 on a GPU without native bf16 instead of raising.
+        scaler: a ``torch.amp.GradScaler`` for the fp16 path (one is made when ``None``).
+        exact_accumulation: fix the short last accumulation window of an epoch (see below).
+
+    Device requirements: any; on CPU ``"auto"`` trains in fp32.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", plugins=[MemoryPrecision("auto")], logger=False)
+        >>> trainer.precision_plugin.mode
+        'auto'
+    """
+
+    precision: str = "32-true"
+
+    def __init__(
+        self,
+        mode: Literal["auto", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"] = "auto",
+        float32_matmul_precision: Literal["highest", "high", "medium"] | None = None,
+        allow_emulated_bf16: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        exact_accumulation: bool = True,
+    ) -> None:
+        check_choice("mode", mode, PRECISION_MODES)
+        if float32_matmul_precision is not None:
+            check_choice("float32_matmul_precision", float32_matmul_precision, _MATMUL_PRECISIONS)
+        self.mode = mode
+        self.float32_matmul_precision = float32_matmul_precision
+        self.allow_emulated_bf16 = allow_emulated_bf16
+        self.exact_accumulation = exact_accumulation
+        self._scaler = scaler
+        self.choice: PrecisionChoice | None = None
+        self.precision = mode if mode != "auto" else "32-true"
+        self._delegate: Precision = HalfPrecision(mode) if mode in ("16-true", "bf16-true") else Precision()
+        self._previous_matmul: str | None = None
+        self._matmul_changed = False
+        self._pending_state: dict[str, Any] | None = None
+        self._warn = WarnOnce()
+
+    # ----------------------------------------------------------------------------------------------- resolution
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler in use (fp16 mixed precision only)."""
+        return getattr(self._delegate, "scaler", None)
+
+    def resolve(
+        self,
+        device: torch.device,
+        capability: tuple[int, int] | None = None,
+        device_name: str | None = None,
+    ) -> PrecisionChoice:
+        """Choose the precision for ``device`` and build the Lightning plugin that implements it.
+
+        ``capability`` and ``device_name`` are read from the device when ``None`` (CUDA only).
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            if capability is None:
+                capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+            if device_name is None:
+                device_name = torch.cuda.get_device_name(device)
+        choice = choose_precision(self.mode, device.type, capability, device_name, self.allow_emulated_bf16)
+        self.choice = choice
+        self.precision = choice.precision
+        current = self._delegate
+        if (
+            isinstance(current, MixedPrecision)
+            and current.precision == choice.precision
+            and current.device == device.type
+        ):
+            pass  # a second fit keeps the scaler state of the first
+        elif choice.precision in ("16-mixed", "bf16-mixed"):
+            scaler = self._scaler if choice.precision == "16-mixed" else None
+            self._delegate = MixedPrecision(choice.precision, device.type, scaler=scaler)  # type: ignore[arg-type]
+        elif choice.precision in ("16-true", "bf16-true"):
+            if not isinstance(self._delegate, HalfPrecision) or self._delegate.precision != choice.precision:
+                self._delegate = HalfPrecision(choice.precision)  # type: ignore[arg-type]
+        else:
+            self._delegate = Precision()
+        if self._pending_state:
+            self._delegate.load_state_dict(self._pending_state)
+        self._pending_state = None
+        return choice
+
+    @staticmethod
+    def _check_strategy(trainer: pl.Trainer | None) -> None:
+        strategy = getattr(trainer, "strategy", None)
+        if strategy is None:
+            return
+        names = {cls.__name__ for cls in type(strategy).__mro__}
+        bad = names.intersection(UNSUPPORTED_STRATEGIES)
+        if bad:
+            raise TypeError(
+                f"`MemoryPrecision` cannot serve `strategy={type(strategy).__name__}`: {sorted(bad)[0]} needs its own"
+                " precision class. Drop `MemoryPrecision` from `plugins` and pass `precision='bf16-mixed'` (or"
+                " '16-mixed') to the Trainer, or call `MemoryPreset.trainer_kwargs(strategy=...)`, which does that."
+            )
+
+    def _setup(self, module: Module) -> None:
+        trainer = getattr(module, "_trainer", None)
+        self._check_strategy(trainer)
+        if trainer is not None:
+            device = trainer.strategy.root_device
+        else:
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        choice = self.resolve(device)
+        if self.mode == "auto" and getattr(trainer, "global_rank", 0) == 0:
+            message = f"MemoryPrecision(mode='auto') chose precision={choice.precision!r}: {choice.reason}"
+            self._warn.warn("choice", message)
+        if self.float32_matmul_precision is not None and not self._matmul_changed:
+            self._previous_matmul = _get_matmul_precision()
+            torch.set_float32_matmul_precision(self.float32_matmul_precision)
+            self._matmul_changed = True
+
+    # ------------------------------------------------------------------------------------------- Precision API
+    @override
+    def convert_module(self, module: Module) -> Module:
+        self._setup(module)
+        return self._delegate.convert_module(module)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self._delegate.tensor_init_context()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self._delegate.module_init_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return self._delegate.forward_context()
+
+    @override
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with self._delegate.train_step_context():
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        with self._delegate.val_step_context():
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def test_step_context(self) -> Generator[None, None, None]:
+        with self._delegate.test_step_context():
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def predict_step_context(self) -> Generator[None, None, None]:
+        with self._delegate.predict_step_context():
+            yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._delegate.convert_input(data)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return self._delegate.convert_output(data)
+
+    @override
+    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
+        return self._delegate.connect(model, optimizers, lr_schedulers)
+
+    def _short_window_factor(self, module: Any) -> float:
+        """``accumulate_grad_batches / len(window)`` inside a short last window of an epoch, else 1."""
+        trainer = getattr(module, "_trainer", None)
+        if not self.exact_accumulation or trainer is None or not getattr(module, "automatic_optimization", True):
+            return 1.0
+        try:
+            accumulate = int(trainer.accumulate_grad_batches)
+            total = trainer.num_training_batches
+            if accumulate <= 1 or not trainer.training or not math.isfinite(total):
+                return 1.0
+            ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # counts the current batch
+        except Exception:
+            return 1.0
+        full = (int(total) // accumulate) * accumulate
+        if ready > full:
+            return accumulate / (int(total) - full)
+        return 1.0
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        factor = self._short_window_factor(module)
+        if factor != 1.0:
+            tensor = tensor * factor
+        return self._delegate.pre_backward(tensor, module)
+
+    @override
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self._delegate.backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        return self._delegate.post_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        return self._delegate.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+    @override
+    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+        self._delegate.clip_gradients(optimizer, clip_val=clip_val, **kwargs)
+
+    @override
+    def main_params(self, optimizer: Any) -> Any:
+        return self._delegate.main_params(optimizer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._delegate.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.choice is None:  # restored before setup: applied once the delegate exists
+            self._pending_state = state_dict
+        else:
+            self._delegate.load_state_dict(state_dict)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            self._delegate.teardown()
+        finally:
+            if self._matmul_changed:
+                if self._previous_matmul is not None:
+                    torch.set_float32_matmul_precision(self._previous_matmul)
+                self._matmul_changed = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mode={self.mode!r}, precision={self.precision!r})"

@@ -1,0 +1,371 @@
+"""MemoryPreset: named memory presets and GPU-size tiers that keep the effective batch -> ``Trainer(**kwargs)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_memopt.functional.presets import (
+    PRECISION_MODES,
+    PRESET_NAMES,
+    PRESETS,
+    AccumulationPlan,
+    choose_precision,
+    plan_accumulation,
+    tier_for_memory,
+)
+from lightning_memopt.utilities.allocator import parse_alloc_conf
+from lightning_memopt.utilities.checks import check_choice, check_fraction, check_non_negative_int, check_positive_int
+
+__all__ = ["MemoryPreset"]
+
+_KNOBS = (
+    "precision",
+    "float32_matmul_precision",
+    "gradient_checkpointing",
+    "allocator_conf",
+    "cache_clean_on_phase_end",
+    "gc_every_n_steps",
+    "monitor",
+)
+_OWN_PRECISION_STRATEGIES = ("fsdp", "deepspeed", "model_parallel", "xla_fsdp")
+
+
+@dataclass(frozen=True)
+class MemoryPreset:
+    """A named bundle of memory knobs that keeps the effective batch and turns into ``Trainer`` arguments.
+
+    Presets (``MemoryPreset.from_name``):
+
+    ============== ========= ============= ===== ============= ========================= ==================
+    name           precision checkpointing TF32  accumulation  allocator                 callbacks
+    ============== ========= ============= ===== ============= ========================= ==================
+    ``max-savings`` auto     yes           high  >= 4 steps    expandable_segments:True  monitor, cache, gc
+    ``balanced``   auto      no            high  >= 2 steps    expandable_segments:True  monitor, cache
+    ``max-speed``  auto      no            high  1 step        --                        --
+    ============== ========= ============= ===== ============= ========================= ==================
+
+    ``precision="auto"`` is resolved by :class:`~lightning_memopt.MemoryPrecision` on the training device (bf16 on
+    GPUs with native bf16, fp16 + GradScaler on older GPUs, fp32 on CPU). ``MemoryPreset.for_device()`` picks the
+    preset from the GPU size: up to 12 GiB ``max-savings`` ("8 GB" tier), up to 20 GiB ``balanced`` ("16 GB"),
+    above ``max-speed`` ("24 GB+").
+
+    **Batch arithmetic.** ``accumulate_grad_batches = effective_batch_size / (micro_batch_size x devices x
+    num_nodes)``. The effective batch is never rounded: a split that does not divide raises a ``ValueError``
+    naming the nearest valid sizes. Without ``micro_batch_size`` the preset picks the largest micro-batch whose
+    accumulation reaches the preset's target (``max-savings``: 96 -> 4 x 24). Pass :attr:`batch_size` to your
+    DataLoader. Lightning divides the loss by ``accumulate_grad_batches`` even in a short last window of an epoch
+    (upstream #19987); keep ``len(train_dataloader)`` a multiple of ``accumulate_grad_batches`` (or use
+    ``drop_last=True``) to make every optimizer step see exactly ``effective_batch_size`` samples.
+
+    Knob fields left ``None`` take the preset's value; turn a knob off with ``False``, ``0`` or ``""``.
+
+    Args:
+        name: ``"max-savings"``, ``"balanced"`` or ``"max-speed"``.
+        effective_batch_size: samples per optimizer step over all ranks; ``None`` = no accumulation arithmetic.
+        micro_batch_size: samples per forward pass and rank; ``None`` = chosen by the preset.
+        devices: devices per node (as given to the Trainer).
+        num_nodes: number of nodes.
+        precision: a ``MemoryPrecision`` mode (``"auto"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...).
+        float32_matmul_precision: ``"highest"``, ``"high"`` (TF32) or ``"medium"``; ``""`` leaves it alone.
+        gradient_checkpointing: add :class:`~lightning_memopt.GradientCheckpointing`.
+        checkpoint_modules: class names or name patterns for ``GradientCheckpointing(modules=...)``.
+        gradient_clip_val: passed to the Trainer (``None`` = no clipping).
+        allocator_conf: CUDA caching-allocator settings, e.g. ``"expandable_segments:True"``.
+        memory_fraction: fraction of device memory this process may use, in (0, 1].
+        cache_clean_on_phase_end: add ``CacheCleaner`` emptying the CUDA cache at phase ends.
+        gc_every_n_steps: add ``GarbageCollector(every_n_steps=...)``; ``0`` = no collector.
+        monitor: add ``MemoryMonitor``.
+        allow_emulated_bf16: allow bf16 on GPUs that only emulate it.
+        tier: set by :meth:`for_device` (the GPU-size tier label); informational.
+
+    Example:
+        >>> preset = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=16)
+        >>> preset.accumulate_grad_batches, preset.batch_size
+        (8, 16)
+        >>> kwargs = preset.trainer_kwargs()
+        >>> sorted(kwargs)
+        ['accumulate_grad_batches', 'callbacks', 'devices', 'gradient_clip_val', 'num_nodes', 'plugins']
+        >>> [type(c).__name__ for c in kwargs["callbacks"]]
+        ['MemoryMonitor', 'CacheCleaner', 'GarbageCollector', 'GradientCheckpointing', 'AllocatorSettings']
+        >>> kwargs["callbacks"][-1].restore()  # normally done at teardown
+    """
+
+    name: str = "balanced"
+    effective_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    devices: int = 1
+    num_nodes: int = 1
+    precision: str | None = None
+    float32_matmul_precision: str | None = None
+    gradient_checkpointing: bool | None = None
+    checkpoint_modules: tuple[str, ...] | None = None
+    gradient_clip_val: float | None = None
+    allocator_conf: str | None = None
+    memory_fraction: float | None = None
+    cache_clean_on_phase_end: bool | None = None
+    gc_every_n_steps: int | None = None
+    monitor: bool | None = None
+    allow_emulated_bf16: bool = False
+    tier: str | None = None
+    plan: AccumulationPlan | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in PRESETS:
+            raise ValueError(
+                f"Unknown preset `name`={self.name!r}. Valid presets: {', '.join(PRESET_NAMES)}."
+                " For a GPU-size tier use `MemoryPreset.for_device()`."
+            )
+        table = PRESETS[self.name]
+        for knob in _KNOBS:
+            if getattr(self, knob) is None:
+                object.__setattr__(self, knob, table[knob])
+        check_choice("precision", self.precision, PRECISION_MODES)
+        check_choice("float32_matmul_precision", self.float32_matmul_precision, ("", "highest", "high", "medium"))
+        check_non_negative_int("gc_every_n_steps", self.gc_every_n_steps, hint="Use 0 for no garbage collector.")
+        check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
+        parse_alloc_conf(self.allocator_conf)
+        if self.gradient_clip_val is not None and (
+            isinstance(self.gradient_clip_val, bool)
+            or not isinstance(self.gradient_clip_val, (int, float))
+            or self.gradient_clip_val < 0
+        ):
+            raise ValueError(
+                f"`gradient_clip_val` must be a non-negative number or None, got {self.gradient_clip_val!r}."
+            )
+        if isinstance(self.checkpoint_modules, (list, str)):
+            mods = (self.checkpoint_modules,) if isinstance(self.checkpoint_modules, str) else self.checkpoint_modules
+            object.__setattr__(self, "checkpoint_modules", tuple(mods))
+        check_positive_int("devices", self.devices, hint="Pass the number of devices per node, as for the Trainer.")
+        check_positive_int("num_nodes", self.num_nodes)
+        check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
+        plan = None
+        if self.effective_batch_size is not None:
+            plan = plan_accumulation(
+                self.effective_batch_size,
+                self.micro_batch_size,
+                self.devices,
+                self.num_nodes,
+                table["target_accumulation"],
+            )
+        object.__setattr__(self, "plan", plan)
+
+    # ---------------------------------------------------------------------------------------------- builders
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> MemoryPreset:
+        """The preset ``name`` with ``overrides`` for any field.
+
+        Example:
+            >>> MemoryPreset.from_name("max-sped")
+            Traceback (most recent call last):
+            ...
+            ValueError: Unknown preset `name`='max-sped'. Valid presets: max-savings, balanced, max-speed. ...
+        """
+        fields = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"Unknown `MemoryPreset` field(s) {unknown}. Valid fields: {sorted(fields - {'name'})}.")
+        return cls(name=name, **overrides)
+
+    @classmethod
+    def for_device(cls, total_memory_gib: float | None = None, **overrides: Any) -> MemoryPreset:
+        """The preset for a GPU with ``total_memory_gib`` GiB (``None`` reads the current CUDA device).
+
+        Without a CUDA device and without ``total_memory_gib`` it warns and uses ``balanced``.
+
+        Example:
+            >>> p = MemoryPreset.for_device(8, effective_batch_size=32)
+            >>> p.name, p.tier, p.batch_size, p.accumulate_grad_batches
+            ('max-savings', '8GB', 8, 4)
+        """
+        if total_memory_gib is None:
+            if torch.cuda.is_available():
+                index = torch.cuda.current_device()
+                total_memory_gib = torch.cuda.get_device_properties(index).total_memory / 1024**3
+            else:
+                warnings.warn(
+                    "MemoryPreset.for_device() found no CUDA device to read; using the 'balanced' preset."
+                    " Pass `total_memory_gib=` to choose a tier explicitly.",
+                    stacklevel=2,
+                )
+                return cls.from_name("balanced", **overrides)
+        tier, name = tier_for_memory(total_memory_gib)
+        overrides.setdefault("tier", tier)
+        return cls.from_name(name, **overrides)
+
+    # ---------------------------------------------------------------------------------------------- properties
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Micro-batches per optimizer step (1 without an effective batch)."""
+        return self.plan.accumulate_grad_batches if self.plan is not None else 1
+
+    @property
+    def batch_size(self) -> int | None:
+        """The micro-batch size to give the DataLoader (per rank)."""
+        return self.plan.micro_batch_size if self.plan is not None else self.micro_batch_size
+
+    # ---------------------------------------------------------------------------------------------- outputs
+    def precision_plugin(self) -> Any:
+        """The :class:`~lightning_memopt.MemoryPrecision` plugin this preset uses."""
+        from lightning_memopt.plugins.precision import MemoryPrecision
+
+        return MemoryPrecision(
+            self.precision,  # type: ignore[arg-type]
+            float32_matmul_precision=self.float32_matmul_precision or None,  # type: ignore[arg-type]
+            allow_emulated_bf16=self.allow_emulated_bf16,
+        )
+
+    def callbacks(self) -> list[Any]:
+        """The callbacks the preset implies, built fresh on every call."""
+        from lightning_memopt.callbacks import CacheCleaner, GarbageCollector, GradientCheckpointing, MemoryMonitor
+        from lightning_memopt.utilities.allocator import AllocatorSettings
+
+        out: list[Any] = []
+        if self.monitor:
+            out.append(MemoryMonitor())
+        if self.cache_clean_on_phase_end:
+            out.append(CacheCleaner(every_n_train_batches=None, every_n_val_batches=None, on_phase_end=True))
+        if self.gc_every_n_steps:
+            out.append(GarbageCollector(every_n_steps=self.gc_every_n_steps))
+        if self.gradient_checkpointing:
+            modules = list(self.checkpoint_modules) if self.checkpoint_modules else None
+            out.append(GradientCheckpointing(modules=modules))
+        if self.allocator_conf or self.memory_fraction is not None:
+            out.append(AllocatorSettings(self.allocator_conf or None, self.memory_fraction))
+        return out
+
+    def _precision_string(self) -> str:
+        """A Lightning precision string for strategies with their own precision classes, resolved on this machine."""
+        if torch.cuda.is_available():
+            index = torch.cuda.current_device()
+            cap = tuple(torch.cuda.get_device_capability(index))
+            choice = choose_precision(
+                self.precision,  # type: ignore[arg-type]
+                "cuda",
+                cap,  # type: ignore[arg-type]
+                torch.cuda.get_device_name(index),
+                self.allow_emulated_bf16,
+            )
+        else:
+            choice = choose_precision(self.precision, "cpu")  # type: ignore[arg-type]
+        return choice.precision
+
+    def trainer_kwargs(self, **trainer_kwargs: Any) -> dict[str, Any]:
+        """Arguments for ``Trainer(**kwargs)``, merged with your own ``trainer_kwargs``.
+
+        Returns ``plugins=[MemoryPrecision(...)]`` (or ``precision="..."`` for FSDP/DeepSpeed strategies, which need
+        their own precision classes), ``accumulate_grad_batches``, ``gradient_clip_val``, ``callbacks`` (yours first,
+        then the preset's) and, with an effective batch, ``devices`` and ``num_nodes``. Allocator settings are
+        applied now, before CUDA is initialised, by the ``AllocatorSettings`` callback built here.
+
+        Raises:
+            ValueError: when one of ``trainer_kwargs`` contradicts the preset; the message says which to drop.
+
+        Example:
+            >>> preset = MemoryPreset(effective_batch_size=64, micro_batch_size=8)
+            >>> preset.trainer_kwargs(precision="16-mixed")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: Both `precision='16-mixed'` and the preset's MemoryPrecision plugin were given. Drop ...
+        """
+        out: dict[str, Any] = dict(trainer_kwargs)
+        strategy = trainer_kwargs.get("strategy")
+        strategy_name = (strategy if isinstance(strategy, str) else type(strategy).__name__).lower()
+        own_precision = strategy is not None and any(s.replace("_", "") in strategy_name.replace("_", "")
+                                                     for s in _OWN_PRECISION_STRATEGIES)
+        if own_precision:
+            if "precision" in trainer_kwargs:
+                pass  # the user chose for their strategy
+            else:
+                out["precision"] = self._precision_string()
+        else:
+            user_plugins = trainer_kwargs.get("plugins") or []
+            user_plugins = list(user_plugins) if isinstance(user_plugins, (list, tuple)) else [user_plugins]
+            if "precision" in trainer_kwargs and trainer_kwargs["precision"] is not None:
+                raise ValueError(
+                    f"Both `precision={trainer_kwargs['precision']!r}` and the preset's MemoryPrecision plugin were"
+                    f" given. Drop `precision=` from the Trainer arguments and set"
+                    f" `MemoryPreset(precision={trainer_kwargs['precision']!r})` instead."
+                )
+            from lightning.pytorch.plugins.precision import Precision
+
+            theirs = [p for p in user_plugins if isinstance(p, Precision)]
+            if theirs:
+                raise ValueError(
+                    f"Both `plugins=[{type(theirs[0]).__name__}(...)]` and the preset's MemoryPrecision plugin were"
+                    " given. Drop that precision plugin from `plugins` (set `MemoryPreset(precision=...)` instead)."
+                )
+            out.pop("precision", None)
+            out["plugins"] = [*user_plugins, self.precision_plugin()]
+        for key, value in (("accumulate_grad_batches", self.accumulate_grad_batches),
+                           ("gradient_clip_val", self.gradient_clip_val)):
+            given = trainer_kwargs.get(key)
+            if given is not None and value is not None and given != value and not (key == "accumulate_grad_batches"
+                                                                                     and self.plan is None):
+                raise ValueError(
+                    f"`{key}={given!r}` contradicts the preset's {key}={value!r}. Drop `{key}=` from the Trainer"
+                    " arguments (the preset computes it from `effective_batch_size`) or change the preset."
+                )
+            if given is None:
+                out[key] = value
+        if self.plan is not None:
+            for key in ("devices", "num_nodes"):
+                value = getattr(self, key)
+                given = trainer_kwargs.get(key)
+                if given is not None and given != value:
+                    raise ValueError(
+                        f"`{key}={given!r}` differs from the preset's `{key}={value}`, so the effective batch would"
+                        f" not be {self.effective_batch_size}. Drop `{key}=` from the Trainer arguments or build the"
+                        f" preset with `{key}={given!r}`."
+                    )
+                out[key] = value
+        user_callbacks = trainer_kwargs.get("callbacks") or []
+        user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
+        out["callbacks"] = [*user_callbacks, *self.callbacks()]
+        return out
+
+    # ---------------------------------------------------------------------------------------------- describe
+    def describe(self) -> str:
+        """A table of every knob: its value and why it is set.
+
+        Example:
+            >>> print(MemoryPreset.from_name("max-speed").describe().splitlines()[0])
+            MemoryPreset 'max-speed'
+        """
+        rows = [
+            ("precision", self.precision, "MemoryPrecision mode; 'auto' = bf16 on GPUs with native bf16, fp16+scaler on"
+             " older GPUs, fp32 on CPU. Halves activation memory."),
+            ("float32_matmul_precision", self.float32_matmul_precision or "unchanged",
+             "'high' lets fp32 matmuls use TF32 on Ampere+; restored after fit."),
+            ("gradient_checkpointing", self.gradient_checkpointing,
+             "recompute block activations in backward: far less activation memory for ~1 extra forward."),
+            ("checkpoint_modules", self.checkpoint_modules or "HF switch / nn.Transformer layers",
+             "which blocks to checkpoint."),
+            ("effective_batch_size", self.effective_batch_size, "samples per optimizer step over all ranks (kept)."),
+            ("batch_size (micro)", self.batch_size, "samples per forward pass and rank: peak memory scales with it."),
+            ("accumulate_grad_batches", self.accumulate_grad_batches,
+             "effective / (micro x devices x nodes): same gradients as the full batch."),
+            ("devices x num_nodes", f"{self.devices} x {self.num_nodes}", "world size used in the arithmetic."),
+            ("gradient_clip_val", self.gradient_clip_val, "gradient norm clipping (None = off)."),
+            ("allocator_conf", self.allocator_conf or "unchanged",
+             "expandable segments reduce fragmentation; applied before CUDA initialises."),
+            ("memory_fraction", self.memory_fraction, "cap on this process's share of device memory (None = all)."),
+            ("cache_clean_on_phase_end", self.cache_clean_on_phase_end,
+             "CacheCleaner: return cached blocks between train and validation."),
+            ("gc_every_n_steps", self.gc_every_n_steps or "off",
+             "GarbageCollector: collect cycles holding tensors on all ranks at the same step."),
+            ("monitor", self.monitor, "MemoryMonitor: per-phase peaks and threshold warnings."),
+        ]
+        title = f"MemoryPreset {self.name!r}" + (f" (tier {self.tier})" if self.tier else "")
+        width = max(len(r[0]) for r in rows)
+        vwidth = max(len(str(r[1])) for r in rows)
+        lines = [title, "-" * len(title)]
+        lines += [f"{k:<{width}}  {v!s:<{vwidth}}  {why}" for k, v, why in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()

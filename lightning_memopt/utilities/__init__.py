@@ -1,0 +1,1 @@
+"""Internal helpers. Not part of the public API; names may change between releases."""

@@ -1,0 +1,75 @@
+"""The quarantine for private torch APIs.
+
+Every call into a private torch API (allocator history, OOM observers, snapshot dumps) lives in this
+module, behind feature checks, so that a torch upgrade that moves one of them breaks one file and
+degrades to a warning, never a crash.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__: list[str] = [
+    "dump_memory_snapshot",
+    "start_memory_history",
+    "stop_memory_history",
+    "supports_memory_history",
+]
+
+
+def _cuda_memory_module() -> Any:
+    return getattr(getattr(torch, "cuda", None), "memory", None)
+
+
+def supports_memory_history() -> bool:
+    """Whether this torch build can record CUDA allocator history and dump snapshots, with a GPU present.
+
+    Example:
+        >>> isinstance(supports_memory_history(), bool)
+        True
+    """
+    memory = _cuda_memory_module()
+    return bool(
+        memory is not None
+        and hasattr(memory, "_record_memory_history")
+        and hasattr(memory, "_dump_snapshot")
+        and torch.cuda.is_available()
+    )
+
+
+def start_memory_history(max_entries: int) -> bool:
+    """Start recording allocator history (allocations, frees, stack traces), keeping the last ``max_entries``.
+
+    Returns:
+        Whether recording was started. ``False`` when the build or device cannot record.
+    """
+    if not supports_memory_history():
+        return False
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="all", max_entries=max_entries)
+    return True
+
+
+def stop_memory_history() -> bool:
+    """Stop recording allocator history. Returns whether it was asked to stop."""
+    if not supports_memory_history():
+        return False
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return True
+
+
+def dump_memory_snapshot(path: str | os.PathLike[str]) -> bool:
+    """Write the allocator snapshot (segments plus recorded history) to ``path`` as a pickle.
+
+    The file opens in PyTorch's memory viewer (https://pytorch.org/memory_viz) or with
+    ``python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html``.
+
+    Returns:
+        Whether a file was written.
+    """
+    if not supports_memory_history():
+        return False
+    torch.cuda.memory._dump_snapshot(os.fspath(path))
+    return True

@@ -1,0 +1,247 @@
+"""CUDA caching-allocator settings and the per-process memory fraction, applied at the right time.
+
+Allocator settings (``PYTORCH_CUDA_ALLOC_CONF``, e.g. ``expandable_segments:True``) are read by torch when CUDA is
+initialised. Before that they are applied through the environment variable; afterwards through torch's runtime
+setter where this torch has one, otherwise a warning names the exact variable to export. Everything set here is
+recorded and can be given back with :func:`restore_allocator_settings`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_memopt.utilities.checks import check_fraction
+from lightning_memopt.utilities.trainer import trainer_device
+from lightning_memopt.utilities.warnings import WarnOnce
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "ALLOC_CONF_ENV",
+    "AllocatorSettings",
+    "AllocatorState",
+    "alloc_conf_env_name",
+    "apply_allocator_conf",
+    "apply_memory_fraction",
+    "format_alloc_conf",
+    "parse_alloc_conf",
+    "restore_allocator_settings",
+]
+
+#: The variable every supported torch reads (torch >= 2.9 also reads ``PYTORCH_ALLOC_CONF`` first).
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+_NEW_ENV = "PYTORCH_ALLOC_CONF"
+#: Values that undo a runtime change for keys whose torch default is known.
+_RUNTIME_DEFAULTS = {"expandable_segments": "False"}
+
+
+def parse_alloc_conf(conf: str | None) -> dict[str, str]:
+    """``"a:1,b:2"`` -> ``{"a": "1", "b": "2"}``.
+
+    Example:
+        >>> parse_alloc_conf("expandable_segments:True, max_split_size_mb:128")
+        {'expandable_segments': 'True', 'max_split_size_mb': '128'}
+    """
+    out: dict[str, str] = {}
+    for part in (conf or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition(":")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(
+                f"`allocator_conf` entries must look like `key:value`, got {part!r} in {conf!r}."
+                " Example: 'expandable_segments:True,max_split_size_mb:128'."
+            )
+        out[key.strip()] = value.strip()
+    return out
+
+
+def format_alloc_conf(settings: dict[str, str]) -> str:
+    """Inverse of :func:`parse_alloc_conf`.
+
+    Example:
+        >>> format_alloc_conf({"expandable_segments": "True"})
+        'expandable_segments:True'
+    """
+    return ",".join(f"{k}:{v}" for k, v in settings.items())
+
+
+def alloc_conf_env_name() -> str:
+    """The variable to write: ``PYTORCH_ALLOC_CONF`` if the user already set it (it wins in new torch), else the
+    CUDA one that every supported torch reads."""
+    return _NEW_ENV if os.environ.get(_NEW_ENV) else ALLOC_CONF_ENV
+
+
+def _runtime_setter() -> Callable[[str], None] | None:
+    # The one private torch call of this module: torch has no public runtime setter for allocator settings.
+    return getattr(torch.cuda.memory, "_set_allocator_settings", None)
+
+
+def _cuda_initialized() -> bool:
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+@dataclass
+class AllocatorState:
+    """What :func:`apply_allocator_conf` / :func:`apply_memory_fraction` changed, for restoring it."""
+
+    how: str = "skipped"  #: "env", "runtime", "already", "warned" or "skipped"
+    env_name: str | None = None
+    previous_env: str | None = None
+    runtime_keys: dict[str, str] = field(default_factory=dict)
+    fraction_device: int | None = None
+    previous_fraction: float | None = None
+
+
+def apply_allocator_conf(conf: str | None, warn: WarnOnce | None = None) -> AllocatorState:
+    """Apply allocator ``conf`` now: through the environment before CUDA is initialised, else at runtime.
+
+    Keys the user already exported win over ``conf`` (an explicit environment beats a preset).
+
+    Example:
+        >>> import os
+        >>> old = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        >>> state = apply_allocator_conf("expandable_segments:True")  # CUDA not initialised here
+        >>> state.how, os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+        ('env', 'expandable_segments:True')
+        >>> restore_allocator_settings(state); "PYTORCH_CUDA_ALLOC_CONF" in os.environ
+        False
+    """
+    wanted = parse_alloc_conf(conf)
+    state = AllocatorState()
+    if not wanted:
+        return state
+    env_name = alloc_conf_env_name()
+    existing_raw = os.environ.get(env_name)
+    existing = parse_alloc_conf(existing_raw)
+    merged = {**wanted, **existing}
+    missing = {k: v for k, v in wanted.items() if existing.get(k) != v}
+    if not _cuda_initialized():
+        state.how, state.env_name, state.previous_env = "env", env_name, existing_raw
+        os.environ[env_name] = format_alloc_conf(merged)
+        return state
+    if not missing:
+        state.how = "already"
+        return state
+    setter = _runtime_setter()
+    todo = {k: v for k, v in missing.items() if k not in existing}
+    if setter is not None and todo:
+        try:
+            setter(format_alloc_conf(todo))
+            state.how, state.runtime_keys = "runtime", todo
+            return state
+        except Exception as err:
+            reason = f"torch's runtime setter refused it ({err})"
+    else:
+        reason = "this torch has no runtime setter for allocator settings"
+    message = (
+        f"CUDA was already initialised, so the allocator settings {format_alloc_conf(wanted)!r} could not be"
+        f" applied ({reason}). Export them before starting Python: export {env_name}={format_alloc_conf(merged)}"
+    )
+    (warn or WarnOnce()).warn("alloc_conf", message)
+    state.how = "warned"
+    return state
+
+
+def apply_memory_fraction(
+    fraction: float | None, device: torch.device, state: AllocatorState | None = None, warn: WarnOnce | None = None
+) -> AllocatorState:
+    """``torch.cuda.set_per_process_memory_fraction(fraction, device)`` on CUDA devices; a warning elsewhere."""
+    state = state or AllocatorState()
+    if fraction is None:
+        return state
+    check_fraction("memory_fraction", fraction)
+    device = torch.device(device)
+    if device.type != "cuda":
+        (warn or WarnOnce()).warn(
+            "fraction", f"`memory_fraction`={fraction} limits CUDA memory only; ignored on device {device}."
+        )
+        return state
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    previous = 1.0
+    if getter is not None:
+        try:
+            previous = float(getter(index))
+        except Exception:
+            previous = 1.0
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    state.fraction_device, state.previous_fraction = index, previous
+    return state
+
+
+def restore_allocator_settings(state: AllocatorState) -> None:
+    """Give back what ``state`` records: the environment variable, runtime keys with a known default, the fraction."""
+    if state.how == "env" and state.env_name is not None:
+        if state.previous_env is None:
+            os.environ.pop(state.env_name, None)
+        else:
+            os.environ[state.env_name] = state.previous_env
+    elif state.how == "runtime":
+        undo = {k: _RUNTIME_DEFAULTS[k] for k in state.runtime_keys if k in _RUNTIME_DEFAULTS}
+        setter = _runtime_setter()
+        if undo and setter is not None:
+            with contextlib.suppress(Exception):
+                setter(format_alloc_conf(undo))
+    if state.fraction_device is not None and state.previous_fraction is not None:
+        with contextlib.suppress(Exception):
+            torch.cuda.set_per_process_memory_fraction(state.previous_fraction, state.fraction_device)
+    state.how, state.fraction_device = "skipped", None
+
+
+class AllocatorSettings(Callback):
+    """Applies allocator settings and a memory fraction for one run, and gives them back at teardown.
+
+    ``MemoryPreset.trainer_kwargs()`` adds it when the preset carries allocator settings or a fraction. The
+    settings are applied when this callback is built (normally before CUDA is initialised) and again at setup
+    if they were not in effect; the fraction at setup, on the device the Trainer trains on.
+
+    Args:
+        allocator_conf: e.g. ``"expandable_segments:True"``; ``None`` leaves the allocator alone.
+        memory_fraction: fraction of the device memory this process may use, in (0, 1].
+
+    Example:
+        >>> cb = AllocatorSettings(memory_fraction=0.95)
+        >>> cb.memory_fraction
+        0.95
+    """
+
+    def __init__(self, allocator_conf: str | None = None, memory_fraction: float | None = None) -> None:
+        parse_alloc_conf(allocator_conf)
+        check_fraction("memory_fraction", memory_fraction, allow_none=True)
+        self.allocator_conf = allocator_conf
+        self.memory_fraction = memory_fraction
+        self._warn = WarnOnce()
+        self._conf_state = apply_allocator_conf(allocator_conf, self._warn) if allocator_conf else AllocatorState()
+        self._fraction_state = AllocatorState()
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.allocator_conf and self._conf_state.how in ("skipped",):
+            self._conf_state = apply_allocator_conf(self.allocator_conf, self._warn)
+        try:
+            self._fraction_state = apply_memory_fraction(self.memory_fraction, trainer_device(trainer), warn=self._warn)
+        except Exception as err:  # never crash training over a memory limit
+            self._warn.warn("fraction_failed", f"`memory_fraction` could not be applied: {err}")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Give back the environment variable, runtime allocator keys and the memory fraction."""
+        restore_allocator_settings(self._fraction_state)
+        restore_allocator_settings(self._conf_state)

@@ -1,0 +1,158 @@
+import gc
+from unittest import mock
+
+import pytest
+
+from lightning_memopt.callbacks import GarbageCollector
+from lightning_memopt.callbacks import garbage_collector as gcmod
+from tests.helpers.models import TinyModel
+from tests.helpers.subprocess_run import REPO_ROOT, run_script
+from tests.helpers.trainer import make_trainer
+
+
+def collect_calls(mocked):
+    return [c.args for c in mocked.call_args_list]
+
+
+def test_collects_every_n_optimizer_steps(tmp_path):
+    collector = GarbageCollector(every_n_steps=3, generation=1)
+    with mock.patch.object(gcmod.gc, "collect", return_value=7) as collect:
+        trainer = make_trainer(tmp_path, callbacks=[collector], max_steps=10, limit_train_batches=10,
+                               limit_val_batches=0)
+        trainer.fit(TinyModel())
+    assert collect_calls(collect) == [(1,), (1,), (1,)]  # steps 3, 6, 9
+    assert collector.calls == 3 and collector.collected == 21 and collector.seconds >= 0
+
+
+def test_interval_counts_optimizer_steps_not_micro_batches(tmp_path):
+    collector = GarbageCollector(every_n_steps=2)
+    steps_seen = []
+    with mock.patch.object(gcmod.gc, "collect", side_effect=lambda g: steps_seen.append(trainer.global_step) or 0):
+        trainer = make_trainer(tmp_path, callbacks=[collector], max_steps=4, limit_train_batches=8,
+                               accumulate_grad_batches=2, limit_val_batches=0)
+        trainer.fit(TinyModel())
+    assert steps_seen == [2, 4]
+
+
+def test_disable_automatic_during_fit_and_restore(tmp_path):
+    assert gc.isenabled()
+    seen = []
+
+    class Model(TinyModel):
+        def training_step(self, batch, batch_idx):
+            seen.append(gc.isenabled())
+            return super().training_step(batch, batch_idx)
+
+    make_trainer(tmp_path, callbacks=[GarbageCollector(disable_automatic=True)], max_steps=2,
+                 limit_val_batches=0).fit(Model())
+    assert seen == [False, False]
+    assert gc.isenabled()
+
+
+def test_gc_state_restored_after_a_crash(tmp_path):
+    class Crash(TinyModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise RuntimeError("crash in step")
+            return super().training_step(batch, batch_idx)
+
+    frozen_before = gc.get_freeze_count()
+    trainer = make_trainer(tmp_path, callbacks=[GarbageCollector(disable_automatic=True, freeze_after_setup=True)],
+                           max_steps=4)
+    with pytest.raises(RuntimeError, match="crash in step"):
+        trainer.fit(Crash())
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen_before
+
+
+def test_a_disabled_collector_stays_disabled(tmp_path):
+    gc.disable()
+    try:
+        make_trainer(tmp_path, callbacks=[GarbageCollector(disable_automatic=True)], max_steps=2,
+                     limit_val_batches=0).fit(TinyModel())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_freeze_after_setup_and_unfreeze_at_teardown(tmp_path):
+    counts = []
+
+    class Model(TinyModel):
+        def training_step(self, batch, batch_idx):
+            counts.append(gc.get_freeze_count())
+            return super().training_step(batch, batch_idx)
+
+    make_trainer(tmp_path, callbacks=[GarbageCollector(freeze_after_setup=True)], max_steps=1,
+                 limit_val_batches=0).fit(Model())
+    assert counts[0] > 1000  # the model, torch and Lightning objects are frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_time_and_counts_logged_at_fit_end(tmp_path):
+    from tests.callbacks.test_memory_monitor import RecordingLogger
+
+    logger = RecordingLogger()
+    make_trainer(tmp_path, callbacks=[GarbageCollector(every_n_steps=2)], logger=logger, max_steps=4,
+                 limit_val_batches=0).fit(TinyModel())
+    logged = [m for _, m in logger.calls if "memory/gc/collect_calls" in m]
+    assert len(logged) == 1 and logged[0]["memory/gc/collect_calls"] == 2.0
+    assert logged[0]["memory/gc/collect_seconds"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_n_steps": 0}, "`every_n_steps` must be a positive int, got 0"),
+        ({"every_n_steps": None}, "`every_n_steps` must be a positive int, got None"),
+        ({"generation": 3}, "`generation` must be one of 0, 1, 2, got 3"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GarbageCollector(**kwargs)
+
+
+DDP_SCRIPT = """
+import sys, json
+sys.path.insert(0, {root!r})
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning_memopt import GarbageCollector
+from lightning_memopt.callbacks import garbage_collector as gcmod
+from tests.helpers.models import TinyModel
+
+class Spy(pl.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        pass
+
+real_collect = gcmod.gc.collect
+steps = []
+
+class Probe:
+    def __getattr__(self, name):
+        return getattr(__import__("gc"), name)
+    def collect(self, generation=2):
+        steps.append(trainer.global_step)
+        return real_collect(generation)
+
+gcmod.gc = Probe()
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, limit_train_batches=6,
+                         limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, logger=False, default_root_dir=".",
+                         callbacks=[GarbageCollector(every_n_steps=2)])
+    trainer.fit(TinyModel())
+    with open("steps_rank%d.json" % trainer.global_rank, "w") as f:
+        json.dump(steps, f)
+"""
+
+
+def test_same_steps_on_every_ddp_rank(tmp_path):
+    import json
+
+    proc = run_script(DDP_SCRIPT.format(root=str(REPO_ROOT)), tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads((tmp_path / f"steps_rank{r}.json").read_text()) for r in (0, 1)]
+    assert steps[0] == steps[1] == [2, 4, 6]

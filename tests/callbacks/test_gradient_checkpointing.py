@@ -1,0 +1,191 @@
+"""GradientCheckpointing: same gradients as the plain model, less activation memory.
+
+Activation memory on CPU is measured as peak RSS (``resource.getrusage(...).ru_maxrss``) of a fresh subprocess per
+configuration, over one forward + backward of a transformer whose activations dwarf its weights.
+"""
+
+import copy
+import json
+import pickle
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_memopt import GradientCheckpointing
+from lightning_memopt.callbacks.gradient_checkpointing import _CheckpointedForward
+from tests.helpers.subprocess_run import run_script
+from tests.helpers.trainer import make_trainer
+
+
+class Blocks(pl.LightningModule):
+    def __init__(self, d=16, layers=3, dropout=0.1):
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return torch.utils.data.DataLoader(torch.randn(8, 5, 16, generator=g), batch_size=4)
+
+
+def _grads(model, x):
+    model.zero_grad()
+    torch.manual_seed(123)  # same dropout masks
+    model(x).pow(2).mean().backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "modules", [None, [nn.TransformerEncoderLayer], ["TransformerEncoderLayer"], ["encoder.layers.*"]]
+)
+def test_gradients_identical_to_the_plain_model(modules):
+    x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(1))
+    plain = Blocks().train()
+    wrapped = copy.deepcopy(plain)
+    cb = GradientCheckpointing(modules=modules)
+    assert cb.wrap(wrapped) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    ref, got = _grads(plain, x), _grads(wrapped, x)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=0, msg=name)
+    assert wrapped.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_checkpointing_really_recomputes():
+    calls = []
+    model = Blocks(layers=1, dropout=0.0).train()
+    model.encoder.layers[0].linear1.register_forward_pre_hook(lambda m, a: calls.append(1))
+    GradientCheckpointing().wrap(model)
+    model(torch.randn(2, 5, 16)).sum().backward()
+    assert len(calls) == 2  # forward + recomputation in backward
+    calls.clear()
+    with torch.no_grad():
+        model(torch.randn(2, 5, 16))
+    assert len(calls) == 1  # no checkpointing without grad
+
+
+def test_fit_wraps_at_setup_and_restores_at_teardown(tmp_path):
+    model = Blocks()
+    cb = GradientCheckpointing()
+    seen = {}
+
+    class Peek(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen["wrapped"] = isinstance(pl_module.encoder.layers[0].__dict__.get("forward"), _CheckpointedForward)
+
+    trainer = make_trainer(tmp_path, callbacks=[cb, Peek()], max_steps=2)
+    trainer.fit(model)
+    assert seen["wrapped"]
+    assert "forward" not in model.encoder.layers[0].__dict__
+    trainer = make_trainer(tmp_path, callbacks=[cb, Peek()], max_steps=2)
+    trainer.fit(model)  # fit twice
+    assert seen["wrapped"] and not cb.wrapped_names
+
+
+def test_wrapped_model_deepcopies_and_pickles():
+    model = Blocks(dropout=0.0)
+    GradientCheckpointing().wrap(model)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        fwd = clone.encoder.layers[0].forward
+        assert isinstance(fwd, _CheckpointedForward) and fwd.module is clone.encoder.layers[0]
+        x = torch.randn(2, 5, 16)
+        torch.testing.assert_close(clone(x), model(x))
+
+
+class FakeHF(nn.Module):
+    """Stands in for a Hugging Face PreTrainedModel."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16)
+        self.enabled_with = None
+        self.disabled = False
+
+    @property
+    def is_gradient_checkpointing(self):
+        return self.enabled_with is not None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.enabled_with = gradient_checkpointing_kwargs
+
+    def gradient_checkpointing_disable(self):
+        self.disabled = True
+
+
+class HFModule(Blocks):
+    def __init__(self):
+        super().__init__()
+        self.backbone = FakeHF()
+
+
+def test_model_switch_is_preferred(tmp_path):
+    model = HFModule()
+    cb = GradientCheckpointing()
+    trainer = make_trainer(tmp_path, callbacks=[cb], max_steps=1)
+    trainer.fit(model)
+    assert model.backbone.enabled_with == {"use_reentrant": False}
+    assert model.backbone.disabled  # turned off again at teardown
+    assert not cb.wrapped_names  # nothing else wrapped
+
+
+def test_no_match_warns(tmp_path):
+    cb = GradientCheckpointing(modules=["NoSuchLayer"])
+    with pytest.warns(UserWarning, match=r"found no submodule matching \['NoSuchLayer'\].*Pass `modules=`"):
+        make_trainer(tmp_path, callbacks=[cb], max_steps=1).fit(Blocks())
+
+
+def test_bad_modules_argument():
+    with pytest.raises(
+        ValueError, match="`modules` entries must be nn.Module classes, class names or name patterns, got 3"
+    ):
+        GradientCheckpointing(modules=[3])
+
+
+RSS_SCRIPT = """
+import json, resource, sys
+import psutil
+import torch
+from torch import nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+model = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False).train()
+x = torch.randn(16, 512, 64)
+if sys.argv[1] == "checkpointed":
+    from lightning_memopt import GradientCheckpointing
+    GradientCheckpointing().wrap(model)
+before = psutil.Process().memory_info().rss // 1024  # current RSS: the peak so far may be an import transient
+model(x).pow(2).mean().backward()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print("RESULT" + json.dumps({"delta_kib": after - before}))
+"""
+
+
+def test_activation_memory_is_lower_peak_rss_in_subprocesses(tmp_path, monkeypatch):
+    # Measurement: peak RSS (ru_maxrss, KiB on Linux) of a fresh process, peak over forward + backward minus the RSS
+    # just before it.
+    # A fixed glibc mmap threshold makes every large tensor its own mapping, returned to the OS when freed, so
+    # peak RSS follows the peak of live tensors instead of heap reuse (measured: ~225 MB plain vs ~70 MB).
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    deltas = {}
+    for mode in ("plain", "checkpointed"):
+        proc = run_script(RSS_SCRIPT, tmp_path, args=(mode,))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        line = next(row for row in proc.stdout.splitlines() if row.startswith("RESULT"))
+        deltas[mode] = json.loads(line[len("RESULT") :])["delta_kib"]
+    # Plain keeps every layer's activations (~25 MiB each); checkpointing keeps only the 8 layer inputs
+    # (2 MiB each) plus one layer's activations during its recomputation.
+    assert deltas["checkpointed"] < 0.5 * deltas["plain"], deltas

@@ -1,0 +1,290 @@
+import json
+import logging
+import pickle
+import warnings
+
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+
+import lightning_memopt.functional.footprint as footprint_mod
+from lightning_memopt import MemoryAudit, MemoryMonitor
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+#: Kept at module level on purpose: "held elsewhere", outside the model and the optimizer.
+_STRAY: list[torch.Tensor] = []
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _audit_warnings(caught, word):
+    return [str(w.message) for w in caught if "MemoryAudit" in str(w.message) and word in str(w.message)]
+
+
+class HiddenModel(TinyModel):
+    """Linear -> ReLU -> Linear: its graph keeps a (batch, hidden) activation alive."""
+
+    def __init__(self, hidden: int = 512, batch_size: int = 16, dtype: torch.dtype = torch.float32):
+        super().__init__(batch_size=batch_size)
+        self.layer = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 2)).to(dtype)
+
+    def forward(self, x):
+        return self.layer(x.to(self.layer[0].weight.dtype)).float()
+
+
+class LeakyModel(HiddenModel):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(loss)  # the bug: keeps every step's graph alive
+        return loss
+
+
+class TiedModel(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(32, 32, bias=False)
+        self.head = nn.Linear(32, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.layer(self.head(self.emb(x)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"leak_window": 2}, "`leak_window` must be at least 3"),
+        ({"leak_window": 0}, "`leak_window` must be a positive int, got 0"),
+        ({"leak_every_n_steps": 0}, "`leak_every_n_steps` must be a positive int, got 0"),
+        ({"leak_every_n_steps": 2.5}, "`leak_every_n_steps` must be a positive int, got 2.5"),
+        ({"duplicate_fraction": 50}, r"`duplicate_fraction` must be a fraction in \(0, 1\], got 50"),
+        ({"duplicate_fraction": 0}, "`duplicate_fraction`"),
+        ({"leak_min_bytes_per_step": 0}, "`leak_min_bytes_per_step` must be a positive int"),
+        ({"leak_min_bytes_per_step": True}, "`leak_min_bytes_per_step`"),
+        ({"max_listed": -1}, "`max_listed`"),
+        ({"leak_max_overhead": 2}, "`leak_max_overhead` must be a fraction"),
+    ],
+)
+def test_bad_arguments_raise_in_init(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MemoryAudit(**kwargs)
+
+
+def test_footprint_at_fit_start_written_printed_and_logged(tmp_path, caplog):
+    audit = MemoryAudit(detect_leaks=False)
+    monitor = MemoryMonitor(log_every_n_steps=1)
+    trainer = make_trainer(tmp_path, callbacks=[audit, monitor], max_steps=2)
+    model = TinyModel()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model)
+    path = tmp_path / "memory" / "memory_rank0.jsonl"  # the MemoryMonitor's file
+    assert audit.path == path
+    records = _records(path)
+    audits = [r for r in records if r["event"] == "audit"]
+    assert [r["audit"] for r in audits] == ["fit_start", "first_step"]
+    assert any(r["event"] == "step" for r in records)  # the monitor's records share the file
+    start, first = audits
+    param_bytes = (32 * 2 + 2) * 4
+    assert start["footprint"]["bytes_by_category"] == {
+        "parameters": param_bytes, "buffers": 0, "gradients": 0, "optimizer_states": 0}
+    assert first["footprint"]["bytes_by_category"]["gradients"] == param_bytes
+    assert start["unexplained_bytes"] is None  # CPU: no allocator readings
+    assert start["host_rss_bytes"] > 0 and start["phase"] == "train" and start["rank"] == 0
+    assert first["num_unowned_tensors"] >= 1 and first["unowned_tensor_bytes"] >= 64 * 32 * 4  # the dataset
+    assert start["duplicates"] is None
+    assert "parameters" in caplog.text and "footprint" in caplog.text
+    json.dumps(audit.last_audit)
+
+
+def test_fp32_duplicate_of_bf16_model_detected_with_byte_count(tmp_path):
+    model = HiddenModel(hidden=256, dtype=torch.bfloat16)
+    _STRAY[:] = [p.detach().float().clone() for p in model.parameters()]  # leftover fp32 copy
+    expected = sum(p.numel() * 4 for p in model.parameters())
+    audit = MemoryAudit(dirpath=tmp_path / "audit", detect_leaks=False)
+    trainer = make_trainer(tmp_path, callbacks=[audit], max_steps=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model)
+    finally:
+        _STRAY.clear()
+    messages = _audit_warnings(caught, "not owned")
+    assert len(messages) == 1  # once, although both audits see the copy
+    assert f"({expected} bytes" not in messages[0]  # the figure is printed as "<human> = <n> bytes"
+    assert f"= {expected} bytes" in messages[0] and "4 tensors" in messages[0]
+    assert "another dtype" in messages[0] and "torch.float32" in messages[0]
+    start = next(r for r in _records(tmp_path / "audit" / "memory_rank0.jsonl") if r.get("audit") == "fit_start")
+    assert start["duplicates"]["bytes"] == expected
+    warning = next(r for r in _records(tmp_path / "audit" / "memory_rank0.jsonl") if r["event"] == "warning")
+    assert warning["check"] == "duplicates" and warning["duplicate_bytes"] == expected
+
+
+def test_small_copy_below_fraction_is_not_reported(tmp_path):
+    model = HiddenModel(hidden=256)
+    _STRAY[:] = [model.layer[2].weight.detach().clone()]  # 512 of ~8.7k elements: under half a copy
+    audit = MemoryAudit(detect_leaks=False)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer(tmp_path, callbacks=[audit], max_steps=1).fit(model)
+    finally:
+        _STRAY.clear()
+    assert _audit_warnings(caught, "not owned") == []
+    assert audit.last_audit["duplicates"]["num_tensors"] == 1
+
+
+def test_tied_weights_are_not_duplicates(tmp_path):
+    audit = MemoryAudit(detect_leaks=False, duplicate_fraction=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[audit], max_steps=2).fit(TiedModel())
+    assert _audit_warnings(caught, "not owned") == []
+    assert audit.last_audit["duplicates"] is None
+    params = audit.last_audit["footprint"]["bytes_by_category"]["parameters"]
+    assert params == (32 * 32 + 32 * 2 + 2) * 4  # the tied matrix once
+
+
+def test_leak_warning_names_growth_step_and_attribute(tmp_path):
+    audit = MemoryAudit(leak_every_n_steps=2, leak_window=5, audit_fit_start=False, leak_max_overhead=None)
+    model = LeakyModel()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[audit], max_steps=20).fit(model)
+    messages = _audit_warnings(caught, "grows by")
+    assert len(messages) == 1
+    assert "self.losses (" in messages[0] and "per optimizer step" in messages[0]
+    assert audit.leak is not None and audit.leak.first_step == 4  # the first sample above the one before
+    # backward frees what the graph saved: what stays is the float32 loss itself, 4 bytes per step
+    assert 4 <= audit.leak.bytes_per_step < 64
+    warning = next(r for r in _records(tmp_path / "memory" / "memory_rank0.jsonl") if r["event"] == "warning")
+    assert warning["check"] == "leak" and warning["global_step"] == 10  # within the first window
+    assert warning["grad_fn_holders"][0]["path"] == "self.losses"
+    assert warning["grad_fn_holders"][0]["num_tensors"] == 10
+
+
+def test_clean_model_no_warning_over_200_steps(tmp_path):
+    audit = MemoryAudit(leak_max_overhead=None)  # a fixed interval: 20 samples over the 200 steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tmp_path, callbacks=[audit], max_steps=200, limit_train_batches=100,
+                               limit_val_batches=2, val_check_interval=50)
+        model = HiddenModel(hidden=64)
+        model.length = 16 * 100
+        model.configure_optimizers = lambda: torch.optim.Adam(model.parameters())
+        trainer.fit(model)
+    assert trainer.global_step == 200
+    assert [str(w.message) for w in caught if "MemoryAudit" in str(w.message)] == []
+    assert audit.leak is None and len(audit._samples) == 10
+
+
+def test_leak_samples_only_on_interval(tmp_path, monkeypatch):
+    import lightning_memopt.callbacks.memory_audit as audit_mod
+
+    calls = []
+    real = audit_mod.live_tensors
+    monkeypatch.setattr(audit_mod, "live_tensors", lambda *a, **k: calls.append(1) or real(*a, **k))
+    audit = MemoryAudit(leak_every_n_steps=5, audit_fit_start=False, check_grad_tracking=False,
+                        leak_max_overhead=None)
+    make_trainer(tmp_path, callbacks=[audit], max_steps=20, accumulate_grad_batches=2,
+                 limit_train_batches=40).fit(TinyModel())
+    assert len(calls) == 4  # steps 5, 10, 15, 20: one gc walk each, none in between
+    assert [s for s, _ in audit._samples] == [5, 10, 15, 20]
+
+
+def test_cpu_sample_interval_stretches_when_the_walk_is_expensive(tmp_path, monkeypatch):
+    import lightning_memopt.callbacks.memory_audit as audit_mod
+
+    clock = iter(range(10**6))  # every perf_counter call advances one "second": each walk costs 1 s
+    monkeypatch.setattr(audit_mod.time, "perf_counter", lambda: float(next(clock)))
+    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, check_grad_tracking=False,
+                        leak_max_overhead=0.5)
+    make_trainer(tmp_path, callbacks=[audit], max_steps=12, limit_train_batches=12).fit(TinyModel())
+    # a 1 s walk after <= 1 s of training costs more than half: the interval doubles after every sample
+    assert [s for s, _ in audit._samples] == [1, 3, 7]
+
+
+class GradInValidation(TinyModel):
+    def validation_step(self, batch, batch_idx):
+        with torch.enable_grad():
+            out = self(batch)
+        return {"out": out}
+
+
+class MetricWithGrad(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.preds = torchmetrics.CatMetric()
+
+    def training_step(self, batch, batch_idx):
+        out = self(batch)
+        self.preds.update(out.sum(-1))  # not detached: every update keeps its graph
+        return out.pow(2).mean()
+
+
+def test_grad_tracking_checks(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
+                     max_steps=4, limit_val_batches=2, inference_mode=False).fit(GradInValidation())
+    assert len(_audit_warnings(caught, "validation_step (batch 0) returned 1 tensors with autograd")) == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
+                     max_steps=2).fit(MetricWithGrad())
+    assert _audit_warnings(caught, "metric states hold tensors that require grad: self.preds.value")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
+                     max_steps=2).fit(TinyModel())
+    assert [str(w.message) for w in caught if "MemoryAudit" in str(w.message)] == []
+
+
+def test_audit_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    def broken():
+        raise RuntimeError("gc walk broke")
+
+    monkeypatch.setattr(footprint_mod.gc, "get_objects", broken)
+    audit = MemoryAudit(leak_every_n_steps=1, leak_window=3, leak_max_overhead=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tmp_path, callbacks=[audit], max_steps=6)
+        trainer.fit(TinyModel())
+    assert trainer.global_step == 6
+    failed = [str(w.message) for w in caught if "MemoryAudit" in str(w.message) and "failed" in str(w.message)]
+    assert len([m for m in failed if "audit check" in m]) == 1
+    assert len([m for m in failed if "leak check" in m]) == 1
+    assert all("training goes on" in m for m in failed)
+
+
+def test_misbehaving_object_in_gc_is_skipped(tmp_path):
+    class Exploding:
+        @property
+        def __class__(self):
+            raise RuntimeError("boom")
+
+    keep = [Exploding() for _ in range(3)]  # noqa: F841 - alive during the audit
+    audit = MemoryAudit(detect_leaks=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[audit], max_steps=1).fit(TinyModel())
+    assert [str(w.message) for w in caught if "MemoryAudit" in str(w.message)] == []
+    assert audit.last_audit is not None
+
+
+def test_state_dict_keeps_leak_window_and_pickles(tmp_path):
+    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, leak_max_overhead=None)
+    make_trainer(tmp_path, callbacks=[audit], max_steps=4).fit(TinyModel())
+    state = audit.state_dict()
+    assert [s for s, _ in state["leak_samples"]] == [1, 2, 3, 4] and state["leak_reported"] is False
+    fresh = MemoryAudit(leak_every_n_steps=1)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert fresh.state_dict() == state
+    assert pickle.loads(pickle.dumps(audit)).state_dict() == state

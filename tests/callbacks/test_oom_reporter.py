@@ -1,0 +1,415 @@
+"""OOMReporter: reports on CPU from hand-raised out-of-memory errors, 2-process DDP, and a real CUDA OOM."""
+
+import json
+import pickle
+import warnings
+
+import pytest
+import torch
+
+from lightning_memopt import OOMReporter
+from lightning_memopt.callbacks import oom_reporter as module
+from lightning_memopt.cli import main as cli_main
+from lightning_memopt.functional.oom import REDACTED, REPORT_FORMAT
+from tests.helpers.models import TinyModel
+from tests.helpers.subprocess_run import run_script
+from tests.helpers.trainer import make_trainer
+
+MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB. (raised by the test)"
+
+
+class _BackwardOOM(torch.autograd.Function):
+    error = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _BackwardOOM.error
+
+
+class FailingModel(TinyModel):
+    """Raises an out-of-memory error in `where` at batch `at` (global step for training)."""
+
+    def __init__(self, where="forward", at=2, error=None):
+        super().__init__()
+        self.where, self.at, self.error = where, at, error
+        self.raised = None
+        self._phase = None
+
+    def _raise(self):
+        self.raised = self.error if self.error is not None else torch.OutOfMemoryError(MESSAGE)
+        raise self.raised
+
+    def forward(self, x):
+        if self.where == "forward" and self._phase == "train" and self._idx == self.at:
+            self._raise()
+        out = self.layer(x)
+        if self.where == "backward" and self._phase == "train" and self._idx == self.at:
+            self.raised = _BackwardOOM.error = torch.OutOfMemoryError(MESSAGE)
+            out = _BackwardOOM.apply(out)
+        return out
+
+    def training_step(self, batch, batch_idx):
+        self._phase, self._idx = "train", batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        if self.where == "validation" and batch_idx == self.at:
+            self._raise()
+        return super().validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        if self.where == "predict" and batch_idx == self.at:
+            self._raise()
+        return super().predict_step(batch, batch_idx)
+
+
+def _fit_and_fail(tmp_path, model, reporter, **trainer_kwargs):
+    trainer = make_trainer(tmp_path, callbacks=[reporter], **trainer_kwargs)
+    with pytest.raises(BaseException) as info:
+        trainer.fit(model)
+    return trainer, info.value
+
+
+def _files(directory):
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_training_oom_report_has_every_field(tmp_path, where):
+    model = FailingModel(where, at=2)
+    reporter = OOMReporter(dirpath=tmp_path / "reports", top_k_tensors=5)
+    _, err = _fit_and_fail(tmp_path, model, reporter, accumulate_grad_batches=1, max_steps=10)
+    # the original exception, unchanged
+    assert err is model.raised and type(err) is torch.OutOfMemoryError and str(err) == MESSAGE
+    assert _files(tmp_path / "reports") == ["oom_report_rank0.json", "oom_report_rank0.md"]
+    report = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())
+
+    assert report["format"] == REPORT_FORMAT
+    when = report["when"]
+    assert when["time"] > 0 and when["rank"] == 0 and when["world_size"] == 1 and when["device"] == "cpu"
+    assert (when["fn"], when["stage"], when["epoch"], when["global_step"], when["batch_idx"]) == ("fit", "train", 0,
+                                                                                                2, 2)
+    assert report["error"]["type"] == "torch.OutOfMemoryError" and report["error"]["message"] == MESSAGE
+    assert ("_raise" if where == "forward" else "backward") in report["error"]["location"]
+    assert "test_oom_reporter.py" in report["error"]["location"]
+
+    batch = report["batch"]
+    assert batch["tensors"] == [{"path": "batch", "shape": [4, 32], "dtype": "torch.float32", "device": "cpu",
+                                 "bytes": 512}]
+    assert batch["micro_batch_size"] == 4 and batch["found_in"]
+
+    memory = report["memory"]
+    assert memory["device"] == "cpu" and memory["host_rss_bytes"] > 0 and memory["allocated_bytes"] is None
+    assert memory["message_requested_bytes"] == 2 * 1024**3 and "summary" in memory
+
+    holders = report["holders"]
+    assert holders["bytes_by_category"]["parameters"] == (32 * 2 + 2) * 4
+    assert {r["category"] for r in holders["rows"]} >= {"parameters"}
+    assert len(holders["top_tensors"]) == 5 and "unexplained_bytes" in holders
+    assert any(t["name"] == "layer.weight" for t in holders["top_tensors"]) or holders["top_tensors"][0]["bytes"]
+
+    config = report["config"]
+    assert config["precision"] == "32-true" and config["accumulate_grad_batches"] == 1
+    assert config["micro_batch_size"] == 4 and config["effective_batch_size"] == 4
+    assert config["strategy"] == "SingleDeviceStrategy" and config["num_devices"] == 1
+    assert set(config["allocator"]) == {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"}
+    assert config["versions"]["torch"] == str(torch.__version__) and config["versions"]["lightning_memopt"]
+
+    assert report["suggestions"] and report["suggestions"][0]["rank"] == 1
+    assert any("accumulate_grad_batches" in s["action"] for s in report["suggestions"])
+    assert report["snapshot"]["path"] is None and "record_history=True" in report["snapshot"]["reason"]
+    assert isinstance(report["environment"], dict) and report["report_errors"] == []
+
+    md = (tmp_path / "reports" / "oom_report_rank0.md").read_text()
+    assert md.startswith("# Out-of-memory report: rank 0 of 1, train, global step 2")
+    assert "## Suggestions" in md and "| batch | (4, 32) | torch.float32 | cpu | 512 B |" in md
+
+
+def test_accumulation_is_in_the_effective_batch(tmp_path):
+    model = FailingModel("forward", at=5)
+    _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path, top_k_tensors=0), accumulate_grad_batches=3,
+                  max_steps=5, limit_train_batches=8)
+    report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
+    assert report["config"]["accumulate_grad_batches"] == 3 and report["config"]["effective_batch_size"] == 12
+    assert report["when"]["batch_idx"] == 5 and report["when"]["global_step"] == 1
+    assert "top_tensors" not in report["holders"]
+
+
+def test_validation_oom_and_default_dirpath_created(tmp_path):
+    model = FailingModel("validation", at=1)
+    _, err = _fit_and_fail(tmp_path / "root", model, OOMReporter())
+    assert err is model.raised
+    directory = tmp_path / "root" / "oom"
+    assert _files(directory) == ["oom_report_rank0.json", "oom_report_rank0.md"]
+    report = json.loads((directory / "oom_report_rank0.json").read_text())
+    assert (report["when"]["fn"], report["when"]["stage"], report["when"]["batch_idx"]) == ("fit", "validate", 1)
+    assert report["suggestions"][0]["action"].startswith("Lower the validate batch size")
+
+
+def test_predict_oom_and_nested_dirpath_that_does_not_exist(tmp_path):
+    model = FailingModel("predict", at=0)
+    target = tmp_path / "a" / "b" / "c"
+    trainer = make_trainer(tmp_path, callbacks=[OOMReporter(dirpath=target)])
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.predict(model)
+    report = json.loads((target / "oom_report_rank0.json").read_text())
+    assert (report["when"]["fn"], report["when"]["stage"]) == ("predict", "predict")
+
+
+@pytest.mark.parametrize("error", [RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
+                                   RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")])
+def test_other_backend_oom_is_reported_with_its_type(tmp_path, error):
+    model = FailingModel("forward", at=0, error=error)
+    _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path))
+    assert err is error
+    assert json.loads((tmp_path / "oom_report_rank0.json").read_text())["error"]["type"] == "RuntimeError"
+
+
+def test_other_errors_write_nothing(tmp_path):
+    model = FailingModel("forward", at=1, error=ValueError("a bug, not memory"))
+    _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path / "r"))
+    assert isinstance(err, ValueError) and not (tmp_path / "r").exists()
+
+
+def test_reporter_never_raises_over_the_original_error(tmp_path, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("reporter bug")
+
+    # a section failing: listed in the report, the rest written
+    monkeypatch.setattr(module, "describe_batch", broken)
+    monkeypatch.setattr(module.fp, "model_footprint", broken)
+    model = FailingModel("forward", at=1)
+    _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path / "r"))
+    assert err is model.raised
+    report = json.loads((tmp_path / "r" / "oom_report_rank0.json").read_text())
+    assert any("failing batch" in p for p in report["report_errors"])
+    assert any("who holds memory" in p for p in report["report_errors"])
+    assert "## Parts of this report that could not be gathered" in (tmp_path / "r" / "oom_report_rank0.md").read_text()
+
+    # writing itself failing (dirpath is a file): logged, original error still arrives
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    model = FailingModel("forward", at=1)
+    with caplog.at_level("ERROR", logger="lightning_memopt"):
+        _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=blocker / "sub"))
+    assert err is model.raised and type(err) is torch.OutOfMemoryError and str(err) == MESSAGE
+    assert "could not be written" in caplog.text
+
+
+def test_only_the_first_oom_of_a_step_is_reported(tmp_path):
+    reporter = OOMReporter(dirpath=tmp_path, top_k_tensors=0)
+
+    class Retrying(FailingModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                for _ in range(3):  # e.g. a user retry loop that reports before retrying
+                    try:
+                        raise torch.OutOfMemoryError(MESSAGE)
+                    except torch.OutOfMemoryError as err:
+                        reporter.on_exception(self.trainer, self, err)
+            return super().training_step(batch, batch_idx)
+
+    model = Retrying("forward", at=1)
+    _, err = _fit_and_fail(tmp_path, model, reporter)  # Lightning reports the escaping one: same step again
+    assert err is model.raised
+    assert _files(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md"]
+    assert reporter.state_dict()["num_reports"] == 1
+    assert reporter.state_dict()["reported_steps"] == ["fit/train/0/1/1"]
+
+
+def test_second_run_keeps_the_first_report(tmp_path):
+    _fit_and_fail(tmp_path, FailingModel("forward", at=1), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    first = (tmp_path / "oom_report_rank0.json").read_text()
+    first_md = (tmp_path / "oom_report_rank0.md").read_text()
+    _fit_and_fail(tmp_path, FailingModel("forward", at=2), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    names = _files(tmp_path)
+    assert len(names) == 4 and "oom_report_rank0.json" in names
+    moved_json = next(n for n in names if n.startswith("oom_report_rank0-") and n.endswith(".json"))
+    moved_md = moved_json[:-5] + ".md"
+    assert (tmp_path / moved_json).read_text() == first and (tmp_path / moved_md).read_text() == first_md
+    assert json.loads((tmp_path / "oom_report_rank0.json").read_text())["when"]["global_step"] == 2
+    # a third run within the same second still keeps both earlier reports
+    _fit_and_fail(tmp_path, FailingModel("forward", at=3), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    assert len(_files(tmp_path)) == 6
+
+
+def test_secrets_from_the_environment_are_in_no_file(tmp_path, monkeypatch):
+    secrets = {"TORCH_TEST_API_TOKEN": "tok-0a1b2c3d", "NCCL_SECRET": "sec-4e5f6a7b", "CUDA_PASSWORD": "pw-8c9d0e1f",
+               "MY_APP_KEY": "key-2a3b4c5d", "HF_TOKEN": "hf-6e7f8a9b"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    _fit_and_fail(tmp_path, FailingModel("forward", at=0), OOMReporter(dirpath=tmp_path / "r"))
+    files = list((tmp_path / "r").iterdir())
+    assert len(files) == 2
+    for path in files:
+        text = path.read_text()
+        for value in secrets.values():
+            assert value not in text, (path.name, value)
+    env = json.loads((tmp_path / "r" / "oom_report_rank0.json").read_text())["environment"]
+    assert env["TORCH_TEST_API_TOKEN"] == REDACTED and env["NCCL_DEBUG"] == "INFO" and "HF_TOKEN" not in env
+
+
+def test_record_history_without_cuda_warns_once_and_still_reports(tmp_path):
+    reporter = OOMReporter(dirpath=tmp_path, record_history=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_and_fail(tmp_path, FailingModel("forward", at=1), reporter)
+    ours = [w for w in caught if "record_history" in str(w.message)]
+    assert len(ours) == 1
+    report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
+    assert report["snapshot"]["path"] is None and "not available" in report["snapshot"]["reason"]
+    assert _files(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md"]
+
+
+class _FakeHistory:
+    def __init__(self):
+        self.calls = []
+
+    def install(self, monkeypatch):
+        private = module._torch_private
+        monkeypatch.setattr(private, "supports_memory_history", lambda: True)
+        monkeypatch.setattr(private, "start_memory_history", lambda n: self.calls.append(("start", n)) or True)
+        monkeypatch.setattr(private, "stop_memory_history", lambda: self.calls.append(("stop",)) or True)
+
+        def dump(path):
+            self.calls.append(("dump", str(path)))
+            with open(path, "wb") as f:
+                pickle.dump({"segments": [], "device_traces": []}, f)
+            return True
+
+        monkeypatch.setattr(private, "dump_memory_snapshot", dump)
+        monkeypatch.setattr(module, "trainer_device", lambda trainer: torch.device("cuda", 0))
+        return self
+
+
+def test_record_history_started_at_setup_dumped_at_oom_and_stopped(tmp_path, monkeypatch):
+    history = _FakeHistory().install(monkeypatch)
+    reporter = OOMReporter(dirpath=tmp_path, record_history=True, max_entries=1234)
+    _fit_and_fail(tmp_path, FailingModel("forward", at=1), reporter)
+    assert [c[0] for c in history.calls] == ["start", "dump", "stop"] and history.calls[0] == ("start", 1234)
+    assert _files(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md", "oom_snapshot_rank0.pickle"]
+    report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
+    assert report["snapshot"]["path"].endswith("oom_snapshot_rank0.pickle")
+    assert "memory_viz" in report["snapshot"]["how_to_open"]
+    assert "oom_snapshot_rank0.pickle" in (tmp_path / "oom_report_rank0.md").read_text()
+    # a second failing run moves the snapshot aside together with its report
+    _fit_and_fail(tmp_path, FailingModel("forward", at=2), OOMReporter(dirpath=tmp_path, record_history=True))
+    assert len([n for n in _files(tmp_path) if n.startswith("oom_snapshot_rank0")]) == 2
+
+
+def test_record_history_stopped_at_teardown_of_a_good_run(tmp_path, monkeypatch):
+    history = _FakeHistory().install(monkeypatch)
+    reporter = OOMReporter(dirpath=tmp_path, record_history=True)
+    make_trainer(tmp_path, callbacks=[reporter], max_steps=2).fit(TinyModel())
+    assert [c[0] for c in history.calls] == ["start", "stop"] and _files(tmp_path) == []
+    clone = pickle.loads(pickle.dumps(reporter))
+    assert clone._recording is False
+
+
+def test_non_oom_error_also_stops_history(tmp_path, monkeypatch):
+    history = _FakeHistory().install(monkeypatch)
+    _fit_and_fail(tmp_path, FailingModel("forward", at=1, error=ValueError("bug")),
+                  OOMReporter(dirpath=tmp_path, record_history=True))
+    assert [c[0] for c in history.calls] == ["start", "stop"]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"max_entries": 0}, "`max_entries` must be a positive int, got 0"),
+    ({"top_k_tensors": -1}, "`top_k_tensors` must be a non-negative int, got -1"),
+    ({"record_history": "yes"}, "`record_history` must be a bool, got 'yes'"),
+    ({"dirpath": 3}, "`dirpath` must be a path or None, got 3"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OOMReporter(**kwargs)
+
+
+def test_state_dict_round_trip():
+    reporter = OOMReporter()
+    reporter.load_state_dict({"reported_steps": ["fit/train/0/1/1"], "num_reports": 1})
+    assert OOMReporter().state_key == reporter.state_key != OOMReporter(dirpath="x").state_key
+    assert reporter.state_dict() == {"reported_steps": ["fit/train/0/1/1"], "num_reports": 1}
+
+
+def test_cli_report_prints_markdown(tmp_path, capsys):
+    _fit_and_fail(tmp_path, FailingModel("forward", at=1), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    assert cli_main(["report", str(tmp_path / "oom_report_rank0.json")]) == 0
+    out = capsys.readouterr().out
+    assert out == (tmp_path / "oom_report_rank0.md").read_text()
+    assert cli_main(["report", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+DDP_SCRIPT = """
+import sys
+from datetime import timedelta
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_memopt import OOMReporter
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+
+class RankOneFails(TinyModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (rank 1 only)")
+        return super().training_step(batch, batch_idx)
+
+
+trainer = make_trainer(".", accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=60)),
+                       max_steps=6, limit_train_batches=6, callbacks=[OOMReporter(dirpath=sys.argv[1])])
+trainer.fit(RankOneFails())
+"""
+
+
+def test_ddp_only_the_failing_rank_writes_and_the_run_ends(tmp_path):
+    out = tmp_path / "reports"
+    # Lightning's launcher ends rank 0 a few seconds after rank 1 dies; the group timeout is the safety net.
+    result = run_script(DDP_SCRIPT, tmp_path, timeout=150, args=(str(out),))
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert _files(out) == ["oom_report_rank1.json", "oom_report_rank1.md"], result.stderr[-3000:]
+    report = json.loads((out / "oom_report_rank1.json").read_text())
+    assert report["when"]["rank"] == 1 and report["when"]["world_size"] == 2
+    assert report["config"]["strategy"] == "DDPStrategy" and report["config"]["effective_batch_size"] == 8
+
+
+@pytest.mark.cuda
+def test_real_cuda_oom_with_snapshot(tmp_path):
+    from torch.cuda import _memory_viz
+
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    class Huge(TinyModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                torch.empty(2 * total, dtype=torch.uint8, device=self.device)
+            return super().training_step(batch, batch_idx)
+
+    reporter = OOMReporter(dirpath=tmp_path, record_history=True)
+    trainer = make_trainer(tmp_path, accelerator="cuda", callbacks=[reporter])
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit(Huge())
+    names = _files(tmp_path)
+    assert names == ["oom_report_rank0.json", "oom_report_rank0.md", "oom_snapshot_rank0.pickle"]
+    report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
+    assert report["memory"]["allocated_bytes"] > 0 and report["memory"]["device_total_bytes"] == total
+    assert report["memory"]["message_requested_bytes"] is not None and report["memory"]["summary"]
+    assert report["holders"]["bytes_by_category"]["parameters"] > 0
+    assert report["suggestions"][0]["action"].startswith("Check the shape")
+    with open(tmp_path / "oom_snapshot_rank0.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    assert "segments" in snapshot and "device_traces" in snapshot
+    assert "<html" in _memory_viz.trace_plot(snapshot).lower()
+    # history switched off after the exception: a fresh snapshot has no new trace entries
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory._snapshot()
+    torch.ones(1, device="cuda")
+    assert torch.cuda.memory._snapshot()["device_traces"] == after["device_traces"]

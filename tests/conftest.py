@@ -1,0 +1,34 @@
+import gc
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """Fail loudly if a test leaves process-wide state changed."""
+    gc_enabled = gc.isenabled()
+    thresholds = gc.get_threshold()
+    matmul = torch.get_float32_matmul_precision()
+    yield
+    if gc.isenabled() != gc_enabled:
+        gc.enable() if gc_enabled else gc.disable()
+        pytest.fail("test left automatic garbage collection changed")
+    if gc.get_threshold() != thresholds:
+        gc.set_threshold(*thresholds)
+        pytest.fail("test left gc thresholds changed")
+    if torch.get_float32_matmul_precision() != matmul:
+        torch.set_float32_matmul_precision(matmul)
+        pytest.fail("test left float32 matmul precision changed")

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memopt import to_device_and_dtype
+from lightning_memopt.functional.conversion import ConversionResult
+
+
+def _net():
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+
+
+def test_cast_in_place_reports_bytes_and_keeps_parameter_objects():
+    net = _net()
+    params = list(net.parameters())
+    res = to_device_and_dtype(net, dtype=torch.bfloat16)
+    assert isinstance(res, ConversionResult) and res.converted
+    assert [id(p) for p in net.parameters()] == [id(p) for p in params]  # in place: same Parameter objects
+    # params 72 + bn weight/bias 16, running stats 16 (float) + num_batches_tracked 1 (int64, untouched)
+    assert res.num_converted == 6 and res.num_skipped == 1
+    assert res.bytes_before == {"cpu": (72 + 16 + 16) * 4 + 8}
+    assert res.bytes_after == {"cpu": (72 + 16 + 16) * 2 + 8}
+    assert net[1].num_batches_tracked.dtype == torch.int64
+    assert res.allocated_before is None and res.allocated_after is None  # no allocator readings on CPU
+    json.dumps(res.as_dict())
+
+
+def test_noop_conversions_are_skipped_without_calling_to(monkeypatch):
+    net = _net().to(torch.float16)
+    calls = []
+    monkeypatch.setattr(nn.Module, "to", lambda self, *a, **k: calls.append((a, k)) or self)
+    for kwargs in ({}, {"device": "cpu"}, {"dtype": torch.float16}, {"device": torch.device("cpu"),
+                                                                      "dtype": torch.float16}):
+        res = to_device_and_dtype(net, **kwargs)
+        assert not res.converted and res.num_converted == 0
+        assert res.bytes_before == res.bytes_after
+    assert calls == []
+
+
+def test_only_mismatching_tensors_counted():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    res = to_device_and_dtype(net, dtype=torch.bfloat16)
+    assert (res.num_converted, res.num_skipped) == (2, 2)
+    assert res.total_bytes_before == 20 * 4 + 20 * 2 and res.total_bytes_after == 40 * 2
+
+
+@pytest.mark.parametrize("bad", [torch.int8, "bfloat16", torch.bool])
+def test_bad_dtype_names_argument(bad):
+    with pytest.raises(ValueError, match=r"`dtype` must be a floating-point torch.dtype.*got"):
+        to_device_and_dtype(nn.Linear(2, 2), dtype=bad)
+
+
+@pytest.mark.cuda
+def test_cuda_move_and_cast_once_reports_allocator_delta():
+    net = nn.Linear(1024, 1024)
+    res = to_device_and_dtype(net, device="cuda", dtype=torch.bfloat16)
+    assert res.converted and res.bytes_after == {"cuda:0": (1024 * 1024 + 1024) * 2}
+    assert res.allocated_after - res.allocated_before >= (1024 * 1024 + 1024) * 2
+    assert not to_device_and_dtype(net, device="cuda:0", dtype=torch.bfloat16).converted
+    stray = net.state_dict()  # references to the bf16 storages, kept elsewhere
+    res = to_device_and_dtype(net, dtype=torch.float32)
+    # the old bf16 weights stay alive in `stray`: allocated grows by the full fp32 size, nothing is freed
+    assert res.allocated_after - res.allocated_before >= (1024 * 1024 + 1024) * 4
+    del stray

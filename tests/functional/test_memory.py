@@ -1,0 +1,120 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from lightning_memopt.functional import memory as mem
+from lightning_memopt.functional.memory import (
+    MEMORY_FIELDS,
+    MemoryReading,
+    empty_device_cache,
+    memory_record,
+    read_memory,
+    reset_peak_memory,
+)
+
+SCHEMA = [
+    "time", "rank", "phase", "event", "epoch", "global_step", "batch_idx", "device",
+    "allocated_bytes", "reserved_bytes", "active_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+    "device_total_bytes", "device_free_bytes", "host_rss_bytes", "num_alloc_retries", "num_ooms",
+]
+
+
+def test_cpu_reading_has_host_figures_and_null_device_figures():
+    reading = read_memory("cpu")
+    assert reading.device == "cpu"
+    assert isinstance(reading.host_rss_bytes, int) and reading.host_rss_bytes > 10 * 2**20
+    for field in MEMORY_FIELDS:
+        if field != "host_rss_bytes":
+            assert getattr(reading, field) is None, field
+    assert reset_peak_memory("cpu") is False
+    assert empty_device_cache("cpu") is False
+
+
+def test_host_rss_tracks_a_large_allocation():
+    before = read_memory("cpu").host_rss_bytes
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after = read_memory("cpu").host_rss_bytes
+    assert after - before > 48 * 2**20
+    del block
+
+
+def test_host_rss_falls_back_to_proc_when_psutil_fails(monkeypatch):
+    class Broken:
+        def memory_info(self):
+            raise RuntimeError("no psutil here")
+
+    monkeypatch.setattr(mem, "_PROCESS", Broken())
+    value = mem.host_rss_bytes()
+    assert value is None or value > 0
+    if value is not None:
+        assert abs(value - mem._statm_rss()) < 64 * 2**20
+
+
+def test_cuda_reading_maps_allocator_stats(monkeypatch):
+    stats = {
+        "allocated_bytes.all.current": 100,
+        "reserved_bytes.all.current": 300,
+        "active_bytes.all.current": 120,
+        "allocated_bytes.all.peak": 250,
+        "reserved_bytes.all.peak": 400,
+        "num_alloc_retries": 2,
+        "num_ooms": 1,
+    }
+    seen = {}
+    monkeypatch.setattr(mem, "supports_device_memory", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: seen.setdefault("stats", device) and stats)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (700, 1000))
+    reading = read_memory(torch.device("cuda", 1))
+    assert seen["stats"] == torch.device("cuda", 1)
+    assert reading.device == "cuda:1"
+    assert (reading.allocated_bytes, reading.reserved_bytes, reading.active_bytes) == (100, 300, 120)
+    assert (reading.peak_allocated_bytes, reading.peak_reserved_bytes) == (250, 400)
+    assert (reading.device_free_bytes, reading.device_total_bytes) == (700, 1000)
+    assert (reading.num_alloc_retries, reading.num_ooms) == (2, 1)
+    assert reading.fraction_of_total("reserved_bytes") == pytest.approx(0.3)
+
+
+def test_missing_allocator_keys_are_null_not_invented(monkeypatch):
+    monkeypatch.setattr(mem, "supports_device_memory", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"allocated_bytes.all.current": 5})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1, 2))
+    reading = read_memory(torch.device("cuda", 0))
+    assert reading.allocated_bytes == 5
+    assert reading.reserved_bytes is None and reading.num_ooms is None
+
+
+def test_record_follows_the_jsonl_schema_and_serialises():
+    reading = read_memory("cpu")
+    record = memory_record(reading, rank=1, phase="validate", event="step", epoch=2, global_step=7, batch_idx=3)
+    assert list(record) == SCHEMA
+    assert json.loads(json.dumps(record)) == record
+    assert record["rank"] == 1 and record["phase"] == "validate" and record["device"] == "cpu"
+
+
+def test_reading_is_frozen():
+    reading = MemoryReading(time=0.0, device="cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reading.allocated_bytes = 3  # type: ignore[misc]
+    assert reading.fraction_of_total("allocated_bytes") is None
+
+
+@pytest.mark.cuda
+def test_real_cuda_reading_and_peak_reset():
+    device = torch.device("cuda", torch.cuda.current_device())
+    reset_peak_memory(device)
+    base = read_memory(device)
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    during = read_memory(device)
+    assert during.allocated_bytes - base.allocated_bytes >= 256 * 2**20
+    assert during.peak_allocated_bytes >= during.allocated_bytes
+    assert during.device_total_bytes == torch.cuda.get_device_properties(device).total_memory
+    assert during.device_free_bytes is not None and during.host_rss_bytes > 0
+    del x
+    assert reset_peak_memory(device)
+    after = read_memory(device)
+    assert after.peak_allocated_bytes < during.peak_allocated_bytes
+    reserved_before = after.reserved_bytes
+    assert empty_device_cache(device)
+    assert read_memory(device).reserved_bytes <= reserved_before

@@ -1,0 +1,284 @@
+"""StreamingRetrievalMetric: equal to the functional form and the full-matrix reference, CPU storage, contract, DDP."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from lightning_memopt import StreamingRetrievalMetric
+from lightning_memopt.functional.retrieval import retrieval_ranks, streaming_retrieval, summarize_ranks
+from tests.functional.test_retrieval import make_data, reference_ranks
+from tests.helpers.subprocess_run import run_script
+
+
+def feed(metric, video, text, ids, batch=7, **extra):
+    for start in range(0, video.shape[0], batch):
+        sl = slice(start, start + batch)
+        metric.update(video[sl], text[sl], ids[sl], **{k: v[sl] for k, v in extra.items()})
+
+
+def test_matches_reference_over_batches_with_repeated_captions():
+    video, text, ids = make_data(n=50, d=6, n_captions=17, seed=0)
+    metric = StreamingRetrievalMetric(top_k=(1, 5), video_block_size=8, text_block_size=5)
+    feed(metric, video, text, ids)
+    out = metric.compute()
+    v2t, t2v = reference_ranks(video, text, text_ids=ids)
+    expected = summarize_ranks(v2t, (1, 5), prefix="v2t/") | summarize_ranks(t2v, (1, 5), prefix="t2v/")
+    assert list(out) == list(expected)
+    for key in out:
+        assert out[key].item() == pytest.approx(expected[key].item()), key
+        assert out[key].dim() == 0
+    assert torch.cat(metric.text_ids).numel() == len(set(ids.tolist()))  # repeated captions stored once
+    ranks = metric.compute_ranks()
+    assert ranks.v2t.tolist() == v2t.tolist() and ranks.t2v.tolist() == t2v.tolist()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"protocol": "paired"},
+        {"ties": "pessimistic"},
+        {"v2t_gallery": "groups"},
+        {"median": "mean"},
+        {"median": "lower"},
+    ],
+)
+def test_options_match_the_functional_form(options):
+    video, text, ids = make_data(n=40, d=4, n_captions=12, seed=1)
+    video_ids = torch.arange(40) // 2
+    video = video[video_ids * 2]
+    metric = StreamingRetrievalMetric(**options)
+    feed(metric, video, text, ids, sample_ids=torch.arange(40), video_ids=video_ids)
+    out = metric.compute()
+    expected = streaming_retrieval(video, text, ids, video_ids=video_ids, sample_ids=torch.arange(40), **options)
+    assert {k: v.item() for k, v in out.items()} == pytest.approx({k: v.item() for k, v in expected.items()})
+
+
+def test_padding_repeats_count_once():
+    video, text, ids = make_data(n=30, n_captions=10, seed=2)
+    metric = StreamingRetrievalMetric()
+    feed(metric, video, text, ids, sample_ids=torch.arange(30))
+    metric.update(video[:4], text[:4], ids[:4], sample_ids=torch.arange(4))  # the sampler's padding
+    once = StreamingRetrievalMetric()
+    feed(once, video, text, ids, sample_ids=torch.arange(30))
+    assert {k: v.item() for k, v in metric.compute().items()} == {k: v.item() for k, v in once.compute().items()}
+
+
+def test_features_stored_detached_on_cpu_and_state_small():
+    video = torch.randn(12, 8, requires_grad=True)
+    text = (torch.randn(12, 8, requires_grad=True) * 2).to(torch.bfloat16)
+    metric = StreamingRetrievalMetric()
+    metric.update(video * 1.0, text, [i % 3 for i in range(12)])
+    for state in (metric.video_features, metric.text_features):
+        for t in state:
+            assert not t.requires_grad and t.grad_fn is None and t.device.type == "cpu"
+    assert metric.text_features[0].dtype == torch.bfloat16 and metric.text_features[0].shape == (3, 8)
+    assert set(metric.compute()) >= {"v2t/R@1", "t2v/MeanR"}
+    metric.to("meta")  # a module move never drags the accumulated features along
+    assert metric.video_features[0].device.type == "cpu" and metric.device.type == "meta"
+
+
+def test_contract_pickle_clone_reset_state_dict():
+    video, text, ids = make_data(n=20, n_captions=6, seed=3)
+    metric = StreamingRetrievalMetric(top_k=(1,))
+    feed(metric, video, text, ids)
+    expected = {k: v.item() for k, v in metric.compute().items()}
+    for other in (pickle.loads(pickle.dumps(metric)), metric.clone()):
+        other.update(video[:2], text[:2], ids[:2])  # the copy does not share the seen-caption cache
+        assert {k: v.item() for k, v in other.compute().items()} != {} and other is not metric
+    assert torch.cat(metric.video_features).shape[0] == 20
+    metric.persistent(True)
+    state = metric.state_dict()
+    restored = StreamingRetrievalMetric(top_k=(1,))
+    restored.persistent(True)
+    restored.load_state_dict(state)
+    assert {k: v.item() for k, v in restored.compute().items()} == expected
+    restored.update(video[:1], text[:1], ids[:1])  # known caption: not stored twice after a load
+    assert torch.cat(restored.text_ids).numel() == len(set(ids.tolist()))
+    metric.reset()
+    assert not metric.video_features and not metric.text_features and not metric.text_ids
+    with pytest.raises(ValueError, match="no rows on any process"):
+        metric.compute()
+    feed(metric, video, text, ids)  # fully usable again after reset
+    assert {k: v.item() for k, v in metric.compute().items()} == expected
+
+
+def test_bad_input_and_arguments():
+    metric = StreamingRetrievalMetric()
+    x = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="one row per sample"):
+        metric.update(x, torch.zeros(5, 3), list(range(4)))
+    with pytest.raises(ValueError, match="same feature dim"):
+        metric.update(x, torch.zeros(4, 2), list(range(4)))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        metric.update(x, torch.full((4, 3), float("nan")), list(range(4)))
+    with pytest.raises(ValueError, match=r"one id per row \(4\), got 3"):
+        metric.update(x, x, [0, 1, 2])
+    with pytest.raises(ValueError, match="`text_ids` is required"):
+        metric.update(x, x)
+    metric.update(x, x, list(range(4)))
+    with pytest.raises(ValueError, match="feature dim 5 but earlier updates had 3"):
+        metric.update(torch.zeros(2, 5), torch.zeros(2, 5), [0, 1])
+    with pytest.raises(ValueError, match="`sample_ids` must be given in every update or in none"):
+        metric.update(x, x, list(range(4)), sample_ids=list(range(4)))
+    for kwargs, match in (
+        ({"top_k": (1, 0)}, "`top_k` must be a positive int"),
+        ({"ties": "stable"}, "`ties` must be one of"),
+        ({"median": "upper"}, "`median` must be one of"),
+        ({"video_block_size": 0}, "`video_block_size` must be a positive int"),
+        ({"sync_on_compute": True}, "sync_on_compute"),
+        ({"accumulate_on": "gpu"}, "`accumulate_on` must be one of"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            StreamingRetrievalMetric(**kwargs)
+
+
+def test_in_a_lightning_validation_loop(tmp_path):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.helpers.trainer import make_trainer
+
+    video, text, ids = make_data(n=24, d=8, n_captions=9, seed=4)
+
+    class Retrieval(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.metric = StreamingRetrievalMetric(top_k=(1, 5))
+
+        def validation_step(self, batch, batch_idx):
+            v, t, i, s = batch
+            self.metric.update(self.proj(v), self.proj(t), i, sample_ids=s)
+
+        def on_validation_epoch_end(self):
+            self.log_dict(self.metric.compute())
+            self.metric.reset()
+
+    data = DataLoader(TensorDataset(video, text, ids, torch.arange(24)), batch_size=5)
+    model = Retrieval()
+    trainer = make_trainer(tmp_path, limit_val_batches=None)
+    logged = trainer.validate(model, data, verbose=False)[0]
+    with torch.no_grad():
+        expected = streaming_retrieval(model.proj(video), model.proj(text), ids, top_k=(1, 5))
+    assert logged == pytest.approx({k: v.item() for k, v in expected.items()})
+
+
+DDP_SCRIPT = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning_memopt import StreamingRetrievalMetric
+from tests.functional.test_retrieval import make_data
+
+def scenarios():
+    video, text, ids = make_data(n=41, d=4, n_captions=13, seed=5)
+    sample = torch.arange(41)
+    # a caption whose videos all sit on rank 1, repeated captions, and the sampler's padding (samples 0, 1 again)
+    ids[21:25] = 99
+    text[21:25] = text[21]
+    padded = torch.cat([sample, sample[:1]])
+    rank_rows = {0: padded[0::2], 1: padded[1::2]}
+    yield "padded", video, text, ids, sample, None, rank_rows, {}
+    yield "empty_rank", video, text, ids, sample, None, {0: sample, 1: sample[:0]}, {"ties": "pessimistic"}
+    vid_ids = sample // 3  # a video's captions split over both ranks
+    vfeat = video[vid_ids * 3]
+    yield "video_ids", vfeat, text, ids, sample, vid_ids, rank_rows, {"v2t_gallery": "groups"}
+    yield "paired", video, text, ids, sample, None, rank_rows, {"protocol": "paired", "median": "mean"}
+
+def run(rank, world, out):
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for name, video, text, ids, sample, vid_ids, rank_rows, opts in scenarios():
+        rows = torch.cat(list(rank_rows.values())) if world == 1 else rank_rows[rank]
+        m = StreamingRetrievalMetric(top_k=(1, 3), video_block_size=3, text_block_size=4, **opts)
+        for start in range(0, rows.numel(), 4):
+            r = rows[start:start + 4]
+            m.update(video[r], text[r], ids[r], sample_ids=sample[r],
+                     video_ids=vid_ids[r] if vid_ids is not None else None)
+        res = {k: v.item() for k, v in m.compute().items()}
+        ranks = m.compute_ranks()
+        res["v2t_ranks"] = dict(zip(ranks.video_ids.tolist(), ranks.v2t.tolist()))
+        res["t2v_ranks"] = dict(zip(ranks.text_ids.tolist(), ranks.t2v.tolist()))
+        res["stored_videos"] = sum(t.shape[0] for t in m.video_features)
+        results[name] = res
+    with open(f"{out}_{world}_{rank}.json", "w") as f:
+        json.dump(results, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    # fork before any parallel work in this process: the children start in milliseconds, imports inherited
+    mp.start_processes(run, args=(2, "res"), nprocs=2, start_method="fork")
+    run(0, 1, "res")
+"""
+
+
+def test_two_gloo_processes_match_world_size_one(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_script(DDP_SCRIPT, tmp_path, args=(str(port),))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = json.loads((tmp_path / "res_1_0.json").read_text())
+    ranks = [json.loads((tmp_path / f"res_2_{r}.json").read_text()) for r in (0, 1)]
+    for name, expected in single.items():
+        for r, got in enumerate(ranks):
+            assert {k: v for k, v in got[name].items() if k != "stored_videos"} == {
+                k: v for k, v in expected.items() if k != "stored_videos"
+            }, (name, r)
+        # no process held all the videos (except where the other rank was empty)
+        if name != "empty_rank":
+            assert max(got[name]["stored_videos"] for got in ranks) < expected["stored_videos"]
+    # the world-size-1 numbers are the reference's numbers
+    video, text, ids = make_data(n=41, d=4, n_captions=13, seed=5)
+    ids[21:25] = 99
+    text[21:25] = text[21]
+    ref = retrieval_ranks(video, text, ids)
+    assert sorted(single["padded"]["v2t_ranks"].values()) == sorted(ref.v2t.tolist())
+
+
+@pytest.mark.cuda
+def test_cuda_metric_keeps_features_pinned_on_cpu_and_matches_cpu():
+    video, text, ids = make_data(n=200, d=16, n_captions=60, seed=6)
+    on_gpu = StreamingRetrievalMetric(video_block_size=32).to("cuda")
+    feed(on_gpu, video.cuda(), text.cuda(), ids.cuda(), batch=32)
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in on_gpu.video_features)
+    torch.cuda.reset_peak_memory_stats()
+    got = {k: v.item() for k, v in on_gpu.compute().items()}
+    assert torch.cuda.max_memory_allocated() > 0  # the blocks ran on the GPU
+    on_cpu = StreamingRetrievalMetric()
+    feed(on_cpu, video, text, ids)
+    assert got == {k: v.item() for k, v in on_cpu.compute().items()}
+
+
+def test_benchmark_quick_mode_runs(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers.subprocess_run import REPO_ROOT
+
+    out = tmp_path / "quick.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "retrieval.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    block = report["side_by_side"][0]
+    assert set(block["ratios"]) == {"ours/floor"} and set(report["naive_over_floor"]) == {"quick"}
+    own = {r["config"]: r for r in report["own_process"]}
+    # the naive full matrix, torchmetrics and ours agree on the numbers they report
+    assert block["results"]["ours"]["v2t/R@1"] == pytest.approx(own["naive"]["result"]["v2t/R@1"])
+    assert block["results"]["ours"]["t2v/R@1"] == pytest.approx(own["naive"]["result"]["t2v/R@1"])
+    tm = own["torchmetrics"]
+    assert tm["result"]["v2t/R@1"] == pytest.approx(block["results"]["ours"]["v2t/R@1"])

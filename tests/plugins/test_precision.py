@@ -1,0 +1,180 @@
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_memopt import MemoryPrecision
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+
+class _Probe(Callback):
+    """Records the matmul precision, the output dtype of a forward and the scaler during training."""
+
+    def __init__(self):
+        self.matmul = None
+        self.dtype = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.matmul = torch.get_float32_matmul_precision()
+        with trainer.precision_plugin.forward_context():
+            self.dtype = pl_module(trainer.precision_plugin.convert_input(batch)).dtype
+
+
+def _fit(tmp_path, plugin, **kw):
+    probe = _Probe()
+    trainer = make_trainer(tmp_path, plugins=[plugin], callbacks=[probe], **kw)
+    model = TinyModel()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return trainer, model, probe, [str(w.message) for w in caught]
+
+
+def test_auto_on_cpu_trains_fp32_and_says_why(tmp_path):
+    trainer, model, probe, messages = _fit(tmp_path, MemoryPrecision("auto"))
+    assert trainer.precision == "32-true"
+    assert probe.dtype == torch.float32 and model.layer.weight.dtype == torch.float32
+    said = [m for m in messages if m.startswith("MemoryPrecision(mode='auto') chose precision='32-true'")]
+    assert len(said) == 1 and "CUDA" in said[0]
+
+
+def test_bf16_mixed_on_cpu_autocasts_and_keeps_fp32_weights(tmp_path):
+    trainer, model, probe, _ = _fit(tmp_path, MemoryPrecision("bf16-mixed"))
+    assert trainer.precision == "bf16-mixed"
+    assert probe.dtype == torch.bfloat16
+    assert model.layer.weight.dtype == torch.float32
+    assert trainer.precision_plugin.scaler is None
+
+
+def test_true_half_keeps_weights_in_bf16(tmp_path):
+    plugin = MemoryPrecision("bf16-true")
+    trainer = make_trainer(tmp_path, plugins=[plugin])
+    with trainer.init_module():
+        model = TinyModel()
+    assert model.layer.weight.dtype == torch.bfloat16  # created in bf16, never materialised in fp32
+    trainer.fit(model)
+    assert model.layer.weight.dtype == torch.bfloat16
+    assert trainer.precision == "bf16-true"
+
+
+def test_fp16_mixed_has_a_scaler(tmp_path):
+    trainer, _, _probe, _ = _fit(tmp_path, MemoryPrecision("16-mixed"))
+    assert trainer.precision == "16-mixed"
+    assert isinstance(trainer.precision_plugin.scaler, torch.amp.GradScaler)
+
+
+def test_auto_resolution_from_capability_without_a_gpu():
+    plugin = MemoryPrecision("auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CUDA GradScaler on a CPU build warns that it is disabled
+        choice = plugin.resolve(torch.device("cuda"), capability=(7, 0), device_name="Tesla V100-SXM2-16GB")
+    assert choice.precision == "16-mixed" and plugin.precision == "16-mixed"
+    assert plugin.scaler is not None
+    choice = plugin.resolve(torch.device("cuda"), capability=(8, 0), device_name="NVIDIA A100")
+    assert choice.precision == "bf16-mixed" and plugin.scaler is None
+
+
+def test_bf16_on_old_gpu_raises_naming_the_gpu():
+    with pytest.raises(
+        ValueError, match=r"Tesla V100-SXM2-16GB \(compute capability 7.0\).*Use `precision='16-mixed'`"
+    ):
+        MemoryPrecision("bf16-mixed").resolve(
+            torch.device("cuda"), capability=(7, 0), device_name="Tesla V100-SXM2-16GB"
+        )
+
+
+def test_tf32_set_through_one_api_and_restored(tmp_path):
+    before = torch.get_float32_matmul_precision()
+    _, _, probe, _ = _fit(tmp_path, MemoryPrecision("auto", float32_matmul_precision="high"))
+    assert probe.matmul == "high"
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_tf32_restored_when_training_fails(tmp_path):
+    class Boom(TinyModel):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    trainer = make_trainer(tmp_path, plugins=[MemoryPrecision("auto", float32_matmul_precision="medium")])
+    with pytest.raises(RuntimeError, match="boom"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Boom())
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="`mode` must be one of 'auto', '32-true'.*got 'fp16'"):
+        MemoryPrecision("fp16")
+    with pytest.raises(ValueError, match="`float32_matmul_precision` must be one of 'highest', 'high', 'medium'"):
+        MemoryPrecision(float32_matmul_precision="tf32")
+
+
+@pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"])
+def test_strategies_with_their_own_precision_are_refused(name):
+    strategy = type(name, (), {})()
+    module = torch.nn.Linear(2, 2)
+    module._trainer = SimpleNamespace(strategy=strategy, global_rank=0)
+    with pytest.raises(TypeError, match=f"cannot serve `strategy={name}`.*pass `precision='bf16-mixed'`"):
+        MemoryPrecision().convert_module(module)
+
+
+def test_real_fsdp_strategy_class_is_refused():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = torch.nn.Linear(2, 2)
+    module._trainer = SimpleNamespace(strategy=object.__new__(FSDPStrategy), global_rank=0)
+    with pytest.raises(TypeError, match="cannot serve `strategy=FSDPStrategy`"):
+        MemoryPrecision().convert_module(module)
+
+
+def test_lightning_refuses_precision_and_plugin_together(tmp_path):
+    # Pinned upstream behaviour; `MemoryPreset.trainer_kwargs` raises a clearer error (see test_presets.py).
+    with pytest.raises(ValueError, match=r"Received both `precision=16-mixed` and `plugins=MemoryPrecision\("):
+        make_trainer(tmp_path, precision="16-mixed", plugins=[MemoryPrecision()])
+
+
+def test_scaler_state_survives_a_checkpoint_round_trip():
+    plugin = MemoryPrecision("16-mixed")
+    plugin.load_state_dict(
+        {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 7, "_growth_tracker": 3}
+    )
+    plugin.resolve(torch.device("cpu"))
+    assert plugin.state_dict()["growth_interval"] == 7
+
+
+@pytest.mark.cuda
+def test_cuda_auto_matches_the_real_card(tmp_path):
+    major, minor = torch.cuda.get_device_capability()
+    plugin = MemoryPrecision("auto")
+    choice = plugin.resolve(torch.device("cuda", 0))
+    assert choice.precision == ("bf16-mixed" if major >= 8 else "16-mixed")
+    assert torch.cuda.get_device_name(0) in choice.reason
+    print(f"\n{torch.cuda.get_device_name(0)} cc {major}.{minor}: {choice.precision} ({choice.reason})")
+
+
+@pytest.mark.cuda
+def test_cuda_fp16_scaler_path_trains(tmp_path):
+    trainer = make_trainer(
+        tmp_path, accelerator="cuda", plugins=[MemoryPrecision("16-mixed")], max_steps=8, limit_train_batches=8
+    )
+    model = TinyModel()
+    before = model.layer.weight.detach().clone()
+    trainer.fit(model)
+    scaler = trainer.precision_plugin.scaler
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+    assert torch.isfinite(torch.tensor(scaler.get_scale()))
+    assert not torch.equal(model.layer.weight.detach().cpu(), before)
+
+
+@pytest.mark.cuda
+def test_cuda_auto_fit_with_tf32(tmp_path):
+    trainer = make_trainer(
+        tmp_path, accelerator="cuda", plugins=[MemoryPrecision("auto", float32_matmul_precision="high")]
+    )
+    trainer.fit(TinyModel())
+    major, _ = torch.cuda.get_device_capability()
+    assert trainer.precision == ("bf16-mixed" if major >= 8 else "16-mixed")
+    assert torch.get_float32_matmul_precision() == "highest"

@@ -1,0 +1,231 @@
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+
+from lightning_memopt import (
+    CacheCleaner,
+    GarbageCollector,
+    GradientCheckpointing,
+    MemoryMonitor,
+    MemoryPrecision,
+    MemoryPreset,
+)
+from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+
+@pytest.fixture(autouse=True)
+def _clean_alloc_env(monkeypatch):
+    monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+
+
+def _types(callbacks):
+    return [type(c) for c in callbacks]
+
+
+def _restore(kwargs):
+    for cb in kwargs["callbacks"]:
+        if isinstance(cb, AllocatorSettings):
+            cb.restore()
+
+
+@pytest.mark.parametrize("name", ["max-savings", "balanced", "max-speed"])
+def test_named_presets_produce_trainer_kwargs(name):
+    preset = MemoryPreset.from_name(name, effective_batch_size=128)
+    kwargs = preset.trainer_kwargs()
+    _restore(kwargs)
+    assert kwargs["accumulate_grad_batches"] * preset.batch_size == 128
+    assert [type(p) for p in kwargs["plugins"]] == [MemoryPrecision]
+    assert "precision" not in kwargs  # one or the other, never both
+    assert (GradientCheckpointing in _types(kwargs["callbacks"])) is (name == "max-savings")
+
+
+def test_max_savings_callbacks_and_knobs():
+    preset = MemoryPreset.from_name("max-savings", effective_batch_size=96)
+    assert (preset.batch_size, preset.accumulate_grad_batches) == (24, 4)
+    kwargs = preset.trainer_kwargs()
+    _restore(kwargs)
+    assert _types(kwargs["callbacks"]) == [
+        MemoryMonitor,
+        CacheCleaner,
+        GarbageCollector,
+        GradientCheckpointing,
+        AllocatorSettings,
+    ]
+    plugin = kwargs["plugins"][0]
+    assert (plugin.mode, plugin.float32_matmul_precision) == ("auto", "high")
+    assert MemoryPreset.from_name("max-speed").trainer_kwargs()["callbacks"] == []
+
+
+def test_overrides_and_turning_knobs_off():
+    preset = MemoryPreset.from_name(
+        "max-savings",
+        precision="16-mixed",
+        gradient_checkpointing=False,
+        allocator_conf="",
+        gc_every_n_steps=0,
+        monitor=False,
+        cache_clean_on_phase_end=False,
+        float32_matmul_precision="",
+    )
+    kwargs = preset.trainer_kwargs()
+    assert kwargs["callbacks"] == []
+    assert kwargs["plugins"][0].mode == "16-mixed" and kwargs["plugins"][0].float32_matmul_precision is None
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(
+        ValueError, match="Unknown preset `name`='fast'. Valid presets: max-savings, balanced, max-speed"
+    ):
+        MemoryPreset.from_name("fast")
+    with pytest.raises(TypeError, match=r"Unknown `MemoryPreset` field\(s\) \['micro_batch'\]"):
+        MemoryPreset.from_name("balanced", micro_batch=4)
+
+
+def test_effective_batch_smaller_than_micro_times_world():
+    with pytest.raises(ValueError, match="`effective_batch_size` must be at least .* = 8 x 4 x 2 = 64, got 32"):
+        MemoryPreset(effective_batch_size=32, micro_batch_size=8, devices=4, num_nodes=2)
+    with pytest.raises(ValueError, match="Use `effective_batch_size`=96 or 112"):
+        MemoryPreset(effective_batch_size=100, micro_batch_size=16)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("precision", "fp16", "`precision` must be one of"),
+        ("memory_fraction", 95, r"Did you mean 0.95"),
+        ("gc_every_n_steps", -1, "`gc_every_n_steps` must be a non-negative int"),
+        ("allocator_conf", "expandable_segments", "`allocator_conf` entries must look like `key:value`"),
+        ("gradient_clip_val", -1.0, "`gradient_clip_val` must be a non-negative number"),
+    ],
+)
+def test_bad_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        MemoryPreset(**{field: value})
+
+
+def test_preset_is_frozen_and_describes_every_knob():
+    preset = MemoryPreset.from_name("balanced", effective_batch_size=32, micro_batch_size=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        preset.precision = "32-true"
+    text = str(preset)
+    assert text == preset.describe()
+    for knob in (
+        "precision",
+        "float32_matmul_precision",
+        "gradient_checkpointing",
+        "accumulate_grad_batches",
+        "allocator_conf",
+        "memory_fraction",
+        "gradient_clip_val",
+        "monitor",
+    ):
+        assert knob in text
+    line = next(row for row in text.splitlines() if row.startswith("accumulate_grad_batches"))
+    assert line.split()[1] == "4"
+
+
+def test_conflicting_trainer_arguments_say_which_to_drop():
+    preset = MemoryPreset(effective_batch_size=32, micro_batch_size=8, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match=r"Both `precision='bf16-mixed'` .* Drop `precision=` from the Trainer"):
+        preset.trainer_kwargs(precision="bf16-mixed")
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.raises(ValueError, match=r"Both `plugins=\[MixedPrecision\(...\)\]` .* Drop that precision plugin"):
+        preset.trainer_kwargs(plugins=[MixedPrecision("bf16-mixed", "cpu")])
+    with pytest.raises(
+        ValueError, match="`accumulate_grad_batches=2` contradicts the preset's accumulate_grad_batches=4"
+    ):
+        preset.trainer_kwargs(accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="`devices=2` differs from the preset's `devices=1`"):
+        preset.trainer_kwargs(devices=2)
+    with pytest.raises(ValueError, match="`gradient_clip_val=0.5` contradicts"):
+        preset.trainer_kwargs(gradient_clip_val=0.5)
+
+
+def test_user_callbacks_and_plugins_are_kept_first():
+    mine = GradientCheckpointing(modules=["x"])
+    kwargs = MemoryPreset.from_name("max-speed").trainer_kwargs(callbacks=mine, max_steps=3)
+    assert kwargs["callbacks"][0] is mine and kwargs["max_steps"] == 3
+    assert "devices" not in kwargs  # no effective batch: the preset does not pin the world size
+
+
+def test_fsdp_strategy_gets_a_precision_string_not_the_plugin():
+    kwargs = MemoryPreset.from_name("max-speed", precision="bf16-mixed").trainer_kwargs(strategy="fsdp")
+    assert kwargs["precision"] == "bf16-mixed" and "plugins" not in kwargs
+    kwargs = MemoryPreset.from_name("max-speed").trainer_kwargs(strategy="deepspeed_stage_2")
+    assert kwargs["precision"] == "32-true"  # "auto" resolved on this (CPU) machine
+
+
+def test_for_device_tiers():
+    assert MemoryPreset.for_device(8).name == "max-savings"
+    assert MemoryPreset.for_device(16, effective_batch_size=64).tier == "16GB"
+    assert MemoryPreset.for_device(80, precision="16-mixed").precision == "16-mixed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
+def test_for_device_without_gpu_warns_and_uses_balanced():
+    with pytest.warns(UserWarning, match="found no CUDA device .* Pass `total_memory_gib=`"):
+        assert MemoryPreset.for_device().name == "balanced"
+
+
+def test_trainer_kwargs_apply_allocator_settings_before_cuda_and_fit_restores_them(tmp_path):
+    preset = MemoryPreset.from_name(
+        "max-savings", effective_batch_size=8, micro_batch_size=4, monitor=False, memory_fraction=0.5
+    )
+    kwargs = preset.trainer_kwargs()
+    assert os.environ[ALLOC_CONF_ENV] == "expandable_segments:True"  # in place before CUDA initialises
+    model = TinyModel(batch_size=preset.batch_size)
+    trainer = make_trainer(tmp_path, max_steps=2, **{k: v for k, v in kwargs.items() if k not in ("devices",)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    assert trainer.accumulate_grad_batches == 2
+    assert trainer.global_step == 2
+    assert ALLOC_CONF_ENV not in os.environ
+    assert any("`memory_fraction`=0.5 limits CUDA memory only" in str(w.message) for w in caught)
+
+
+def test_existing_user_allocator_env_wins(monkeypatch):
+    monkeypatch.setenv(ALLOC_CONF_ENV, "expandable_segments:False,max_split_size_mb:128")
+    kwargs = MemoryPreset.from_name("balanced").trainer_kwargs()
+    assert os.environ[ALLOC_CONF_ENV] == "expandable_segments:False,max_split_size_mb:128"
+    _restore(kwargs)
+    assert os.environ[ALLOC_CONF_ENV] == "expandable_segments:False,max_split_size_mb:128"
+
+
+def test_preset_fits_with_a_full_trainer(tmp_path):
+    kwargs = MemoryPreset.from_name("max-savings", effective_batch_size=8, micro_batch_size=2).trainer_kwargs()
+    trainer = make_trainer(tmp_path, max_steps=2, limit_train_batches=8, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(TinyModel(batch_size=2))
+    assert trainer.global_step == 2 and trainer.accumulate_grad_batches == 4
+    assert trainer.precision == "32-true"  # auto on CPU
+    assert ALLOC_CONF_ENV not in os.environ
+
+
+def test_usable_from_yaml_with_jsonargparse(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    config = tmp_path / "preset.yaml"
+    config.write_text(
+        "preset:\n  name: max-savings\n  effective_batch_size: 128\n  micro_batch_size: 16\n"
+        "  checkpoint_modules: [TransformerEncoderLayer]\n"
+        "trainer_plugin:\n  class_path: lightning_memopt.MemoryPrecision\n  init_args:\n    mode: 16-mixed\n"
+    )
+    parser = ArgumentParser()
+    parser.add_class_arguments(MemoryPreset, "preset")
+    parser.add_argument("--trainer_plugin", type=MemoryPrecision)
+    parser.add_argument("--config", action="config")
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    init = instantiate(parser.parse_args([f"--config={config}"]))
+    preset = init.preset
+    assert isinstance(preset, MemoryPreset) and preset.accumulate_grad_batches == 8
+    assert preset.checkpoint_modules == ("TransformerEncoderLayer",)
+    assert isinstance(init.trainer_plugin, MemoryPrecision) and init.trainer_plugin.mode == "16-mixed"
