@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -27,8 +29,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import itertools
 
 from lightning_memopt import MemoryAudit
 from lightning_memopt.functional.footprint import live_tensors
@@ -110,7 +110,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = Path(args.out or f"benchmarks/results/memory_audit_{args.device}.json")
-    root = Path("benchmarks/results/_tmp_memory_audit")
+    root = Path(tempfile.mkdtemp(prefix="memopt-audit-bench-"))  # trainer output, not a result
     warnings.filterwarnings("ignore")
     import logging
 

@@ -60,8 +60,9 @@ class MemoryAudit(Callback):
       (``null`` on CPU), and the bytes and largest entries of the live tensors on the device that nothing
       in the model or optimizers owns.
     * **Duplicate copies**: live tensors on the training device that the model and optimizers do not own but
-      that have the shapes of its parameters (a leftover fp32 copy of bf16 weights, a state dict loaded
-      onto the device, a ``deepcopy``). When they add up to at least ``duplicate_fraction`` of the
+      that mirror its parameters: a parameter's shape and its values up to bf16 rounding (a leftover fp32 copy
+      of bf16 weights, a state dict loaded onto the device, a ``deepcopy``); a batch that merely has a
+      weight's shape does not count. When they add up to at least ``duplicate_fraction`` of the
       parameters' elements, one warning gives their bytes, count, dtypes and the likely cause.
     * **Leaks**: every ``leak_every_n_steps`` optimizer steps (stretched on CPU, see ``leak_max_overhead``),
       right after the optimizer step, one sample:

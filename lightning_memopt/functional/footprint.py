@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -297,6 +297,7 @@ class LiveTensor:
         requires_grad: Whether the tensor requires grad (parameters and their copies by ``deepcopy`` do).
         has_grad_fn: Whether it carries autograd history (a ``grad_fn``): it keeps a graph alive.
         name: The owner's name from ``names`` (see :func:`tensor_names`), ``None`` if not owned.
+        key: The :data:`StorageKey` of the storage (not part of comparisons or ``repr``).
     """
 
     shape: tuple[int, ...]
@@ -306,6 +307,14 @@ class LiveTensor:
     requires_grad: bool
     has_grad_fn: bool
     name: str | None
+    key: StorageKey | None = field(default=None, compare=False, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (without the storage key)."""
+        out = asdict(self)
+        del out["key"]
+        out["shape"] = list(self.shape)
+        return out
 
 
 def _is_tensor_type(tp: type) -> bool:
@@ -388,6 +397,7 @@ def live_tensors(
                         requires_grad=bool(obj.requires_grad),
                         has_grad_fn=obj.grad_fn is not None,
                         name=names.get(key),
+                        key=key,
                     ),
                 )
             except Exception:
@@ -417,7 +427,7 @@ def unexplained_bytes(allocated_bytes: int | None, footprint: Footprint, device:
 
 @dataclass(frozen=True)
 class Duplicates:
-    """Live tensors that are not owned by the model or optimizer but have the shapes of its parameters.
+    """Live tensors that are not owned by the model or optimizer but mirror its parameters.
 
     Args:
         num_tensors: How many such storages are alive.
@@ -427,6 +437,9 @@ class Duplicates:
         dtypes: Their dtypes, most bytes first.
         cause: The likely cause, in words.
         largest: The largest few of them.
+        num_same_shape_other_values: Unowned tensors that have a parameter's shape but other values (a
+            batch or a dataset tensor that happens to have that shape, another model's weights): not counted
+            above.
     """
 
     num_tensors: int
@@ -435,27 +448,86 @@ class Duplicates:
     dtypes: tuple[str, ...]
     cause: str
     largest: tuple[LiveTensor, ...]
+    num_same_shape_other_values: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         out = asdict(self)
-        out["largest"] = [asdict(t) for t in self.largest]
+        out["largest"] = [t.as_dict() for t in self.largest]
         out["dtypes"] = list(self.dtypes)
         return out
 
 
-def find_duplicates(module: torch.nn.Module, live: Sequence[LiveTensor], max_listed: int = 5) -> Duplicates:
+#: How many evenly spaced elements of a tensor are compared with a parameter's to call it a mirror.
+_NUM_SAMPLED = 64
+
+
+def _sampled_values(tensor: torch.Tensor) -> torch.Tensor:
+    """Up to :data:`_NUM_SAMPLED` evenly spaced elements as float32 on the CPU (one small transfer)."""
+    flat = tensor.detach().reshape(-1)
+    step = max(1, flat.numel() // _NUM_SAMPLED)
+    return flat[::step][:_NUM_SAMPLED].to("cpu", torch.float32)
+
+
+def _mirroring_keys(module: torch.nn.Module, candidates: Sequence[LiveTensor]) -> set[StorageKey]:
+    """The storage keys among ``candidates`` whose values match a same-shape parameter of ``module``.
+
+    Values are compared on evenly spaced samples, to bf16 rounding (``rtol=1e-2``), so an fp32 copy of
+    bf16 weights, a ``deepcopy`` or a state dict mirrors its parameter, while a batch or a dataset tensor that
+    merely has a parameter's shape does not. One extra ``gc.get_objects()`` walk, run only when there are
+    candidates.
+    """
+    wanted = {t.key: t.shape for t in candidates if t.key is not None}
+    if not wanted:
+        return set()
+    samples: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for param in module.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        plain = _plain(param)
+        shape = tuple(int(s) for s in plain.shape)
+        if shape in wanted.values():
+            samples.setdefault(shape, []).append(_sampled_values(plain))
+    found: set[StorageKey] = set()
+    tensors = _gc_tensors()
+    try:
+        for obj in tensors:
+            try:
+                tensor = _plain(obj)
+                key = storage_key(tensor)
+                shape = tuple(int(s) for s in tensor.shape)
+                if key not in wanted or key in found or wanted[key] != shape:
+                    continue
+                values = _sampled_values(tensor)
+                if any(torch.allclose(values, ref, rtol=1e-2, atol=1e-3) for ref in samples.get(shape, ())):
+                    found.add(key)  # type: ignore[arg-type]
+            except Exception:
+                continue
+    finally:
+        del tensors
+    return found
+
+
+def find_duplicates(
+    module: torch.nn.Module, live: Sequence[LiveTensor], max_listed: int = 5, match_values: bool = True
+) -> Duplicates:
     """Find unowned live tensors that mirror ``module``'s parameters.
 
-    A live tensor counts when it has no owner name (see :func:`tensor_names` and :func:`live_tensors`) and
-    its shape is the shape of one of the parameters: a stray fp32 copy of the weights, a state dict
+    A live tensor counts when it has no owner name (see :func:`tensor_names` and :func:`live_tensors`), its
+    shape is the shape of one of the parameters and (with ``match_values``) its values are that parameter's
+    up to bf16 rounding, compared on 64 evenly spaced elements: a stray fp32 copy of the weights, a state dict
     loaded onto the device, a ``deepcopy`` of the model. Views and tied weights share a storage with an
-    owned tensor, so they carry its name and never count.
+    owned tensor, so they carry its name and never count. Same-shape tensors with other values (a batch
+    that happens to have a weight's shape, another model) are only counted in
+    ``num_same_shape_other_values``.
 
     Args:
         module: The model whose parameters are mirrored.
         live: Live storages with names attached (``live_tensors(device, names=tensor_names(...))``).
         max_listed: How many of the largest copies to keep in ``largest``.
+        match_values: Whether a copy must also hold the parameter's values; ``False`` matches on shape alone.
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -474,7 +546,12 @@ def find_duplicates(module: torch.nn.Module, live: Sequence[LiveTensor], max_lis
         plain = _plain(param)
         shapes.setdefault(tuple(int(s) for s in plain.shape), set()).add(str(plain.dtype))
         total_numel += int(plain.numel())
-    copies = [t for t in live if t.name is None and t.shape in shapes and t.bytes > 0]
+    candidates = [t for t in live if t.name is None and t.shape in shapes and t.bytes > 0]
+    if match_values and candidates:
+        mirrored = _mirroring_keys(module, candidates)
+        copies = [t for t in candidates if t.key in mirrored]
+    else:
+        copies = candidates
     numel = sum(_numel(t.shape) for t in copies)
     nbytes = sum(t.bytes for t in copies)
     by_dtype: dict[str, int] = {}
@@ -493,7 +570,7 @@ def find_duplicates(module: torch.nn.Module, live: Sequence[LiveTensor], max_lis
     elif with_grad * 2 >= nbytes:
         cause = (
             "a second model object: a `copy.deepcopy` of the model, an EMA/teacher model that is not a submodule,"
-            " or the model built or loaded twice"
+            " or the model loaded twice"
         )
     else:
         cause = (
@@ -507,6 +584,7 @@ def find_duplicates(module: torch.nn.Module, live: Sequence[LiveTensor], max_lis
         dtypes=tuple(sorted(by_dtype, key=lambda d: -by_dtype[d])),
         cause=cause,
         largest=tuple(copies[:max_listed]),
+        num_same_shape_other_values=len(candidates) - len(copies),
     )
 
 

@@ -63,7 +63,11 @@ def test_callback_state_survives_a_checkpoint(cls, tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[callback, ckpt], max_steps=2, enable_checkpointing=True)
     trainer.fit(TinyModel())
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
-    assert saved[callback.state_key] == callback.state_dict()
+    state = callback.state_dict()
+    if state:
+        assert saved[callback.state_key] == state
+    else:  # a stateless callback: Lightning stores only non-empty callback states
+        assert callback.state_key not in saved
     resumed_cb = cls()
     loaded = []
     original = resumed_cb.load_state_dict
@@ -71,7 +75,7 @@ def test_callback_state_survives_a_checkpoint(cls, tmp_path):
     resumed = make_trainer(tmp_path, callbacks=[resumed_cb], max_steps=3)
     resumed.fit(TinyModel(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.global_step == 3
-    assert loaded == [callback.state_dict()]
+    assert loaded == ([state] if state else [])
 
 
 def test_callbacks_configurable_from_lightning_cli_yaml(tmp_path):

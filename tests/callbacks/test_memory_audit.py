@@ -28,9 +28,9 @@ def _audit_warnings(caught, word):
 class HiddenModel(TinyModel):
     """Linear -> ReLU -> Linear: its graph keeps a (batch, hidden) activation alive."""
 
-    def __init__(self, hidden: int = 512, batch_size: int = 16, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden: int = 512, batch_size: int = 16, dtype: torch.dtype = torch.float32, out: int = 2):
         super().__init__(batch_size=batch_size)
-        self.layer = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 2)).to(dtype)
+        self.layer = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, out)).to(dtype)
 
     def forward(self, x):
         return self.layer(x.to(self.layer[0].weight.dtype)).float()
@@ -82,7 +82,7 @@ def test_footprint_at_fit_start_written_printed_and_logged(tmp_path, caplog):
     audit = MemoryAudit(detect_leaks=False)
     monitor = MemoryMonitor(log_every_n_steps=1)
     trainer = make_trainer(tmp_path, callbacks=[audit, monitor], max_steps=2)
-    model = TinyModel()
+    model = TinyModel(in_features=27)  # shapes no other test's leftovers share
     with caplog.at_level(logging.INFO):
         trainer.fit(model)
     path = tmp_path / "memory" / "memory_rank0.jsonl"  # the MemoryMonitor's file
@@ -92,20 +92,20 @@ def test_footprint_at_fit_start_written_printed_and_logged(tmp_path, caplog):
     assert [r["audit"] for r in audits] == ["fit_start", "first_step"]
     assert any(r["event"] == "step" for r in records)  # the monitor's records share the file
     start, first = audits
-    param_bytes = (32 * 2 + 2) * 4
+    param_bytes = (27 * 2 + 2) * 4
     assert start["footprint"]["bytes_by_category"] == {
         "parameters": param_bytes, "buffers": 0, "gradients": 0, "optimizer_states": 0}
     assert first["footprint"]["bytes_by_category"]["gradients"] == param_bytes
     assert start["unexplained_bytes"] is None  # CPU: no allocator readings
     assert start["host_rss_bytes"] > 0 and start["phase"] == "train" and start["rank"] == 0
-    assert first["num_unowned_tensors"] >= 1 and first["unowned_tensor_bytes"] >= 64 * 32 * 4  # the dataset
+    assert first["num_unowned_tensors"] >= 1 and first["unowned_tensor_bytes"] >= 64 * 27 * 4  # the dataset
     assert start["duplicates"] is None
     assert "parameters" in caplog.text and "footprint" in caplog.text
     json.dumps(audit.last_audit)
 
 
 def test_fp32_duplicate_of_bf16_model_detected_with_byte_count(tmp_path):
-    model = HiddenModel(hidden=256, dtype=torch.bfloat16)
+    model = HiddenModel(hidden=251, dtype=torch.bfloat16, out=3)
     _STRAY[:] = [p.detach().float().clone() for p in model.parameters()]  # leftover fp32 copy
     expected = sum(p.numel() * 4 for p in model.parameters())
     audit = MemoryAudit(dirpath=tmp_path / "audit", detect_leaks=False)
@@ -128,8 +128,8 @@ def test_fp32_duplicate_of_bf16_model_detected_with_byte_count(tmp_path):
 
 
 def test_small_copy_below_fraction_is_not_reported(tmp_path):
-    model = HiddenModel(hidden=256)
-    _STRAY[:] = [model.layer[2].weight.detach().clone()]  # 512 of ~8.7k elements: under half a copy
+    model = HiddenModel(hidden=249, out=3)
+    _STRAY[:] = [model.layer[2].weight.detach().clone()]  # 747 of ~9k elements: under half a copy
     audit = MemoryAudit(detect_leaks=False)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -138,7 +138,9 @@ def test_small_copy_below_fraction_is_not_reported(tmp_path):
     finally:
         _STRAY.clear()
     assert _audit_warnings(caught, "not owned") == []
-    assert audit.last_audit["duplicates"]["num_tensors"] == 1
+    start = next(r for r in _records(tmp_path / "memory" / "memory_rank0.jsonl") if r.get("audit") == "fit_start")
+    assert start["duplicates"]["num_tensors"] == 1  # seen and recorded, below the fraction that warns
+    assert start["duplicates"]["bytes"] == 3 * 249 * 4
 
 
 def test_tied_weights_are_not_duplicates(tmp_path):

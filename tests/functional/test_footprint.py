@@ -251,3 +251,17 @@ def test_tied_weights_views_and_grads_are_not_duplicates():
     dup = find_duplicates(model, live_tensors("cpu", names=tensor_names(model, [opt])))
     assert not any(t.shape in ((211, 13), (10, 13)) for t in dup.largest)
     del view
+
+
+def test_same_shape_other_values_is_not_a_copy():
+    model = nn.Linear(117, 59)
+    batch = torch.randn(59, 117)  # a weight's shape, other values: a batch, a dataset tensor, another model
+    dup = _dup_for(model)
+    assert (59, 117) not in {t.shape for t in dup.largest}
+    assert dup.num_same_shape_other_values >= 1
+    by_shape = find_duplicates(model, live_tensors("cpu", names=tensor_names(model)), match_values=False)
+    assert (59, 117) in {t.shape for t in by_shape.largest}  # shape alone would have counted it
+    stray = model.weight.detach().to(torch.bfloat16)  # the same values, rounded to bf16: a mirror
+    dup = _dup_for(model)
+    assert any(t.shape == (59, 117) and t.dtype == "torch.bfloat16" for t in dup.largest)
+    del batch, stray
