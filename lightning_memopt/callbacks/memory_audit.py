@@ -6,6 +6,7 @@ import gc
 import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from lightning_memopt.functional.footprint import (
     Duplicates,
     Footprint,
     LiveTensor,
+    StorageKey,
     find_duplicates,
     live_tensors,
     model_footprint,
@@ -100,9 +102,10 @@ class MemoryAudit(Callback):
             unreachable objects waiting for the collector (an old model in a reference cycle) are not
             reported as copies. Leak samples never collect.
         leak_max_overhead: On devices without allocator readings (CPU) a leak sample walks every Python object
-            (``gc.get_objects()``, ~0.1 s per million objects); when one walk costs more than this fraction of
-            the training time since the previous sample, the sample interval doubles. ``None`` keeps
-            ``leak_every_n_steps`` fixed. Allocator samples (CUDA) cost microseconds and never stretch.
+            (``gc.get_objects()``, about 0.3 s per million objects on a laptop-class core); a sample that is due
+            waits until the training time since the last walk is at least the last walk's time divided by this
+            fraction, so the walks cost at most this fraction of training. ``None`` samples every
+            ``leak_every_n_steps`` whatever it costs. Allocator samples (CUDA) cost microseconds and never wait.
 
     Logged metrics (rank zero, once at fit start, bytes):
         ``memory/audit/{parameters,buffers,gradients,optimizer_states}_bytes``,
@@ -167,9 +170,9 @@ class MemoryAudit(Callback):
         self._last_sampled_step = -1
         self._leak_reported = False
         self._first_step_audited = False
-        self._interval = leak_every_n_steps
         self._next_sample_step = leak_every_n_steps
-        self._last_sample_time = 0.0
+        self._last_walk_end = 0.0
+        self._walk_s: float | None = None
         #: The last audit record written (``fit_start`` or ``first_step``), for inspection.
         self.last_audit: dict[str, Any] | None = None
         #: The leak verdict that was warned about, if any.
@@ -218,9 +221,9 @@ class MemoryAudit(Callback):
             self.leak = None
         self._last_sampled_step = -1
         self._first_step_audited = False
-        self._interval = self.leak_every_n_steps
-        self._next_sample_step = (trainer.global_step // self._interval + 1) * self._interval
-        self._last_sample_time = time.perf_counter()
+        self._next_sample_step = (trainer.global_step // self.leak_every_n_steps + 1) * self.leak_every_n_steps
+        self._last_walk_end = time.perf_counter()
+        self._walk_s = None
         if self.audit_fit_start:
             self._guarded("audit", self._audit, trainer, pl_module, "fit_start")
 
@@ -236,7 +239,9 @@ class MemoryAudit(Callback):
             self._first_step_audited = True
             self._guarded("audit", self._audit, trainer, pl_module, "first_step")
         if self.detect_leaks and not self._leak_reported and step >= self._next_sample_step:
-            self._guarded("leak", self._leak_sample, trainer, pl_module, step, batch_idx)
+            self._next_sample_step = step + self.leak_every_n_steps
+            if self._walk_within_budget():
+                self._guarded("leak", self._leak_sample, trainer, pl_module, step, batch_idx)
         if step % self.leak_every_n_steps != 0:
             return
         if self.check_grad_tracking:
@@ -300,7 +305,7 @@ class MemoryAudit(Callback):
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         footprint = model_footprint(pl_module, optimizers)
         names = tensor_names(pl_module, optimizers)
-        live = live_tensors(self._device, names=names)
+        live = self._timed_walk(names)
         reading = read_memory(self._device)
         device = str(self._device)
         unexplained = unexplained_bytes(reading.allocated_bytes, footprint, device)
@@ -357,24 +362,32 @@ class MemoryAudit(Callback):
                 self._warn.warn(f"logger-{type(logger).__name__}",
                                 f"MemoryAudit: logging to {type(logger).__name__} failed ({err!r}).")
 
+    def _walk_within_budget(self) -> bool:
+        """Whether a leak sample may walk the Python objects now (always, where the allocator gives readings).
+
+        On CPU a sample walks every object (``gc.get_objects()``): it runs only once the training time since
+        the last walk pays for it, ``walk time <= leak_max_overhead * time since``, with the walk time from the
+        last walk (an audit's or a sample's). So the samples cost at most ``leak_max_overhead`` of training.
+        """
+        if self._has_device_memory or self.leak_max_overhead is None or self._walk_s is None:
+            return True
+        return self._walk_s <= self.leak_max_overhead * (time.perf_counter() - self._last_walk_end)
+
+    def _timed_walk(self, names: Mapping[StorageKey, str] | None = None) -> list[LiveTensor]:
+        start = time.perf_counter()
+        try:
+            return live_tensors(self._device, names=names)
+        finally:
+            self._last_walk_end = time.perf_counter()
+            self._walk_s = self._last_walk_end - start
+
     def _sample_bytes(self) -> int | None:
         if self._has_device_memory:
             return read_memory(self._device).allocated_bytes
-        return sum(t.bytes for t in live_tensors(self._device))
+        return sum(t.bytes for t in self._timed_walk())
 
     def _leak_sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_idx: int) -> None:
-        start = time.perf_counter()
         value = self._sample_bytes()
-        now = time.perf_counter()
-        # the CPU sample walks every Python object: keep it under `leak_max_overhead` of the training time
-        if (
-            self.leak_max_overhead is not None
-            and not self._has_device_memory
-            and now - start > self.leak_max_overhead * max(start - self._last_sample_time, 1e-9)
-        ):
-            self._interval = min(self._interval * 2, 1 << 20)
-        self._last_sample_time = now
-        self._next_sample_step = step + self._interval
         if value is None:
             return
         self._samples.append((step, int(value)))
