@@ -9,11 +9,13 @@ File layout (one dataset per column, same first dimension ``N``):
   ``properties`` float32 ``[N, 4]`` (standardised substructure bits times a fixed matrix, plus a little noise).
 
 How a spectrum is built: a fixed vocabulary of ``K`` hidden substructures, each with 1-3 diagnostic fragment
-ions (nominal m/z 55-399 plus a mass defect of about 0.00048 x m), sometimes a characteristic neutral loss, and a
-mass contribution of 20-90 Da. A molecule switches each substructure on with probability 0.15 (at least one);
-its precursor m/z is 80 + the contributions + U(0, 150) (capped at 990). The spectrum holds the diagnostic peaks
-(jittered m/z, intensity U(0.2, 1)), the neutral-loss peaks at precursor - loss, about 15 background peaks
-(40 % of them weak) and sometimes the precursor ion. Peaks per spectrum: 5/50/95 % quantiles about 13/28/54.
+ions (nominal m/z 55-399 plus a mass defect of about 0.00048 x m), sometimes (p = 0.3) a characteristic neutral
+loss, and a mass contribution of 20-80 Da. A molecule switches each substructure on with probability 0.15 (at least
+one); its precursor m/z is 90 + the contributions + U(0, 120) (capped at 990). The spectrum holds the diagnostic
+peaks below the precursor (jittered m/z, intensity U(0.2, 1)), the neutral-loss peaks at precursor - loss, about 16
+background peaks (log-normal count, 40 % of them weak) and, half of the time, the precursor ion; intensities get
+5 % multiplicative noise. Statistics (5/50/95 % quantiles): peaks per spectrum about 12/27/55, precursor m/z about
+220/395/610.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def make_vocabulary(num_substructures: int = 32, seed: int = 0) -> list[Substruc
         nominal = rng.integers(55, 400, size=n).astype(np.float64)
         fragments = nominal + 0.00048 * nominal + rng.normal(0.0, 0.002, size=n)
         loss = float(rng.choice(NEUTRAL_LOSSES)) if rng.random() < 0.3 else None
-        vocab.append(Substructure(tuple(float(f) for f in fragments), loss, float(rng.uniform(20, 90))))
+        vocab.append(Substructure(tuple(float(f) for f in fragments), loss, float(rng.uniform(20, 80))))
     return vocab
 
 
@@ -83,7 +85,7 @@ def _one_spectrum(rng: np.random.Generator, vocab: list[Substructure], p_on: flo
     if not bits.any():
         bits[rng.integers(k)] = True
     on = np.flatnonzero(bits)
-    precursor = min(80.0 + sum(vocab[i].mass for i in on) + rng.uniform(0, 150), 990.0)
+    precursor = min(90.0 + sum(vocab[i].mass for i in on) + rng.uniform(0, 120), 990.0)
     mz: list[float] = []
     inten: list[float] = []
     for i in on:
@@ -95,7 +97,7 @@ def _one_spectrum(rng: np.random.Generator, vocab: list[Substructure], p_on: flo
         if loss is not None and precursor - loss > 40:
             mz.append(precursor - loss + rng.normal(0.0, 0.001))
             inten.append(rng.uniform(0.1, 0.7))
-    n_background = int(np.clip(rng.lognormal(np.log(15.0), 0.62), 1, 200))
+    n_background = int(np.clip(rng.lognormal(np.log(16.0), 0.62), 1, 200))
     bg_mz = rng.uniform(40.0, max(precursor - 1, 41.0), size=n_background)
     bg_mz = np.floor(bg_mz) + 0.00048 * np.floor(bg_mz) + rng.uniform(-0.05, 0.15, size=n_background)
     weak = rng.random(n_background) < 0.4
@@ -288,21 +290,33 @@ class SpectraDataset(Dataset):
             self._pid = os.getpid()
         return self._file
 
-    def _row(self, idx: int) -> dict[str, np.ndarray]:
+    def _rows(self, idx: list[int]) -> dict[str, np.ndarray]:
+        """Columns of the items ``idx`` (positions in this fold), in the order given."""
         if self._data is not None:
             return {k: v[idx] for k, v in self._data.items()}
         f = self._handle()
-        row = int(self.indices[idx])
-        return {k: f[k][row] for k in self._columns()}
+        rows = self.indices[idx]
+        # h5py reads a whole batch in one call per column when the rows are increasing and unique.
+        unique, inverse = np.unique(rows, return_inverse=True)
+        return {k: f[k][unique][inverse] for k in self._columns()}
+
+    def _item(self, cols: dict[str, np.ndarray], i: int) -> dict[str, torch.Tensor]:
+        spectrum = torch.as_tensor(np.asarray(cols["spectrum"][i], dtype=np.float32))
+        return {
+            "peaks": preprocess_spectrum(spectrum, float(cols["precursor_mz"][i]), self.max_peaks_n),
+            "substructures": torch.as_tensor(np.asarray(cols["substructures"][i], dtype=np.float32)),
+            "properties": torch.as_tensor(np.asarray(cols["properties"][i], dtype=np.float32)),
+        }
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        row = self._row(idx)
-        spectrum = torch.as_tensor(np.asarray(row["spectrum"], dtype=np.float32))
-        return {
-            "peaks": preprocess_spectrum(spectrum, float(row["precursor_mz"]), self.max_peaks_n),
-            "substructures": torch.as_tensor(np.asarray(row["substructures"], dtype=np.float32)),
-            "properties": torch.as_tensor(np.asarray(row["properties"], dtype=np.float32)),
-        }
+        if not -len(self) <= idx < len(self):
+            raise IndexError(f"index {idx} is out of range for a fold of {len(self)} spectra")
+        return self._item(self._rows([int(idx)]), 0)
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A whole batch at once (the DataLoader calls this when it exists): one HDF5 read per column, not per item."""
+        cols = self._rows([int(i) for i in indices])
+        return [self._item(cols, i) for i in range(len(indices))]
 
 
 def collate_spectra(items: list[dict[str, torch.Tensor]], dynamic_padding: bool = False) -> dict[str, torch.Tensor]:

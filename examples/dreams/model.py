@@ -51,7 +51,7 @@ class SpectrumEncoderConfig:
         return self.d_fourier + self.d_peak
 
 
-#: ``tiny`` trains on a laptop CPU in a minute (~0.2M parameters); ``small`` (~3.6M) is for a small GPU;
+#: ``tiny`` trains on a laptop CPU in a minute (~0.2M parameters); ``small`` (~3.5M) is for a small GPU;
 #: ``dreams-base`` has DreaMS's published sizes (1024-d, 7 layers, 8 heads, 5,997 frequencies; ~95M).
 MODEL_PRESETS: dict[str, SpectrumEncoderConfig] = {
     "tiny": SpectrumEncoderConfig(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from functools import partial
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -50,7 +51,11 @@ class SpectraFineTuner(pl.LightningModule):
         n_heads: Override of the preset's head count.
         dropout: Override of the preset's dropout.
         num_substructures: Length of the substructure fingerprint.
-        lr: AdamW learning rate (linear warm-up over ``warmup_steps``).
+        lr: AdamW learning rate of the backbone (linear warm-up over ``warmup_steps``).
+        head_lr_scale: The head (and the backbone's final norm) learn at ``lr * head_lr_scale``: a freshly
+            initialised head on top of a trained backbone needs larger steps than the backbone, whose weights should
+            move little. Adam moves each weight by about ``lr`` per step, so with a small ``lr`` the head's logits
+            would grow too slowly to become confident.
         weight_decay: AdamW weight decay.
         warmup_steps: Optimizer steps of linear learning-rate warm-up.
         pre_trained_pth: Checkpoint to load the backbone from (a Lightning checkpoint of this example or a backbone
@@ -69,6 +74,7 @@ class SpectraFineTuner(pl.LightningModule):
         dropout: float | None = None,
         num_substructures: int = 32,
         lr: float = 3e-3,
+        head_lr_scale: float = 10.0,
         weight_decay: float = 0.01,
         warmup_steps: int = 20,
         pre_trained_pth: str | None = None,
@@ -81,19 +87,56 @@ class SpectraFineTuner(pl.LightningModule):
                            dropout=dropout)
         self.backbone = SpectrumEncoder(cfg)
         self.head = nn.Linear(cfg.d_model, num_substructures + NUM_PROPERTIES)
+        with torch.no_grad():  # start from the usual substructure rate instead of p = 0.5
+            self.head.bias[:num_substructures] = math.log(0.15 / 0.85)
         self.num_substructures = num_substructures
+        if not head_lr_scale > 0:
+            raise ValueError(f"`head_lr_scale` must be a positive number, got {head_lr_scale!r}.")
+        if unfreeze_backbone_at_epoch < 0:
+            raise ValueError(f"`unfreeze_backbone_at_epoch` must be >= 0 (0 = never frozen), got "
+                             f"{unfreeze_backbone_at_epoch}.")
         if gradient_checkpointing:
             self.backbone.gradient_checkpointing_enable()
         if pre_trained_pth:
-            missing, unexpected = self.backbone.load_state_dict(load_backbone_state(pre_trained_pth), strict=False)
-            rank_zero_info(f"Loaded backbone from {pre_trained_pth} (missing: {len(missing)}, unexpected: "
-                           f"{len(unexpected)} keys)")
+            self.load_backbone(pre_trained_pth)
+        elif unfreeze_backbone_at_epoch > 0:
+            rank_zero_warn("`unfreeze_backbone_at_epoch` > 0 without `pre_trained_pth`: the frozen backbone is"
+                           " randomly initialised, so only the head learns until it is unfrozen.")
         self.register_buffer("prior_bits", torch.full((num_substructures,), 0.15), persistent=False)
         self.register_buffer("prior_properties", torch.zeros(NUM_PROPERTIES), persistent=False)
+
+    def load_backbone(self, path: str | os.PathLike[str]) -> None:
+        """Load the backbone's weights from ``path`` (see :func:`load_backbone_state`); the head stays as it is."""
+        state = load_backbone_state(path)
+        try:
+            missing, unexpected = self.backbone.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # shape mismatches raise even with strict=False
+            raise ValueError(
+                f"`pre_trained_pth` {str(path)!r} does not fit this backbone ({self.backbone.config}). Pass the"
+                f" `model_preset` and size overrides it was trained with. Details: {err}"
+            ) from err
+        if missing:
+            raise ValueError(f"`pre_trained_pth` {str(path)!r} lacks {len(missing)} backbone weights, e.g. "
+                             f"{missing[:3]}. Pass the `model_preset` and size overrides it was trained with.")
+        rank_zero_info(f"Loaded the backbone from {path} ({len(state)} tensors"
+                       + (f"; ignored {len(unexpected)} unexpected keys)" if unexpected else ")"))
 
     def gradient_checkpointing_enable(self) -> None:
         """Hugging Face-style switch, so ``GradientCheckpointing`` callbacks can turn it on."""
         self.backbone.gradient_checkpointing_enable()
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Turn activation recomputation off again (``GradientCheckpointing`` calls it at teardown)."""
+        self.backbone.gradient_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.backbone.gradient_checkpointing
+
+    @property
+    def backbone_frozen(self) -> bool:
+        """Whether the backbone is frozen in the current epoch (``current_epoch < unfreeze_backbone_at_epoch``)."""
+        return self.current_epoch < self.hparams.unfreeze_backbone_at_epoch
 
     def forward(self, peaks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.head(self.backbone(peaks)[:, 0])
@@ -115,11 +158,15 @@ class SpectraFineTuner(pl.LightningModule):
 
     @override
     def on_train_epoch_start(self) -> None:
-        frozen = self.current_epoch < self.hparams.unfreeze_backbone_at_epoch
+        # Lightning does not switch modules back to training mode between epochs: set both ways explicitly.
+        frozen = self.backbone_frozen
+        changed = any(p.requires_grad == frozen for p in self.backbone.parameters())
         for p in self.backbone.parameters():
             p.requires_grad_(not frozen)
-        if frozen:
-            self.backbone.eval()
+        self.backbone.train(not frozen)
+        if changed and (frozen or self.current_epoch > 0):
+            state = "frozen (only the head trains)" if frozen else "unfrozen"
+            rank_zero_info(f"Epoch {self.current_epoch}: backbone {state}.")
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -139,7 +186,12 @@ class SpectraFineTuner(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        lr = self.hparams.lr
+        fast = [*self.head.parameters(), *self.backbone.norm.parameters()]
+        fast_ids = {id(p) for p in fast}
+        groups = [{"params": [p for p in self.parameters() if id(p) not in fast_ids], "lr": lr},
+                  {"params": fast, "lr": lr * self.hparams.head_lr_scale}]
+        opt = torch.optim.AdamW(groups, lr=lr, weight_decay=self.hparams.weight_decay)
         warmup = max(1, int(self.hparams.warmup_steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -149,7 +201,8 @@ class SpectraDataModule(pl.LightningDataModule):
     """Spectra from an HDF5 file (generated on first use when it does not exist).
 
     Args:
-        data_path: HDF5 file; generated with ``num_spectra`` synthetic spectra when missing.
+        data_path: HDF5 file; generated with ``num_spectra`` synthetic spectra when missing (or when it is a synthetic
+            file made with another ``num_spectra`` or ``seed``).
         num_spectra: Spectra to generate when ``data_path`` does not exist.
         batch_size: Micro-batch size per device.
         max_peaks_n: Peaks kept per spectrum.
@@ -161,7 +214,7 @@ class SpectraDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        data_path: str = "data/dreams_synthetic.hdf5",
+        data_path: str = "outputs/data/dreams_synthetic.hdf5",
         num_spectra: int = 4000,
         batch_size: int = 32,
         max_peaks_n: int = 100,
@@ -177,9 +230,19 @@ class SpectraDataModule(pl.LightningDataModule):
 
     @override
     def prepare_data(self) -> None:
-        if not self.data_path.exists():
-            rank_zero_info(f"Generating {self.hparams.num_spectra} synthetic spectra -> {self.data_path}")
-            generate_spectra_h5(self.data_path, num_spectra=self.hparams.num_spectra, seed=self.hparams.seed)
+        if self.data_path.exists() and not self._stale_synthetic_file():
+            return
+        rank_zero_info(f"Generating {self.hparams.num_spectra} synthetic spectra -> {self.data_path}")
+        generate_spectra_h5(self.data_path, num_spectra=self.hparams.num_spectra, seed=self.hparams.seed)
+
+    def _stale_synthetic_file(self) -> bool:
+        """Whether ``data_path`` is a synthetic file generated with another ``num_spectra`` or ``seed``."""
+        import h5py
+
+        with h5py.File(self.data_path, "r") as f:
+            if "seed" not in f.attrs:  # not generated by this example: use it as it is
+                return False
+            return len(f["precursor_mz"]) != self.hparams.num_spectra or int(f.attrs["seed"]) != self.hparams.seed
 
     @override
     def setup(self, stage: str) -> None:
