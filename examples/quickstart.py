@@ -67,7 +67,7 @@ def main() -> None:
         accelerator=args.accelerator,
         devices=1,
         max_steps=args.max_steps,
-        val_check_interval=100,
+        val_check_interval=min(100, args.max_steps),
         limit_val_batches=10,
         logger=CSVLogger(root),
         default_root_dir=str(root),
