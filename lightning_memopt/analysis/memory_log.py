@@ -149,7 +149,9 @@ def summarize_memory_log(records: Sequence[dict[str, Any]]) -> list[PhaseSummary
     """Summarise records (of one or more ranks) per (rank, phase).
 
     Growth is the least-squares slope of allocated bytes (host RSS where the device gives none) against
-    ``global_step`` over the phase's step readings, times 1000.
+    ``global_step``, times 1000, over the later half of the phase's step readings (all of them when there are
+    fewer than 6): the first readings hold the warm-up (data, optimizer state, the allocator's cache arriving),
+    which is not growth.
 
     Example:
         >>> recs = [{"time": t, "rank": 0, "phase": "train", "event": "step", "global_step": s, "epoch": 0,
@@ -177,6 +179,8 @@ def summarize_memory_log(records: Sequence[dict[str, Any]]) -> list[PhaseSummary
         if growth_field is not None:
             points = [(float(r["global_step"]), float(r[growth_field])) for r in steps
                       if isinstance(r.get("global_step"), int) and isinstance(r.get(growth_field), (int, float))]
+            if len(points) >= 6:
+                points = sorted(points)[len(points) // 2:]
             growth = _slope_per_1k(points)
         if where is None and rss:
             # No device figures: the peak is the host's.

@@ -291,7 +291,7 @@ class MemoryMonitor(Callback):
             rank=self._rank,
             phase=phase,
             event=event,
-            epoch=trainer.current_epoch,
+            epoch=_last_train_epoch(trainer) if (phase, event) == ("train", "phase_end") else trainer.current_epoch,
             global_step=trainer.global_step,
             batch_idx=batch_idx,
             **extra,
@@ -418,3 +418,12 @@ def _last_train_step_in(path: Path) -> int:
     except OSError:
         return -1
     return last
+
+
+def _last_train_epoch(trainer: pl.Trainer) -> int:
+    """The epoch of the last training batch: after the last epoch, ``current_epoch`` already counts one more."""
+    try:
+        started = int(trainer.fit_loop.epoch_progress.current.started)
+    except Exception:
+        return trainer.current_epoch
+    return max(min(started - 1, trainer.current_epoch), 0)

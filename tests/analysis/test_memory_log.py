@@ -55,6 +55,17 @@ def test_cpu_log_falls_back_to_host_rss(tmp_path):
     assert s.growth_field == "host_rss_bytes" and s.growth_bytes_per_1k_steps == pytest.approx(1000.0)
 
 
+def test_growth_leaves_out_the_warm_up():
+    # a climb over the first steps (data, optimizer state, cache arriving), then flat: no growth
+    warm = [rec(float(s), "train", "step", s, 100 + 100 * s) for s in range(1, 6)]
+    flat = [rec(float(s), "train", "step", s, 600) for s in range(6, 16)]
+    s = summarize_memory_log(warm + flat)[0]
+    assert s.growth_bytes_per_1k_steps == pytest.approx(0.0)
+    leak = [rec(float(s), "train", "step", s, 600 + 7 * s) for s in range(6, 16)]
+    s = summarize_memory_log(warm + leak)[0]
+    assert s.growth_bytes_per_1k_steps == pytest.approx(7000.0)
+
+
 def test_truncated_last_line_is_skipped_with_a_warning(tmp_path):
     path = write(tmp_path / "m.jsonl", [rec(1.0, "train", "step", 1, 10), rec(2.0, "train", "step", 2, 20)],
                  tail='{"time": 3.0, "rank": 0, "pha')

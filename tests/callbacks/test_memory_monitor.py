@@ -347,3 +347,15 @@ def test_real_cuda_fit_records_device_figures(tmp_path):
         assert r["allocated_bytes"] > 0 and r["reserved_bytes"] >= r["allocated_bytes"]
         assert r["peak_allocated_bytes"] >= r["allocated_bytes"]
         assert r["device_total_bytes"] == torch.cuda.get_device_properties(0).total_memory
+
+
+@pytest.mark.parametrize(("max_epochs", "max_steps", "last_epoch"), [(2, -1, 1), (3, 5, 1)])
+def test_train_phase_end_carries_the_epoch_of_the_last_batch(tmp_path, max_epochs, max_steps, last_epoch):
+    monitor = MemoryMonitor(log_every_n_steps=1)
+    make_trainer(tmp_path, callbacks=[monitor], max_epochs=max_epochs, max_steps=max_steps,
+                 limit_train_batches=3).fit(TinyModel())
+    records = [json.loads(line) for line in (tmp_path / "memory" / "memory_rank0.jsonl").read_text().splitlines()]
+    end = next(r for r in records if r["phase"] == "train" and r["event"] == "phase_end")
+    last_step = max((r for r in records if r["phase"] == "train" and r["event"] == "step"),
+                    key=lambda r: r["global_step"])
+    assert end["epoch"] == last_step["epoch"] == last_epoch
