@@ -54,7 +54,7 @@ class GradientCheckpointing(Callback):
 
     1. if the LightningModule, or a submodule, has ``gradient_checkpointing_enable()`` (Hugging Face
        ``PreTrainedModel``), that is called (non-reentrant where the model accepts
-       ``gradient_checkpointing_kwargs``);
+       ``gradient_checkpointing_kwargs``); models that say ``supports_gradient_checkpointing = False`` are skipped;
     2. otherwise every submodule that matches ``modules`` is wrapped with non-reentrant
        ``torch.utils.checkpoint.checkpoint``. Entries of ``modules`` are classes (``nn.TransformerEncoderLayer``),
        class names (``"TransformerEncoderLayer"``, handy in YAML) or ``fnmatch`` patterns over qualified submodule
@@ -145,9 +145,12 @@ class GradientCheckpointing(Callback):
         for name, module in model.named_modules():
             if any(p == "" or name.startswith(p + ".") for p in prefixes):
                 continue
-            if callable(getattr(module, "gradient_checkpointing_enable", None)):
-                found.append(module)
-                prefixes.append(name)
+            if not callable(getattr(module, "gradient_checkpointing_enable", None)):
+                continue
+            if getattr(module, "supports_gradient_checkpointing", True) is False:
+                continue  # a Hugging Face model whose switch would raise: its blocks are wrapped instead
+            found.append(module)
+            prefixes.append(name)
         return found
 
     def _enable_switch(self, module: nn.Module) -> None:

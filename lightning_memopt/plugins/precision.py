@@ -53,8 +53,12 @@ class MemoryPrecision(Precision):
     **Short last window.** Lightning divides every loss by ``accumulate_grad_batches``, also in the last window of an
     epoch when fewer micro-batches remain (upstream #19987): those samples get too small a gradient. With
     ``exact_accumulation=True`` (default) this plugin rescales the loss in that window by
-    ``accumulate_grad_batches / len(window)``, so each optimizer step uses the mean gradient of the samples it saw.
-    Needs a sized train dataloader (no-op for iterable ones) and automatic optimization.
+    ``accumulate_grad_batches / len(window)``, so each optimizer step uses the mean of the micro-batch losses it saw
+    (the full-batch gradient when the micro-batches are equally sized). Needs a sized train dataloader (no-op for
+    iterable ones) and automatic optimization. ``tests/plugins/test_accumulation.py`` pins both behaviours.
+
+    The plugin replaces ``Trainer(precision=...)``: given both, Lightning raises "Received both `precision=...` and
+    `plugins=...`"; drop ``precision=`` and pass the mode here (``MemoryPreset.trainer_kwargs`` says so by name).
 
     FSDP, DeepSpeed and model-parallel strategies have their own precision classes: this plugin raises a ``TypeError``
     for them. Pass ``Trainer(precision="bf16-mixed")`` there, or let ``MemoryPreset.trainer_kwargs(strategy=...)``
@@ -65,7 +69,7 @@ class MemoryPrecision(Precision):
         float32_matmul_precision: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (leave as is).
         allow_emulated_bf16: use bf16 on a GPU without native bf16 instead of raising.
         scaler: a ``torch.amp.GradScaler`` for the fp16 path (one is made when ``None``).
-        exact_accumulation: fix the short last accumulation window of an epoch (see below).
+        exact_accumulation: fix the short last accumulation window of an epoch (see above).
 
     Device requirements: any; on CPU ``"auto"`` trains in fp32.
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,31 @@ _KNOBS = (
     "monitor",
 )
 _OWN_PRECISION_STRATEGIES = ("fsdp", "deepspeed", "model_parallel", "xla_fsdp")
+#: Trainer arguments that ``trainer_kwargs`` decides.
+_PRESET_TRAINER_KEYS = (
+    "precision",
+    "plugins",
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "devices",
+    "num_nodes",
+    "callbacks",
+)
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    """Defaults of ``lightning.pytorch.Trainer``'s arguments, read from its signature."""
+    from lightning.pytorch import Trainer
+
+    params = inspect.signature(Trainer.__init__).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def _same(value: Any, default: Any) -> bool:
+    """``value == default`` for plain values only (plugin or callback objects are never "at the default")."""
+    if default is None:
+        return value is None
+    return type(value) is type(default) and value == default
 
 
 @dataclass(frozen=True)
@@ -41,13 +68,13 @@ class MemoryPreset:
 
     Presets (``MemoryPreset.from_name``):
 
-    ============== ========= ============= ===== ============= ========================= ==================
-    name           precision checkpointing TF32  accumulation  allocator                 callbacks
-    ============== ========= ============= ===== ============= ========================= ==================
-    ``max-savings`` auto     yes           high  >= 4 steps    expandable_segments:True  monitor, cache, gc
-    ``balanced``   auto      no            high  >= 2 steps    expandable_segments:True  monitor, cache
-    ``max-speed``  auto      no            high  1 step        --                        --
-    ============== ========= ============= ===== ============= ========================= ==================
+    =============== ========= ============= ===== ============ ========================= ==================
+    name            precision checkpointing TF32  accumulation allocator                 callbacks
+    =============== ========= ============= ===== ============ ========================= ==================
+    ``max-savings`` auto      yes           high  >= 4 steps   expandable_segments:True  monitor, cache, gc
+    ``balanced``    auto      no            high  >= 2 steps   expandable_segments:True  monitor, cache
+    ``max-speed``   auto      no            high  1 step       --                        --
+    =============== ========= ============= ===== ============ ========================= ==================
 
     ``precision="auto"`` is resolved by :class:`~lightning_memopt.MemoryPrecision` on the training device (bf16 on
     GPUs with native bf16, fp16 + GradScaler on older GPUs, fp32 on CPU). ``MemoryPreset.for_device()`` picks the
@@ -58,9 +85,32 @@ class MemoryPreset:
     num_nodes)``. The effective batch is never rounded: a split that does not divide raises a ``ValueError``
     naming the nearest valid sizes. Without ``micro_batch_size`` the preset picks the largest micro-batch whose
     accumulation reaches the preset's target (``max-savings``: 96 -> 4 x 24). Pass :attr:`batch_size` to your
-    DataLoader. Lightning divides the loss by ``accumulate_grad_batches`` even in a short last window of an epoch
-    (upstream #19987); keep ``len(train_dataloader)`` a multiple of ``accumulate_grad_batches`` (or use
-    ``drop_last=True``) to make every optimizer step see exactly ``effective_batch_size`` samples.
+    DataLoader.
+
+    **Short last window.** Lightning divides every micro-batch loss by ``accumulate_grad_batches``, also in the
+    last window of an epoch when fewer micro-batches remain (upstream #19987). The preset's ``MemoryPrecision``
+    rescales that window (``exact_accumulation=True``), so its optimizer step uses the mean of the micro-batch
+    losses it saw. Strategies that get a precision string instead of the plugin (FSDP, DeepSpeed) keep Lightning's
+    behaviour: there, keep ``len(train_dataloader)`` a multiple of ``accumulate_grad_batches`` or use
+    ``drop_last=True``.
+
+    **LightningCLI.** Give the preset its own section of the config and merge it into the trainer arguments;
+    :meth:`merge_trainer_config` takes the whole ``trainer`` section, where most entries sit at their defaults::
+
+        class MemoryCLI(LightningCLI):
+            def add_arguments_to_parser(self, parser):
+                parser.add_class_arguments(MemoryPreset, "memory")
+                # optional: feed the micro-batch size to the model or datamodule
+                parser.link_arguments("memory", "data.batch_size", lambda p: p.batch_size, apply_on="instantiate")
+
+            def instantiate_trainer(self, **kwargs):
+                config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+                trainer_config = {**config["trainer"], **kwargs}
+                return super().instantiate_trainer(**config["memory"].merge_trainer_config(trainer_config))
+
+    with a config such as ``{memory: {name: max-savings, effective_batch_size: 128, micro_batch_size: 16},
+    trainer: {max_steps: 1000}}``. ``MemoryPrecision`` and ``GradientCheckpointing`` can also be used alone
+    through ``class_path`` entries under ``trainer.plugins`` and ``trainer.callbacks``.
 
     Knob fields left ``None`` take the preset's value; turn a knob off with ``False``, ``0`` or ``""``.
 
@@ -326,6 +376,33 @@ class MemoryPreset:
         user_callbacks = trainer_kwargs.get("callbacks") or []
         user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
         out["callbacks"] = [*user_callbacks, *self.callbacks()]
+        return out
+
+    def merge_trainer_config(self, trainer_config: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`trainer_kwargs` for a complete trainer configuration, such as LightningCLI's ``trainer`` section.
+
+        A complete configuration lists every Trainer argument, most of them at their defaults. Entries that the
+        preset decides and that still hold the Trainer's default (``accumulate_grad_batches: 1``, ``devices: auto``,
+        ``num_nodes: 1``, ``precision: null``, ``plugins: null``, ``callbacks: null``, ``gradient_clip_val: null``)
+        are taken from the preset instead of counting as a contradiction; any other value that disagrees with the
+        preset raises as in :meth:`trainer_kwargs`. Entries the preset does not decide are kept as they are.
+
+        Example:
+            >>> preset = MemoryPreset.from_name("max-speed", effective_batch_size=32, micro_batch_size=8)
+            >>> kwargs = preset.merge_trainer_config({"accumulate_grad_batches": 1, "devices": "auto", "max_steps": 9})
+            >>> kwargs["accumulate_grad_batches"], kwargs["devices"], kwargs["max_steps"]
+            (4, 1, 9)
+        """
+        defaults = _trainer_defaults()
+        given = dict(trainer_config)
+        at_default = {
+            key: given.pop(key)
+            for key in _PRESET_TRAINER_KEYS
+            if key in given and key in defaults and _same(given[key], defaults[key])
+        }
+        out = self.trainer_kwargs(**given)
+        for key, value in at_default.items():
+            out.setdefault(key, value)
         return out
 
     # ---------------------------------------------------------------------------------------------- describe

@@ -7,6 +7,7 @@ configuration, over one forward + backward of a transformer whose activations dw
 import copy
 import json
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import lightning.pytorch as pl
 import pytest
@@ -141,6 +142,20 @@ def test_model_switch_is_preferred(tmp_path):
     assert not cb.wrapped_names  # nothing else wrapped
 
 
+def test_model_switch_is_skipped_when_the_model_does_not_support_it():
+    class NoSupport(FakeHF):
+        supports_gradient_checkpointing = False  # Hugging Face's enable() would raise ValueError here
+
+    model = HFModule()
+    model.backbone = NoSupport()
+    cb = GradientCheckpointing()
+    cb.setup(None, model, "fit")
+    assert model.backbone.enabled_with is None
+    assert cb.wrapped_names == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2", "backbone.layer"]
+    cb.teardown(None, model, "fit")
+    assert not model.backbone.disabled and "forward" not in model.backbone.layer.__dict__
+
+
 def test_no_match_warns(tmp_path):
     cb = GradientCheckpointing(modules=["NoSuchLayer"])
     with pytest.warns(UserWarning, match=r"found no submodule matching \['NoSuchLayer'\].*Pass `modules=`"):
@@ -159,13 +174,13 @@ import json, resource, sys
 import psutil
 import torch
 from torch import nn
+from lightning_memopt import GradientCheckpointing  # imported in both modes: same baseline
 torch.manual_seed(0)
 torch.set_num_threads(1)
 layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
 model = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False).train()
 x = torch.randn(16, 512, 64)
 if sys.argv[1] == "checkpointed":
-    from lightning_memopt import GradientCheckpointing
     GradientCheckpointing().wrap(model)
 before = psutil.Process().memory_info().rss // 1024  # current RSS: the peak so far may be an import transient
 model(x).pow(2).mean().backward()
@@ -180,12 +195,71 @@ def test_activation_memory_is_lower_peak_rss_in_subprocesses(tmp_path, monkeypat
     # A fixed glibc mmap threshold makes every large tensor its own mapping, returned to the OS when freed, so
     # peak RSS follows the peak of live tensors instead of heap reuse (measured: ~225 MB plain vs ~70 MB).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    modes = ("plain", "checkpointed")
+    for mode in modes:
+        (tmp_path / mode).mkdir()
+    # One process per configuration, both at once: each process's peak RSS is its own.
+    with ThreadPoolExecutor(len(modes)) as pool:
+        procs = dict(zip(modes, pool.map(lambda m: run_script(RSS_SCRIPT, tmp_path / m, args=(m,)), modes)))
     deltas = {}
-    for mode in ("plain", "checkpointed"):
-        proc = run_script(RSS_SCRIPT, tmp_path, args=(mode,))
+    for mode, proc in procs.items():
         assert proc.returncode == 0, proc.stderr[-2000:]
         line = next(row for row in proc.stdout.splitlines() if row.startswith("RESULT"))
         deltas[mode] = json.loads(line[len("RESULT") :])["delta_kib"]
     # Plain keeps every layer's activations (~25 MiB each); checkpointing keeps only the 8 layer inputs
     # (2 MiB each) plus one layer's activations during its recomputation.
     assert deltas["checkpointed"] < 0.5 * deltas["plain"], deltas
+
+
+@pytest.mark.cuda
+def test_cuda_activation_memory_is_lower_peak_allocated():
+    # On a GPU the measure is torch.cuda.max_memory_allocated over one forward + backward, minus what was
+    # allocated before it (weights, input).
+    def peak(checkpointed):
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
+        model = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False).cuda().train()
+        if checkpointed:
+            GradientCheckpointing().wrap(model)
+        x = torch.randn(16, 512, 256, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        model(x).pow(2).mean().backward()
+        torch.cuda.synchronize()
+        grads = [p.grad.clone() for p in model.parameters()]
+        return torch.cuda.max_memory_allocated() - before, grads
+
+    plain, ref = peak(False)
+    checkpointed, got = peak(True)
+    print(f"\nactivation peak: plain {plain / 2**20:.1f} MiB, checkpointed {checkpointed / 2**20:.1f} MiB")
+    assert checkpointed < 0.5 * plain
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_real_hugging_face_model_uses_its_own_switch():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32
+    )
+    torch.manual_seed(0)
+    plain = transformers.BertModel(config).train()
+    model = copy.deepcopy(plain)
+    holder = nn.Module()
+    holder.backbone = model
+    cb = GradientCheckpointing()
+    cb.setup(None, holder, "fit")
+    assert model.is_gradient_checkpointing and not cb.wrapped_names
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for m in (plain, model):
+        m.zero_grad()
+        torch.manual_seed(123)
+        m(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=0, msg=name)
+    cb.teardown(None, holder, "fit")
+    assert not model.is_gradient_checkpointing

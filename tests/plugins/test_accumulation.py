@@ -53,10 +53,15 @@ class GradRecorder(Callback):
 
 
 def reference(windows, n):
-    """Plain torch: one SGD step per window (list of sample counts) on the mean loss of the window."""
+    """Plain torch: one SGD step per window (list of sample counts) on the mean loss of the window.
+
+    Windows run through the ``n`` samples in order, epoch after epoch when they add up to more than ``n``.
+    """
     model = Regression(1, n).net
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = _data(n)
+    epochs = -(-sum(windows) // n)
+    x, y = x.repeat(epochs, 1), y.repeat(epochs, 1)
     grads, start = [], 0
     for size in windows:
         opt.zero_grad()
@@ -112,10 +117,12 @@ def test_upstream_short_last_window_is_pinned(tmp_path):
 
 
 def test_memory_precision_fixes_the_short_last_window(tmp_path):
-    grads, _weights = _fit(tmp_path, 2, 4, 10, epochs=2, plugins=[MemoryPrecision("32-true")])
-    ref_grads, _ref_weights = reference([8, 2], 10)
+    grads, weights = _fit(tmp_path, 2, 4, 10, epochs=2, plugins=[MemoryPrecision("32-true")])
+    ref_grads, ref_weights = reference([8, 2, 8, 2], 10)
     assert len(grads) == 4  # two epochs: the fix applies in every epoch's last window
-    assert _close(grads[0], ref_grads[0]) and _close(grads[1], ref_grads[1])
+    for step, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert _close(g, r), f"gradients differ at step {step}"
+    assert _close(weights, ref_weights)
     # opt-out keeps Lightning's behaviour
     grads_off, _ = _fit(tmp_path, 2, 4, 10, plugins=[MemoryPrecision("32-true", exact_accumulation=False)])
     assert _close(grads_off[1], [r / 4 for r in ref_grads[1]])
@@ -155,8 +162,11 @@ trainer.fit(model)
 ref_grads, ref_weights = reference([8] * (n // 8), n)
 ok_grads = len(rec.grads) == n // 8 and all(_close(g, r) for g, r in zip(rec.grads, ref_grads))
 ok_weights = _close([p.detach() for p in model.net.parameters()], ref_weights)
-print("RESULT" + json.dumps({{"rank": trainer.global_rank, "accumulate": trainer.accumulate_grad_batches,
-                              "steps": len(rec.grads), "grads": ok_grads, "weights": ok_weights}}), flush=True)
+result = {{"rank": trainer.global_rank, "accumulate": trainer.accumulate_grad_batches, "steps": len(rec.grads),
+          "grads": ok_grads, "weights": ok_weights}}
+# one file per rank: both ranks share stdout, where lines can interleave
+with open(f"{{sys.argv[1]}}/result_rank{{trainer.global_rank}}.json", "w") as f:
+    json.dump(result, f)
 """
 
 
@@ -165,10 +175,11 @@ def test_ddp_two_processes_match_the_full_batch(tmp_path):
     from tests.helpers.subprocess_run import REPO_ROOT
 
     code = DDP_SCRIPT.format(tests_root=str(REPO_ROOT), n=24, micro=micro)
-    proc = run_script(code, tmp_path)
+    proc = run_script(code, tmp_path, args=(str(tmp_path),))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line[len("RESULT") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert len(results) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    files = sorted(tmp_path.glob("result_rank*.json"))
+    assert [f.name for f in files] == ["result_rank0.json", "result_rank1.json"], proc.stderr[-3000:]
+    results = [json.loads(f.read_text()) for f in files]
     for r in results:
         assert r["accumulate"] == 4 // micro and r["steps"] == 3
         assert r["grads"] and r["weights"], r

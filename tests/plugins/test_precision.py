@@ -178,3 +178,80 @@ def test_cuda_auto_fit_with_tf32(tmp_path):
     major, _ = torch.cuda.get_device_capability()
     assert trainer.precision == ("bf16-mixed" if major >= 8 else "16-mixed")
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+# ---------------------------------------------------------------------------------------- mocked torch.cuda
+GPUS = {  # name: (compute capability, what torch.cuda.is_bf16_supported() says: it counts emulation)
+    "Tesla V100-SXM2-16GB": ((7, 0), True),
+    "Tesla T4": ((7, 5), True),
+    "NVIDIA A100-SXM4-80GB": ((8, 0), True),
+    "NVIDIA H100 80GB HBM3": ((9, 0), True),
+}
+
+
+def fake_cuda(monkeypatch, name):
+    """Make this CPU machine look like it has the GPU ``name`` (capability, name, bf16 claim, memory)."""
+    capability, bf16_claim = GPUS[name]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_claim)
+    return capability
+
+
+def _setup_on_fake_gpu(plugin):
+    """Run the plugin's setup as a Trainer on ``cuda:0`` would (convert_module with the trainer attached)."""
+    module = torch.nn.Linear(2, 2)
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), global_rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin.convert_module(module)
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("name", list(GPUS))
+def test_auto_on_mocked_gpus_uses_capability_not_is_bf16_supported(monkeypatch, name):
+    capability = fake_cuda(monkeypatch, name)
+    assert torch.cuda.is_bf16_supported()  # every card claims bf16 ...
+    plugin = MemoryPrecision("auto")
+    messages = _setup_on_fake_gpu(plugin)
+    native = capability >= (8, 0)  # ... but only compute capability >= 8.0 has it in hardware
+    expected = "bf16-mixed" if native else "16-mixed"
+    assert plugin.precision == expected and plugin.choice.precision == expected
+    assert isinstance(plugin.scaler, torch.amp.GradScaler) is (not native)
+    said = [m for m in messages if m.startswith("MemoryPrecision(mode='auto') chose")]
+    assert len(said) == 1
+    assert f"precision={expected!r}" in said[0]
+    assert f"{name} (compute capability {capability[0]}.{capability[1]})" in said[0]
+
+
+@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true"])
+def test_bf16_on_mocked_v100_raises_naming_the_gpu_and_suggesting_fp16(monkeypatch, mode):
+    fake_cuda(monkeypatch, "Tesla V100-SXM2-16GB")
+    fp16 = mode.replace("bf16", "16")
+    with pytest.raises(ValueError, match=rf"Tesla V100-SXM2-16GB \(compute capability 7.0\).*`precision='{fp16}'`"):
+        _setup_on_fake_gpu(MemoryPrecision(mode))
+    plugin = MemoryPrecision(mode, allow_emulated_bf16=True)
+    _setup_on_fake_gpu(plugin)
+    assert plugin.precision == mode  # the explicit opt-in is honoured
+
+
+def test_preset_precision_string_for_fsdp_on_mocked_gpus(monkeypatch):
+    from lightning_memopt import MemoryPreset
+
+    fake_cuda(monkeypatch, "Tesla V100-SXM2-16GB")
+    assert MemoryPreset.from_name("max-speed").trainer_kwargs(strategy="fsdp")["precision"] == "16-mixed"
+    with pytest.raises(ValueError, match="Tesla V100-SXM2-16GB"):
+        MemoryPreset.from_name("max-speed", precision="bf16-mixed").trainer_kwargs(strategy="fsdp")
+    fake_cuda(monkeypatch, "NVIDIA A100-SXM4-80GB")
+    assert MemoryPreset.from_name("max-speed").trainer_kwargs(strategy="fsdp")["precision"] == "bf16-mixed"
+
+
+@pytest.mark.cuda
+def test_cuda_native_bf16_agrees_with_torch_without_emulation():
+    # An independent reference: torch's own answer when emulation is not counted.
+    reference = torch.cuda.is_bf16_supported(including_emulation=False)
+    choice = MemoryPrecision("auto").resolve(torch.device("cuda", 0))
+    assert (choice.precision == "bf16-mixed") is reference

@@ -229,3 +229,123 @@ def test_usable_from_yaml_with_jsonargparse(tmp_path):
     assert isinstance(preset, MemoryPreset) and preset.accumulate_grad_batches == 8
     assert preset.checkpoint_modules == ("TransformerEncoderLayer",)
     assert isinstance(init.trainer_plugin, MemoryPrecision) and init.trainer_plugin.mode == "16-mixed"
+
+
+def test_merge_trainer_config_fills_defaults_and_keeps_real_conflicts():
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    # a complete trainer config with every argument at its default, as LightningCLI passes it
+    full = {
+        p.name: p.default
+        for p in inspect.signature(Trainer.__init__).parameters.values()
+        if p.default is not inspect.Parameter.empty
+    }
+    preset = MemoryPreset.from_name("max-speed", effective_batch_size=32, micro_batch_size=8, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match="contradicts the preset's accumulate_grad_batches=4"):
+        preset.trainer_kwargs(**full)  # the plain method takes the default 1 as a choice
+    kwargs = preset.merge_trainer_config({**full, "max_steps": 7})
+    assert kwargs["accumulate_grad_batches"] == 32 // 8 and kwargs["gradient_clip_val"] == 1.0
+    assert (kwargs["devices"], kwargs["num_nodes"], kwargs["max_steps"]) == (1, 1, 7)
+    assert kwargs["precision"] is None and [type(p) for p in kwargs["plugins"]] == [MemoryPrecision]
+    assert set(kwargs) == set(full)  # nothing dropped, nothing invented
+    no_plan = MemoryPreset.from_name("max-speed").merge_trainer_config(full)
+    assert no_plan["devices"] == full["devices"]  # without an effective batch the world size is the user's
+    with pytest.raises(ValueError, match=r"Both `precision='16-mixed'` .* Drop `precision=`"):
+        preset.merge_trainer_config({**full, "precision": "16-mixed"})
+    with pytest.raises(ValueError, match="`accumulate_grad_batches=2` contradicts"):
+        preset.merge_trainer_config({**full, "accumulate_grad_batches": 2})
+    with pytest.raises(ValueError, match="`devices=2` differs from the preset's `devices=1`"):
+        preset.merge_trainer_config({**full, "devices": 2})
+
+
+def _memory_cli_class():
+    """The LightningCLI subclass documented in ``MemoryPreset``'s docstring."""
+    from lightning.pytorch.cli import LightningCLI
+
+    class MemoryCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_class_arguments(MemoryPreset, "memory")
+            parser.link_arguments("memory", "model.batch_size", lambda p: p.batch_size, apply_on="instantiate")
+
+        def instantiate_trainer(self, **kwargs):
+            config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+            trainer_config = {**config["trainer"], **kwargs}
+            return super().instantiate_trainer(**config["memory"].merge_trainer_config(trainer_config))
+
+    return MemoryCLI
+
+
+CLI_YAML = """
+memory:
+  name: max-savings
+  effective_batch_size: 16
+  micro_batch_size: 4
+  checkpoint_modules: [Linear]
+  monitor: false
+trainer:
+  accelerator: cpu
+  max_steps: 2
+  limit_train_batches: 8
+  limit_val_batches: 0
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  default_root_dir: {root}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelSummary
+      init_args:
+        max_depth: 2
+"""
+
+
+@pytest.mark.parametrize("subcommand", [False, True], ids=["run_false", "fit_subcommand"])
+def test_lightning_cli_yaml_builds_the_trainer_from_the_preset(tmp_path, subcommand):
+    from lightning.pytorch.callbacks import ModelSummary
+
+    config = tmp_path / "config.yaml"
+    config.write_text(CLI_YAML.format(root=tmp_path))
+    args = ["fit", f"--config={config}"] if subcommand else [f"--config={config}"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = _memory_cli_class()(TinyModel, run=subcommand, args=args, save_config_callback=None)
+        if not subcommand:
+            cli.trainer.fit(cli.model)
+    trainer, preset = cli.trainer, MemoryPreset.from_name("max-savings", effective_batch_size=16, micro_batch_size=4)
+    assert trainer.accumulate_grad_batches == preset.accumulate_grad_batches == 4
+    assert cli.model.batch_size == preset.batch_size == 4  # linked from the preset
+    assert isinstance(trainer.precision_plugin, MemoryPrecision) and trainer.precision_plugin.mode == "auto"
+    types = _types(trainer.callbacks)
+    assert ModelSummary in types  # the user's callbacks are kept
+    assert types.index(ModelSummary) < types.index(GradientCheckpointing)
+    assert CacheCleaner in types and GarbageCollector in types and MemoryMonitor not in types
+    checkpointing = next(c for c in trainer.callbacks if isinstance(c, GradientCheckpointing))
+    assert checkpointing.modules == ["Linear"]
+    assert trainer.global_step == 2
+    assert ALLOC_CONF_ENV not in os.environ  # AllocatorSettings gave the variable back at teardown
+
+
+@pytest.mark.parametrize(
+    ("total_gib", "name", "tier"),
+    [
+        (7.6, "max-savings", "8GB"),
+        (15.8, "balanced", "16GB"),
+        (23.6, "max-speed", "24GB+"),
+        (79.1, "max-speed", "24GB+"),
+    ],
+)
+def test_for_device_reads_the_current_gpu(monkeypatch, total_gib, name, tier):
+    from types import SimpleNamespace
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index: asked.append(index) or SimpleNamespace(total_memory=int(total_gib * 2**30)),
+    )
+    preset = MemoryPreset.for_device(effective_batch_size=64)
+    assert (preset.name, preset.tier) == (name, tier) and asked == [1]
+    assert preset.batch_size * preset.accumulate_grad_batches == 64

@@ -96,3 +96,22 @@ def test_cuda_memory_fraction_really_applies():
     finally:
         restore_allocator_settings(state)
         torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+def test_cuda_preset_allocator_settings_are_in_place_before_cuda_initialises(tmp_path):
+    # The allocator backend can only be chosen before CUDA initialises, so it shows whether the preset's settings
+    # really got there first. A fresh process: this one may have initialised CUDA already.
+    from tests.helpers.subprocess_run import run_script
+
+    code = """
+import torch
+from lightning_memopt import MemoryPreset
+kwargs = MemoryPreset.from_name("max-speed", allocator_conf="backend:cudaMallocAsync").trainer_kwargs()
+assert not torch.cuda.is_initialized()
+torch.empty(1, device="cuda")
+print("BACKEND", torch.cuda.memory.get_allocator_backend())
+"""
+    proc = run_script(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "BACKEND cudaMallocAsync" in proc.stdout
