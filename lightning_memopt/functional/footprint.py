@@ -458,6 +458,15 @@ class Duplicates:
         return out
 
 
+def _unique_parameters(module: torch.nn.Module) -> Iterable[torch.Tensor]:
+    """Each parameter once (tied weights too), as the local tensor behind any wrapper subclass."""
+    seen: set[int] = set()
+    for param in module.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            yield _plain(param)
+
+
 #: How many evenly spaced elements of a tensor are compared with a parameter's to call it a mirror.
 _NUM_SAMPLED = 64
 
@@ -481,12 +490,7 @@ def _mirroring_keys(module: torch.nn.Module, candidates: Sequence[LiveTensor]) -
     if not wanted:
         return set()
     samples: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for param in module.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        plain = _plain(param)
+    for plain in _unique_parameters(module):
         shape = tuple(int(s) for s in plain.shape)
         if shape in wanted.values():
             samples.setdefault(shape, []).append(_sampled_values(plain))
@@ -538,12 +542,7 @@ def find_duplicates(
     """
     shapes: dict[tuple[int, ...], set[str]] = {}
     total_numel = 0
-    seen: set[int] = set()
-    for param in module.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        plain = _plain(param)
+    for plain in _unique_parameters(module):
         shapes.setdefault(tuple(int(s) for s in plain.shape), set()).add(str(plain.dtype))
         total_numel += int(plain.numel())
     candidates = [t for t in live if t.name is None and t.shape in shapes and t.bytes > 0]
