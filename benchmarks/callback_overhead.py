@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _machine import machine_info  # benchmarks/_machine.py
+
 from lightning_memopt import CacheCleaner, GarbageCollector, MemoryMonitor
 from lightning_memopt.functional.memory import empty_device_cache
 
@@ -180,6 +182,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "lightning": pl.__version__,
+        "machine": machine_info(args.accelerator),
         "steps_measured_each": len(base),
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,

@@ -30,6 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _machine import machine_info  # benchmarks/_machine.py
+
 from lightning_memopt import MemoryAudit
 from lightning_memopt.functional.footprint import live_tensors
 
@@ -148,6 +150,7 @@ def main() -> int:
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "python": platform.python_version(),
+        "machine": machine_info(args.device),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "fit_s_no_audit": base_fit,
         "fit_s_audit": audit_fit,

@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _machine import machine_info  # benchmarks/_machine.py (this script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("fp32", "max-speed", "balanced", "max-savings")
@@ -121,33 +122,6 @@ def worker(config: str, device: str, effective: int, seq: int, steps: int) -> di
         "samples_per_s": steps * effective / seconds,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
     }
-
-
-def machine_info(device: str) -> dict:
-    """Where the numbers were taken: CPU model, cores, library versions."""
-    import lightning
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-    }
-    if hasattr(os, "getloadavg"):
-        info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
-    if device == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["gpu_capability"] = list(torch.cuda.get_device_capability())
-    return info
 
 
 def run_config(config: str, device: str, repeats: int, env: dict, threads: int | None = None) -> dict:
