@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_memopt.utilities.checks import check_choice, check_positive_int
+from lightning_memopt.utilities.checks import check_bool, check_choice, check_non_negative_int, check_positive_int
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -31,7 +31,7 @@ class GarbageCollector(Callback):
     memory the caching allocator cannot reuse until then.
 
     The process's gc state (automatic collection on/off, frozen objects) is recorded at setup and
-    restored at teardown and when training stops with an exception.
+    restored at teardown and when training stops with an exception. Thresholds are never changed.
 
     Args:
         every_n_steps: Collect every this many optimizer steps.
@@ -39,6 +39,9 @@ class GarbageCollector(Callback):
         disable_automatic: Switch the automatic collector off during fit (restored afterwards).
         freeze_after_setup: Call ``gc.freeze()`` after setup, so that the objects that exist then (the model,
             the data) are never scanned again, which makes every later collection cheaper. Unfrozen at teardown.
+            Python can only unfreeze everything at once, so when the application has already frozen objects
+            itself (``gc.get_freeze_count() > 0`` at setup), nothing is frozen here, a warning says so, and the
+            application's frozen objects stay frozen after fit.
 
     Logged metrics (at the end of fit, from rank zero):
         * ``memory/gc/collect_calls``: number of collections (count).
@@ -61,7 +64,10 @@ class GarbageCollector(Callback):
         freeze_after_setup: bool = False,
     ) -> None:
         check_positive_int("every_n_steps", every_n_steps)
+        check_non_negative_int("generation", generation, hint="Use 0, 1 or 2 (2 is a full collection).")
         check_choice("generation", generation, (0, 1, 2))
+        check_bool("disable_automatic", disable_automatic)
+        check_bool("freeze_after_setup", freeze_after_setup)
         self.every_n_steps = every_n_steps
         self.generation = generation
         self.disable_automatic = disable_automatic
@@ -84,10 +90,22 @@ class GarbageCollector(Callback):
             return
         if self._saved_enabled is None:
             self._saved_enabled = gc.isenabled()
-        if self.freeze_after_setup and not self._froze and hasattr(gc, "freeze"):
-            gc.collect()
-            gc.freeze()
-            self._froze = True
+        if not self.freeze_after_setup or self._froze:
+            return
+        if gc.get_freeze_count() > 0:
+            # `gc.unfreeze()` cannot tell our objects from the application's: freezing on top of the application's
+            # freeze could only be undone by unfreezing everything, so the application's freeze is left as it is.
+            if trainer.is_global_zero:
+                self._warn.warn(
+                    "already_frozen",
+                    f"GarbageCollector(freeze_after_setup=True) did not freeze: the application has already frozen"
+                    f" {gc.get_freeze_count()} objects with `gc.freeze()`, and Python can only unfreeze all of them"
+                    " at once. They stay frozen as they are; pass `freeze_after_setup=False` to silence this.",
+                )
+            return
+        gc.collect()
+        gc.freeze()
+        self._froze = True
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -127,8 +145,8 @@ class GarbageCollector(Callback):
         log_to_loggers(trainer, metrics, self._warn, "GarbageCollector")
 
     def _restore(self) -> None:
-        if self._froze and hasattr(gc, "unfreeze"):
-            gc.unfreeze()
+        if self._froze:
+            gc.unfreeze()  # only ever reached when the freeze count was 0 before our freeze
             self._froze = False
         if self._saved_enabled is not None:
             if self._saved_enabled:

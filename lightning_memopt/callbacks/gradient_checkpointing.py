@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
+from lightning_memopt.utilities.checks import check_bool
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
 if TYPE_CHECKING:
@@ -62,7 +63,12 @@ class GradientCheckpointing(Callback):
 
     Wrapping replaces the instance's ``forward`` only (parameter names and ``state_dict`` keys do not change) and
     is active only in training mode with grad enabled; validation runs the plain forward. RNG state is preserved,
-    so dropout masks in the recomputation match the first pass. Teardown restores the original forwards.
+    so dropout masks in the recomputation match the first pass.
+
+    Everything changed at setup is given back at teardown and when fit stops with an exception: the original forwards
+    return, and a model switch that this callback turned on is turned off again (a switch that was already on,
+    according to the model's ``is_gradient_checkpointing``, is left on). Blocks that are already checkpointed by
+    another :meth:`wrap` are counted as checkpointed and left to whoever wrapped them.
 
     Args:
         modules: which submodules to checkpoint (see above); ``None`` for the defaults.
@@ -82,9 +88,16 @@ class GradientCheckpointing(Callback):
     """
 
     def __init__(self, modules: Sequence[type[nn.Module] | str] | None = None, use_model_switch: bool = True) -> None:
+        check_bool("use_model_switch", use_model_switch)
         if modules is not None:
             if isinstance(modules, (str, type)):
                 modules = [modules]
+            if not isinstance(modules, Iterable):
+                raise ValueError(
+                    f"`modules` must be a list of nn.Module classes, class names or name patterns, or None, got"
+                    f" {modules!r}. Example: `modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
+                )
+            modules = list(modules)
             for entry in modules:
                 if not (isinstance(entry, str) and entry) and not (
                     isinstance(entry, type) and issubclass(entry, nn.Module)
@@ -96,6 +109,7 @@ class GradientCheckpointing(Callback):
         self.modules = list(modules) if modules is not None else None
         self.use_model_switch = use_model_switch
         self.wrapped_names: list[str] = []
+        self.already_wrapped_names: list[str] = []
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._switched: list[nn.Module] = []
         self._warn = WarnOnce()
@@ -113,18 +127,27 @@ class GradientCheckpointing(Callback):
         return False
 
     def wrap(self, model: nn.Module) -> list[str]:
-        """Wrap the matching submodules of ``model`` (outermost match only); returns their qualified names."""
+        """Wrap the matching submodules of ``model`` (outermost match only); returns their qualified names.
+
+        Submodules that are checkpointed already (wrapped before and not unwrapped) are skipped with everything
+        inside them; they are listed in ``already_wrapped_names``.
+        """
         covered: list[str] = []
+        skipped: list[str] = []
         for name, module in model.named_modules():
-            if module is model or any(name.startswith(prefix + ".") for prefix in covered):
+            if module is model or any(name.startswith(prefix + ".") for prefix in covered + skipped):
                 continue
-            if isinstance(module.__dict__.get("forward"), _CheckpointedForward) or not self._matches(name, module):
+            if isinstance(module.__dict__.get("forward"), _CheckpointedForward):
+                skipped.append(name)
+                continue
+            if not self._matches(name, module):
                 continue
             original = module.__dict__.get("forward")
             module.forward = _CheckpointedForward(module, original)  # type: ignore[method-assign]
             self._wrapped.append((module, original))
             covered.append(name)
         self.wrapped_names.extend(covered)
+        self.already_wrapped_names = skipped
         return covered
 
     def unwrap(self) -> None:
@@ -136,6 +159,7 @@ class GradientCheckpointing(Callback):
                 module.forward = original  # type: ignore[method-assign]
         self._wrapped.clear()
         self.wrapped_names.clear()
+        self.already_wrapped_names = []
 
     @staticmethod
     def _find_switches(model: nn.Module) -> list[nn.Module]:
@@ -180,7 +204,13 @@ class GradientCheckpointing(Callback):
                 log.info("GradientCheckpointing: enabled the model's own switch on %d module(s).", len(switches))
                 return
         names = self.wrap(pl_module)
-        if not names:
+        if not names and self.already_wrapped_names:
+            log.info(
+                "GradientCheckpointing: %d module(s) were checkpointed already and are left as they are: %s",
+                len(self.already_wrapped_names),
+                ", ".join(self.already_wrapped_names),
+            )
+        elif not names:
             wanted = "PyTorch transformer layers" if self.modules is None else repr(self.modules)
             self._warn.warn(
                 "nothing",
@@ -190,14 +220,22 @@ class GradientCheckpointing(Callback):
         else:
             log.info("GradientCheckpointing: wrapped %d module(s): %s", len(names), ", ".join(names))
 
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def restore(self) -> None:
+        """Give back everything setup changed: the original forwards, and model switches turned on by this callback."""
         self.unwrap()
-        for module in self._switched:
+        switched, self._switched = self._switched, []
+        for module in switched:
             disable = getattr(module, "gradient_checkpointing_disable", None)
             if callable(disable):
                 disable()
-        self._switched.clear()
 
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips the teardown hooks after an exception: without this, a retry in the same process would find
+        # the blocks wrapped already.
+        self.restore()

@@ -15,7 +15,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_memopt.functional.presets import PRECISION_MODES, PrecisionChoice, choose_precision
-from lightning_memopt.utilities.checks import check_choice
+from lightning_memopt.utilities.checks import check_bool, check_choice
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
@@ -28,11 +28,51 @@ UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStr
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
+#: Backends whose ``matmul.fp32_precision`` ``torch.set_float32_matmul_precision`` also writes (torch >= 2.9).
+_MATMUL_BACKENDS = ("cuda", "mkldnn")
+
+
 def _get_matmul_precision() -> str | None:
     try:
         return torch.get_float32_matmul_precision()
     except Exception:  # the legacy getter raises once the newer fp32_precision API was used
         return None
+
+
+def _matmul_backend(name: str) -> Any:
+    return getattr(getattr(torch.backends, name, None), "matmul", None)
+
+
+def _read_matmul_state() -> dict[str, str] | None:
+    """The float32 matmul precision and what it wrote into each backend; ``None`` when the legacy getter raises.
+
+    ``torch.set_float32_matmul_precision`` also writes ``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``
+    (``"none"`` before the first call, ``"ieee"`` after setting ``"highest"``), so giving back only the legacy value
+    would leave those changed.
+    """
+    legacy = _get_matmul_precision()
+    if legacy is None:
+        return None
+    state = {"": legacy}
+    for name in _MATMUL_BACKENDS:
+        value = getattr(_matmul_backend(name), "fp32_precision", None)
+        if isinstance(value, str):
+            state[name] = value
+    return state
+
+
+def _restore_matmul_state(state: dict[str, str]) -> None:
+    """Give back what :func:`_read_matmul_state` read. Never raises (it runs while an exception may be unwinding).
+
+    The per-backend values are written back after the legacy setter; they were read together with a working legacy
+    getter, so the two APIs agree again afterwards and ``torch.get_float32_matmul_precision()`` keeps working.
+    """
+    with contextlib.suppress(Exception):
+        torch.set_float32_matmul_precision(state[""])
+    for name in _MATMUL_BACKENDS:
+        if name in state:
+            with contextlib.suppress(Exception):
+                _matmul_backend(name).fp32_precision = state[name]
 
 
 class MemoryPrecision(Precision):
@@ -48,7 +88,11 @@ class MemoryPrecision(Precision):
     * ``"32-true"``: plain fp32.
 
     ``float32_matmul_precision`` (``"high"`` allows TF32 on Ampere+) is set only through
-    ``torch.set_float32_matmul_precision`` at setup and the previous value is restored at teardown.
+    ``torch.set_float32_matmul_precision`` at setup. The previous state, including what that call writes into
+    ``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``, is given back exactly at teardown, which Lightning's
+    strategy also runs when fit stops with an exception. When the application has set TF32 through torch's newer
+    per-backend API (``torch.get_float32_matmul_precision()`` raises then), the two APIs do not mix: this plugin
+    leaves TF32 alone and warns. cuDNN flags are never changed.
 
     **Short last window.** Lightning divides every loss by ``accumulate_grad_batches``, also in the last window of an
     epoch when fewer micro-batches remain (upstream #19987): those samples get too small a gradient. With
@@ -93,6 +137,13 @@ class MemoryPrecision(Precision):
         check_choice("mode", mode, PRECISION_MODES)
         if float32_matmul_precision is not None:
             check_choice("float32_matmul_precision", float32_matmul_precision, _MATMUL_PRECISIONS)
+        check_bool("allow_emulated_bf16", allow_emulated_bf16)
+        check_bool("exact_accumulation", exact_accumulation)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError(
+                f"`scaler` must be a `torch.amp.GradScaler` or None, got {scaler!r}."
+                " Pass `scaler=torch.amp.GradScaler('cuda')`, or None to have one made for fp16."
+            )
         self.mode = mode
         self.float32_matmul_precision = float32_matmul_precision
         self.allow_emulated_bf16 = allow_emulated_bf16
@@ -101,8 +152,7 @@ class MemoryPrecision(Precision):
         self.choice: PrecisionChoice | None = None
         self.precision = mode if mode != "auto" else "32-true"
         self._delegate: Precision = HalfPrecision(mode) if mode in ("16-true", "bf16-true") else Precision()
-        self._previous_matmul: str | None = None
-        self._matmul_changed = False
+        self._previous_matmul: dict[str, str] | None = None
         self._pending_state: dict[str, Any] | None = None
         self._warn = WarnOnce()
 
@@ -176,10 +226,19 @@ class MemoryPrecision(Precision):
         if self.mode == "auto" and getattr(trainer, "global_rank", 0) == 0:
             message = f"MemoryPrecision(mode='auto') chose precision={choice.precision!r}: {choice.reason}"
             self._warn.warn("choice", message)
-        if self.float32_matmul_precision is not None and not self._matmul_changed:
-            self._previous_matmul = _get_matmul_precision()
+        if self.float32_matmul_precision is not None and self._previous_matmul is None:
+            previous = _read_matmul_state()
+            if previous is None:
+                self._warn.warn(
+                    "new_matmul_api",
+                    f"MemoryPrecision left `float32_matmul_precision={self.float32_matmul_precision!r}` unapplied:"
+                    " TF32 was already set through torch's per-backend API (`torch.backends.cuda.matmul."
+                    "fp32_precision`), which does not mix with `torch.set_float32_matmul_precision`. Set it through"
+                    " that API yourself, or drop `float32_matmul_precision` here.",
+                )
+                return
             torch.set_float32_matmul_precision(self.float32_matmul_precision)
-            self._matmul_changed = True
+            self._previous_matmul = previous
 
     # ------------------------------------------------------------------------------------------- Precision API
     @override
@@ -299,10 +358,9 @@ class MemoryPrecision(Precision):
         try:
             self._delegate.teardown()
         finally:
-            if self._matmul_changed:
-                if self._previous_matmul is not None:
-                    torch.set_float32_matmul_precision(self._previous_matmul)
-                self._matmul_changed = False
+            previous, self._previous_matmul = self._previous_matmul, None
+            if previous is not None:
+                _restore_matmul_state(previous)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self.mode!r}, precision={self.precision!r})"

@@ -209,6 +209,9 @@ class AllocatorSettings(Callback):
     settings are applied when this callback is built (normally before CUDA is initialised) and again at setup
     if they were not in effect; the fraction at setup, on the device the Trainer trains on.
 
+    Both are given back at teardown and when fit stops with an exception: an environment variable that was unset is
+    removed again, one that was set gets its exact previous value back.
+
     Args:
         allocator_conf: e.g. ``"expandable_segments:True"``; ``None`` leaves the allocator alone.
         memory_fraction: fraction of the device memory this process may use, in (0, 1].
@@ -220,6 +223,11 @@ class AllocatorSettings(Callback):
     """
 
     def __init__(self, allocator_conf: str | None = None, memory_fraction: float | None = None) -> None:
+        if allocator_conf is not None and not isinstance(allocator_conf, str):
+            raise ValueError(
+                f"`allocator_conf` must be a string of `key:value` entries or None, got {allocator_conf!r}."
+                " Example: 'expandable_segments:True,max_split_size_mb:128'."
+            )
         parse_alloc_conf(allocator_conf)
         check_fraction("memory_fraction", memory_fraction, allow_none=True)
         self.allocator_conf = allocator_conf
@@ -240,6 +248,10 @@ class AllocatorSettings(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.restore()  # Lightning skips the teardown hooks after an exception
 
     def restore(self) -> None:
         """Give back the environment variable, runtime allocator keys and the memory fraction."""

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "check_bool",
     "check_choice",
     "check_fraction",
     "check_non_negative_int",
+    "check_path",
     "check_positive_int",
     "check_writable_dir",
 ]
@@ -63,6 +65,36 @@ def check_fraction(name: str, value: Any, hint: str | None = None, allow_none: b
         if hint is None and isinstance(value, (int, float)) and 1 < value <= 100:
             hint = f"Did you mean {value / 100:g} ({value:g} %)?"
         raise ValueError(f"`{name}` must be a fraction in (0, 1], got {value!r}.{_suffix(hint)}")
+
+
+def check_bool(name: str, value: Any, hint: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``True`` or ``False`` (strings such as ``"no"`` and ints are refused).
+
+    Example:
+        >>> check_bool("log_to_loggers", "no")
+        Traceback (most recent call last):
+        ...
+        ValueError: `log_to_loggers` must be a bool (True or False), got 'no'.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool (True or False), got {value!r}.{_suffix(hint)}")
+
+
+def check_path(name: str, value: Any, allow_none: bool = True) -> None:
+    """Raise ``ValueError`` unless ``value`` is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when allowed).
+
+    Example:
+        >>> check_path("dirpath", 123)
+        Traceback (most recent call last):
+        ...
+        ValueError: `dirpath` must be a path (str or os.PathLike) or None, got 123 (int).
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value) != "":
+        return
+    allowed = "a path (str or os.PathLike)" + (" or None" if allow_none else "")
+    raise ValueError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__}).")
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:

@@ -7,6 +7,7 @@ configuration, over one forward + backward of a transformer whose activations dw
 import copy
 import json
 import pickle
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import lightning.pytorch as pl
@@ -162,11 +163,132 @@ def test_no_match_warns(tmp_path):
         make_trainer(tmp_path, callbacks=[cb], max_steps=1).fit(Blocks())
 
 
-def test_bad_modules_argument():
-    with pytest.raises(
-        ValueError, match="`modules` entries must be nn.Module classes, class names or name patterns, got 3"
-    ):
-        GradientCheckpointing(modules=[3])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"modules": [3]}, "`modules` entries must be nn.Module classes, class names or name patterns, got 3"),
+        ({"modules": [""]}, "`modules` entries must be .* got ''"),
+        ({"modules": 3}, r"`modules` must be a list of nn.Module classes, .* or None, got 3\."),
+        ({"use_model_switch": "no"}, r"`use_model_switch` must be a bool \(True or False\), got 'no'\."),
+        ({"use_model_switch": 0}, r"`use_model_switch` must be a bool \(True or False\), got 0\."),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientCheckpointing(**kwargs)
+
+
+def test_modules_accepts_any_iterable_once():
+    cb = GradientCheckpointing(modules=(m for m in ["TransformerEncoderLayer"]))
+    assert cb.modules == ["TransformerEncoderLayer"]
+    assert cb.wrap(Blocks()) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    cb.unwrap()
+
+
+class _CrashAfterOneStep(Blocks):
+    crash = True
+
+    def training_step(self, batch, batch_idx):
+        if self.crash and batch_idx == 1:
+            raise RuntimeError("crash in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+class _CountRecomputation(pl.Callback):
+    """Counts forward calls of the first block's first linear layer and whether the block is wrapped, per batch."""
+
+    def __init__(self):
+        self.calls = 0
+        self.wrapped = []
+
+    def setup(self, trainer, pl_module, stage):
+        pl_module.encoder.layers[0].linear1.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.wrapped.append(isinstance(pl_module.encoder.layers[0].__dict__.get("forward"), _CheckpointedForward))
+
+
+@pytest.mark.parametrize("second", ["same callback", "fresh callback"])
+def test_a_crash_gives_the_forwards_back_and_a_retry_checkpoints_again(tmp_path, second):
+    model = _CrashAfterOneStep(layers=2, dropout=0.0)
+    cb = GradientCheckpointing()
+    with pytest.raises(RuntimeError, match="crash in training_step"):
+        make_trainer(tmp_path, callbacks=[cb], max_steps=4).fit(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # given back on exception
+    assert not cb.wrapped_names
+
+    model.crash = False
+    retry = cb if second == "same callback" else GradientCheckpointing()
+    counter = _CountRecomputation()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*nothing is checkpointed")
+        make_trainer(tmp_path, callbacks=[retry, counter], max_steps=2).fit(model)
+    assert counter.wrapped == [True, True]
+    assert counter.calls == 2 * 2  # forward + recomputation in backward, for each of the 2 steps
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert type(model.encoder.layers[0]).forward is nn.TransformerEncoderLayer.forward
+    assert not retry.wrapped_names
+
+
+def test_blocks_wrapped_by_someone_else_are_left_to_them(tmp_path):
+    model = Blocks()
+    owner = GradientCheckpointing()
+    owner.wrap(model)
+    cb = GradientCheckpointing()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*nothing is checkpointed")
+        make_trainer(tmp_path, callbacks=[cb], max_steps=1).fit(model)
+    assert cb.already_wrapped_names == [] and not cb.wrapped_names  # cleared at teardown
+    assert isinstance(model.encoder.layers[0].__dict__.get("forward"), _CheckpointedForward)  # still the owner's
+    owner.unwrap()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+class _SwitchModel(Blocks):
+    def __init__(self, on):
+        super().__init__()
+        self.backbone = _RealSwitch(on)
+
+
+class _RealSwitch(nn.Module):
+    def __init__(self, on):
+        super().__init__()
+        self.on = on
+
+    @property
+    def is_gradient_checkpointing(self):
+        return self.on
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.on = True
+
+    def gradient_checkpointing_disable(self):
+        self.on = False
+
+
+@pytest.mark.parametrize("on_before", [False, True])
+@pytest.mark.parametrize("end", ["normal", "crash"])
+def test_model_switch_is_given_back_as_found(tmp_path, on_before, end):
+    model = _SwitchModel(on_before)
+    seen = []
+
+    class Peek(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(pl_module.backbone.on)
+            if end == "crash" and batch_idx == 1:
+                raise RuntimeError("crash in training")
+
+    trainer = make_trainer(tmp_path, callbacks=[GradientCheckpointing(), Peek()], max_steps=2)
+    if end == "crash":
+        with pytest.raises(RuntimeError, match="crash in training"):
+            trainer.fit(model)
+    else:
+        trainer.fit(model)
+    assert seen == [True, True]
+    assert model.backbone.on is on_before
 
 
 RSS_SCRIPT = """

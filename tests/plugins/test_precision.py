@@ -105,11 +105,71 @@ def test_tf32_restored_when_training_fails(tmp_path):
     assert torch.get_float32_matmul_precision() == "highest"
 
 
-def test_bad_arguments():
-    with pytest.raises(ValueError, match="`mode` must be one of 'auto', '32-true'.*got 'fp16'"):
-        MemoryPrecision("fp16")
-    with pytest.raises(ValueError, match="`float32_matmul_precision` must be one of 'highest', 'high', 'medium'"):
-        MemoryPrecision(float32_matmul_precision="tf32")
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "fp16"}, "`mode` must be one of 'auto', '32-true'.*got 'fp16'"),
+        ({"mode": True}, "`mode` must be one of 'auto', '32-true'.*got True"),
+        ({"float32_matmul_precision": "tf32"}, "`float32_matmul_precision` must be one of 'highest', 'high', 'medium'"),
+        ({"float32_matmul_precision": True}, "`float32_matmul_precision` must be one of .*, got True"),
+        ({"allow_emulated_bf16": "yes"}, r"`allow_emulated_bf16` must be a bool \(True or False\), got 'yes'\."),
+        ({"allow_emulated_bf16": 1}, r"`allow_emulated_bf16` must be a bool \(True or False\), got 1\."),
+        ({"exact_accumulation": "no"}, r"`exact_accumulation` must be a bool \(True or False\), got 'no'\."),
+        ({"exact_accumulation": None}, r"`exact_accumulation` must be a bool \(True or False\), got None\."),
+        ({"scaler": "dynamic"}, r"`scaler` must be a `torch.amp.GradScaler` or None, got 'dynamic'\."),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MemoryPrecision(**kwargs)
+
+
+def _backend_matmul():
+    return torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
+
+
+@pytest.mark.parametrize("end", ["normal", "crash"])
+def test_tf32_restore_includes_the_per_backend_values(tmp_path, end):
+    # `torch.set_float32_matmul_precision` also writes the per-backend values ("none" -> "tf32"/"ieee"); giving back
+    # only the legacy value would leave "ieee" behind where "none" was.
+    class Model(TinyModel):
+        def training_step(self, batch, batch_idx):
+            if end == "crash":
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    saved = _backend_matmul()
+    # torch's state before any call to the setter, whatever earlier tests in this process did
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.mkldnn.matmul.fp32_precision = "none"
+    try:
+        before = (torch.get_float32_matmul_precision(), _backend_matmul(), torch.backends.cudnn.allow_tf32)
+        assert before[1] == ("none", "none")
+        trainer = make_trainer(tmp_path, plugins=[MemoryPrecision("32-true", float32_matmul_precision="high")])
+        if end == "crash":
+            with pytest.raises(RuntimeError, match="boom"):
+                trainer.fit(Model())
+        else:
+            trainer.fit(Model())
+        assert (torch.get_float32_matmul_precision(), _backend_matmul(), torch.backends.cudnn.allow_tf32) == before
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = saved
+
+
+def test_tf32_set_through_the_new_api_by_the_app_is_left_alone(tmp_path):
+    saved = torch.get_float32_matmul_precision(), _backend_matmul()
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # the application uses torch's per-backend API
+    try:
+        seen = _backend_matmul()
+        with pytest.warns(UserWarning, match=r"left `float32_matmul_precision='medium'` unapplied: TF32 was already"):
+            trainer = make_trainer(tmp_path, plugins=[MemoryPrecision("32-true", float32_matmul_precision="medium")])
+            trainer.fit(TinyModel())
+        assert _backend_matmul() == seen
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()  # still the application's state: the two APIs disagree
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = saved[1]
+    assert (torch.get_float32_matmul_precision(), _backend_matmul()) == saved
 
 
 @pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"])
