@@ -35,10 +35,11 @@ from lightning_memopt.functional.leaks import (
     tensors_with_grad_fn,
 )
 from lightning_memopt.functional.memory import MemoryReading, memory_record, read_memory, supports_device_memory
-from lightning_memopt.utilities.checks import check_fraction, check_positive_int, check_writable_dir
+from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
-from lightning_memopt.utilities.jsonl import JsonlWriter
-from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
+from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
+from lightning_memopt.utilities.run_id import adopt_run_id, ensure_run_id, run_id, save_run_id
+from lightning_memopt.utilities.trainer import trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
 __all__ = ["MemoryAudit"]
@@ -133,6 +134,7 @@ class MemoryAudit(Callback):
         collect_garbage: bool = True,
         leak_max_overhead: float | None = 0.01,
     ) -> None:
+        check_path("dirpath", dirpath)
         check_fraction("duplicate_fraction", duplicate_fraction, hint="Use e.g. 0.5 to warn at half a copy.")
         check_positive_int("leak_every_n_steps", leak_every_n_steps)
         check_positive_int("leak_window", leak_window)
@@ -147,6 +149,9 @@ class MemoryAudit(Callback):
                 " 16 KiB per step."
             )
         check_positive_int("max_listed", max_listed)
+        for name, flag in (("audit_fit_start", audit_fit_start), ("detect_leaks", detect_leaks),
+                           ("check_grad_tracking", check_grad_tracking), ("collect_garbage", collect_garbage)):
+            check_bool(name, flag)
         check_fraction("leak_max_overhead", leak_max_overhead, allow_none=True,
                        hint="Use e.g. 0.01 for 1 % of the training time, or None for a fixed interval.")
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -194,13 +199,8 @@ class MemoryAudit(Callback):
         self._device = trainer_device(trainer)
         self._has_device_memory = supports_device_memory(self._device)
         self._rank = trainer.global_rank
-        dirpath = self.dirpath if self.dirpath is not None else default_artifact_dir(trainer, "memory")
-        dirpath = check_writable_dir("dirpath", dirpath)
-        path = dirpath / f"memory_rank{self._rank}.jsonl"
-        if self._writer is None or self._writer.path != path:
-            if self._writer is not None:
-                self._writer.close()
-            self._writer = JsonlWriter(path)
+        self._writer = rank_log_writer(trainer, self.dirpath, self._rank, self._writer, "MemoryAudit")
+        ensure_run_id(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -279,6 +279,18 @@ class MemoryAudit(Callback):
             self._samples.append((int(step), int(value)))
         self._leak_reported = bool(state_dict.get("leak_reported", False))
 
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        save_run_id(trainer, checkpoint)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        adopt_run_id(trainer, checkpoint)
+
     # ---------------------------------------------------------------- internals
     def _guarded(self, key: str, fn: Any, *args: Any) -> None:
         try:
@@ -287,17 +299,13 @@ class MemoryAudit(Callback):
             self._warn.warn(f"failed-{key}", f"MemoryAudit: the {key} check failed ({err!r}); training goes on.")
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._writer is None:
-            return
-        try:
-            self._writer.write(record)
-        except Exception as err:
-            self._warn.warn("write", f"MemoryAudit: writing {self._writer.path} failed ({err!r}); training goes on.")
+        if self._writer is not None:
+            self._writer.write(record)  # never raises: warns once and carries on
 
     def _record(self, trainer: pl.Trainer, reading: MemoryReading, event: str, batch_idx: int | None,
                 **extra: Any) -> dict[str, Any]:
         return memory_record(reading, rank=self._rank, phase="train", event=event, epoch=trainer.current_epoch,
-                             global_step=trainer.global_step, batch_idx=batch_idx, **extra)
+                             global_step=trainer.global_step, batch_idx=batch_idx, **extra, run_id=run_id(trainer))
 
     def _audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
         if self.collect_garbage:

@@ -21,10 +21,11 @@ from lightning_memopt.functional.memory import (
     reset_peak_memory,
     supports_device_memory,
 )
-from lightning_memopt.utilities.checks import check_fraction, check_positive_int, check_writable_dir
+from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
-from lightning_memopt.utilities.jsonl import JsonlWriter
-from lightning_memopt.utilities.trainer import default_artifact_dir, log_to_loggers, trainer_device
+from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
+from lightning_memopt.utilities.run_id import adopt_run_id, ensure_run_id, run_id, save_run_id
+from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
 __all__ = ["MemoryMonitor"]
@@ -55,8 +56,9 @@ class MemoryMonitor(Callback):
     * ``<dirpath>/memory_rank{rank}.jsonl``, one file per rank, one JSON object per line with the keys
       ``time, rank, phase, event, epoch, global_step, batch_idx, device, allocated_bytes, reserved_bytes,
       active_bytes, peak_allocated_bytes, peak_reserved_bytes, device_total_bytes, device_free_bytes,
-      host_rss_bytes, num_alloc_retries, num_ooms`` (``event`` is ``phase_start``, ``step``,
-      ``phase_end`` or ``warning``; figures a device cannot give are ``null``).
+      host_rss_bytes, num_alloc_retries, num_ooms, run_id`` (``event`` is ``phase_start``, ``step``,
+      ``phase_end`` or ``warning``; figures a device cannot give are ``null``; ``run_id`` is the same on every
+      rank and in every callback of one run, and is kept when the run resumes from a checkpoint).
 
     Peaks are per phase: the allocator's peak counters are reset when a phase starts and the phase's peak
     is reported when it ends. A phase nested in another (validation inside fit) has its own peak, and the
@@ -68,7 +70,13 @@ class MemoryMonitor(Callback):
     record) when allocated or reserved memory goes above ``warn_threshold`` of the device total.
 
     Resuming: the JSONL file is appended to; a resumed run does not write train steps that the file
-    already holds, so no step appears twice.
+    already holds *for the same run* (``run_id``), so no step of a run appears twice and the records of
+    another run sharing the directory never hide the resumed run's steps. A torn last line left by a killed
+    run stays on a line of its own.
+
+    Files never stop training: a bad ``dirpath`` (a file, under a file, not writable, a log path that is a
+    named pipe) is refused in ``setup``; a full disk or a log directory removed mid-run gives one warning
+    saying from which step on records are not stored, and training goes on.
 
     Args:
         dirpath: Directory of the JSONL files. Default: ``<trainer.log_dir or default_root_dir>/memory``.
@@ -103,9 +111,11 @@ class MemoryMonitor(Callback):
         log_to_loggers: bool = True,
         cross_rank_every_n_steps: int | None = None,
     ) -> None:
+        check_path("dirpath", dirpath)
         check_positive_int("log_every_n_steps", log_every_n_steps, allow_none=True,
                            hint="Pass None to use the trainer's `log_every_n_steps`.")
         check_fraction("warn_threshold", warn_threshold)
+        check_bool("log_to_loggers", log_to_loggers)
         check_positive_int("cross_rank_every_n_steps", cross_rank_every_n_steps, allow_none=True,
                            hint="Pass None to never exchange readings between ranks.")
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -144,14 +154,8 @@ class MemoryMonitor(Callback):
         self._interval = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
         self._rank = trainer.global_rank
         self._world_size = trainer.world_size
-        dirpath = self.dirpath if self.dirpath is not None else default_artifact_dir(trainer, "memory")
-        dirpath = check_writable_dir("dirpath", dirpath)
-        path = dirpath / f"memory_rank{self._rank}.jsonl"
-        if self._writer is None or self._writer.path != path:
-            if self._writer is not None:
-                self._writer.close()
-            self._writer = JsonlWriter(path)
-        self._skip_until_step = max(self._skip_until_step, _last_train_step_in(path))
+        self._writer = rank_log_writer(trainer, self.dirpath, self._rank, self._writer, "MemoryMonitor")
+        ensure_run_id(trainer)
         if not self._has_device_memory:
             self._warn.warn(
                 "no-device-memory",
@@ -173,9 +177,10 @@ class MemoryMonitor(Callback):
     # ---------------------------------------------------------------- phases
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A resumed run starts at global_step > 0: steps already in the file are not written again.
-        if trainer.global_step == 0:
-            self._skip_until_step = -1
+        # A resumed run starts at global_step > 0: steps this run already wrote are not written again.
+        self._skip_until_step = -1
+        if trainer.global_step > 0 and self._writer is not None:
+            self._skip_until_step = _last_train_step_in(self._writer.path, run_id(trainer))
         self._phase_start(trainer, "train")
 
     @override
@@ -268,6 +273,18 @@ class MemoryMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_logged_train_step = int(state_dict.get("last_logged_train_step", -1))
 
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        save_run_id(trainer, checkpoint)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        adopt_run_id(trainer, checkpoint)
+
     # ---------------------------------------------------------------- internals
     def _read(self) -> MemoryReading | None:
         try:
@@ -277,12 +294,8 @@ class MemoryMonitor(Callback):
             return None
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._writer is None:
-            return
-        try:
-            self._writer.write(record)
-        except Exception as err:
-            self._warn.warn("write", f"MemoryMonitor: writing {self._writer.path} failed ({err!r}); training goes on.")
+        if self._writer is not None:
+            self._writer.write(record)  # never raises: warns once and carries on
 
     def _record(self, trainer: pl.Trainer, reading: MemoryReading, phase: str, event: str,
                 batch_idx: int | None, **extra: Any) -> dict[str, Any]:
@@ -295,6 +308,7 @@ class MemoryMonitor(Callback):
             global_step=trainer.global_step,
             batch_idx=batch_idx,
             **extra,
+            run_id=run_id(trainer),
         )
 
     def _log_metrics(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
@@ -401,8 +415,8 @@ class MemoryMonitor(Callback):
         self._log_metrics(trainer, metrics)
 
 
-def _last_train_step_in(path: Path) -> int:
-    """The highest train ``global_step`` already recorded in ``path`` (-1 if none or unreadable)."""
+def _last_train_step_in(path: Path, run: str | None) -> int:
+    """The highest train ``global_step`` that run ``run`` already recorded in ``path`` (-1 if none or unreadable)."""
     last = -1
     try:
         with open(path, encoding="utf-8") as f:
@@ -411,7 +425,12 @@ def _last_train_step_in(path: Path) -> int:
                     rec = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(rec, dict) and rec.get("phase") == "train" and rec.get("event") == "step":
+                if (
+                    isinstance(rec, dict)
+                    and rec.get("run_id") == run
+                    and rec.get("phase") == "train"
+                    and rec.get("event") == "step"
+                ):
                     step = rec.get("global_step")
                     if isinstance(step, int):
                         last = max(last, step)

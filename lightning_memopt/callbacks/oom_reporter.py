@@ -29,8 +29,16 @@ from lightning_memopt.functional.oom import (
     suggest_fixes,
 )
 from lightning_memopt.utilities import _torch_private
-from lightning_memopt.utilities.checks import check_non_negative_int, check_positive_int, check_writable_dir
+from lightning_memopt.utilities.checks import (
+    check_bool,
+    check_non_negative_int,
+    check_path,
+    check_positive_int,
+    check_writable_dir,
+)
+from lightning_memopt.utilities.files import check_dir_creatable, write_text_atomic
 from lightning_memopt.utilities.oom import find_in_traceback, is_out_of_memory_error
+from lightning_memopt.utilities.run_id import adopt_run_id, ensure_run_id, run_id, save_run_id
 from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
@@ -41,6 +49,8 @@ _HOW_TO_OPEN = (
     " or run `python -m torch.cuda._memory_viz trace_plot {name} -o {stem}.html` and open the HTML file."
 )
 _MAX_REMEMBERED = 100
+#: Set on an exception object once it is reported, so the same error is never written twice.
+_REPORTED_MARK = "_lightning_memopt_reported"
 
 
 class OOMReporter(Callback):
@@ -79,17 +89,24 @@ class OOMReporter(Callback):
 
     * The reporter never raises: whatever fails while the report is gathered is logged and listed in the
       report, and the original exception reaches the user unchanged (Lightning re-raises it).
-    * Only the first out-of-memory error of a step is reported (keyed by trainer function, stage, epoch,
-      global step and batch index, remembered in the callback's state), so retries do not rewrite reports.
+    * Every out-of-memory error is reported once: an error object that was reported already (the same
+      exception seen again) is not written twice, while a new error in the same process, e.g. a retry of
+      the same step at a smaller batch, gets a report of its own (the earlier one is moved aside, see below).
     * Nothing is overwritten: if ``oom_report_rank{r}.*`` from an earlier failure exist in ``dirpath``, they are
       first renamed with the earlier report's UTC time as suffix (``oom_report_rank0-20250101T120000Z.json``),
       so the unsuffixed name always holds the newest report.
-    * Only the failing rank writes. Under DDP the other ranks may wait in a collective until the launcher or
-      the process group's timeout ends them; they write nothing.
+    * Only the failing rank writes, and it never communicates with the other ranks on the way: the
+      directory (and anything else that needs all ranks) is resolved in ``setup``, so an error on one rank
+      cannot turn into a hang. Under DDP the other ranks may wait in a collective until the launcher or the
+      process group ends them; they write nothing.
+    * The directory is checked in ``setup``: a ``dirpath`` that is a file, lies under a file or cannot be
+      written is refused there, before the first step, not discovered at the failure. It is created only
+      when a report is written. A report that cannot be written (a full disk) is logged and warned about,
+      and the original error still reaches the caller.
 
     Args:
-        dirpath: Directory of the reports; created if missing. Default:
-            ``<trainer.log_dir or default_root_dir>/oom``.
+        dirpath: Directory of the reports; created when the first report is written. Default:
+            ``<trainer.log_dir or default_root_dir>/oom``, resolved in ``setup``.
         record_history: Record CUDA allocator history and write an allocator snapshot at the failure.
         max_entries: How many allocator events the history keeps (a ring buffer).
         top_k_tensors: How many of the largest live tensors on the device to list (0 to skip the scan).
@@ -112,12 +129,10 @@ class OOMReporter(Callback):
         top_k_tensors: int = 20,
     ) -> None:
         super().__init__()
-        if not isinstance(record_history, bool):
-            raise ValueError(f"`record_history` must be a bool, got {record_history!r}.")
+        check_path("dirpath", dirpath)
+        check_bool("record_history", record_history)
         check_positive_int("max_entries", max_entries, hint="It bounds how many allocator events are kept.")
         check_non_negative_int("top_k_tensors", top_k_tensors, hint="Use 0 to leave out the live-tensor list.")
-        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
-            raise ValueError(f"`dirpath` must be a path or None, got {dirpath!r}.")
         self.dirpath = None if dirpath is None else os.fspath(dirpath)
         self.record_history = record_history
         self.max_entries = max_entries
@@ -125,6 +140,7 @@ class OOMReporter(Callback):
         self._reported_steps: list[str] = []
         self._num_reports = 0
         self._recording = False
+        self._resolved_dir: Path | None = None
         self._warn = WarnOnce()
 
     @property
@@ -136,6 +152,11 @@ class OOMReporter(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Everything that may need the other ranks (``trainer.log_dir`` broadcasts) is resolved here, where all
+        # ranks are present; `on_exception` runs on the failing rank alone and must not communicate.
+        directory = Path(self.dirpath) if self.dirpath is not None else default_artifact_dir(trainer, "oom")
+        self._resolved_dir = check_dir_creatable("dirpath", directory)
+        ensure_run_id(trainer)
         if not self.record_history or self._recording:
             return
         device = trainer_device(trainer)
@@ -176,6 +197,18 @@ class OOMReporter(Callback):
         self._reported_steps = list(state_dict.get("reported_steps", []))[-_MAX_REMEMBERED:]
         self._num_reports = int(state_dict.get("num_reports", 0))
 
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        save_run_id(trainer, checkpoint)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        adopt_run_id(trainer, checkpoint)
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_recording"] = False
@@ -203,14 +236,18 @@ class OOMReporter(Callback):
             problems.append(f"memory reading: {err!r}")
         tb = exception.__traceback__
         when = self._when(trainer, device, tb, problems)
-        step_key = "/".join(str(when.get(k)) for k in ("fn", "stage", "epoch", "global_step", "batch_idx"))
-        if step_key in self._reported_steps:
-            log.info("OOMReporter: step %s was reported already; not writing another report.", step_key)
+        if getattr(exception, _REPORTED_MARK, False):
+            log.info("OOMReporter: this out-of-memory error was reported already; not writing another report.")
             return
+        with contextlib.suppress(Exception):  # some exception types refuse new attributes: then report again
+            setattr(exception, _REPORTED_MARK, True)
+        step_key = "/".join(str(when.get(k)) for k in ("fn", "stage", "epoch", "global_step", "batch_idx"))
         self._reported_steps = [*self._reported_steps, step_key][-_MAX_REMEMBERED:]
 
         rank = int(when.get("rank") or 0)
-        dirpath = check_writable_dir("dirpath", self.dirpath or default_artifact_dir(trainer, "oom"))
+        # Never `trainer.log_dir` here: it is a collective, and only this rank is in `on_exception`.
+        directory = self._resolved_dir or Path(self.dirpath or Path(trainer.default_root_dir) / "oom")
+        dirpath = check_writable_dir("dirpath", directory)
         names = {
             "json": dirpath / f"oom_report_rank{rank}.json",
             "md": dirpath / f"oom_report_rank{rank}.md",
@@ -258,19 +295,34 @@ class OOMReporter(Callback):
         report["snapshot"] = self._snapshot(names["pickle"], device, problems)
         report["report_errors"] = problems
 
-        _write_atomic(names["json"], json.dumps(report, indent=2, default=_json_default) + "\n")
+        failed: list[str] = []
+        try:
+            write_text_atomic(names["json"], json.dumps(report, indent=2, default=_json_default) + "\n")
+        except Exception as err:
+            failed.append(f"{names['json']}: {err!r}")
         try:
             markdown = render_markdown(report)
         except Exception as err:
             markdown = f"# Out-of-memory report\n\nThe Markdown form could not be rendered ({err!r}); see the JSON.\n"
-        _write_atomic(names["md"], markdown)
+        try:
+            write_text_atomic(names["md"], markdown)
+        except Exception as err:
+            failed.append(f"{names['md']}: {err!r}")
+        if failed:
+            message = (
+                f"OOMReporter: out-of-memory on rank {rank}, but the report could not be written"
+                f" ({'; '.join(failed)}). The original error is re-raised unchanged."
+            )
+            log.error(message)
+            self._warn.warn("write", message)
+            return
         self._num_reports += 1
         log.warning("OOMReporter: out-of-memory on rank %d; report written to %s", rank, names["md"])
 
     def _when(
         self, trainer: pl.Trainer, device: torch.device, tb: TracebackType | None, problems: list[str]
     ) -> dict[str, Any]:
-        when: dict[str, Any] = {"time": time.time(), "rank": 0, "world_size": 1}
+        when: dict[str, Any] = {"time": time.time(), "rank": 0, "world_size": 1, "run_id": run_id(trainer)}
         try:
             state = trainer.state
             when.update(
@@ -439,12 +491,6 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, (set, tuple)):
         return list(obj)
     return str(obj)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _move_aside(names: dict[str, Path]) -> None:

@@ -1,50 +1,176 @@
-"""Append-only JSON Lines writer used by the callbacks."""
+"""Append-only JSON Lines writer used by the callbacks: it never raises into training."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["JsonlWriter"]
+from lightning_memopt.utilities.checks import check_writable_dir
+from lightning_memopt.utilities.files import check_regular_file, is_runtime_failure
+from lightning_memopt.utilities.trainer import default_artifact_dir
+from lightning_memopt.utilities.warnings import WarnOnce
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["JsonlWriter", "rank_log_writer"]
 
 
 class JsonlWriter:
-    """Appends one JSON object per line to ``path`` and flushes after every line.
+    """Appends one JSON object per line to ``path``; each line reaches the file before ``write`` returns.
 
-    The file is opened lazily and in append mode, so a resumed run adds to what is already there and a
-    run killed mid-write loses at most its last line. Not picklable state is dropped on pickling.
+    * The file is opened lazily in append mode, so a resumed run adds to what is already there. A run killed
+      mid-write can leave a torn last line: the next writer starts on a fresh line, so its first record is
+      never glued to the torn one.
+    * ``write`` never raises. When the file cannot be written (a full disk, the directory removed or replaced
+      by a file mid-run), it warns once that records from that step on are not stored, and drops later records;
+      a record that cannot be serialised is skipped with one warning.
+    * ``close`` never raises, so it is safe in ``on_exception``.
+    * Not picklable state (the open file) is dropped on pickling.
+
+    Args:
+        path: The JSONL file.
+        owner: Who writes, for the warnings (a callback's name).
 
     Example:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "log.jsonl")
         >>> w = JsonlWriter(path); w.write({"a": 1}); w.close()
+        True
         >>> open(path).read()
         '{"a": 1}\\n'
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], owner: str = "lightning-memopt") -> None:
         self.path = Path(path)
-        self._file: TextIO | None = None
+        self.owner = owner
+        self._fd: int | None = None
+        self._identity: tuple[int, int] | None = None
+        self.stopped_at: Any = None
+        self._stopped = False
+        self._warn = WarnOnce()
 
-    def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open between writes
-        self._file.write(json.dumps(record, allow_nan=False, default=_default) + "\n")
-        self._file.flush()
+    @property
+    def stopped(self) -> bool:
+        """Whether writing stopped for good after a failure (see the warning for the step)."""
+        return self._stopped
+
+    def write(self, record: dict[str, Any]) -> bool:
+        """Append ``record`` as one line. Returns whether it was stored."""
+        if self._stopped:
+            return False
+        try:
+            line = (json.dumps(record, allow_nan=False, default=_default) + "\n").encode("utf-8")
+        except (TypeError, ValueError) as err:
+            self._warn.warn(
+                "serialise", f"{self.owner}: a record could not be written as JSON ({err}); it was skipped."
+            )
+            return False
+        try:
+            if self._fd is None:
+                self._open()
+            else:
+                self._check_same_file()
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view) :]  # type: ignore[arg-type]
+            return True
+        except Exception as err:
+            self._stop(record, err)
+            return False
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the file; never raises."""
+        fd, self._fd, self._identity = self._fd, None, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_file": None}
+        state = dict(self.__dict__)
+        state.update(_fd=None, _identity=None)
+        return state
+
+    # ---------------------------------------------------------------- internals
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_regular_file("dirpath", self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            info = os.fstat(fd)
+            if info.st_size > 0 and os.pread(fd, 1, info.st_size - 1) != b"\n":
+                os.write(fd, b"\n")  # a torn last line from a killed run: start on a fresh line
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._identity = (info.st_dev, info.st_ino)
+
+    def _check_same_file(self) -> None:
+        """Refuse to write on into a file that is no longer at ``path`` (deleted, or its directory replaced)."""
+        try:
+            info = os.stat(self.path)
+        except OSError as err:
+            raise _Replaced(f"{self.path} no longer exists ({err.strerror or err})") from err
+        if (info.st_dev, info.st_ino) != self._identity:
+            raise _Replaced(f"{self.path} was replaced by another file")
+
+    def _stop(self, record: dict[str, Any], err: Exception) -> None:
+        self._stopped = True
+        self.close()
+        step = record.get("global_step")
+        phase = record.get("phase")
+        where = f"{phase} step {step}" if step is not None else "this point"
+        if isinstance(err, _Replaced):
+            reason = f"{err} while the run was writing it"
+        elif is_runtime_failure(err):
+            reason = f"the file system refused the write ({err})"
+        else:
+            reason = f"writing failed ({err!r})"
+        self.stopped_at = step
+        self._warn.warn(
+            "stopped",
+            f"{self.owner}: records from {where} on are not stored: {reason}. Training goes on; the records"
+            f" written before are in {self.path}.",
+        )
+
+
+class _Replaced(OSError):
+    """The file being appended to is no longer the one at the path."""
 
 
 def _default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+def rank_log_writer(
+    trainer: pl.Trainer,
+    dirpath: str | os.PathLike[str] | None,
+    rank: int,
+    current: JsonlWriter | None,
+    owner: str,
+) -> JsonlWriter:
+    """The writer of ``<dirpath>/memory_rank{rank}.jsonl``, resolved in ``setup`` where every rank is present.
+
+    A bad ``dirpath`` (a file, under a file, not writable, a log path that is a pipe or a directory) raises
+    ``OSError`` naming it; a full disk only warns later, at the first record that cannot be stored.
+    ``current`` is kept when it already writes that file, so fitting twice appends to one open file.
+    """
+    directory = Path(dirpath) if dirpath is not None else default_artifact_dir(trainer, "memory")
+    try:
+        directory = check_writable_dir("dirpath", directory)
+    except OSError as err:
+        if not is_runtime_failure(err.__cause__ or err):
+            raise
+    path = directory / f"memory_rank{rank}.jsonl"
+    check_regular_file("dirpath", path)
+    if current is not None and current.path == path and not current.stopped:
+        return current
+    if current is not None:
+        current.close()
+    return JsonlWriter(path, owner=owner)

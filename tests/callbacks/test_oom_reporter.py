@@ -190,35 +190,47 @@ def test_reporter_never_raises_over_the_original_error(tmp_path, monkeypatch, ca
     assert any("who holds memory" in p for p in report["report_errors"])
     assert "## Parts of this report that could not be gathered" in (tmp_path / "r" / "oom_report_rank0.md").read_text()
 
-    # writing itself failing (dirpath is a file): logged, original error still arrives
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
+    # writing itself failing (a full disk): logged and warned, the original error still arrives
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "write_text_atomic", full_disk)
     model = FailingModel("forward", at=1)
-    with caplog.at_level("ERROR", logger="lightning_memopt"):
-        _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=blocker / "sub"))
+    with caplog.at_level("ERROR", logger="lightning_memopt"), pytest.warns(UserWarning, match="could not be written"):
+        _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path / "full"))
     assert err is model.raised and type(err) is torch.OutOfMemoryError and str(err) == MESSAGE
-    assert "could not be written" in caplog.text
+    assert "could not be written" in caplog.text and "No space left" in caplog.text
 
 
-def test_only_the_first_oom_of_a_step_is_reported(tmp_path):
+def test_each_oom_is_reported_once_and_a_retry_gets_its_own_report(tmp_path):
     reporter = OOMReporter(dirpath=tmp_path, top_k_tensors=0)
+    retried = []
 
     class Retrying(FailingModel):
         def training_step(self, batch, batch_idx):
-            if batch_idx == 1:
-                for _ in range(3):  # e.g. a user retry loop that reports before retrying
-                    try:
-                        raise torch.OutOfMemoryError(MESSAGE)
-                    except torch.OutOfMemoryError as err:
-                        reporter.on_exception(self.trainer, self, err)
+            if batch_idx == 1 and not retried:
+                try:  # e.g. a user retry loop: report, then try again at a smaller batch
+                    raise torch.OutOfMemoryError(MESSAGE + " (first try)")
+                except torch.OutOfMemoryError as err:
+                    reporter.on_exception(self.trainer, self, err)
+                    reporter.on_exception(self.trainer, self, err)  # the same error seen twice: one report
+                    retried.append(err)
             return super().training_step(batch, batch_idx)
 
     model = Retrying("forward", at=1)
-    _, err = _fit_and_fail(tmp_path, model, reporter)  # Lightning reports the escaping one: same step again
+    _, err = _fit_and_fail(tmp_path, model, reporter)  # the retry fails too, at the same step: a new error
     assert err is model.raised
-    assert _files(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md"]
-    assert reporter.state_dict()["num_reports"] == 1
-    assert reporter.state_dict()["reported_steps"] == ["fit/train/0/1/1"]
+    names = _files(tmp_path)
+    assert len(names) == 4 and "oom_report_rank0.json" in names, names
+    assert reporter.state_dict()["num_reports"] == 2
+    assert reporter.state_dict()["reported_steps"] == ["fit/train/0/1/1", "fit/train/0/1/1"]
+    newest = json.loads((tmp_path / "oom_report_rank0.json").read_text())
+    assert newest["error"]["message"] == MESSAGE
+    moved = next(n for n in names if n.startswith("oom_report_rank0-") and n.endswith(".json"))
+    assert json.loads((tmp_path / moved).read_text())["error"]["message"] == MESSAGE + " (first try)"
+    # Lightning itself calls `on_exception` once more with the escaping error: still two reports
+    reporter.on_exception(model.trainer, model, err)
+    assert reporter.state_dict()["num_reports"] == 2 and len(_files(tmp_path)) == 4
 
 
 def test_second_run_keeps_the_first_report(tmp_path):
@@ -321,8 +333,8 @@ def test_non_oom_error_also_stops_history(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"max_entries": 0}, "`max_entries` must be a positive int, got 0"),
     ({"top_k_tensors": -1}, "`top_k_tensors` must be a non-negative int, got -1"),
-    ({"record_history": "yes"}, "`record_history` must be a bool, got 'yes'"),
-    ({"dirpath": 3}, "`dirpath` must be a path or None, got 3"),
+    ({"record_history": "yes"}, r"`record_history` must be a bool \(True or False\), got 'yes'"),
+    ({"dirpath": 3}, r"`dirpath` must be a path \(str or os.PathLike\) or None, got 3"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

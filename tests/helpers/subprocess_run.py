@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -25,11 +27,24 @@ def run_script(code: str, tmp_path, timeout: float = 180, args: tuple[str, ...] 
     env.pop("WORLD_SIZE", None)
     env.pop("NODE_RANK", None)
     env["PYTHONWARNINGS"] = "ignore"
-    return subprocess.run(
+    # A session of its own: on a time-out the whole process group goes, including DDP ranks the script started.
+    with subprocess.Popen(
         [sys.executable, str(script), *args],
         cwd=str(tmp_path),
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise subprocess.TimeoutExpired(proc.args, timeout, output=stdout, stderr=stderr) from None
+        finally:
+            # Ranks that outlive the script (an orphaned rank 1) must not outlive the test.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
