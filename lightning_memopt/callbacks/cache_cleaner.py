@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_memopt.functional.memory import empty_device_cache, supports_device_memory
-from lightning_memopt.utilities.checks import check_positive_int
+from lightning_memopt.utilities.checks import check_bool, check_positive_int
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -62,6 +62,7 @@ class CacheCleaner(Callback):
                            hint="Pass None to never clear during training batches.")
         check_positive_int("every_n_val_batches", every_n_val_batches, allow_none=True,
                            hint="Pass None to never clear during validation batches.")
+        check_bool("on_phase_end", on_phase_end)
         self.every_n_train_batches = every_n_train_batches
         self.every_n_val_batches = every_n_val_batches
         self.on_phase_end = on_phase_end

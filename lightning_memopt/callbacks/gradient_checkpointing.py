@@ -98,6 +98,12 @@ class GradientCheckpointing(Callback):
                     f" {modules!r}. Example: `modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
                 )
             modules = list(modules)
+            if not modules:
+                raise ValueError(
+                    "`modules` must name at least one nn.Module class, class name or name pattern, got []."
+                    " Pass `modules=None` for the default PyTorch transformer layers, or e.g."
+                    " `modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
+                )
             for entry in modules:
                 if not (isinstance(entry, str) and entry) and not (
                     isinstance(entry, type) and issubclass(entry, nn.Module)

@@ -12,7 +12,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -38,7 +37,7 @@ from lightning_memopt.functional.memory import MemoryReading, memory_record, rea
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
-from lightning_memopt.utilities.run_id import adopt_run_id, ensure_run_id, run_id, save_run_id
+from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
 from lightning_memopt.utilities.trainer import trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
@@ -51,7 +50,7 @@ _LEAK_CAUSES = (
 )
 
 
-class MemoryAudit(Callback):
+class MemoryAudit(RunIdCallback):
     """Audits what is in memory: the model's footprint, stray copies of its weights, and leaks.
 
     * **Footprint at fit start** (model on its device, optimizers built): parameters, buffers, gradients and
@@ -278,18 +277,6 @@ class MemoryAudit(Callback):
         for step, value in state_dict.get("leak_samples", []):
             self._samples.append((int(step), int(value)))
         self._leak_reported = bool(state_dict.get("leak_reported", False))
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        save_run_id(trainer, checkpoint)
-
-    @override
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        adopt_run_id(trainer, checkpoint)
 
     # ---------------------------------------------------------------- internals
     def _guarded(self, key: str, fn: Any, *args: Any) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
@@ -24,7 +23,7 @@ from lightning_memopt.functional.memory import (
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
-from lightning_memopt.utilities.run_id import adopt_run_id, ensure_run_id, run_id, save_run_id
+from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
@@ -46,7 +45,7 @@ _THRESHOLD_FIELDS = ("allocated_bytes", "reserved_bytes")
 _CROSS_RANK_FIELDS = ("allocated_bytes", "reserved_bytes", "host_rss_bytes")
 
 
-class MemoryMonitor(Callback):
+class MemoryMonitor(RunIdCallback):
     """Reads device and host memory on an interval in every phase and writes it to loggers and JSONL.
 
     In each phase (``train``, ``validate``, ``test``, ``predict``) a reading is taken every
@@ -272,18 +271,6 @@ class MemoryMonitor(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_logged_train_step = int(state_dict.get("last_logged_train_step", -1))
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        save_run_id(trainer, checkpoint)
-
-    @override
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        adopt_run_id(trainer, checkpoint)
 
     # ---------------------------------------------------------------- internals
     def _read(self) -> MemoryReading | None:

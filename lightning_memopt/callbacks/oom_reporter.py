@@ -13,7 +13,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_memopt.functional import footprint as fp
@@ -38,7 +37,8 @@ from lightning_memopt.utilities.checks import (
 )
 from lightning_memopt.utilities.files import check_dir_creatable, write_text_atomic
 from lightning_memopt.utilities.oom import find_in_traceback, is_out_of_memory_error
-from lightning_memopt.utilities.run_id import adopt_run_id, ensure_run_id, run_id, save_run_id
+from lightning_memopt.utilities.redaction import redact_secrets
+from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
 from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
@@ -53,7 +53,7 @@ _MAX_REMEMBERED = 100
 _REPORTED_MARK = "_lightning_memopt_reported"
 
 
-class OOMReporter(Callback):
+class OOMReporter(RunIdCallback):
     """Writes a JSON and a Markdown post-mortem on every rank where fit/validate/test/predict dies of out-of-memory.
 
     When the trainer stops on an out-of-memory error (see
@@ -197,18 +197,6 @@ class OOMReporter(Callback):
         self._reported_steps = list(state_dict.get("reported_steps", []))[-_MAX_REMEMBERED:]
         self._num_reports = int(state_dict.get("num_reports", 0))
 
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        save_run_id(trainer, checkpoint)
-
-    @override
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        adopt_run_id(trainer, checkpoint)
-
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_recording"] = False
@@ -285,6 +273,10 @@ class OOMReporter(Callback):
         report["holders"] = self._holders(trainer, pl_module, device, memory.get("allocated_bytes"), problems)
         report["config"] = self._config(trainer, batch.get("micro_batch_size"), when.get("stage"), problems)
         try:
+            report["hparams"] = _hparams(pl_module)
+        except Exception as err:
+            problems.append(f"hyperparameters: {err!r}")
+        try:
             report["environment"] = collect_environment()
         except Exception as err:
             problems.append(f"environment: {err!r}")
@@ -295,6 +287,8 @@ class OOMReporter(Callback):
         report["snapshot"] = self._snapshot(names["pickle"], device, problems)
         report["report_errors"] = problems
 
+        # One pass over everything gathered: credentials inside any value (env, hparams, config, messages) go.
+        report = redact_secrets(report)
         failed: list[str] = []
         try:
             write_text_atomic(names["json"], json.dumps(report, indent=2, default=_json_default) + "\n")
@@ -480,6 +474,14 @@ def _live_tensor_dict(tensor: Any) -> dict[str, Any]:
         "requires_grad": tensor.requires_grad,
         "has_grad_fn": tensor.has_grad_fn,
     }
+
+
+def _hparams(pl_module: pl.LightningModule) -> dict[str, Any]:
+    """The module's saved hyperparameters as JSON values (non-JSON leaves become their ``str``), ``{}`` if none."""
+    hparams = getattr(pl_module, "hparams", None)
+    if not hparams:
+        return {}
+    return json.loads(json.dumps(dict(hparams), default=_json_default))
 
 
 def _json_default(obj: Any) -> Any:

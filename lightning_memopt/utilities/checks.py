@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -10,12 +12,42 @@ from typing import Any
 __all__ = [
     "check_bool",
     "check_choice",
+    "check_device",
     "check_fraction",
     "check_non_negative_int",
+    "check_non_negative_number",
     "check_path",
     "check_positive_int",
+    "check_positive_number",
+    "check_str",
     "check_writable_dir",
+    "is_finite_number",
 ]
+
+#: Ints at or beyond this do not fit a float.
+_FLOAT_INT_LIMIT = 2**1024
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is an int or float (not a bool) that is finite and fits a float.
+
+    Fast for plain ints and floats: it runs for every field of every record a log reader checks.
+
+    Example:
+        >>> is_finite_number(3), is_finite_number(float("nan")), is_finite_number(True), is_finite_number("3")
+        (True, False, False, False)
+    """
+    kind = type(value)
+    if kind is float:
+        return math.isfinite(value)
+    if kind is int:
+        return abs(value) < _FLOAT_INT_LIMIT
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _suffix(hint: str | None) -> str:
@@ -97,19 +129,138 @@ def check_path(name: str, value: Any, allow_none: bool = True) -> None:
     raise ValueError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__}).")
 
 
-def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
-    """Raise ``ValueError`` unless ``value`` is one of ``choices``.
+def _same_choice(value: Any, choice: Any) -> bool:
+    """``value == choice`` where a bool never stands for an int (``True == 1``) and a float never for an int."""
+    if isinstance(value, bool) or isinstance(choice, bool):
+        return isinstance(value, bool) and isinstance(choice, bool) and value is choice
+    if isinstance(choice, int) and not isinstance(value, int):
+        return False
+    try:
+        return bool(value == choice)
+    except Exception:  # e.g. a tensor or an array: not a choice
+        return False
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any], hint: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices`` (``True`` and ``1.0`` do not count as ``1``).
+
+    A string close to one of the choices gets a "Did you mean" hint.
 
     Example:
         >>> check_choice("mode", "max", ("min", "mean"))
         Traceback (most recent call last):
         ...
         ValueError: `mode` must be one of 'min', 'mean', got 'max'.
+        >>> check_choice("generation", True, (0, 1, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: `generation` must be one of 0, 1, 2, got True.
+        >>> check_choice("ties", "pesimistic", ("optimistic", "pessimistic"))
+        Traceback (most recent call last):
+        ...
+        ValueError: `ties` must be one of 'optimistic', 'pessimistic', got 'pesimistic'. Did you mean 'pessimistic'?
     """
     choices = tuple(choices)
-    if value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}.")
+    if any(_same_choice(value, c) for c in choices):
+        return
+    if hint is None and isinstance(value, str):
+        close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)], n=1)
+        hint = f"Did you mean {close[0]!r}?" if close else None
+    allowed = ", ".join(repr(c) for c in choices)
+    raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}.{_suffix(hint)}")
+
+
+def _check_finite_number(name: str, value: Any, positive: bool, hint: str | None, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        try:
+            ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+        except OverflowError:  # an int too large for a float
+            ok = False
+    if not ok:
+        what = "a finite, positive number" if positive else "a finite, non-negative number"
+        what += " or None" if allow_none else ""
+        raise ValueError(f"`{name}` must be {what}, got {value!r}.{_suffix(hint)}")
+
+
+def check_positive_number(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int or float > 0 that is finite (no NaN, no inf, no bool).
+
+    Example:
+        >>> check_positive_number("total_memory_gib", float("nan"))
+        Traceback (most recent call last):
+        ...
+        ValueError: `total_memory_gib` must be a finite, positive number, got nan.
+    """
+    _check_finite_number(name, value, True, hint, allow_none)
+
+
+def check_non_negative_number(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int or float >= 0 that is finite (no NaN, no inf, no bool).
+
+    Example:
+        >>> check_non_negative_number("gradient_clip_val", float("inf"), allow_none=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `gradient_clip_val` must be a finite, non-negative number or None, got inf.
+    """
+    _check_finite_number(name, value, False, hint, allow_none)
+
+
+def check_str(
+    name: str, value: Any, hint: str | None = None, allow_none: bool = False, allow_empty: bool = True
+) -> None:
+    """Raise ``ValueError`` unless ``value`` is a ``str`` (non-empty unless ``allow_empty``; or ``None`` if allowed).
+
+    Example:
+        >>> check_str("allocator_conf", 5, allow_none=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `allocator_conf` must be a str or None, got 5 (int).
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, str) and (allow_empty or value):
+        return
+    what = "a str" if allow_empty else "a non-empty str"
+    what += " or None" if allow_none else ""
+    raise ValueError(f"`{name}` must be {what}, got {value!r} ({type(value).__name__}).{_suffix(hint)}")
+
+
+def check_device(name: str, value: Any, allow_none: bool = True) -> None:
+    """Raise ``ValueError`` unless ``value`` names a device: a ``torch.device``, a device string, an index or None.
+
+    An int is a CUDA device index (``0`` = ``"cuda:0"``); bools and floats are refused.
+
+    Example:
+        >>> check_device("device", "cuda:0")
+        >>> check_device("device", 3.5)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `device` must be a torch.device, a device string such as 'cuda:0' or 'cpu', ... got 3.5 (float).
+    """
+    import torch
+
+    if (value is None and allow_none) or isinstance(value, torch.device):
+        return
+    hint = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= 0:
+            return
+        hint = "Device indices start at 0."
+    elif isinstance(value, str):
+        try:
+            torch.device(value)
+            return
+        except (RuntimeError, ValueError, TypeError) as err:
+            hint = f"torch says: {str(err).splitlines()[0]}"
+    elif isinstance(value, bool):
+        hint = "A bool is not a device index."
+    allowed = "a torch.device, a device string such as 'cuda:0' or 'cpu', a CUDA device index (int >= 0)"
+    allowed += " or None" if allow_none else ""
+    raise ValueError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__}).{_suffix(hint)}")
 
 
 def check_writable_dir(name: str, path: str | os.PathLike[str]) -> Path:

@@ -16,7 +16,14 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["RUNTIME_ERRNOS", "check_dir_creatable", "check_regular_file", "is_runtime_failure", "write_text_atomic"]
+__all__ = [
+    "RUNTIME_ERRNOS",
+    "check_dir_creatable",
+    "check_regular_file",
+    "file_kind",
+    "is_runtime_failure",
+    "write_text_atomic",
+]
 
 #: ``errno`` values that mean "the machine cannot store this now", not "the argument is wrong".
 RUNTIME_ERRNOS = frozenset(
@@ -66,7 +73,7 @@ def check_dir_creatable(name: str, path: str | os.PathLike[str]) -> Path:
     while True:
         try:
             info = probe.stat()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # missing, or under a file: look at the parent
             if probe.parent == probe:
                 break
             probe = probe.parent
@@ -90,6 +97,18 @@ def check_dir_creatable(name: str, path: str | os.PathLike[str]) -> Path:
     return path  # pragma: no cover - even the root does not exist
 
 
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words: ``"a regular file"``, ``"a directory"``, ``"a named pipe"``, ...
+
+    Example:
+        >>> file_kind(stat.S_IFIFO), file_kind(stat.S_IFDIR | 0o755)
+        ('a named pipe', 'a directory')
+    """
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
 def check_regular_file(name: str, path: Path) -> None:
     """Refuse a log path that exists but is not a regular file (a named pipe would block the reader forever).
 
@@ -109,16 +128,7 @@ def check_regular_file(name: str, path: Path) -> None:
         return
     if stat.S_ISREG(mode):
         return
-    if stat.S_ISDIR(mode):
-        what = "a directory"
-    elif stat.S_ISFIFO(mode):
-        what = "a named pipe"
-    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        what = "a device"
-    elif stat.S_ISSOCK(mode):
-        what = "a socket"
-    else:
-        what = "a special file"
+    what = file_kind(mode)
     raise OSError(
         f"`{name}`: {str(path)!r} exists and is {what}, not a regular file. Remove it or pass another `{name}`."
     )

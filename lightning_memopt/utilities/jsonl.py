@@ -69,16 +69,17 @@ class JsonlWriter:
                 "serialise", f"{self.owner}: a record could not be written as JSON ({err}); it was skipped."
             )
             return False
+        view = memoryview(line)
         try:
             if self._fd is None:
                 self._open()
             else:
                 self._check_same_file()
-            view = memoryview(line)
             while view:
                 view = view[os.write(self._fd, view) :]  # type: ignore[arg-type]
             return True
         except Exception as err:
+            self._drop_partial_line(len(line) - len(view))
             self._stop(record, err)
             return False
 
@@ -108,6 +109,13 @@ class JsonlWriter:
             raise
         self._fd = fd
         self._identity = (info.st_dev, info.st_ino)
+
+    def _drop_partial_line(self, written: int) -> None:
+        """After a failed write, cut off the part of the line that did reach the file: it ends on a whole line."""
+        if written <= 0 or self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, max(os.fstat(self._fd).st_size - written, 0))
 
     def _check_same_file(self) -> None:
         """Refuse to write on into a file that is no longer at ``path`` (deleted, or its directory replaced)."""

@@ -8,19 +8,21 @@ can show the runs separately.
 * :func:`run_id` only looks the id up; it never communicates, so it is safe on paths that run on one rank
   (``on_exception``).
 * :func:`save_run_id` / :func:`adopt_run_id` put the id into a checkpoint and take it back when the run
-  resumes (``on_save_checkpoint`` / ``on_load_checkpoint``, which run before any training hook).
+  resumes (``on_save_checkpoint`` / ``on_load_checkpoint``, which run before any training hook);
+  :class:`RunIdCallback` is the base of the callbacks that write records and does both.
 """
 
 from __future__ import annotations
 
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
-__all__ = ["CHECKPOINT_KEY", "adopt_run_id", "ensure_run_id", "run_id", "save_run_id"]
+__all__ = ["CHECKPOINT_KEY", "RunIdCallback", "adopt_run_id", "ensure_run_id", "run_id", "save_run_id"]
 
 #: Where a checkpoint keeps the run id.
 CHECKPOINT_KEY = "lightning_memopt_run_id"
@@ -64,3 +66,19 @@ def adopt_run_id(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
     stored = checkpoint.get(CHECKPOINT_KEY)
     if isinstance(stored, str) and stored:
         _RUN_IDS[trainer] = stored
+
+
+class RunIdCallback(Callback):
+    """Base of the callbacks that write records: keeps the run id in checkpoints and takes it back on resume."""
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        save_run_id(trainer, checkpoint)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        adopt_run_id(trainer, checkpoint)

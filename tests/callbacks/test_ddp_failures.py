@@ -88,3 +88,5 @@ def test_oom_on_one_rank_ends_the_run_with_a_report(tmp_path, where):
                        "logs/lightning_logs/version_0/oom/oom_report_rank1.md"], output
     report = json.loads((tmp_path / reports[0]).read_text())
     assert report["when"]["rank"] == 1 and report["error"]["type"] == "torch.OutOfMemoryError"
+    assert report["when"]["world_size"] == 2 and report["config"]["strategy"] == "DDPStrategy"
+    assert report["config"]["effective_batch_size"] == 2 * report["config"]["micro_batch_size"]

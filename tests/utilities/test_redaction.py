@@ -1,0 +1,146 @@
+"""Credentials inside values: URLs, query parameters, HTTP authorization; names that look secret."""
+
+import copy
+
+import pytest
+import torch
+
+from lightning_memopt.utilities.redaction import REDACTED, is_secret_name, redact_secrets, redact_text
+
+R = REDACTED
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # URL userinfo: the password goes, the user stays; a lone userinfo (a token) goes whole
+        ("https://user:pw@host/path", f"https://user:{R}@host/path"),
+        ("postgres://etl:p@ss:w0rd@db.internal:5432/runs", f"postgres://etl:{R}@db.internal:5432/runs"),
+        ("https://ghp_0123456789abcdef@github.com/org/repo.git", f"https://{R}@github.com/org/repo.git"),
+        ("see s3://AKIA:wJalr@bucket/key and more", f"see s3://AKIA:{R}@bucket/key and more"),
+        # secret-named query parameters; the others stay
+        ("?token=abc&key=xyz", f"?token={R}&key={R}"),
+        ("https://h/p?access_token=a1&x=1", f"https://h/p?access_token={R}&x=1"),
+        ("https://h/p?api_key=a1&apikey=b2&password=c3&secret=d4", f"https://h/p?api_key={R}&apikey={R}&password={R}&secret={R}"),
+        ("https://blob.example/c/f?sv=2021&sig=AbC%2Bd&se=2030", f"https://blob.example/c/f?sv=2021&sig={R}&se=2030"),
+        ("https://h/f?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=f00d", f"https://h/f?X-Amz-Credential={R}&X-Amz-Signature={R}"),
+        ("https://h/f?signature=abc#frag", f"https://h/f?signature={R}#frag"),
+        ("HF_TOKEN=hf_abc123 python train.py", f"HF_TOKEN={R} python train.py"),
+        # HTTP authorization
+        ("Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0", f"Bearer {R}"),
+        ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.sig", f"Authorization: Bearer {R}"),
+        ("Authorization: Basic dXNlcjpwYXNzd29yZA==", f"Authorization: Basic {R}"),
+        ("basic dXNlcjpwYXNzd29yZA== in a header", f"basic {R} in a header"),
+        ("proxy-authorization=tok123", f"proxy-authorization={R}"),
+    ],
+)
+def test_redact_text_replaces_the_credential_only(text, expected):
+    assert redact_text(text) == expected
+    assert redact_text(expected) == expected  # idempotent
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "NCCL_DEBUG=INFO",
+        "INFO",
+        "https://host/path?x=1",
+        "https://host/path?x=1&page=2#top",
+        "/data/runs/2024-01-01/checkpoints/last.ckpt",
+        "C:\\Users\\me\\runs",
+        "expandable_segments:True,max_split_size_mb:128",
+        "alice@example.com",
+        "Basic usage: pass --plot",
+        "the bearer of this note",
+        "CUDA out of memory. Tried to allocate 2.00 GiB. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "",
+    ],
+)
+def test_redact_text_leaves_harmless_text_alone(text):
+    assert redact_text(text) == text
+
+
+def test_redact_text_returns_non_strings_as_they_are():
+    assert redact_text(5) == 5 and redact_text(None) is None
+
+
+def test_is_secret_name():
+    assert all(map(is_secret_name, ["TORCH_HUB_TOKEN", "api_key", "db_password", "PASSWD", "gcp_credentials",
+                                     "auth_header", "client_secret"]))
+    assert not any(map(is_secret_name, ["NCCL_DEBUG", "lr", "precision", "batch_size"]))
+
+
+def test_redact_secrets_hparams_like_dict():
+    hparams = {
+        "lr": 3e-4,
+        "batch_size": 32,
+        "num_key_value_heads": 8,  # a number under a KEY-ish name is a setting, not a secret
+        "use_auth": True,
+        "wandb_api_key": "0123456789abcdef",
+        "optimizer": {"name": "adamw", "betas": (0.9, 0.95)},
+        "data": {"root": "/data/train", "url": "https://reader:pa55@data.example/set?token=t0k&shard=3"},
+        "callbacks": ["https://hooks.example/notify?key=k3y", "/tmp/out"],
+        "credentials": {"user": "me", "password": "x"},
+    }
+    original = copy.deepcopy(hparams)
+    out = redact_secrets(hparams)
+    assert hparams == original  # the input is not changed
+    assert out == {
+        "lr": 3e-4,
+        "batch_size": 32,
+        "num_key_value_heads": 8,
+        "use_auth": True,
+        "wandb_api_key": R,
+        "optimizer": {"name": "adamw", "betas": (0.9, 0.95)},
+        "data": {"root": "/data/train", "url": f"https://reader:{R}@data.example/set?token={R}&shard=3"},
+        "callbacks": [f"https://hooks.example/notify?key={R}", "/tmp/out"],
+        "credentials": R,
+    }
+
+
+def test_redact_secrets_config_like_dict():
+    config = {
+        "trainer": {"logger": {"class_path": "MLFlowLogger", "init_args": {
+            "tracking_uri": "https://ml:hunter2@mlflow.example", "tags": {"Authorization": "Basic dXNlcjpwYXNz"}}}},
+        "env": [("PL_LOGGER_URI", "https://h/api?access_token=zzz"), ("NCCL_DEBUG", "INFO")],
+    }
+    out = redact_secrets(config)
+    init = out["trainer"]["logger"]["init_args"]
+    assert init["tracking_uri"] == f"https://ml:{R}@mlflow.example"
+    assert init["tags"] == {"Authorization": R}
+    assert out["env"] == [("PL_LOGGER_URI", f"https://h/api?access_token={R}"), ("NCCL_DEBUG", "INFO")]
+    assert out["trainer"]["logger"]["class_path"] == "MLFlowLogger"
+
+
+def test_redact_secrets_never_raises_and_keeps_odd_values():
+    class Weird:
+        def __str__(self):
+            raise RuntimeError("no")
+
+    class BadMapping(dict):
+        def items(self):
+            raise RuntimeError("no")
+
+    tensor = torch.zeros(2)
+    loop: list = []
+    loop.append(loop)
+    weird = Weird()
+    out = redact_secrets({"t": tensor, "w": weird, "b": b"token=abc", 1: "x", None: 2.5, "loop": loop,
+                          "bad": BadMapping(a=1), "s": {"https://u:p@h"}, "f": frozenset({"ok"})})
+    assert out["t"] is tensor and out["w"] is weird and out["b"] == b"token=abc" and out[1] == "x"
+    assert out[None] == 2.5 and out["loop"] == [R] and out["bad"] == R
+    assert out["s"] == {f"https://u:{R}@h"} and out["f"] == frozenset({"ok"})
+    assert redact_secrets("Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0") == f"Bearer {R}"
+    assert redact_secrets(None) is None and redact_secrets(3) == 3
+    deep: dict = {}
+    node = deep
+    for _ in range(200):
+        node["next"] = {}
+        node = node["next"]
+    redact_secrets(deep)  # deeper than the walk goes: replaced, not a RecursionError
+
+
+def test_redact_secrets_returns_new_containers():
+    data = {"a": [1, {"b": "c"}]}
+    out = redact_secrets(data)
+    assert out == data and out is not data and out["a"] is not data["a"] and out["a"][1] is not data["a"][1]
