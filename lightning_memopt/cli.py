@@ -6,13 +6,16 @@ Subcommands:
 * ``report REPORT [REPORT ...]``: an out-of-memory report (``oom_report_rank{r}.json``) as Markdown.
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that registers its parser and sets
-``func``; ``main`` returns the process exit code (0 success, 2 bad input).
+``func``; ``main`` returns the process exit code (0 success, 2 bad input). Bad input never ends in a
+traceback: an error is one line on stderr naming the file, and a warning (records ``analyze`` skipped) is one
+line on stderr before the output.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from lightning_memopt.__about__ import __version__
@@ -27,19 +30,31 @@ class CLIError(Exception):
 def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("analyze", help="summarise memory JSONL logs and plot a timeline")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="memory_rank*.jsonl files written by MemoryMonitor")
-    parser.add_argument("--plot", metavar="FILE.png", default=None, help="write a timeline plot to this file")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="write a timeline plot to this file (the extension picks the format: .png, .svg, .pdf)")
     parser.set_defaults(func=_run_analyze)
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    from lightning_memopt.analysis.memory_log import MemoryLogError, analyze_memory_logs
+    from lightning_memopt.analysis import memory_log
 
-    try:
-        _, text = analyze_memory_logs(args.logs, plot=args.plot)
-    except MemoryLogError as err:
-        raise CLIError(str(err)) from None
-    except ImportError as err:
-        raise CLIError(f"plotting needs matplotlib ({err}): pip install 'lightning-memopt[plot]'") from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            _, text = memory_log.analyze_memory_logs(args.logs, plot=args.plot)
+        except ValueError as err:  # MemoryLogError (a log) or a plot path that cannot be written
+            raise CLIError(str(err)) from None
+        except ImportError as err:
+            raise CLIError(f"plotting needs matplotlib ({err}): pip install 'lightning-memopt[plot]'") from None
+        except Exception as err:  # the last line of defence: one line naming the input, never a traceback
+            raise CLIError(
+                f"could not analyse {', '.join(args.logs)} ({type(err).__name__}: {err}); please report this"
+            ) from None
+        finally:
+            # Skipped records and the like: one line each, before the table or the error.
+            for warning in caught:
+                message = " ".join(str(warning.message).splitlines())
+                print(f"lightning-memopt analyze: warning: {message}", file=sys.stderr)
     print(text)
     return 0
 
@@ -56,9 +71,16 @@ def _run_report(args: argparse.Namespace) -> int:
     texts = []
     for path in args.reports:
         try:
-            texts.append(render_markdown(load_report(path)))
-        except ValueError as err:
+            report = load_report(path)
+        except ValueError as err:  # missing, a directory or pipe, not JSON, not a report: says which file
             raise CLIError(str(err)) from None
+        try:
+            texts.append(render_markdown(report))
+        except Exception as err:  # a report shaped in a way rendering did not foresee: one line, no traceback
+            raise CLIError(
+                f"{path}: could not be rendered as Markdown ({type(err).__name__}: {err}); the JSON itself is intact,"
+                " open it directly"
+            ) from None
     print("\n".join(texts), end="")
     return 0
 
@@ -78,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CLIError as err:
-        print(f"lightning-memopt {args.command}: error: {err}", file=sys.stderr)
+        message = " ".join(str(err).splitlines())  # one line, whatever the message holds
+        print(f"lightning-memopt {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

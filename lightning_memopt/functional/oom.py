@@ -18,12 +18,22 @@ import json
 import os
 import platform
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from lightning_memopt.utilities.checks import is_finite_number
+from lightning_memopt.utilities.files import file_kind
 from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.redaction import (  # noqa: F401  (SECRET_FRAGMENTS: kept importable from here)
+    REDACTED,
+    SECRET_FRAGMENTS,
+    is_secret_name,
+    redact_secrets,
+    redact_text,
+)
 
 __all__ = [
     "ALLOCATOR_ENV_VARS",
@@ -63,9 +73,8 @@ ENV_PREFIXES: tuple[str, ...] = (
     "LIGHTNING_",
 )
 _ENV_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"})
-#: Name fragments (upper case) that mark a variable as secret: its value is replaced by :data:`REDACTED`.
-SECRET_FRAGMENTS: tuple[str, ...] = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
-REDACTED = "<redacted>"
+# SECRET_FRAGMENTS, REDACTED and is_secret_name live in lightning_memopt.utilities.redaction (imported above),
+# so that the environment, the Markdown and the callback's report all redact by one rule.
 #: The caching-allocator settings, in the order torch reads them.
 ALLOCATOR_ENV_VARS: tuple[str, ...] = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
@@ -78,17 +87,6 @@ _MAX_DEPTH = 6
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def is_secret_name(name: str) -> bool:
-    """Whether an environment variable called ``name`` may hold a secret.
-
-    Example:
-        >>> is_secret_name("TORCH_HUB_TOKEN"), is_secret_name("NCCL_DEBUG")
-        (True, False)
-    """
-    upper = name.upper()
-    return any(fragment in upper for fragment in SECRET_FRAGMENTS)
-
-
 def collect_environment(
     environ: Mapping[str, str] | None = None, prefixes: Sequence[str] = ENV_PREFIXES
 ) -> dict[str, str]:
@@ -96,22 +94,24 @@ def collect_environment(
 
     Only names starting with one of ``prefixes`` (and the launcher's rank/world-size variables) are kept;
     the value of any kept name containing KEY, TOKEN, SECRET, PASSWORD, CREDENTIAL or AUTH is replaced by
-    ``"<redacted>"``.
+    ``"<redacted>"``, and credentials inside the other values (``https://user:password@host``,
+    ``?token=...``, ``Bearer ...``) are replaced by :func:`~lightning_memopt.utilities.redaction.redact_text`.
 
     Args:
         environ: The environment to read. Default: ``os.environ``.
         prefixes: Allowed name prefixes.
 
     Example:
-        >>> collect_environment({"NCCL_DEBUG": "INFO", "HOME": "/root", "TORCH_HUB_TOKEN": "abc"})
-        {'NCCL_DEBUG': 'INFO', 'TORCH_HUB_TOKEN': '<redacted>'}
+        >>> collect_environment({"NCCL_DEBUG": "INFO", "HOME": "/root", "TORCH_HUB_TOKEN": "abc",
+        ...                      "PL_LOGGER_URI": "https://me:pw@host/runs"})
+        {'NCCL_DEBUG': 'INFO', 'PL_LOGGER_URI': 'https://me:<redacted>@host/runs', 'TORCH_HUB_TOKEN': '<redacted>'}
     """
     environ = os.environ if environ is None else environ
     kept: dict[str, str] = {}
     for name in sorted(environ):
         if not (name.startswith(tuple(prefixes)) or name in _ENV_NAMES):
             continue
-        kept[name] = REDACTED if is_secret_name(name) else str(environ[name])
+        kept[name] = REDACTED if is_secret_name(name) else redact_text(str(environ[name]))
     return kept
 
 
@@ -295,7 +295,7 @@ def parse_oom_message(message: str) -> dict[str, int | None]:
 
 
 def _fraction(part: int | None, whole: int | None) -> float | None:
-    if part is None or not whole:
+    if not (is_finite_number(part) and is_finite_number(whole)) or not whole:
         return None
     return part / whole
 
@@ -526,6 +526,17 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     hint = "Pass the oom_report_rank{r}.json written by OOMReporter."
     name = os.fspath(path)
     try:
+        mode = os.stat(name).st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{name}: no such file. {hint}") from None
+    except OSError as err:
+        raise ValueError(f"{name}: cannot be read ({err.strerror or err}). {hint}") from None
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{name}: is a directory. {hint}")
+    if not stat.S_ISREG(mode):
+        # A named pipe or a device would block or never end: refuse it without opening it.
+        raise ValueError(f"{name}: is {file_kind(mode)}, not a regular file. {hint}")
+    try:
         with open(name, encoding="utf-8") as f:
             report = json.load(f)
     except FileNotFoundError:
@@ -536,6 +547,8 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{name}: cannot be read ({err}). {hint}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{name}: not valid JSON ({err.msg} at line {err.lineno}). {hint}") from None
+    except RecursionError:
+        raise ValueError(f"{name}: not valid JSON (nested too deeply to read). {hint}") from None
     if not isinstance(report, dict) or not str(report.get("format", "")).startswith("lightning-memopt/oom-report/"):
         raise ValueError(f"{name}: not an out-of-memory report (no 'format' field of OOMReporter). {hint}")
     return report
@@ -546,9 +559,41 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+_RAW_CHARS = 200
+
+
 def _cell(value: Any) -> str:
     text = "n/a" if value is None else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _size(value: Any) -> str:
+    """Bytes as text; a value that is not a number (a hand-edited report) is shown as it is."""
+    return format_bytes(value) if value is None or is_finite_number(value) else _cell(value)
+
+
+def _shape(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _raw(value: Any) -> str:
+    """Compact JSON of ``value`` on one line, cut at 200 characters."""
+    try:
+        text = json.dumps(value, default=repr, ensure_ascii=False)
+    except Exception:
+        text = repr(value)
+    text = text.replace("\n", " ")
+    return text if len(text) <= _RAW_CHARS else text[: _RAW_CHARS - 3] + "..."
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    for types, name in (((Mapping,), "an object"), ((list, tuple), "a list"), ((str,), "a string"),
+                        ((int, float), "a number"), ((type(None),), "null")):
+        if isinstance(value, types):
+            return name
+    return f"a {type(value).__name__}"
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -568,10 +613,55 @@ def _iso(timestamp: Any) -> str:
         return _cell(timestamp)
 
 
+def _flatten(mapping: Mapping[Any, Any], prefix: str = "", depth: int = 0) -> Iterable[tuple[str, Any]]:
+    """``(dotted.name, value)`` pairs of a nested mapping; lists and deep parts as compact JSON."""
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value and depth < 4:
+            yield from _flatten(value, name + ".", depth + 1)
+        elif isinstance(value, (Mapping, list, tuple)):
+            yield name, _raw(value)
+        else:
+            yield name, value
+
+
+class _Shape:
+    """Reads the parts of a report, noting those whose type is not what ``OOMReporter`` writes."""
+
+    def __init__(self) -> None:
+        self.unexpected: list[str] = []
+
+    def get(self, parent: Mapping[str, Any], key: str, expected: type, where: str = "") -> Any:
+        value = parent.get(key)
+        if not value:
+            return {} if expected is Mapping else []
+        if isinstance(value, expected):
+            return value
+        self.note(f"{where}{key}", value, expected)
+        return {} if expected is Mapping else []
+
+    def items(self, values: Iterable[Any], where: str) -> list[Mapping[str, Any]]:
+        """The objects of a list; the other entries are noted and left out."""
+        kept = []
+        for i, value in enumerate(values):
+            if isinstance(value, Mapping):
+                kept.append(value)
+            else:
+                self.note(f"{where}[{i}]", value, Mapping)
+        return kept
+
+    def note(self, where: str, value: Any, expected: type) -> None:
+        wanted = {Mapping: "an object", list: "a list", str: "a string"}.get(expected, expected.__name__)
+        self.unexpected.append(f"`{where}` (expected {wanted}, got {_kind(value)}): {_raw(value)}")
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     """The readable form of an OOM report dict (as written to ``oom_report_rank{r}.json``).
 
-    Sections that are missing from ``report`` are left out, so a partial report still renders.
+    Sections that are missing from ``report`` are left out, so a partial report still renders. A section or
+    entry of an unexpected type (a hand-edited or truncated report) is listed, as raw JSON, under "Parts of
+    this report with an unexpected shape" and the rest renders as usual. Credentials are redacted first
+    (:func:`~lightning_memopt.utilities.redaction.redact_secrets`), whatever the report holds.
 
     Example:
         >>> text = render_markdown({"when": {"rank": 0, "world_size": 1, "stage": "train", "global_step": 7},
@@ -579,7 +669,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         >>> text.splitlines()[0]
         '# Out-of-memory report: rank 0 of 1, train, global step 7'
     """
-    when = report.get("when", {}) or {}
+    if not isinstance(report, Mapping):
+        return f"# Out-of-memory report\n\nNot a report: expected an object, got {_kind(report)}: {_raw(report)}\n"
+    report = redact_secrets(report)
+    shape = _Shape()
+    when = shape.get(report, "when", Mapping)
     lines = [
         f"# Out-of-memory report: rank {when.get('rank', '?')} of {when.get('world_size', '?')},"
         f" {when.get('stage', '?')}, global step {when.get('global_step', '?')}",
@@ -600,69 +694,71 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 ("device", when.get("device")),
             ],
         )
-    error = report.get("error") or {}
+    error = shape.get(report, "error", Mapping)
     if error:
         lines += ["## Error", "", f"`{error.get('type')}` raised at {_cell(error.get('location'))}", ""]
         lines += _fence(str(error.get("message", "")))
 
-    suggestions = report.get("suggestions") or []
+    suggestions = shape.items(shape.get(report, "suggestions", list), "suggestions")
     if suggestions:
         lines += ["## Suggestions (try in this order)", ""]
         for tip in suggestions:
             saves = tip.get("saves_bytes")
-            estimate = f" (frees about {format_bytes(saves)})" if saves else ""
+            estimate = f" (frees about {format_bytes(saves)})" if is_finite_number(saves) and saves else ""
             lines.append(f"{tip.get('rank')}. **{tip.get('action')}**{estimate}. {tip.get('why')}")
         lines.append("")
 
-    batch = report.get("batch") or {}
+    batch = shape.get(report, "batch", Mapping)
     if batch:
         lines += ["## Failing batch", ""]
         if batch.get("found_in"):
             lines += [f"Read from the local `batch` of `{batch.get('found_in')}`.", ""]
         else:
             lines += ["No local named `batch` was found in the traceback.", ""]
-        tensors = batch.get("tensors") or []
+        tensors = shape.items(shape.get(batch, "tensors", list, "batch."), "batch.tensors")
         if tensors:
             lines += _table(
                 ["tensor", "shape", "dtype", "device", "size"],
-                [(t["path"], tuple(t["shape"]), t["dtype"], t["device"], format_bytes(t["bytes"])) for t in tensors],
+                [(t.get("path"), _shape(t.get("shape")), t.get("dtype"), t.get("device"), _size(t.get("bytes")))
+                 for t in tensors],
             )
         if batch.get("truncated"):
             lines += [f"({batch.get('num_tensors')} tensors in all; the first {len(tensors)} are listed.)", ""]
 
-    memory = report.get("memory") or {}
+    memory = shape.get(report, "memory", Mapping)
     if memory:
         lines += ["## Memory at failure", ""]
         rows = [
-            (key, format_bytes(value) if key.endswith("_bytes") else value)
+            (key, _size(value) if str(key).endswith("_bytes") else value)
             for key, value in memory.items()
-            if key not in ("summary", "time") and not isinstance(value, (dict, list))
+            if key not in ("summary", "time") and not isinstance(value, (Mapping, list, tuple))
         ]
         lines += _table(["field", "value"], rows)
 
-    holders = report.get("holders") or {}
+    holders = shape.get(report, "holders", Mapping)
     if holders:
         lines += ["## Who holds memory", ""]
-        by_cat = holders.get("bytes_by_category") or {}
+        by_cat = shape.get(holders, "bytes_by_category", Mapping, "holders.")
         allocated = memory.get("allocated_bytes")
-        cat_rows = [(name, format_bytes(value), _pct(value, allocated)) for name, value in by_cat.items()]
+        cat_rows = [(name, _size(value), _pct(value, allocated)) for name, value in by_cat.items()]
         cat_rows.append(
             (
                 "unexplained (activations, temporaries, other tensors)",
-                format_bytes(holders.get("unexplained_bytes")),
+                _size(holders.get("unexplained_bytes")),
                 _pct(holders.get("unexplained_bytes"), allocated),
             )
         )
         lines += [f"On `{holders.get('device')}`:", ""]
         lines += _table(["category", "bytes", "of allocated"], cat_rows)
-        rows = holders.get("rows") or []
+        rows = shape.items(shape.get(holders, "rows", list, "holders."), "holders.rows")
         if rows:
             lines += ["By dtype and device (all devices):", ""]
             lines += _table(
                 ["category", "dtype", "device", "tensors", "bytes"],
-                [(r["category"], r["dtype"], r["device"], r["num_tensors"], format_bytes(r["bytes"])) for r in rows],
+                [(r.get("category"), r.get("dtype"), r.get("device"), r.get("num_tensors"), _size(r.get("bytes")))
+                 for r in rows],
             )
-        top = holders.get("top_tensors") or []
+        top = shape.items(shape.get(holders, "top_tensors", list, "holders."), "holders.top_tensors")
         if top:
             lines += [f"Largest live tensors on `{holders.get('device')}`:", ""]
             lines += _table(
@@ -671,9 +767,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                     (
                         i + 1,
                         t.get("name") or "(unnamed)",
-                        tuple(t.get("shape", ())),
+                        _shape(t.get("shape", ())),
                         t.get("dtype"),
-                        format_bytes(t.get("bytes")),
+                        _size(t.get("bytes")),
                         t.get("requires_grad"),
                         t.get("has_grad_fn"),
                     )
@@ -681,20 +777,25 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 ],
             )
 
-    config = report.get("config") or {}
+    config = shape.get(report, "config", Mapping)
     if config:
         lines += ["## Configuration", ""]
         lines += _table(
             ["setting", "value"],
-            [(k, v) for k, v in config.items() if not isinstance(v, (dict, list))],
+            [(k, v) for k, v in config.items() if not isinstance(v, (Mapping, list, tuple))],
         )
         for title, key in (("Allocator settings", "allocator"), ("Versions", "versions")):
-            section = config.get(key) or {}
+            section = shape.get(config, key, Mapping, "config.")
             if section:
                 lines += [f"{title}:", ""]
                 lines += _table(["name", "value"], section.items())
 
-    snapshot = report.get("snapshot") or {}
+    hparams = shape.get(report, "hparams", Mapping)
+    if hparams:
+        lines += ["## Hyperparameters (`hparams`, secrets redacted)", ""]
+        lines += _table(["name", "value"], _flatten(hparams))
+
+    snapshot = shape.get(report, "snapshot", Mapping)
     if snapshot:
         lines += ["## Allocator snapshot", ""]
         if snapshot.get("path"):
@@ -702,18 +803,23 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         else:
             lines += [f"Not written: {snapshot.get('reason', 'unknown reason')}", ""]
 
-    environment = report.get("environment") or {}
+    environment = shape.get(report, "environment", Mapping)
     if environment:
         lines += ["## Environment (allow-listed, secrets redacted)", ""]
         lines += _table(["name", "value"], environment.items())
 
     summary = memory.get("summary")
-    if summary:
+    if summary and isinstance(summary, str):
         lines += ["## Allocator summary (`memory_summary()`)", ""]
         lines += _fence(summary)
+    elif summary:
+        shape.note("memory.summary", summary, str)
 
-    problems = report.get("report_errors") or []
+    problems = shape.get(report, "report_errors", list)
     if problems:
         lines += ["## Parts of this report that could not be gathered", ""]
         lines += [f"- {p}" for p in problems] + [""]
+    if shape.unexpected:
+        lines += ["## Parts of this report with an unexpected shape", ""]
+        lines += [f"- {entry}" for entry in shape.unexpected] + [""]
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -1,4 +1,6 @@
 import json
+import os
+import warnings
 
 import pytest
 
@@ -6,9 +8,11 @@ from lightning_memopt.analysis import (
     MemoryLogError,
     analyze_memory_logs,
     load_memory_log,
+    plot_memory_timeline,
     summarize_memory_log,
 )
 from lightning_memopt.cli import main
+from tests.helpers.pipes import PipeWatchdog
 
 
 def rec(t, phase, event, step, alloc=None, peak=None, rank=0, **extra):
@@ -126,6 +130,7 @@ def test_cli_prints_summary_and_exit_codes(good_log, tmp_path, capsys):
     assert "line 1 is not JSON" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_runs_as_a_module(good_log):
     import subprocess
     import sys
@@ -134,3 +139,333 @@ def test_console_script_runs_as_a_module(good_log):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "train" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------- bad records
+
+
+def _lines(records):
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+
+
+def _steps(n, rank=0, t0=0.0, **extra):
+    return [rec(t0 + s, "train", "step", s, 1000 + 10 * s, rank=rank, **extra) for s in range(1, n + 1)]
+
+
+BAD_RECORDS = [
+    pytest.param('{"time": 9, "rank": "zero", "phase": "train", "event": "step"}', "`rank` is 'zero'", id="rank-str"),
+    pytest.param('{"time": 9, "rank": null, "phase": "train", "event": "step"}', "`rank` is None", id="rank-null"),
+    pytest.param('{"time": 9, "rank": -1, "phase": "train", "event": "step"}', "`rank` is -1", id="rank-negative"),
+    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": "12"}',
+                 "`allocated_bytes` is '12'", id="bytes-str"),
+    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": NaN}', "holds NaN",
+                 id="nan"),
+    pytest.param('{"time": Infinity, "rank": 0, "phase": "train", "event": "step"}', "holds Infinity", id="inf"),
+    pytest.param('{"time": 1e999, "rank": 0, "phase": "train", "event": "step"}', "`time` is inf", id="overflow"),
+    pytest.param('{"time": "x", "rank": 0, "phase": "train", "event": "step"}', "`time` is 'x'", id="time-str"),
+    pytest.param('{"time": 9, "rank": 0, "phase": 3, "event": "step"}', "`phase` is 3", id="phase-int"),
+    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "global_step": "7"}',
+                 "`global_step` is '7'", id="step-str"),
+    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "global_step": 1' + "0" * 400 + "}",
+                 "`global_step` is 1000", id="step-huge"),
+    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "run_id": 5}', "`run_id` is 5",
+                 id="run-id-int"),
+    pytest.param("[1, 2, 3]", "a JSON value that is an array, not an object", id="list"),
+    pytest.param("42", "a JSON value that is a number, not an object", id="number"),
+    pytest.param('{"time": 9, "rank": 0, "pha', "is not JSON", id="torn"),
+    pytest.param("\x00\x01garbage", "is not JSON", id="binary"),
+    pytest.param('{"pad": "' + "x" * 2**20 + '"}', "is longer than 1 MiB", id="overlong"),
+]
+
+
+@pytest.mark.parametrize(("bad", "reason"), BAD_RECORDS)
+def test_bad_records_are_skipped_with_one_warning_naming_the_lines(tmp_path, bad, reason):
+    good = _steps(12)
+    content = _lines([*good[:3], bad, *good[3:8], bad, bad, *good[8:]])
+    path = tmp_path / "memory_rank0.jsonl"
+    path.write_text(content)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summaries, _ = analyze_memory_logs([path])
+    messages = [str(w.message) for w in caught if str(path) in str(w.message)]
+    assert len(messages) == 1, messages
+    assert f"{path}: skipped 3 of 15 records (lines 4, 10, 11): line 4 " in messages[0]
+    assert reason in messages[0]
+    (train,) = summaries
+    assert train.num_readings == 12 and train.peak_allocated_bytes == 1120
+    assert train.growth_bytes_per_1k_steps == pytest.approx(10_000.0)
+
+
+def test_cli_prints_one_warning_line_and_the_summary(tmp_path, capsys):
+    path = tmp_path / "memory_rank0.jsonl"
+    path.write_text(_lines([*_steps(3), '{"time": 9, "rank": "zero", "phase": "train", "event": "step"}',
+                            '{"time": 1, "rank": 0, "allocated_bytes": NaN}', *_steps(2, t0=10), "[]"]))
+    assert main(["analyze", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.err.startswith(f"lightning-memopt analyze: warning: {path}: skipped 3 of 8 records (lines 4, 5, 8)")
+    assert captured.out.splitlines()[0].split()[:3] == ["rank", "phase", "readings"]
+    assert any(line.split()[:3] == ["0", "train", "5"] for line in captured.out.splitlines())
+
+
+def test_many_bad_lines_are_listed_briefly(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(_lines([*_steps(2), *["oops"] * 25, '{"time": 9, "rank": "zero", "phase": "t", "event": "s"}']))
+    with pytest.warns(UserWarning) as caught:
+        analyze_memory_logs([path])
+    (message,) = [str(w.message) for w in caught]
+    assert "skipped 26 of 28 records (lines 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 and 16 more)" in message
+    assert "line 3 is not JSON; line 28 `rank` is 'zero'" in message
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("", "holds no memory records"),
+        ("\n\n", "holds no memory records"),
+        ("hello\n", "line 1 is not JSON"),
+        ('{"time": NaN, "rank": 0, "phase": "train", "event": "step"}\n', "line 1 holds NaN"),
+        ('[{"time": 1}]\n{"a": 1}\n', "line 1 is not a memory record"),
+    ],
+)
+def test_cli_nothing_usable_exits_2_with_one_line(tmp_path, capsys, content, words):
+    path = tmp_path / "memory_rank0.jsonl"
+    path.write_text(content)
+    assert main(["analyze", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lightning-memopt analyze: error: ") and str(path) in err
+    assert words in err and "Traceback" not in err
+
+
+def test_an_unusable_file_among_good_ones_is_left_out_with_a_warning(good_log, tmp_path, capsys):
+    junk = tmp_path / "memory_rank1.jsonl"
+    junk.write_text("rank,phase\n0,train\n")
+    assert main(["analyze", str(good_log), str(junk)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"lightning-memopt analyze: warning: {junk}: holds no usable memory records (line 1 is not"
+                            " JSON); left it out\n")
+    assert "train" in captured.out
+    both_bad = tmp_path / "memory_rank2.jsonl"
+    both_bad.write_text("")
+    assert main(["analyze", str(junk), str(both_bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(junk) in err and str(both_bad) in err
+
+
+def test_summarize_skips_records_of_the_wrong_type():
+    records = [*_steps(4), {"time": 5.0, "rank": "zero", "phase": "train", "event": "step"}, [1], None]
+    with pytest.warns(UserWarning, match=r"skipped 3 of 7 records \(index 4, 5, 6\): record 4 `rank` is 'zero'"):
+        (summary,) = summarize_memory_log(records)
+    assert summary.num_readings == 4
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"time": 1, "rank": "zero", "phase": "train", "event": "step"}\n', "line 1 `rank` is 'zero', not an int"),
+        ('{"time": 1, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": "12"}\n',
+         "line 1 `allocated_bytes` is '12'"),
+        ('{"time": NaN, "rank": 0, "phase": "train", "event": "step"}\n', "line 1 holds NaN"),
+    ],
+)
+def test_load_memory_log_names_the_line_of_a_wrong_type(tmp_path, content, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(MemoryLogError, match=match):
+        load_memory_log(path)
+
+
+# ---------------------------------------------------------------------------------------------------- paths
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_cli_refuses_a_named_pipe_without_opening_it(good_log, tmp_path, capsys):
+    fifo = tmp_path / "memory_rank1.jsonl"
+    os.mkfifo(fifo)
+    watchdog = PipeWatchdog(fifo)
+    try:
+        code = main(["analyze", str(good_log), str(fifo)])
+    finally:
+        watchdog.stop()
+    assert not watchdog.fired, "the named pipe was opened"
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"{fifo}: is a named pipe, not a regular file" in err
+    with pytest.raises(MemoryLogError, match="named pipe"):
+        load_memory_log(fifo)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda tmp: tmp / "missing.jsonl", "no such file"),
+        (lambda tmp: tmp, "is a directory"),
+        (lambda tmp: tmp / "missing" / "memory_rank0.jsonl", "no such file"),
+        pytest.param(lambda tmp: "/dev/null", "is a character device",
+                     marks=pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null")),
+    ],
+)
+def test_cli_refuses_paths_that_are_not_regular_files(good_log, tmp_path, capsys, make, words):
+    path = make(tmp_path)
+    assert main(["analyze", str(good_log), str(path), "--plot", str(tmp_path / "out" / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}: {words}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize(
+    ("plot", "words"),
+    [
+        ("timeline.xyz", "matplotlib cannot write '.xyz' files; end the name with one of"),
+        ("a_file.txt/timeline.png", "a_file.txt is a file, not a directory"),
+        ("a_file.txt/deeper/timeline.png", "a_file.txt is a file, not a directory"),
+        (".", "is a directory; name a file in it"),
+    ],
+)
+def test_cli_refuses_a_bad_plot_path_before_reading_the_logs(tmp_path, capsys, monkeypatch, plot, words):
+    import lightning_memopt.analysis.memory_log as memory_log
+
+    (tmp_path / "a_file.txt").write_text("x")
+    log = tmp_path / "memory_rank0.jsonl"
+    log.write_text(_lines(_steps(3)))
+    monkeypatch.setattr(memory_log, "_scan", lambda path: pytest.fail("read a log before checking the plot path"))
+    target = tmp_path / plot
+    assert main(["analyze", str(log), "--plot", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(target) in err and words in err and "Traceback" not in err
+
+
+def test_cli_plot_directory_that_cannot_be_created(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    log = tmp_path / "memory_rank0.jsonl"
+    log.write_text(_lines(_steps(3)))
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    target = tmp_path / "locked" / "p.png"
+    assert main(["analyze", str(log), "--plot", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(target) in err and "cannot create the directory" in err
+    assert "Permission denied" in err and "Traceback" not in err
+
+
+def test_plot_formats_follow_the_extension(tmp_path):
+    log = tmp_path / "memory_rank0.jsonl"
+    log.write_text(_lines(_steps(3)))
+    analyze_memory_logs([log], plot=tmp_path / "t.svg")
+    assert (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")
+    analyze_memory_logs([log], plot=tmp_path / "no_extension")
+    assert (tmp_path / "no_extension").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+
+
+def test_records_of_different_runs_are_separate_rows_and_panels(tmp_path, capsys):
+    first = [dict(r, run_id="ab12") for r in _steps(4, t0=100.0)]
+    # the second run starts later, its memory is higher and its peak comes 2 s after its own start
+    second = [dict(r, run_id="cd34", allocated_bytes=5000 + 10 * r["global_step"]) for r in _steps(2, t0=500.0)]
+    path = tmp_path / "memory_rank0.jsonl"
+    path.write_text(_lines([*first, *second]))
+    summaries, text = analyze_memory_logs([path], plot=tmp_path / "p.png")
+    assert [(s.run_id, s.rank, s.phase, s.num_readings) for s in summaries] == [("ab12", 0, "train", 4),
+                                                                                ("cd34", 0, "train", 2)]
+    assert summaries[0].peak_allocated_bytes == 1040 and summaries[0].peak_seconds == pytest.approx(3.0)
+    assert summaries[1].peak_allocated_bytes == 5020 and summaries[1].peak_seconds == pytest.approx(1.0)
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["rank", "run", "phase", "readings"]
+    assert lines[2].split()[:4] == ["0", "ab12", "train", "4"] and lines[3].split()[:4] == ["0", "cd34", "train", "2"]
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+    assert main(["analyze", str(path)]) == 0
+    assert "cd34" in capsys.readouterr().out
+
+
+def test_one_run_id_keeps_the_single_run_table(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(_lines([dict(r, run_id="ab12") for r in _steps(3)]))
+    (summary,), text = analyze_memory_logs([path])
+    assert summary.run_id == "ab12" and text.splitlines()[0].split()[:3] == ["rank", "phase", "readings"]
+    assert "ab12" not in text
+
+
+def test_records_without_run_id_and_with_one_are_two_runs(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(_lines([*_steps(2), *[dict(r, run_id="new") for r in _steps(2, t0=50.0)]]))
+    summaries, text = analyze_memory_logs([path])
+    assert [s.run_id for s in summaries] == [None, "new"]
+    assert [line.split()[1] for line in text.splitlines()[2:4]] == ["-", "new"]
+
+
+def test_plot_memory_timeline_keeps_its_signature(good_log, tmp_path):
+    records = load_memory_log(good_log)
+    written = plot_memory_timeline({"memory_rank0.jsonl": records}, tmp_path / "direct.png")
+    assert written == tmp_path / "direct.png" and written.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+
+def _write_big_log(path, lines):
+    MiB = 1024**2
+    with open(path, "w") as f:
+        for s in range(lines):
+            f.write(json.dumps({
+                "time": 1_700_000_000.0 + 0.05 * s, "rank": 0, "phase": "train", "event": "step", "epoch": s // 5000,
+                "global_step": s, "batch_idx": s % 5000, "device": "cuda:0", "allocated_bytes": 6 * 1024**3 + 4 * s,
+                "reserved_bytes": 8 * 1024**3 + s, "active_bytes": 6 * 1024**3, "peak_allocated_bytes": 7 * 1024**3 + s,
+                "peak_reserved_bytes": 9 * 1024**3, "device_total_bytes": 85_029_158_912,
+                "device_free_bytes": 60_000_000_000, "host_rss_bytes": 4 * 1024**3 + s % MiB, "num_alloc_retries": 0,
+                "num_ooms": 0}) + "\n")
+    return path
+
+
+def test_analysis_keeps_a_fraction_of_the_log_in_memory(tmp_path):
+    import tracemalloc
+
+    path = _write_big_log(tmp_path / "memory_rank0.jsonl", 3000)
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        summaries, _ = analyze_memory_logs([path])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert summaries[0].num_readings == 3000
+    # the records themselves (a list of dicts) would take several times the file's size
+    assert peak < 0.5 * size, f"peak {peak} bytes for a {size}-byte log"
+
+
+RSS_SCRIPT = """
+import json, sys
+from lightning_memopt.cli import main
+
+
+def peak_rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak: what importing torch took does not count
+    f.write("5")
+base = peak_rss()
+code = main(["analyze", *sys.argv[1:]])
+print(json.dumps({"code": code, "base": base, "peak": peak_rss()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
+def test_peak_rss_of_analyze_grows_less_than_twice_the_logs(tmp_path):
+    from tests.helpers.subprocess_run import run_script
+
+    logs = [_write_big_log(tmp_path / f"memory_rank{r}.jsonl", 15_000) for r in (0, 1)]
+    size = sum(p.stat().st_size for p in logs)
+    proc = run_script(RSS_SCRIPT, tmp_path, args=tuple(map(str, logs)), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0
+    growth = result["peak"] - result["base"]
+    assert growth < 2 * size, f"RSS grew {growth / 2**20:.1f} MiB for {size / 2**20:.1f} MiB of logs"

@@ -247,3 +247,103 @@ def test_load_report_roundtrip_and_errors(tmp_path):
     with pytest.raises(ValueError, match="is a directory"):
         load_report(tmp_path)
 
+
+
+# ---------------------------------------------------------------------------------------------------- secrets in values
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "secret", "expected"),
+    [
+        ("LIGHTNING_CLOUD_URL", "https://alice:hunter2@lightning.example/api", "hunter2",
+         "https://alice:<redacted>@lightning.example/api"),
+        ("PL_LOGGER_URI", "https://mlflow.example/api?token=abc123&run=7", "abc123",
+         "https://mlflow.example/api?token=<redacted>&run=7"),
+        ("PL_LOGGER_URI", "https://mlflow.example/api?key=xyz789", "xyz789", "https://mlflow.example/api?key=<redacted>"),
+        ("LIGHTNING_HEADERS", "Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0", "9f8e7d6c5b4a", "Bearer <redacted>"),
+    ],
+)
+def test_environment_redacts_credentials_inside_allowed_values(name, value, secret, expected):
+    kept = collect_environment({name: value, "NCCL_DEBUG": "INFO"})
+    assert kept == {name: expected, "NCCL_DEBUG": "INFO"}
+    assert secret not in json.dumps(kept)
+
+
+def test_environment_leaves_harmless_values_alone():
+    env = {"NCCL_DEBUG": "INFO", "PL_LOGGER_URI": "https://host/path?x=1", "TORCH_HOME": "/data/torch cache/hub",
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert collect_environment(env) == env
+
+
+def test_secret_name_rule_lives_in_one_place():
+    from lightning_memopt.functional import oom
+    from lightning_memopt.utilities import redaction
+
+    assert oom.SECRET_FRAGMENTS is redaction.SECRET_FRAGMENTS and oom.is_secret_name is redaction.is_secret_name
+    assert oom.REDACTED == redaction.REDACTED == "<redacted>"
+
+
+def test_render_markdown_redacts_every_section():
+    report = _full_report()
+    report["environment"] = {"LIGHTNING_CLOUD_URL": "https://bob:s3cr3t@cloud.example/x"}
+    report["config"] = dict(report["config"], logger_uri="https://host/x?access_token=tok42&x=1")
+    report["hparams"] = {"lr": 0.001, "num_key_value_heads": 8, "api_key": "sk-live-123",
+                         "data": {"root": "/data/train", "url": "https://u:pw@data.example/set?sig=s1g"}}
+    report["error"] = dict(report["error"], message="fetch failed: Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.x1")
+    text = render_markdown(report)
+    for secret in ("s3cr3t", "tok42", "sk-live-123", ":pw@", "s1g", "eyJhbGciOiJIUzI1NiJ9"):
+        assert secret not in text, secret
+    assert "| data.root | /data/train |" in text and "| num_key_value_heads | 8 |" in text
+    assert "https://bob:<redacted>@cloud.example/x" in text and "access_token=<redacted>&x=1" in text
+    assert report["hparams"]["api_key"] == "sk-live-123"  # the caller's dict is not changed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "unexpected"),
+    [
+        ({"when": "x"}, '`when` (expected an object, got a string): "x"'),
+        ({"error": "x"}, '`error` (expected an object, got a string): "x"'),
+        ({"suggestions": "x"}, '`suggestions` (expected a list, got a string): "x"'),
+        ({"suggestions": [{"rank": 1, "action": "A"}, 5]}, "`suggestions[1]` (expected an object, got a number): 5"),
+        ({"memory": [1, 2]}, "`memory` (expected an object, got a list): [1, 2]"),
+        ({"holders": 5}, "`holders` (expected an object, got a number): 5"),
+        ({"batch": {"tensors": ["x"]}}, '`batch.tensors[0]` (expected an object, got a string): "x"'),
+        ({"config": {"versions": "2.0"}}, '`config.versions` (expected an object, got a string): "2.0"'),
+        ({"report_errors": "boom"}, '`report_errors` (expected a list, got a string): "boom"'),
+    ],
+)
+def test_render_markdown_lists_parts_of_the_wrong_type_and_renders_the_rest(overrides, unexpected):
+    text = render_markdown({**_full_report(), **overrides})
+    assert "## Parts of this report with an unexpected shape" in text
+    assert unexpected in text
+    assert "## Allocator snapshot" in text and "## Environment" in text  # untouched sections still render
+
+
+def test_render_markdown_odd_values_inside_sections():
+    report = _full_report()
+    report["memory"] = {"allocated_bytes": "lots", "reserved_bytes": float("nan"), "summary": 5}
+    report["holders"]["top_tensors"] = [{"name": "w", "shape": 7, "bytes": None}]
+    report["batch"]["tensors"] = [{"path": "x"}]
+    report["suggestions"] = [{"rank": 1, "action": "A", "why": "B", "saves_bytes": "many"}]
+    text = render_markdown(report)
+    assert "| allocated_bytes | lots |" in text and "| 1 | w | 7 |" in text and "1. **A**. B" in text
+    assert "`memory.summary` (expected a string, got a number): 5" in text
+    assert render_markdown([1, 2]).startswith("# Out-of-memory report\n\nNot a report: expected an object")
+
+
+def test_load_report_refuses_what_is_not_a_regular_file(tmp_path):
+    import os
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs named pipes")
+    from tests.helpers.pipes import PipeWatchdog
+
+    fifo = tmp_path / "oom_report_rank0.json"
+    os.mkfifo(fifo)
+    watchdog = PipeWatchdog(fifo)
+    try:
+        with pytest.raises(ValueError, match="not a regular file"):
+            load_report(fifo)
+    finally:
+        watchdog.stop()
+    assert not watchdog.fired, "the named pipe was opened"
