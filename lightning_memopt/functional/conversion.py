@@ -10,6 +10,7 @@ import torch
 
 from lightning_memopt.functional.footprint import model_footprint
 from lightning_memopt.functional.memory import read_memory, supports_device_memory
+from lightning_memopt.utilities.checks import check_device
 
 __all__ = ["ConversionResult", "to_device_and_dtype"]
 
@@ -108,7 +109,8 @@ def to_device_and_dtype(
         A :class:`ConversionResult`; ``converted`` is ``False`` when the call was a no-op.
 
     Raises:
-        ValueError: if ``dtype`` is not a floating-point ``torch.dtype``.
+        ValueError: if ``model`` is not a module, ``device`` names no device (see ``read_memory``) or ``dtype`` is not
+            a floating-point ``torch.dtype``.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -118,6 +120,11 @@ def to_device_and_dtype(
         >>> to_device_and_dtype(model, device="cpu", dtype=torch.bfloat16).converted  # already there: skipped
         False
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            f"`model` must be a torch.nn.Module (a LightningModule too), got {model!r} ({type(model).__name__})."
+        )
+    check_device("device", device)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(
             f"`dtype` must be a floating-point torch.dtype such as torch.bfloat16 or torch.float16, got {dtype!r}."

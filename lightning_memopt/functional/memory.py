@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.utilities.checks import check_device
+
 __all__ = [
     "MEMORY_FIELDS",
     "MemoryReading",
@@ -125,6 +127,7 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
     """
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    check_device("device", device)
     if isinstance(device, int):
         device = torch.device("cuda", device)
     device = torch.device(device)
@@ -230,11 +233,16 @@ def read_memory(device: torch.device | str | int | None = None) -> MemoryReading
     Returns:
         A :class:`MemoryReading`.
 
+    Raises:
+        ValueError: if ``device`` is not a ``torch.device``, a device string (``"cuda:0"``, ``"cpu"``), an index
+            (int >= 0) or ``None``.
+
     Example:
         >>> r = read_memory("cpu")
         >>> (r.device, r.reserved_bytes, r.peak_allocated_bytes)
         ('cpu', None, None)
     """
+    check_device("device", device)
     device = resolve_device(device)
     fields: dict[str, int | None] = {}
     if supports_device_memory(device):

@@ -42,13 +42,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import operator
+import reprlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lightning_memopt.utilities.checks import check_choice, check_positive_int
+from lightning_memopt.utilities.checks import check_choice, check_device, check_positive_int
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
@@ -84,6 +86,9 @@ V2T_GALLERIES = ("texts", "groups")
 # matrix units busy. The memory budget can only shrink them.
 _CPU_MAX_BLOCK = (2048, 4096)
 _CUDA_MAX_BLOCK = (16384, 32768)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: Feature dtypes accepted (blocks are multiplied in float32 whatever the storage dtype).
+FEATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Positive pairs scored per chunk: float64 copies of 1024 x D rows stay in cache and are not fresh pages each time.
 _PAIR_CHUNK = 1024
 
@@ -131,11 +136,31 @@ def _hash_str(value: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
+def _int_id(value: Any, position: int, name: str, values: list[Any]) -> int:
+    """``value`` as an int64 id, or a ``ValueError`` naming the argument, the value and its position."""
+    try:
+        if isinstance(value, (bool, str)) or getattr(value, "dtype", None) == torch.bool:
+            raise TypeError
+        out = operator.index(value)  # ints, numpy ints, integer 0-d tensors; never floats
+    except TypeError:
+        raise ValueError(
+            f"`{name}` must hold only ints or only strings, got {value!r} ({type(value).__name__}) at position"
+            f" {position} of {reprlib.repr(values)}. Use one id type per argument."
+        ) from None
+    if not _INT64_MIN <= out <= _INT64_MAX:
+        raise ValueError(
+            f"`{name}` must fit in int64 ({_INT64_MIN} to {_INT64_MAX}), got {out!r} at position {position}."
+            " Hash large ids into int64 or pass them as strings."
+        )
+    return out
+
+
 def as_id_tensor(ids: Any, name: str, length: int | None = None) -> Tensor:
     """Turn ids (int tensor, ints, or strings hashed stably with BLAKE2b) into a 1-D int64 CPU tensor.
 
     Raises:
-        ValueError: naming ``name`` when the ids are not 1-D ints/strings or their length differs from ``length``.
+        ValueError: naming ``name`` when the ids are not 1-D ints (within int64) or strings, or their length differs
+            from ``length``.
 
     Example:
         >>> as_id_tensor([3, 1, 3], "text_ids")
@@ -145,27 +170,32 @@ def as_id_tensor(ids: Any, name: str, length: int | None = None) -> Tensor:
     """
     if isinstance(ids, Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise ValueError(f"`{name}` must hold integer ids or strings, got a tensor of dtype {ids.dtype}.")
-        out = ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64) if ids.dim() <= 1 else None
-        if out is None:
+            raise ValueError(
+                f"`{name}` must hold integer ids or strings, got a tensor of dtype {ids.dtype}. Pass an integer"
+                " tensor (torch.int64, torch.int32, ...), a list of ints or a list of strings; cast whole-number"
+                " floats with `.long()`."
+            )
+        if ids.dim() > 1:
             raise ValueError(f"`{name}` must be 1-D (one id per row), got shape {tuple(ids.shape)}.")
+        if ids.dtype == getattr(torch, "uint64", None) and bool((ids.view(torch.int64) < 0).any()):
+            raise ValueError(
+                f"`{name}` must fit in int64, got a torch.uint64 tensor with values >= 2**63. Hash large ids into"
+                " int64 or pass them as strings."
+            )
+        out = ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
     else:
         if isinstance(ids, (str, bytes)) or (not isinstance(ids, Sequence) and not hasattr(ids, "__iter__")):
-            raise ValueError(f"`{name}` must be a sequence of ids (one per row), got {type(ids).__name__}.")
+            raise ValueError(
+                f"`{name}` must be a sequence of ids (one per row), got {reprlib.repr(ids)} ({type(ids).__name__})."
+                f" Wrap a single id in a list: `{name}=[...]`."
+            )
         values = list(ids)
         if all(isinstance(v, str) for v in values):
             out = torch.tensor([_hash_str(v) for v in values], dtype=torch.int64)
+        elif all(type(v) is int and _INT64_MIN <= v <= _INT64_MAX for v in values):  # the common case, fast
+            out = torch.tensor(values, dtype=torch.int64)
         else:
-            try:
-                ints = [int(v) for v in values]
-                if any(isinstance(v, (float, bool, str)) for v in values):
-                    raise TypeError
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"`{name}` must hold only ints or only strings, got {values[:3]!r}... ."
-                    " Use one id type per argument."
-                ) from None
-            out = torch.tensor(ints, dtype=torch.int64).reshape(-1)
+            out = torch.tensor([_int_id(v, i, name, values) for i, v in enumerate(values)], dtype=torch.int64)
     if length is not None and out.numel() != length:
         raise ValueError(
             f"`{name}` must have one id per row ({length}), got {out.numel()}. Pass the ids of the same batch."
@@ -454,6 +484,21 @@ def count_ranks(
 # --------------------------------------------------------------------------------------------------- summaries
 
 
+def _top_k_tuple(top_k: Any) -> tuple[int, ...]:
+    """``top_k`` as a tuple of distinct positive ints (one int is accepted too); ``ValueError`` naming it otherwise."""
+    ks = (top_k,) if isinstance(top_k, int) and not isinstance(top_k, bool) else top_k
+    if not isinstance(ks, (list, tuple)) or not ks:
+        raise ValueError(
+            f"`top_k` must be a positive int or a non-empty list of distinct positive ints, got {top_k!r}. Try"
+            " `top_k=(1, 5, 10)`."
+        )
+    for k in ks:
+        check_positive_int("top_k", k, hint=f"Each K of R@K must be an int >= 1; `top_k` was {top_k!r}.")
+    if len(set(ks)) != len(ks):
+        raise ValueError(f"`top_k` must not repeat a K (each gives one R@K key), got {top_k!r}.")
+    return tuple(ks)
+
+
 def _value_at(cumulative: Tensor, position: int) -> int:
     """The value at sorted ``position`` of a sample whose histogram has the given cumulative sum."""
     return int(torch.searchsorted(cumulative, torch.tensor([position], dtype=cumulative.dtype), right=True).item())
@@ -473,6 +518,7 @@ def summarize_rank_histogram(
         {'v2t/R@1': 0.5, 'v2t/R@5': 0.75, 'v2t/MedR': 2.0, 'v2t/MeanR': 4.0}
     """
     check_choice("median", median, MEDIANS)
+    top_k = _top_k_tuple(top_k)
     hist = histogram.detach().to(device="cpu", dtype=torch.int64)
     n = int(hist.sum().item())
     if n == 0:
@@ -514,10 +560,20 @@ def summarize_ranks(
 
 
 def _check_features(video_features: Tensor, text_features: Tensor) -> None:
+    allowed = ", ".join(str(d) for d in FEATURE_DTYPES)
     for name, x in (("video_features", video_features), ("text_features", text_features)):
-        if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"`{name}` must be a 2-D float tensor (rows x dim), got {shape}.")
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"`{name}` must be a 2-D float tensor (rows x dim), got {type(x).__name__}. Convert it with"
+                " `torch.as_tensor(...)`."
+            )
+        if x.dim() != 2:
+            raise ValueError(f"`{name}` must be a 2-D float tensor (rows x dim), got shape {tuple(x.shape)}.")
+        if x.dtype not in FEATURE_DTYPES:
+            raise ValueError(
+                f"`{name}` has dtype {x.dtype}, but features must be one of {allowed}. Pass the embeddings, not"
+                " ids or masks, or cast them with `.float()`."
+            )
     if video_features.shape[0] != text_features.shape[0]:
         raise ValueError(
             f"`video_features` and `text_features` must have one row per sample each, got {video_features.shape[0]}"
@@ -578,6 +634,10 @@ def retrieval_ranks(
     check_choice("protocol", protocol, PROTOCOLS)
     check_choice("v2t_gallery", v2t_gallery, V2T_GALLERIES)
     check_choice("ties", ties, TIES)
+    check_positive_int("video_block_size", video_block_size, allow_none=True)
+    check_positive_int("text_block_size", text_block_size, allow_none=True)
+    check_positive_int("memory_budget_bytes", memory_budget_bytes, hint="Give the budget in bytes, e.g. 2**31.")
+    check_device("device", device)
     _check_features(video_features, text_features)
     n = video_features.shape[0]
     if n == 0:
@@ -659,6 +719,8 @@ def streaming_retrieval(
         >>> {k: v.item() for k, v in out.items()}
         {'v2t/R@1': 1.0, 'v2t/MedR': 1.0, 'v2t/MeanR': 1.0, 't2v/R@1': 1.0, 't2v/MedR': 1.0, 't2v/MeanR': 1.0}
     """
+    top_k = _top_k_tuple(top_k)
+    check_choice("median", median, MEDIANS)
     ranks = retrieval_ranks(video_features, text_features, text_ids, **kwargs)
     out = summarize_ranks(ranks.v2t, top_k, median, prefix="v2t/")
     out.update(summarize_ranks(ranks.t2v, top_k, median, prefix="t2v/"))

@@ -24,6 +24,7 @@ from lightning_memopt.functional.retrieval import (
     V2TGallery,
     _check_features,
     _first_occurrence,
+    _top_k_tuple,
     as_id_tensor,
     count_ranks,
     pair_scores,
@@ -117,17 +118,14 @@ class StreamingRetrievalMetric(Metric):
         accumulate_on: str = "cpu",
         **kwargs: Any,
     ) -> None:
-        if kwargs.pop("sync_on_compute", False):
+        sync_on_compute = kwargs.pop("sync_on_compute", False)
+        if sync_on_compute is not False:
             raise ValueError(
-                "`sync_on_compute=True` would gather every video feature to every process; StreamingRetrievalMetric"
-                " synchronises only ids and texts itself. Leave `sync_on_compute` unset."
+                f"`sync_on_compute` must be left unset (or False), got {sync_on_compute!r}: syncing would gather every"
+                " video feature to every process; StreamingRetrievalMetric synchronises only ids and texts itself."
             )
         super().__init__(sync_on_compute=False, **kwargs)
-        top_k = tuple(top_k) if not isinstance(top_k, int) else (top_k,)
-        if not top_k:
-            raise ValueError("`top_k` must hold at least one positive int, got (). Try `top_k=(1, 5, 10)`.")
-        for k in top_k:
-            check_positive_int("top_k", k, hint="Each K of R@K must be >= 1.")
+        top_k = _top_k_tuple(top_k)
         check_choice("protocol", protocol, PROTOCOLS)
         check_choice("v2t_gallery", v2t_gallery, V2T_GALLERIES)
         check_choice("ties", ties, TIES)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_memopt.functional.presets import (
     PRECISION_MODES,
@@ -21,7 +22,15 @@ from lightning_memopt.functional.presets import (
     tier_for_memory,
 )
 from lightning_memopt.utilities.allocator import parse_alloc_conf
-from lightning_memopt.utilities.checks import check_choice, check_fraction, check_non_negative_int, check_positive_int
+from lightning_memopt.utilities.checks import (
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_non_negative_int,
+    check_non_negative_number,
+    check_positive_int,
+    check_str,
+)
 
 __all__ = ["MemoryPreset"]
 
@@ -53,6 +62,26 @@ def _trainer_defaults() -> dict[str, Any]:
 
     params = inspect.signature(Trainer.__init__).parameters.values()
     return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def _checkpoint_modules(value: Any) -> tuple[Any, ...] | None:
+    """``checkpoint_modules`` as a tuple: one entry or a list/tuple of class names, name patterns or module classes."""
+    if value is None:
+        return None
+    entries = (value,) if isinstance(value, (str, type)) else value
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise ValueError(
+            f"`checkpoint_modules` must be a non-empty list of class names or name patterns, or None, got {value!r}"
+            f" ({type(value).__name__}). Example: ['TransformerEncoderLayer', 'encoder.layers.*']; None checkpoints"
+            " the default blocks."
+        )
+    for entry in entries:
+        if not (isinstance(entry, str) and entry) and not (isinstance(entry, type) and issubclass(entry, nn.Module)):
+            raise ValueError(
+                f"`checkpoint_modules` entries must be non-empty class names, name patterns or nn.Module classes, got"
+                f" {entry!r} in {value!r}. Example: ['TransformerEncoderLayer', 'encoder.layers.*']."
+            )
+    return tuple(entries)
 
 
 def _same(value: Any, default: Any) -> bool:
@@ -165,6 +194,12 @@ class MemoryPreset:
     plan: AccumulationPlan | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            hint = " In YAML write `name: balanced`, not a list." if isinstance(self.name, (list, tuple)) else ""
+            raise ValueError(
+                f"`name` must be a preset name (str), one of {', '.join(map(repr, PRESET_NAMES))}, got {self.name!r}"
+                f" ({type(self.name).__name__}).{hint}"
+            )
         if self.name not in PRESETS:
             raise ValueError(
                 f"Unknown preset `name`={self.name!r}. Valid presets: {', '.join(PRESET_NAMES)}."
@@ -176,20 +211,18 @@ class MemoryPreset:
                 object.__setattr__(self, knob, table[knob])
         check_choice("precision", self.precision, PRECISION_MODES)
         check_choice("float32_matmul_precision", self.float32_matmul_precision, ("", "highest", "high", "medium"))
+        leave = "Leave it None for the preset's value."
+        for knob in ("gradient_checkpointing", "cache_clean_on_phase_end", "monitor"):
+            check_bool(knob, getattr(self, knob), hint=leave)
+        check_bool("allow_emulated_bf16", self.allow_emulated_bf16)
         check_non_negative_int("gc_every_n_steps", self.gc_every_n_steps, hint="Use 0 for no garbage collector.")
         check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
+        check_str("allocator_conf", self.allocator_conf, hint="Example: 'expandable_segments:True'.")
         parse_alloc_conf(self.allocator_conf)
-        if self.gradient_clip_val is not None and (
-            isinstance(self.gradient_clip_val, bool)
-            or not isinstance(self.gradient_clip_val, (int, float))
-            or self.gradient_clip_val < 0
-        ):
-            raise ValueError(
-                f"`gradient_clip_val` must be a non-negative number or None, got {self.gradient_clip_val!r}."
-            )
-        if isinstance(self.checkpoint_modules, (list, str)):
-            mods = (self.checkpoint_modules,) if isinstance(self.checkpoint_modules, str) else self.checkpoint_modules
-            object.__setattr__(self, "checkpoint_modules", tuple(mods))
+        check_non_negative_number("gradient_clip_val", self.gradient_clip_val, allow_none=True,
+                                  hint="Use None for no clipping.")
+        check_str("tier", self.tier, allow_none=True, hint="It is set by `MemoryPreset.for_device()`, e.g. '16GB'.")
+        object.__setattr__(self, "checkpoint_modules", _checkpoint_modules(self.checkpoint_modules))
         check_positive_int("devices", self.devices, hint="Pass the number of devices per node, as for the Trainer.")
         check_positive_int("num_nodes", self.num_nodes)
         check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
@@ -393,6 +426,12 @@ class MemoryPreset:
             >>> kwargs["accumulate_grad_batches"], kwargs["devices"], kwargs["max_steps"]
             (4, 1, 9)
         """
+        if not isinstance(trainer_config, Mapping):
+            raise ValueError(
+                f"`trainer_config` must be a mapping of Trainer arguments (such as LightningCLI's `trainer` section),"
+                f" got {trainer_config!r} ({type(trainer_config).__name__}). For keyword arguments use"
+                " `trainer_kwargs(**kwargs)`."
+            )
         defaults = _trainer_defaults()
         given = dict(trainer_config)
         at_default = {

@@ -52,6 +52,22 @@ def test_bad_dtype_names_argument(bad):
         to_device_and_dtype(nn.Linear(2, 2), dtype=bad)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"model": "model"}, r"`model` must be a torch.nn.Module \(a LightningModule too\), got 'model' \(str\)"),
+        ({"model": {"weight": torch.zeros(1)}}, r"`model` must be a torch.nn.Module .* \(dict\)"),
+        ({"device": 3.5}, r"`device` must be a torch.device, .* got 3.5 \(float\)"),
+        ({"device": True}, r"`device` must be .* got True \(bool\). A bool is not a device index"),
+        ({"device": "gpu"}, r"`device` must be .* got 'gpu' \(str\)"),
+    ],
+)
+def test_bad_model_or_device_names_argument(kwargs, match):
+    args = {"model": nn.Linear(2, 2), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        to_device_and_dtype(**args)
+
+
 @pytest.mark.cuda
 def test_cuda_move_and_cast_once_reports_allocator_delta():
     net = nn.Linear(1024, 1024)

@@ -100,6 +100,33 @@ def test_reading_is_frozen():
     assert reading.fraction_of_total("allocated_bytes") is None
 
 
+@pytest.mark.parametrize(
+    ("bad", "hint"),
+    [
+        (3.5, ""),
+        (True, "A bool is not a device index"),
+        (-1, "Device indices start at 0"),
+        ("gpu0", "torch says: "),
+        ([0], ""),
+        (b"cpu", ""),
+    ],
+)
+def test_read_memory_refuses_what_is_not_a_device(bad, hint):
+    with pytest.raises(ValueError) as info:
+        read_memory(bad)
+    message = str(info.value)
+    assert message.startswith(
+        "`device` must be a torch.device, a device string such as 'cuda:0' or 'cpu', a CUDA device index (int >= 0)"
+        f" or None, got {bad!r} ({type(bad).__name__})."
+    )
+    assert hint in message
+
+
+@pytest.mark.parametrize("good", ["cpu", torch.device("cpu"), "meta"])
+def test_read_memory_accepts_devices_without_allocator_readings(good):
+    assert read_memory(good).allocated_bytes is None
+
+
 @pytest.mark.cuda
 def test_real_cuda_reading_and_peak_reset():
     device = torch.device("cuda", torch.cuda.current_device())

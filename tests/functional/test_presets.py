@@ -1,3 +1,5 @@
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,6 +42,53 @@ def test_chosen_micro_batch_keeps_effective_batch(per_rank, world, target):
     plan = plan_accumulation(effective, None, devices, nodes, target_accumulation=target)
     assert plan.micro_batch_size * plan.accumulate_grad_batches * devices * nodes == effective
     assert plan.accumulate_grad_batches >= min(target, per_rank)
+
+
+def _reference_plan(per_rank, micro, target):
+    """The plain search the divisor arithmetic must agree with: every d in 1..per_rank."""
+    divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    if micro is None:
+        accumulation = next(d for d in divisors if d >= min(target, per_rank))
+        return per_rank // accumulation, accumulation
+    return [d for d in divisors if d <= micro][-3:]
+
+
+def test_divisor_arithmetic_matches_the_plain_search():
+    for per_rank in range(1, 400):
+        for target in (1, 2, 3, 4, 5, 8, 16, 500):
+            plan = plan_accumulation(per_rank, None, target_accumulation=target)
+            assert (plan.micro_batch_size, plan.accumulate_grad_batches) == _reference_plan(per_rank, None, target)
+    for per_rank, micro in ((100, 16), (97, 8), (360, 7), (1000, 33)):
+        with pytest.raises(ValueError) as info:
+            plan_accumulation(per_rank, micro)
+        assert f"`micro_batch_size` in {_reference_plan(per_rank, micro, 1)}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "effective",
+    [10**10, 2**62, 2**61 - 1, 2**63 - 1, 2147483647 * 4294967291, 3037000493**2, 897612484786617600],
+    ids=["1e10", "2^62", "prime-2^61-1", "int64-max", "semiprime", "prime-square", "many-divisors"],
+)
+def test_huge_effective_batches_answer_fast(effective):
+    start = time.perf_counter()
+    plan = plan_accumulation(effective, target_accumulation=4)
+    assert plan.micro_batch_size * plan.accumulate_grad_batches == effective
+    assert plan.accumulate_grad_batches >= 4
+    with pytest.raises(ValueError, match="is not divisible by `micro_batch_size`"):
+        plan_accumulation(effective, 10**9 + 7)  # a prime that divides none of them: lists the micro-batches that do
+    assert time.perf_counter() - start < 1.0
+
+
+def test_huge_effective_batches_pick_the_expected_split():
+    assert plan_accumulation(2**61 - 1, target_accumulation=2).micro_batch_size == 1  # a prime: micro-batch 1
+    assert plan_accumulation(10**10, target_accumulation=4).accumulate_grad_batches == 4
+    assert plan_accumulation(2147483647 * 4294967291, target_accumulation=2).accumulate_grad_batches == 2147483647
+
+
+@pytest.mark.parametrize("bad", [2**63, 10**30])
+def test_effective_batch_beyond_int64_is_refused(bad):
+    with pytest.raises(ValueError, match=rf"`effective_batch_size` must be at most 2\*\*63 - 1 .*got {bad}"):
+        plan_accumulation(bad)
 
 
 def test_target_accumulation_picks_smallest_divisor_at_or_above_target():
@@ -117,9 +166,10 @@ def test_tiers(gib, tier):
     assert tier_for_memory(gib) == tier
 
 
-def test_tier_rejects_non_positive():
-    with pytest.raises(ValueError, match="`total_memory_gib` must be a positive number, got 0"):
-        tier_for_memory(0)
+@pytest.mark.parametrize("bad", [0, -8, float("nan"), float("inf"), True, "24", None])
+def test_tier_rejects_what_is_not_a_finite_positive_number(bad):
+    with pytest.raises(ValueError, match=f"`total_memory_gib` must be a finite, positive number, got {bad!r}"):
+        tier_for_memory(bad)
 
 
 def test_preset_tables_are_ordered_by_savings():

@@ -299,6 +299,46 @@ def test_bad_ids_and_options():
         summarize_rank_histogram(torch.zeros(3, dtype=torch.long))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"video_block_size": True}, "`video_block_size` must be a positive int, got True"),
+        ({"text_block_size": 0}, "`text_block_size` must be a positive int, got 0"),
+        ({"memory_budget_bytes": True}, "`memory_budget_bytes` must be a positive int, got True"),
+        ({"memory_budget_bytes": 2.0**31}, "`memory_budget_bytes` must be a positive int, got 2147483648.0"),
+        ({"device": 3.5}, r"`device` must be a torch.device, .* got 3.5 \(float\)"),
+        ({"device": "gpu"}, r"`device` must be a torch.device, .* got 'gpu' \(str\)"),
+        ({"v2t_gallery": None}, "`v2t_gallery` must be one of 'texts', 'groups', got None"),
+        ({"video_features": torch.eye(3, dtype=torch.int64)}, r"`video_features` has dtype torch.int64, but features"),
+        ({"text_features": [[1.0]] * 3}, r"`text_features` must be a 2-D float tensor \(rows x dim\), got list"),
+        ({"text_ids": [0, 1, 2**64]}, r"`text_ids` must fit in int64 .* got 18446744073709551616 at position 2"),
+        ({"sample_ids": torch.tensor([0, 1, 2**63 + 1], dtype=torch.uint64)}, "`sample_ids` must fit in int64"),
+        ({"video_ids": [[0], [1], [2]]}, r"`video_ids` must hold only ints or only strings, got \[0\] \(list\)"),
+    ],
+)
+def test_ranks_check_every_argument_first(kwargs, match):
+    args = {"video_features": torch.eye(3), "text_features": torch.eye(3), "text_ids": [0, 1, 2], **kwargs}
+    with pytest.raises(ValueError, match=match):
+        retrieval_ranks(**args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_k": None}, r"`top_k` must be a positive int or a non-empty list of distinct positive ints, got None"),
+        ({"top_k": (0,)}, "`top_k` must be a positive int, got 0"),
+        ({"top_k": [5, 5]}, r"`top_k` must not repeat a K .* got \[5, 5\]"),
+        ({"median": "upper"}, "`median` must be one of 'floor', 'mean', 'lower', got 'upper'"),
+    ],
+)
+def test_streaming_retrieval_checks_top_k_and_median(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        streaming_retrieval(torch.eye(2), torch.eye(2), [0, 1], **kwargs)
+    if "top_k" in kwargs:
+        with pytest.raises(ValueError, match=match):
+            summarize_ranks(torch.tensor([0, 1]), **kwargs)
+
+
 # ------------------------------------------------------------------------------------------ properties
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(

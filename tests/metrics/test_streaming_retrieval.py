@@ -136,6 +136,76 @@ def test_bad_input_and_arguments():
             StreamingRetrievalMetric(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_k": None}, r"`top_k` must be a positive int or a non-empty list .* got None"),
+        ({"top_k": ()}, r"`top_k` must be a positive int or a non-empty list .* got \(\)"),
+        ({"top_k": "15"}, r"`top_k` must be a positive int or a non-empty list .* got '15'"),
+        ({"top_k": {1, 5}}, r"`top_k` must be a positive int or a non-empty list .* got \{1, 5\}"),
+        ({"top_k": True}, r"`top_k` must be a positive int or a non-empty list .* got True"),
+        ({"top_k": (1, True)}, r"`top_k` must be a positive int, got True. .* `top_k` was \(1, True\)"),
+        ({"top_k": [1, 5.0]}, r"`top_k` must be a positive int, got 5.0"),
+        ({"top_k": (1, 5, 1)}, r"`top_k` must not repeat a K .* got \(1, 5, 1\)"),
+        ({"protocol": None}, "`protocol` must be one of 'dedup', 'paired', got None"),
+        ({"ties": True}, "`ties` must be one of 'optimistic', 'pessimistic', got True"),
+        ({"v2t_gallery": "group"}, "`v2t_gallery` must be one of 'texts', 'groups', got 'group'. Did you mean"),
+        ({"video_block_size": True}, "`video_block_size` must be a positive int, got True"),
+        ({"text_block_size": 2.0}, "`text_block_size` must be a positive int, got 2.0"),
+        ({"memory_budget_bytes": 1.5e9}, r"`memory_budget_bytes` must be a positive int, got 1500000000.0"),
+        ({"sync_on_compute": "no"}, "`sync_on_compute` must be left unset .* got 'no'"),
+    ],
+)
+def test_every_constructor_argument_is_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StreamingRetrievalMetric(**kwargs)
+
+
+def test_top_k_takes_one_int_or_a_list():
+    assert StreamingRetrievalMetric(top_k=5).top_k == (5,)
+    assert StreamingRetrievalMetric(top_k=[1, 10]).top_k == (1, 10)
+    assert StreamingRetrievalMetric(sync_on_compute=False).top_k == (1, 5, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8])
+def test_update_refuses_non_float_features_naming_the_dtype(dtype):
+    metric = StreamingRetrievalMetric()
+    bad = torch.ones(2, 3, dtype=dtype)
+    match = rf"`video_features` has dtype {dtype}, but features must be one of torch.float32, .*\.float\(\)"
+    with pytest.raises(ValueError, match=match):
+        metric.update(bad, torch.ones(2, 3), text_ids=[0, 1])
+    with pytest.raises(ValueError, match=rf"`text_features` has dtype {dtype}"):
+        metric.update(torch.ones(2, 3), bad, text_ids=[0, 1])
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        ([0, 2**63], r"`text_ids` must fit in int64 .* got 9223372036854775808 at position 1"),
+        ([-(2**63) - 1, 0], r"`text_ids` must fit in int64 .* got -9223372036854775809 at position 0"),
+        ([0, 1.5], r"`text_ids` must hold only ints or only strings, got 1.5 \(float\) at position 1"),
+        ([0, True], r"`text_ids` must hold only ints or only strings, got True \(bool\) at position 1"),
+        ([0, "b"], r"`text_ids` must hold only ints or only strings, got 'b' \(str\) at position 1"),
+        (torch.tensor([0.0, 1.0]), r"`text_ids` must hold integer ids or strings, got a tensor of dtype torch.float32"),
+        ("ab", r"`text_ids` must be a sequence of ids \(one per row\), got 'ab' \(str\)"),
+        ([0, 1, 2], r"`text_ids` must have one id per row \(2\), got 3"),
+    ],
+)
+def test_update_refuses_bad_ids(ids, match):
+    metric = StreamingRetrievalMetric()
+    with pytest.raises(ValueError, match=match):
+        metric.update(torch.ones(2, 3), torch.ones(2, 3), text_ids=ids)
+    assert metric.video_features == []  # nothing half-stored
+
+
+def test_update_takes_int64_extremes_and_numpy_ids():
+    import numpy as np
+
+    metric = StreamingRetrievalMetric(top_k=1)
+    metric.update(torch.eye(3), torch.eye(3), text_ids=[-(2**63), 0, 2**63 - 1], sample_ids=np.arange(3))
+    assert metric.compute()["v2t/R@1"].item() == 1.0
+
+
 def test_in_a_lightning_validation_loop(tmp_path):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -221,6 +291,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_world_size_one(tmp_path):
     import socket
 
@@ -261,6 +332,7 @@ def test_cuda_metric_keeps_features_pinned_on_cpu_and_matches_cpu():
     assert got == {k: v.item() for k, v in on_cpu.compute().items()}
 
 
+@pytest.mark.slow
 def test_benchmark_quick_mode_runs(tmp_path):
     import subprocess
     import sys

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import time
 import warnings
 
 import pytest
@@ -101,12 +102,54 @@ def test_effective_batch_smaller_than_micro_times_world():
         ("memory_fraction", 95, r"Did you mean 0.95"),
         ("gc_every_n_steps", -1, "`gc_every_n_steps` must be a non-negative int"),
         ("allocator_conf", "expandable_segments", "`allocator_conf` entries must look like `key:value`"),
-        ("gradient_clip_val", -1.0, "`gradient_clip_val` must be a non-negative number"),
+        ("gradient_clip_val", -1.0, "`gradient_clip_val` must be a finite, non-negative number or None, got -1.0"),
+        ("gradient_clip_val", float("nan"), "`gradient_clip_val` must be a finite, non-negative .* got nan"),
+        ("gradient_clip_val", float("inf"), "`gradient_clip_val` .* got inf. Use None for no clipping"),
+        ("gradient_clip_val", "1.0", "`gradient_clip_val` .* got '1.0'"),
+        ("checkpoint_modules", 5, r"`checkpoint_modules` must be a non-empty list .* got 5 \(int\)"),
+        ("checkpoint_modules", [], r"`checkpoint_modules` must be a non-empty list .* got \[\] \(list\)"),
+        ("checkpoint_modules", [""], r"`checkpoint_modules` entries must be non-empty .* got '' in \[''\]"),
+        ("checkpoint_modules", ["Linear", 3], r"`checkpoint_modules` entries .* got 3 in \['Linear', 3\]"),
+        ("allocator_conf", 5, r"`allocator_conf` must be a str, got 5 \(int\). Example: 'expandable_segments:True'"),
+        ("name", ["balanced"], r"`name` must be a preset name \(str\).* got \['balanced'\] \(list\). In YAML"),
+        ("gradient_checkpointing", "yes", r"`gradient_checkpointing` must be a bool .* got 'yes'. Leave it None"),
+        ("cache_clean_on_phase_end", 0, r"`cache_clean_on_phase_end` must be a bool .* got 0"),
+        ("monitor", "false", r"`monitor` must be a bool .* got 'false'"),
+        ("allow_emulated_bf16", None, r"`allow_emulated_bf16` must be a bool .* got None"),
+        ("tier", 16, r"`tier` must be a str or None, got 16 \(int\)"),
+        ("gc_every_n_steps", True, "`gc_every_n_steps` must be a non-negative int, got True"),
+        ("precision", True, "`precision` must be one of .* got True"),
     ],
 )
 def test_bad_fields(field, value, match):
     with pytest.raises(ValueError, match=match):
         MemoryPreset(**{field: value})
+
+
+def test_checkpoint_modules_take_one_name_a_list_or_module_classes():
+    assert MemoryPreset(checkpoint_modules="Block").checkpoint_modules == ("Block",)
+    assert MemoryPreset(checkpoint_modules=["Block", "enc.*"]).checkpoint_modules == ("Block", "enc.*")
+    layer = torch.nn.TransformerEncoderLayer
+    assert MemoryPreset(checkpoint_modules=(layer,)).checkpoint_modules == (layer,)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -8, 0, True, "24"])
+def test_for_device_refuses_what_is_not_a_memory_size(bad):
+    with pytest.raises(ValueError, match=f"`total_memory_gib` must be a finite, positive number, got {bad!r}"):
+        MemoryPreset.for_device(bad)
+
+
+@pytest.mark.parametrize("effective", [10**10, 2**62, 2**61 - 1])
+def test_huge_effective_batch_answers_in_well_under_a_second(effective):
+    start = time.perf_counter()
+    preset = MemoryPreset(effective_batch_size=effective)
+    assert preset.batch_size * preset.accumulate_grad_batches == effective
+    assert time.perf_counter() - start < 1.0
+
+
+def test_merge_trainer_config_needs_a_mapping():
+    with pytest.raises(ValueError, match=r"`trainer_config` must be a mapping .* got \['max_steps'\] \(list\)"):
+        MemoryPreset().merge_trainer_config(["max_steps"])
 
 
 def test_preset_is_frozen_and_describes_every_knob():
