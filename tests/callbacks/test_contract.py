@@ -78,6 +78,7 @@ def test_callback_state_survives_a_checkpoint(cls, tmp_path):
     assert loaded == ([state] if state else [])
 
 
+@pytest.mark.slow
 def test_callbacks_configurable_from_lightning_cli_yaml(tmp_path):
     pytest.importorskip("jsonargparse")
     import yaml

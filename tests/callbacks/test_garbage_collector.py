@@ -220,6 +220,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_same_steps_on_every_ddp_rank(tmp_path):
     import json
 

@@ -311,6 +311,7 @@ print("RESULT" + json.dumps({"delta_kib": after - before}))
 """
 
 
+@pytest.mark.slow
 def test_activation_memory_is_lower_peak_rss_in_subprocesses(tmp_path, monkeypatch):
     # Measurement: peak RSS (ru_maxrss, KiB on Linux) of a fresh process, peak over forward + backward minus the RSS
     # just before it.

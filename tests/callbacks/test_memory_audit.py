@@ -198,6 +198,7 @@ def test_leak_warning_names_growth_step_and_attribute(tmp_path):
     assert warning["grad_fn_holders"][0]["num_tensors"] == 10
 
 
+@pytest.mark.slow
 def test_clean_model_no_warning_over_200_steps(tmp_path):
     audit = MemoryAudit(leak_max_overhead=None)  # a fixed interval: 20 samples over the 200 steps
     with warnings.catch_warnings(record=True) as caught:

@@ -311,6 +311,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_write_one_file_per_rank(tmp_path):
     from tests.helpers.subprocess_run import REPO_ROOT
 

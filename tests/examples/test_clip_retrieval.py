@@ -69,6 +69,7 @@ def test_contrastive_loss_is_symmetric_and_rewards_matching_pairs():
     assert contrastive_loss(video, video, torch.tensor(100.0)).item() < 0.05  # random unit vectors in 8 dims
 
 
+@pytest.mark.slow
 def test_short_run_logs_retrieval_memory_and_matrix_sizes(tmp_path):
     num_samples, num_unique = 300, 60
     out = _run(tmp_path, "--num_samples", str(num_samples), "--num_unique_texts", str(num_unique), "--batch_size", "32",
@@ -96,6 +97,7 @@ def test_short_run_logs_retrieval_memory_and_matrix_sizes(tmp_path):
     assert out["trainer"].global_step == 3
 
 
+@pytest.mark.slow
 def test_learns_retrieval_well_above_chance(tmp_path):
     num_samples, num_unique, k = 400, 100, 5
     out = _run(tmp_path, "--num_samples", str(num_samples), "--num_unique_texts", str(num_unique),

@@ -189,6 +189,7 @@ def test_memory_preset_decides_precision_and_accumulation():
         resolve(preset="balanced", train_precision="fp8")
 
 
+@pytest.mark.slow
 def test_short_run_writes_memory_log_plot_and_checkpoint(tmp_path, spectra_file, capsys):
     from examples.dreams.train import main
 
@@ -214,6 +215,7 @@ def test_short_run_writes_memory_log_plot_and_checkpoint(tmp_path, spectra_file,
     assert not (tmp_path / "run" / "version_1" / "memory").exists()
 
 
+@pytest.mark.slow
 def test_it_learns_half_the_mean_prediction_baseline(tmp_path, spectra_file):
     """A shortened version of the default run: 150 steps of 32 spectra, fixed seed."""
     import time
@@ -241,6 +243,7 @@ def test_it_learns_half_the_mean_prediction_baseline(tmp_path, spectra_file):
     assert seconds < 60, seconds  # about 10 s on 2 shared cores
 
 
+@pytest.mark.slow
 def test_fine_tuning_loads_the_backbone_and_keeps_it_frozen(tmp_path, spectra_file):
     from examples.dreams.train import main
 
@@ -258,6 +261,7 @@ def test_fine_tuning_loads_the_backbone_and_keeps_it_frozen(tmp_path, spectra_fi
         SpectraFineTuner(model_preset="tiny", d_fourier=32, pre_trained_pth=str(ckpt))
 
 
+@pytest.mark.slow
 def test_two_process_ddp_on_cpu(tmp_path, spectra_file):
     """``python examples/dreams/train.py --num_devices 2`` on CPU: Lightning starts rank 1 itself (gloo)."""
     import os
@@ -298,6 +302,7 @@ def test_command_line_has_the_dreams_flags():
 # ------------------------------------------------------------------------------------------------ LightningCLI
 
 
+@pytest.mark.slow
 def test_lightning_cli_yaml_config_runs(tmp_path, spectra_file, capsys):
     from examples.dreams.cli import CONFIG, cli_main
 

@@ -2,9 +2,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_quickstart_runs_and_prints_the_summary_and_plot(tmp_path):
     proc = subprocess.run(
         [sys.executable, "examples/quickstart.py", "--max_steps", "20", "--root", str(tmp_path)],

@@ -170,6 +170,7 @@ with open(f"{{sys.argv[1]}}/result_rank{{trainer.global_rank}}.json", "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_the_full_batch(tmp_path):
     micro = 2
     from tests.helpers.subprocess_run import REPO_ROOT
