@@ -1,18 +1,45 @@
-"""lightning-memopt: keep PyTorch Lightning training inside GPU memory, and say why when it cannot."""
+"""lightning-memopt: keep PyTorch Lightning training inside GPU memory, and say why when it cannot.
+
+The names below are imported on first use, so that ``lightning-memopt analyze`` and ``report`` start without
+importing torch and Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from lightning_memopt.__about__ import __version__
-from lightning_memopt.callbacks import (
-    CacheCleaner,
-    GarbageCollector,
-    GradientCheckpointing,
-    MemoryAudit,
-    MemoryMonitor,
-    OOMReporter,
-)
-from lightning_memopt.functional.conversion import to_device_and_dtype
-from lightning_memopt.functional.memory import MemoryReading, read_memory
-from lightning_memopt.metrics import StreamingRetrievalMetric
-from lightning_memopt.plugins import MemoryPrecision, MemoryPreset
+
+if TYPE_CHECKING:
+    from lightning_memopt.callbacks import (
+        CacheCleaner,
+        GarbageCollector,
+        GradientCheckpointing,
+        MemoryAudit,
+        MemoryMonitor,
+        OOMReporter,
+    )
+    from lightning_memopt.functional.conversion import to_device_and_dtype
+    from lightning_memopt.functional.memory import MemoryReading, read_memory
+    from lightning_memopt.metrics import StreamingRetrievalMetric
+    from lightning_memopt.plugins import MemoryPrecision, MemoryPreset
+
+#: Where each public name lives.
+_EXPORTS = {
+    "CacheCleaner": "lightning_memopt.callbacks",
+    "GarbageCollector": "lightning_memopt.callbacks",
+    "GradientCheckpointing": "lightning_memopt.callbacks",
+    "MemoryAudit": "lightning_memopt.callbacks",
+    "MemoryMonitor": "lightning_memopt.callbacks",
+    "OOMReporter": "lightning_memopt.callbacks",
+    "MemoryPrecision": "lightning_memopt.plugins",
+    "MemoryPreset": "lightning_memopt.plugins",
+    "MemoryReading": "lightning_memopt.functional.memory",
+    "read_memory": "lightning_memopt.functional.memory",
+    "StreamingRetrievalMetric": "lightning_memopt.metrics",
+    "to_device_and_dtype": "lightning_memopt.functional.conversion",
+}
 
 __all__ = [
     "CacheCleaner",
@@ -29,3 +56,16 @@ __all__ = [
     "read_memory",
     "to_device_and_dtype",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_memopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups do not come here again
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

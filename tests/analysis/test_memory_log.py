@@ -130,7 +130,6 @@ def test_cli_prints_summary_and_exit_codes(good_log, tmp_path, capsys):
     assert "line 1 is not JSON" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_console_script_runs_as_a_module(good_log):
     import subprocess
     import sys
@@ -139,6 +138,18 @@ def test_console_script_runs_as_a_module(good_log):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "train" in proc.stdout
+
+
+def test_analyze_starts_without_importing_torch_or_lightning(good_log):
+    import subprocess
+    import sys
+
+    code = ("import sys; from lightning_memopt.cli import main; code = main(['analyze', sys.argv[1]]);"
+            " heavy = sorted(m for m in ('torch', 'lightning', 'pytorch_lightning') if m in sys.modules);"
+            " print('HEAVY', heavy); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code, str(good_log)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------------- bad records

@@ -6,7 +6,6 @@ import pytest
 from lightning_memopt.callbacks import GarbageCollector
 from lightning_memopt.callbacks import garbage_collector as gcmod
 from tests.helpers.models import TinyModel
-from tests.helpers.subprocess_run import REPO_ROOT, run_script
 from tests.helpers.trainer import make_trainer
 
 
@@ -182,49 +181,3 @@ def test_thresholds_are_never_changed(tmp_path):
         assert seen == [(321, 4, 5)] * 2 and gc.get_threshold() == (321, 4, 5)
     finally:
         gc.set_threshold(*old)
-
-
-DDP_SCRIPT = """
-import sys, json
-sys.path.insert(0, {root!r})
-import lightning.pytorch as pl
-import torch.distributed as dist
-from lightning_memopt import GarbageCollector
-from lightning_memopt.callbacks import garbage_collector as gcmod
-from tests.helpers.models import TinyModel
-
-class Spy(pl.Callback):
-    def on_train_batch_end(self, trainer, *args):
-        pass
-
-real_collect = gcmod.gc.collect
-steps = []
-
-class Probe:
-    def __getattr__(self, name):
-        return getattr(__import__("gc"), name)
-    def collect(self, generation=2):
-        steps.append(trainer.global_step)
-        return real_collect(generation)
-
-gcmod.gc = Probe()
-
-if __name__ == "__main__":
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, limit_train_batches=6,
-                         limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, logger=False, default_root_dir=".",
-                         callbacks=[GarbageCollector(every_n_steps=2)])
-    trainer.fit(TinyModel())
-    with open("steps_rank%d.json" % trainer.global_rank, "w") as f:
-        json.dump(steps, f)
-"""
-
-
-@pytest.mark.slow
-def test_same_steps_on_every_ddp_rank(tmp_path):
-    import json
-
-    proc = run_script(DDP_SCRIPT.format(root=str(REPO_ROOT)), tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads((tmp_path / f"steps_rank{r}.json").read_text()) for r in (0, 1)]
-    assert steps[0] == steps[1] == [2, 4, 6]

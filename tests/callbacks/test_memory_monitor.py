@@ -11,7 +11,6 @@ from lightning_memopt.callbacks import MemoryMonitor
 from lightning_memopt.callbacks import memory_monitor as mm
 from tests.helpers.fake_device import FakeAllocator
 from tests.helpers.models import TinyModel
-from tests.helpers.subprocess_run import run_script
 from tests.helpers.trainer import make_trainer
 
 SCHEMA = {
@@ -280,58 +279,6 @@ def test_dirpath_that_is_a_file_fails_in_setup_before_training(tmp_path):
     with pytest.raises(OSError, match="`dirpath` must be a writable directory.*not_a_dir"):
         trainer.fit(model)
     assert trainer.global_step == 0
-
-
-DDP_SCRIPT = """
-import sys, json
-sys.path.insert(0, {root!r})
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import Logger
-from lightning_memopt import MemoryMonitor
-from tests.helpers.models import TinyModel
-
-class FileLogger(Logger):
-    name = "f"; version = 0
-    def log_hyperparams(self, *a, **k): pass
-    def log_metrics(self, metrics, step=None):
-        with open("logged_rank%d.jsonl" % self._rank, "a") as f:
-            f.write(json.dumps({{"step": step, **metrics}}) + "\\n")
-    @property
-    def _rank(self):
-        import torch.distributed as d
-        return d.get_rank() if d.is_initialized() else 0
-
-if __name__ == "__main__":
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, limit_train_batches=4,
-                         limit_val_batches=2, num_sanity_val_steps=0, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, logger=FileLogger(),
-                         default_root_dir=".", callbacks=[MemoryMonitor(dirpath="mem", log_every_n_steps=1,
-                                                                        cross_rank_every_n_steps=2)])
-    trainer.fit(TinyModel())
-"""
-
-
-@pytest.mark.slow
-def test_ddp_two_processes_write_one_file_per_rank(tmp_path):
-    from tests.helpers.subprocess_run import REPO_ROOT
-
-    proc = run_script(DDP_SCRIPT.format(root=str(REPO_ROOT)), tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    files = sorted(p.name for p in (tmp_path / "mem").iterdir())
-    assert files == ["memory_rank0.jsonl", "memory_rank1.jsonl"]
-    for rank in (0, 1):
-        records = read_jsonl(tmp_path / "mem" / f"memory_rank{rank}.jsonl")
-        assert {r["rank"] for r in records} == {rank}
-        assert [r["global_step"] for r in records if r["event"] == "step" and r["phase"] == "train"] == [1, 2, 3, 4]
-    # Loggers are written from rank zero only, including the cross-rank min/max/mean every 2 steps.
-    rank1 = read_jsonl(tmp_path / "logged_rank1.jsonl") if (tmp_path / "logged_rank1.jsonl").exists() else []
-    assert not [k for r in rank1 for k in r if k.startswith("memory/")]
-    logged = read_jsonl(tmp_path / "logged_rank0.jsonl")
-    cross = [r for r in logged if "memory/train/host_rss_bytes_max" in r]
-    assert [r["step"] for r in cross] == [2, 4]
-    for r in cross:
-        assert r["memory/train/host_rss_bytes_min"] <= r["memory/train/host_rss_bytes_mean"]
-        assert r["memory/train/host_rss_bytes_mean"] <= r["memory/train/host_rss_bytes_max"]
 
 
 @pytest.mark.cuda

@@ -1,0 +1,109 @@
+"""One healthy 2-process DDP run (gloo, CPU) with MemoryMonitor and GarbageCollector, checked by several tests.
+
+Starting two ranks costs most of the time (each imports torch and Lightning), so the callbacks that must be seen
+under DDP share one run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.subprocess_run import run_script
+
+SCRIPT = """
+import json
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import Logger
+
+from lightning_memopt import GarbageCollector, MemoryMonitor
+from lightning_memopt.callbacks import garbage_collector as gcmod
+from tests.helpers.models import TinyModel
+
+
+class FileLogger(Logger):
+    name = "f"
+    version = 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        with open("logged_rank%d.jsonl" % _rank(), "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\\n")
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class Probe:
+    \"\"\"Stands in for the `gc` module inside GarbageCollector: records the global step of each collection.\"\"\"
+
+    def __init__(self, real):
+        self.real, self.steps = real, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def collect(self, generation=2):
+        self.steps.append(trainer.global_step)
+        return self.real.collect(generation)
+
+
+gcmod.gc = probe = Probe(gcmod.gc)
+
+if __name__ == "__main__":
+    callbacks = [MemoryMonitor(dirpath="mem", log_every_n_steps=1, cross_rank_every_n_steps=2),
+                 GarbageCollector(every_n_steps=2)]
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, limit_train_batches=4,
+                         limit_val_batches=2, num_sanity_val_steps=0, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, logger=FileLogger(),
+                         default_root_dir=".", callbacks=callbacks)
+    trainer.fit(TinyModel())
+    with open("gc_steps_rank%d.json" % trainer.global_rank, "w") as f:
+        json.dump(probe.steps, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ddp_run")
+    proc = run_script(SCRIPT, directory, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return directory
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_memory_monitor_writes_one_file_per_rank_and_logs_from_rank_zero(ddp_run):
+    files = sorted(p.name for p in (ddp_run / "mem").iterdir())
+    assert files == ["memory_rank0.jsonl", "memory_rank1.jsonl"]
+    run_ids = set()
+    for rank in (0, 1):
+        records = _read_jsonl(ddp_run / "mem" / f"memory_rank{rank}.jsonl")
+        assert {r["rank"] for r in records} == {rank}
+        assert [r["global_step"] for r in records if r["event"] == "step" and r["phase"] == "train"] == [1, 2, 3, 4]
+        run_ids |= {r["run_id"] for r in records}
+    assert len(run_ids) == 1  # one run: rank zero's id, broadcast in setup
+    # Loggers are written from rank zero only, including the cross-rank min/max/mean every 2 steps.
+    rank1 = ddp_run / "logged_rank1.jsonl"
+    assert not [k for r in (_read_jsonl(rank1) if rank1.exists() else []) for k in r if k.startswith("memory/")]
+    cross = [r for r in _read_jsonl(ddp_run / "logged_rank0.jsonl") if "memory/train/host_rss_bytes_max" in r]
+    assert [r["step"] for r in cross] == [2, 4]
+    for r in cross:
+        assert r["memory/train/host_rss_bytes_min"] <= r["memory/train/host_rss_bytes_mean"]
+        assert r["memory/train/host_rss_bytes_mean"] <= r["memory/train/host_rss_bytes_max"]
+
+
+@pytest.mark.slow
+def test_garbage_collector_collects_at_the_same_steps_on_every_rank(ddp_run):
+    steps = [json.loads((ddp_run / f"gc_steps_rank{r}.json").read_text()) for r in (0, 1)]
+    assert steps[0] == steps[1] == [2, 4]
