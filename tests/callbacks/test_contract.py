@@ -98,3 +98,69 @@ def test_callbacks_configurable_from_lightning_cli_yaml(tmp_path):
     names = {type(cb).__name__ for cb in cli.trainer.callbacks}
     assert set(callbacks_pkg.__all__) <= names
     assert cli.trainer.global_step == 2
+
+
+class BlockModel(TinyModel):
+    """TinyModel with a transformer layer in front, so that GradientCheckpointing has something to wrap."""
+
+    def __init__(self, crash_at=None):
+        super().__init__()
+        self.block = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.crash_at = crash_at
+        self.patched = []
+
+    def forward(self, x):
+        return self.layer(self.block(x.unsqueeze(1)).squeeze(1))
+
+    def training_step(self, batch, batch_idx):
+        self.patched.append("forward" in vars(self.block))  # what the callbacks did to the user's module
+        if batch_idx == self.crash_at:
+            raise RuntimeError("crash in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+
+def _process_state():
+    import gc
+    import os
+
+    return {
+        "gc": (gc.isenabled(), gc.get_threshold(), gc.get_freeze_count()),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("PYTORCH_", "CUDA_"))},
+        "matmul": torch.get_float32_matmul_precision(),
+    }
+
+
+def _fit_recording(callback, tmp_path, model):
+    """Fit, and return what the package warned and, per step, whether the user's module was patched."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tmp_path, callbacks=[callback], max_steps=3, limit_val_batches=0, logger=False)
+        trainer.fit(model)
+    assert trainer.global_step == 3
+    ours = sorted({str(w.message) for w in seen if "lightning_memopt" in (w.filename or "")
+                   or type(callback).__name__ in str(w.message)})
+    return set(ours), model.patched
+
+
+@pytest.mark.parametrize("cls", EXPORTED, ids=lambda c: c.__name__)
+def test_a_crash_then_a_clean_second_fit_behaves_like_a_fresh_callback(cls, tmp_path):
+    before = _process_state()
+    model = BlockModel(crash_at=1)
+    forward = model.block.forward
+    callback = cls()
+    trainer = make_trainer(tmp_path / "crash", callbacks=[callback], max_steps=3, limit_val_batches=0, logger=False)
+    with pytest.raises(RuntimeError, match="crash in training_step"):
+        trainer.fit(model)
+    # everything borrowed is given back: the process state and the user's modules
+    assert _process_state() == before
+    assert model.block.forward == forward and "forward" not in vars(model.block)
+    # the same instance, a second fit: what a fresh instance does (no warning a fresh one would not give; a
+    # warn-once message given in the first fit is not repeated)
+    again_warned, again_patched = _fit_recording(callback, tmp_path / "again", BlockModel())
+    fresh_warned, fresh_patched = _fit_recording(cls(), tmp_path / "fresh", BlockModel())
+    assert again_warned <= fresh_warned, again_warned - fresh_warned
+    assert again_patched == fresh_patched == [cls.__name__ == "GradientCheckpointing"] * 3
+    assert _process_state() == before
