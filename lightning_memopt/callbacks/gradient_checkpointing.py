@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import inspect
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,10 @@ class _CheckpointedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, *args, use_reentrant=False, **kwargs)
+            # The block's keyword arguments are bound here, never handed to `checkpoint`: it would consume the ones
+            # that share a name with its own options (`debug`, `context_fn`, `determinism_check`, ...).
+            forward = functools.partial(self._forward, **kwargs) if kwargs else self._forward
+            return checkpoint(forward, *args, use_reentrant=False)
         return self._forward(*args, **kwargs)
 
 

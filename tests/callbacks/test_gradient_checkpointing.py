@@ -386,3 +386,46 @@ def test_real_hugging_face_model_uses_its_own_switch():
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=0, msg=name)
     cb.teardown(None, holder, "fit")
     assert not model.is_gradient_checkpointing
+
+
+CHECKPOINT_OPTION_NAMES = [
+    "debug", "determinism_check", "context_fn", "early_stop", "preserve_rng_state", "use_reentrant",
+]
+
+
+class OptionNamedBlock(nn.Module):
+    """A block whose forward takes keyword arguments named like ``torch.utils.checkpoint.checkpoint``'s options."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, **kwargs):
+        assert list(kwargs) == [self.name], kwargs  # the block gets its own argument, untouched
+        return self.linear(x) * kwargs[self.name]
+
+
+class HoldsOptionNamedBlock(nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.block = OptionNamedBlock(name)
+
+    def forward(self, x, **kwargs):
+        return self.block(x, **kwargs)
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_OPTION_NAMES)
+def test_the_blocks_own_keyword_arguments_reach_it(name):
+    torch.manual_seed(0)
+    plain = HoldsOptionNamedBlock(name)
+    wrapped = copy.deepcopy(plain)
+    assert GradientCheckpointing(modules=[OptionNamedBlock]).wrap(wrapped) == ["block"]
+    x = torch.randn(3, 4)
+    losses, grads = [], []
+    for model in (plain, wrapped):
+        loss = model(x, **{name: 100.0}).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.block.linear.weight.grad.clone())
+    assert losses[0] == losses[1] and torch.equal(grads[0], grads[1])
