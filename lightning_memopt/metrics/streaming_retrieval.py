@@ -146,9 +146,10 @@ class StreamingRetrievalMetric(Metric):
         # per row: video feature, caption id, sample id, video id; per unique caption: id and feature
         for name in ("video_features", "row_text_ids", "sample_ids", "video_ids", "text_ids", "text_features"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
+        # Derived from the `text_ids` state: valid only for the exact state objects it was built from (see
+        # `_known_text_ids`), so a load, merge, sync or reset can never leave it stale.
         self._seen_text_ids: set[int] = set()
-        self._seen_count = 0
-        self._dim: int | None = None
+        self._seen_token: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------------------------------- update
 
@@ -161,12 +162,31 @@ class StreamingRetrievalMetric(Metric):
             return out.copy_(x)
         return x.to("cpu").clone() if x.device.type == "cpu" else x.to("cpu")
 
+    def _text_ids_token(self) -> tuple[Any, ...]:
+        """What identifies the current `text_ids` state: its length and its first and last tensor objects."""
+        ids = self.text_ids
+        if isinstance(ids, Tensor):  # a synced state is one tensor
+            return (ids,)
+        return (len(ids), ids[0] if ids else None, ids[-1] if ids else None)
+
     def _known_text_ids(self) -> set[int]:
-        count = sum(t.numel() for t in self.text_ids)
-        if count != self._seen_count:  # states were loaded, merged or reset: rebuild the cache
-            self._seen_text_ids = {int(i) for t in self.text_ids for i in t.tolist()}
-            self._seen_count = count
+        """The caption ids stored so far; rebuilt whenever the state is not the one the cache was built from."""
+        token, cached = self._text_ids_token(), self._seen_token
+        same = cached is not None and len(token) == len(cached) and all(
+            a is b if not isinstance(a, int) else a == b for a, b in zip(token, cached)
+        )
+        if not same:  # loaded, merged, synced or reset: rebuild from the state itself
+            ids = self.text_ids if isinstance(self.text_ids, list) else [self.text_ids]
+            self._seen_text_ids = {int(i) for t in ids for i in t.tolist()}
+            self._seen_token = token
         return self._seen_text_ids
+
+    def _feature_dim(self) -> int | None:
+        """The feature dim of the stored rows, read from the state (never cached: states can be replaced)."""
+        features = self.video_features
+        if isinstance(features, Tensor):
+            return int(features.shape[1]) if features.ndim == 2 else None
+        return int(features[0].shape[1]) if features else None
 
     @override
     def update(
@@ -188,11 +208,10 @@ class StreamingRetrievalMetric(Metric):
         """
         _check_features(video_features, text_features)
         n, dim = video_features.shape
-        if self._dim is None and self.video_features:
-            self._dim = int(self.video_features[0].shape[1])
-        if self._dim is not None and dim != self._dim:
+        stored_dim = self._feature_dim()
+        if stored_dim is not None and dim != stored_dim:
             raise ValueError(
-                f"`video_features` has feature dim {dim} but earlier updates had {self._dim}. Use one embedding"
+                f"`video_features` has feature dim {dim} but earlier updates had {stored_dim}. Use one embedding"
                 " size per metric, or call `reset()` between evaluations."
             )
         if self.protocol == "dedup" and text_ids is None:
@@ -205,7 +224,6 @@ class StreamingRetrievalMetric(Metric):
                 raise ValueError(f"`{name}` must be given in every update or in none, got a mix.")
         if n == 0:
             return
-        self._dim = dim
         self.video_features.append(self._store(video_features))
         self.row_text_ids.append(t_ids)
         if s_ids is not None:
@@ -221,11 +239,11 @@ class StreamingRetrievalMetric(Metric):
             if tid not in known:
                 known.add(tid)
                 new_rows.append(row)
-        self._seen_count += len(new_rows)
         if new_rows:
             idx = torch.tensor(new_rows, dtype=torch.int64)
             self.text_ids.append(t_ids[idx])
             self.text_features.append(self._store(text_features.detach().index_select(0, idx.to(text_features.device))))
+            self._seen_token = self._text_ids_token()  # the cache already holds what was just appended
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> None:
@@ -236,8 +254,17 @@ class StreamingRetrievalMetric(Metric):
     def reset(self) -> None:
         super().reset()
         self._seen_text_ids = set()
-        self._seen_count = 0
-        self._dim = None
+        self._seen_token = None
+
+    @override
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # torchmetrics keeps the caller's list objects as the states: later updates would append to the caller's
+        # state dict (and to every other metric loaded from it). Own copies of the lists instead.
+        for name in self._defaults:
+            value = getattr(self, name)
+            if isinstance(value, list):
+                setattr(self, name, list(value))
 
     @override
     def _apply(self, fn: Any, exclude_state: Sequence[str] = "") -> torch.nn.Module:

@@ -354,3 +354,54 @@ def test_benchmark_quick_mode_runs(tmp_path):
     assert block["results"]["ours"]["t2v/R@1"] == pytest.approx(own["naive"]["result"]["t2v/R@1"])
     tm = own["torchmetrics"]
     assert tm["result"]["v2t/R@1"] == pytest.approx(block["results"]["ours"]["v2t/R@1"])
+
+
+def _state_of(video, text, ids):
+    source = StreamingRetrievalMetric(top_k=(1,))
+    source.persistent(True)
+    source.update(video, text, ids)
+    return source.state_dict()
+
+
+@pytest.mark.parametrize("change", ["load", "merge", "reset-then-load"])
+def test_a_state_change_never_leaves_the_caption_cache_stale(change):
+    """Load a state with caption ids [5, 6] into a metric that holds [0, 1], then update with [0, 1]."""
+    g = torch.Generator().manual_seed(0)
+    video, text = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    held = (video[:2], text[:2], [0, 1])
+    loaded = _state_of(video[2:], text[2:], [5, 6])
+    results = []
+    for _ in range(20):  # uninitialised gallery rows would change the answer from run to run
+        metric = StreamingRetrievalMetric(top_k=(1,))
+        metric.persistent(True)
+        metric.update(*held)
+        if change == "merge":
+            other = StreamingRetrievalMetric(top_k=(1,))
+            other.update(video[2:], text[2:], [5, 6])
+            metric.reset()
+            metric.merge_state(other)
+        else:
+            if change == "reset-then-load":
+                metric.reset()
+            metric.load_state_dict(loaded)
+        metric.update(*held)
+        results.append({k: v.item() for k, v in metric.compute().items()})
+        # what a fresh metric fed the same data gives
+        fresh = StreamingRetrievalMetric(top_k=(1,))
+        fresh.update(video[2:], text[2:], [5, 6])
+        fresh.update(*held)
+        assert results[-1] == {k: v.item() for k, v in fresh.compute().items()}
+        assert sorted(torch.cat(metric.text_ids).tolist()) == [0, 1, 5, 6]
+    assert all(r == results[0] for r in results)
+    # the loaded state dict is the caller's: updates after a load never append to it
+    assert [t.tolist() for t in loaded["text_ids"]] == [[5, 6]]
+
+
+def test_a_loaded_state_of_another_feature_dim_is_what_counts():
+    metric = StreamingRetrievalMetric(top_k=(1,))
+    metric.persistent(True)
+    metric.update(torch.randn(2, 8), torch.randn(2, 8), [0, 1])
+    metric.load_state_dict(_state_of(torch.randn(2, 4), torch.randn(2, 4), [5, 6]))
+    metric.update(torch.randn(2, 4), torch.randn(2, 4), [0, 1])  # the loaded rows are 4-dim: accepted
+    with pytest.raises(ValueError, match="feature dim 8 but earlier updates had 4"):
+        metric.update(torch.randn(2, 8), torch.randn(2, 8), [2, 3])
