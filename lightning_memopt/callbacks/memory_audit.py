@@ -165,7 +165,8 @@ class MemoryAudit(RunIdCallback):
         self.collect_garbage = collect_garbage
         self.leak_max_overhead = leak_max_overhead
 
-        self._warn = WarnOnce()
+        self._warn = WarnOnce()  # failures of the audit itself: once per instance
+        self._findings = WarnOnce(every_time=True)  # what the audit found: once per fit, every fit
         self._writer: JsonlWriter | None = None
         self._device = torch.device("cpu")
         self._has_device_memory = False
@@ -214,6 +215,7 @@ class MemoryAudit(RunIdCallback):
     # ---------------------------------------------------------------- fit start: footprint and duplicates
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._findings.reset()  # every fit reports its own findings, also a second fit in the same process
         if trainer.global_step == 0:  # a new run; a resumed one keeps its leak window (see `state_dict`)
             self._samples.clear()
             self._leak_reported = False
@@ -338,7 +340,7 @@ class MemoryAudit(RunIdCallback):
             f" model or optimizer but have the shapes of its parameters: {dup.fraction:.2f}x the parameters'"
             f" elements. Likely cause: {dup.cause}. Largest: {largest}."
         )
-        if self._warn.warn("duplicates", message):
+        if self._findings.warn("duplicates", message):
             self._write(self._record(trainer, reading, "warning", None, check="duplicates", message=message,
                                      duplicate_bytes=dup.bytes, num_duplicate_tensors=dup.num_tensors))
 
@@ -407,7 +409,7 @@ class MemoryAudit(RunIdCallback):
             f" {format_bytes(growth.total_bytes)} over steps {steps[0]}-{steps[-1]}), first seen at step"
             f" {growth.first_step}. {where} Usual causes: {_LEAK_CAUSES}."
         )
-        self._warn.warn("leak", message)
+        self._findings.warn("leak", message)
         reading = read_memory(self._device)
         self._write(self._record(
             trainer, reading, "warning", batch_idx, check="leak", message=message,
@@ -418,7 +420,7 @@ class MemoryAudit(RunIdCallback):
     def _check_validation_outputs(self, trainer: pl.Trainer, outputs: Any, batch_idx: int) -> None:
         count, nbytes = tensors_with_grad_fn(outputs)
         if count:
-            self._warn.warn(
+            self._findings.warn(
                 "validation-graph",
                 f"MemoryAudit [rank {self._rank}]: validation_step (batch {batch_idx}) returned {count} tensors with"
                 f" autograd history ({format_bytes(nbytes)} plus their graphs): validation code ran with grad"
@@ -426,7 +428,7 @@ class MemoryAudit(RunIdCallback):
                 " return, or compute under `torch.no_grad()`.",
             )
         if torch.is_grad_enabled():
-            self._warn.warn(
+            self._findings.warn(
                 "validation-grad-enabled",
                 f"MemoryAudit [rank {self._rank}]: grad is enabled after validation_step (batch {batch_idx}):"
                 " something called `torch.set_grad_enabled(True)` in validation code, so every validation"
@@ -436,7 +438,7 @@ class MemoryAudit(RunIdCallback):
     def _check_metric_states(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         found = metric_states_requiring_grad(pl_module)
         if found:
-            self._warn.warn(
+            self._findings.warn(
                 "metric-states-grad",
                 f"MemoryAudit [rank {self._rank}]: metric states hold tensors that require grad: {', '.join(found)}."
                 " Each `update` keeps its autograd graph alive until `reset`: pass detached tensors"

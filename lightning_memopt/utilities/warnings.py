@@ -3,16 +3,46 @@
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
-__all__ = ["WarnOnce", "log"]
+__all__ = ["WarnOnce", "log", "warn_every_time"]
 
 #: The package logger; callbacks log through it so users can silence or redirect them in one place.
 log = logging.getLogger("lightning_memopt")
 
 
+def warn_every_time(message: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:
+    """Warn with ``message`` even if the same text was warned from the same place before.
+
+    ``warnings.warn`` keeps a registry per calling module that hides a repeated message under the default filter,
+    so a finding of a second fit in the same process (a notebook, a sweep) would print nothing. This skips that
+    registry; the user's filters (``ignore``, ``error``, ``once``) still apply.
+
+    Example:
+        >>> import warnings as _w
+        >>> with _w.catch_warnings(record=True) as caught:
+        ...     _w.simplefilter("default")
+        ...     for _ in range(2):
+        ...         warn_every_time("the same finding")
+        >>> len(caught)
+        2
+    """
+    try:
+        frame = sys._getframe(stacklevel)
+        filename, lineno, module_globals = frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+    except ValueError:  # a shallower stack than asked for
+        filename, lineno, module_globals = "sys", 1, None
+    module = module_globals.get("__name__") if module_globals else None
+    warnings.warn_explicit(message, category, filename, lineno, module=module, registry={},
+                           module_globals=module_globals)
+
+
 class WarnOnce:
-    """Emits each keyed warning at most once per instance.
+    """Emits each keyed warning at most once per instance (per :meth:`reset`, with ``every_time=True``).
+
+    With ``every_time=True`` the warnings are findings rather than failures: they skip Python's once-per-place
+    registry (see :func:`warn_every_time`), and the owner calls :meth:`reset` when a new run starts.
 
     Example:
         >>> w = WarnOnce()
@@ -24,15 +54,19 @@ class WarnOnce:
         (True, False, 1)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, every_time: bool = False) -> None:
         self._seen: set[str] = set()
+        self.every_time = every_time
 
     def warn(self, key: str, message: str, category: type[Warning] = UserWarning) -> bool:
         """Warn with ``message`` unless ``key`` was warned before. Returns whether it warned."""
         if key in self._seen:
             return False
         self._seen.add(key)
-        warnings.warn(message, category, stacklevel=3)
+        if self.every_time:
+            warn_every_time(message, category, stacklevel=3)
+        else:
+            warnings.warn(message, category, stacklevel=3)
         return True
 
     def reset(self) -> None:

@@ -332,3 +332,34 @@ def test_state_dict_keeps_leak_window_and_pickles(tmp_path):
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.state_dict() == state
     assert pickle.loads(pickle.dumps(audit)).state_dict() == state
+
+
+def test_every_fit_in_one_process_reports_its_own_findings(tmp_path):
+    """Notebooks, sweeps, cross-validation: a second fit (same callback or a new one) warns again."""
+    model = HiddenModel(hidden=64, dtype=torch.bfloat16, out=3)
+    audit = MemoryAudit(dirpath=tmp_path / "audit", detect_leaks=False)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # Python's default: a repeated message from one place is hidden
+            for callback in (audit, audit, MemoryAudit(dirpath=tmp_path / "audit", detect_leaks=False)):
+                _STRAY[:] = [p.detach().float().clone() for p in model.parameters()]  # the same finding each fit
+                make_trainer(tmp_path, callbacks=[callback], max_steps=1).fit(model)
+    finally:
+        _STRAY.clear()
+    messages = _audit_warnings(caught, "not owned")
+    assert len(messages) == 3 and len(set(messages)) == 1, messages
+    warnings_written = [r for r in _records(tmp_path / "audit" / "memory_rank0.jsonl") if r["event"] == "warning"]
+    assert [r["check"] for r in warnings_written] == ["duplicates"] * 3
+
+
+def test_findings_respect_the_users_filters(tmp_path):
+    model = HiddenModel(hidden=64, dtype=torch.bfloat16, out=3)
+    _STRAY[:] = [p.detach().float().clone() for p in model.parameters()]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            warnings.filterwarnings("ignore", message="MemoryAudit")
+            make_trainer(tmp_path, callbacks=[MemoryAudit(detect_leaks=False)], max_steps=1).fit(model)
+    finally:
+        _STRAY.clear()
+    assert not _audit_warnings(caught, "not owned")
