@@ -51,6 +51,11 @@ class _CheckpointedForward:
         return self._forward(*args, **kwargs)
 
 
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is wrapped by :class:`GradientCheckpointing` (and not unwrapped since)."""
+    return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
+
+
 class GradientCheckpointing(Callback):
     """Turns activation (gradient) checkpointing on at setup and off again at teardown.
 
@@ -147,7 +152,7 @@ class GradientCheckpointing(Callback):
         for name, module in model.named_modules():
             if module is model or any(name.startswith(prefix + ".") for prefix in covered + skipped):
                 continue
-            if isinstance(module.__dict__.get("forward"), _CheckpointedForward):
+            if is_checkpointed(module):
                 skipped.append(name)
                 continue
             if not self._matches(name, module):

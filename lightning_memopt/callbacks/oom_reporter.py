@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_memopt.callbacks.gradient_checkpointing import is_checkpointed
 from lightning_memopt.functional import footprint as fp
 from lightning_memopt.functional.memory import read_memory, supports_device_memory
 from lightning_memopt.functional.oom import (
@@ -49,6 +50,8 @@ _HOW_TO_OPEN = (
     " or run `python -m torch.cuda._memory_viz trace_plot {name} -o {stem}.html` and open the HTML file."
 )
 _MAX_REMEMBERED = 100
+#: Module names listed in the report where checkpointing is on (the counts are always complete).
+_MAX_LISTED = 20
 #: Set on an exception object once it is reported, so the same error is never written twice.
 _REPORTED_MARK = "_lightning_memopt_reported"
 
@@ -72,11 +75,12 @@ class OOMReporter(RunIdCallback):
       "unexplained" bytes (allocated minus all of those: activations and temporaries);
     * **configuration**: precision, ``accumulate_grad_batches``, micro-batch and effective batch size,
       strategy, accelerator, devices, the allocator settings (``PYTORCH_ALLOC_CONF``,
-      ``PYTORCH_CUDA_ALLOC_CONF``) and the torch/Lightning/lightning-memopt versions;
+      ``PYTORCH_CUDA_ALLOC_CONF``), whether activation checkpointing is on and for which modules, and the
+      torch/Lightning/lightning-memopt versions;
     * **environment**: variables whose names start with an allowed prefix (``CUDA_``, ``NCCL_``, ``PYTORCH_``,
       ``TORCH_``, ``OMP_``, ...); any name containing KEY, TOKEN, SECRET, PASSWORD, CREDENTIAL or AUTH has its
       value replaced by ``<redacted>``;
-    * **ranked suggestions** computed from those numbers.
+    * **ranked suggestions** computed from those numbers (activation checkpointing is not suggested when it is on).
 
     With ``record_history=True`` on CUDA, the allocator's history (allocations, frees and their stack
     traces, the last ``max_entries`` events) is recorded from ``setup`` on, and ``oom_snapshot_rank{r}.pickle``
@@ -141,6 +145,7 @@ class OOMReporter(RunIdCallback):
         self._num_reports = 0
         self._recording = False
         self._resolved_dir: Path | None = None
+        self._checkpointing_at_start: dict[str, Any] | None = None
         self._warn = WarnOnce()
 
     @property
@@ -156,6 +161,7 @@ class OOMReporter(RunIdCallback):
         # ranks are present; `on_exception` runs on the failing rank alone and must not communicate.
         directory = Path(self.dirpath) if self.dirpath is not None else default_artifact_dir(trainer, "oom")
         self._resolved_dir = check_dir_creatable("dirpath", directory)
+        self._checkpointing_at_start = None
         ensure_run_id(trainer)
         if not self.record_history or self._recording:
             return
@@ -172,6 +178,15 @@ class OOMReporter(RunIdCallback):
                 f"OOMReporter(record_history=True): allocator history needs a CUDA device and a torch build that"
                 f" records it; this run is on {device.type!r}. Reports are still written, without a snapshot.",
             )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Seen once, after every callback's setup: a callback that wrapped the model may unwrap it in its own
+        # `on_exception` before this one reports.
+        try:
+            self._checkpointing_at_start = _checkpointing_state(pl_module)
+        except Exception:
+            self._checkpointing_at_start = None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -272,6 +287,14 @@ class OOMReporter(RunIdCallback):
         report["memory"] = memory
         report["holders"] = self._holders(trainer, pl_module, device, memory.get("allocated_bytes"), problems)
         report["config"] = self._config(trainer, batch.get("micro_batch_size"), when.get("stage"), problems)
+        try:
+            state = _checkpointing_state(pl_module)
+            at_start = self._checkpointing_at_start if when.get("stage") == "train" else None
+            if not state["on"] and at_start and at_start["on"]:
+                state = dict(at_start, seen="at train start")  # given back by its callback before this report
+            report["config"]["activation_checkpointing"] = state
+        except Exception as err:
+            problems.append(f"activation checkpointing: {err!r}")
         try:
             report["hparams"] = _hparams(pl_module)
         except Exception as err:
@@ -412,6 +435,7 @@ class OOMReporter(RunIdCallback):
             precision=config.get("precision"),
             allocator_conf=conf,
             device_type=device.type,
+            activation_checkpointing=(config.get("activation_checkpointing") or {}).get("on"),
         )
 
     def _snapshot(self, path: Path, device: torch.device, problems: list[str]) -> dict[str, Any]:
@@ -474,6 +498,19 @@ def _live_tensor_dict(tensor: Any) -> dict[str, Any]:
         "requires_grad": tensor.requires_grad,
         "has_grad_fn": tensor.has_grad_fn,
     }
+
+
+def _checkpointing_state(pl_module: pl.LightningModule) -> dict[str, Any]:
+    """Whether activation checkpointing is on, and where: modules wrapped by ``GradientCheckpointing`` and modules
+    whose Hugging Face switch is on (``gradient_checkpointing = True``)."""
+    wrapped, switched = [], []
+    for name, module in pl_module.named_modules():
+        if is_checkpointed(module):
+            wrapped.append(name)
+        elif module.__dict__.get("gradient_checkpointing") is True:
+            switched.append(name)
+    return {"on": bool(wrapped or switched), "wrapped": wrapped[:_MAX_LISTED], "model_switch": switched[:_MAX_LISTED],
+            "num_wrapped": len(wrapped), "num_model_switch": len(switched)}
 
 
 def _hparams(pl_module: pl.LightningModule) -> dict[str, Any]:

@@ -321,6 +321,7 @@ def suggest_fixes(
     precision: str | None = None,
     allocator_conf: str | None = None,
     device_type: str = "cuda",
+    activation_checkpointing: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Ranked suggestions for getting the failed step to fit, derived from the numbers at the failure.
 
@@ -346,6 +347,8 @@ def suggest_fixes(
         precision: The trainer's precision string (``"32-true"``, ``"bf16-mixed"``, ...).
         allocator_conf: The allocator settings in effect (``PYTORCH_ALLOC_CONF`` or the CUDA form).
         device_type: ``"cuda"``, ``"mps"``, ``"cpu"``, ...
+        activation_checkpointing: whether activation checkpointing was on (``None``: unknown). When it was,
+            it is not suggested again.
 
     Example:
         >>> tips = suggest_fixes(stage="train", allocated_bytes=10_000, reserved_bytes=10_500,
@@ -360,6 +363,8 @@ def suggest_fixes(
     opt = cats.get("optimizer_states", 0)
     accounted = params + grads + opt + cats.get("buffers", 0)
     total = allocated_bytes if allocated_bytes else (accounted + (unexplained_bytes or 0)) or None
+    # Shares are "of allocated" only where the device reported allocated bytes (not on the CPU).
+    basis = "allocated" if allocated_bytes else "the bytes counted"
     activations = unexplained_bytes
     act_frac = _fraction(activations, total)
     training = stage == "train"
@@ -384,18 +389,21 @@ def suggest_fixes(
     if training and activations_dominate:
         why = (
             f"Activations and temporaries (allocated memory no parameter, gradient, optimizer state or buffer"
-            f" accounts for) are {format_bytes(activations)} ({_pct(activations, total)} of allocated)."
+            f" accounts for) are {format_bytes(activations)} ({_pct(activations, total)} of {basis})."
             if activations is not None
             else "Allocated memory is unknown on this device; activations usually dominate a training step."
         )
-        add(
-            None if activations is None else activations * 0.6,
-            2,
-            "Enable activation checkpointing: recompute layer activations in backward instead of storing them"
-            " (the `GradientCheckpointing` callback, or `model.gradient_checkpointing_enable()` for Hugging Face"
-            " models)",
-            why,
-        )
+        if not activation_checkpointing:
+            add(
+                None if activations is None else activations * 0.6,
+                2,
+                "Enable activation checkpointing: recompute layer activations in backward instead of storing them"
+                " (the `GradientCheckpointing` callback, or `model.gradient_checkpointing_enable()` for Hugging"
+                " Face models)",
+                why,
+            )
+        else:
+            why += " Activation checkpointing is on already: what remains is the checkpointed inputs and one layer."
         if micro_batch_size and micro_batch_size >= 2:
             half = micro_batch_size // 2
             effective = micro_batch_size * accumulate * max(world_size, 1)
@@ -455,7 +463,7 @@ def suggest_fixes(
             sharded,
             5,
             action,
-            f"Optimizer states hold {format_bytes(opt)} ({_pct(opt, total)} of allocated), versus"
+            f"Optimizer states hold {format_bytes(opt)} ({_pct(opt, total)} of {basis}), versus"
             f" {format_bytes(params)} of parameters.",
         )
     if total and (params + grads) / total >= 0.5 and training:
@@ -467,7 +475,7 @@ def suggest_fixes(
             else "Train fewer parameters (freeze layers, use adapters/LoRA) or keep weights in 16 bits"
             " (`precision='bf16-true'`)",
             f"Parameters and gradients hold {format_bytes(params + grads)} ({_pct(params + grads, total)} of"
-            " allocated).",
+            f" {basis}).",
         )
 
     cached = None if reserved_bytes is None or allocated_bytes is None else reserved_bytes - allocated_bytes

@@ -422,3 +422,39 @@ def test_real_cuda_oom_with_snapshot(tmp_path):
     after = torch.cuda.memory._snapshot()
     torch.ones(1, device="cuda")
     assert torch.cuda.memory._snapshot()["device_traces"] == after["device_traces"]
+
+
+class _BlockModel(FailingModel):
+    """A transformer layer before the linear head; fails in forward at step 1."""
+
+    def __init__(self, hf_switch=False):
+        super().__init__("forward", at=1)
+        self.block = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        if hf_switch:
+            self.block.gradient_checkpointing = True  # what Hugging Face's switch sets on its blocks
+
+    def forward(self, x):
+        return super().forward(self.block(x.unsqueeze(1)).squeeze(1))
+
+
+@pytest.mark.parametrize("how", ["callback-first", "callback-last", "hf-switch", "off"])
+def test_report_records_activation_checkpointing_and_does_not_suggest_it_again(tmp_path, how):
+    from lightning_memopt import GradientCheckpointing
+
+    reporter = OOMReporter(dirpath=tmp_path / "r", top_k_tensors=0)
+    callbacks = {"callback-first": [GradientCheckpointing(), reporter],
+                 "callback-last": [reporter, GradientCheckpointing()]}.get(how, [reporter])
+    model = _BlockModel(hf_switch=how == "hf-switch")
+    trainer = make_trainer(tmp_path, callbacks=callbacks)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.fit(model)
+    report = json.loads((tmp_path / "r" / "oom_report_rank0.json").read_text())
+    state = report["config"]["activation_checkpointing"]
+    actions = [s["action"] for s in report["suggestions"]]
+    suggested = any(a.startswith("Enable activation checkpointing") for a in actions)
+    if how == "off":
+        assert state["on"] is False and suggested, actions
+    else:
+        assert state["on"] is True and not suggested, actions
+        assert state["wrapped" if how.startswith("callback") else "model_switch"] == ["block"]
+    assert "of allocated" not in json.dumps(report["suggestions"])  # CPU: allocated bytes are unknown
