@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,9 @@ import torch
 
 from lightning_memopt.functional.footprint import model_footprint
 from lightning_memopt.functional.memory import read_memory, supports_device_memory
+from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.checks import check_device
+from lightning_memopt.utilities.formatting import format_bytes
 
 __all__ = ["ConversionResult", "to_device_and_dtype"]
 
@@ -30,6 +33,9 @@ class ConversionResult:
             converted tensor) before; ``None`` without allocator readings (CPU).
         allocated_after: The same after: if it did not go down after a cast to a smaller dtype, another
             reference still holds the old weights.
+        num_kept_alive: Old storages that were not freed because something else still references them (a
+            ``state_dict()``, the weights kept in a variable, a copy); ``bytes_kept_alive`` is their size.
+            ``bytes_after`` counts only the model's tensors: the process holds ``bytes_kept_alive`` more.
     """
 
     converted: bool
@@ -39,6 +45,8 @@ class ConversionResult:
     bytes_after: dict[str, int]
     allocated_before: int | None = None
     allocated_after: int | None = None
+    num_kept_alive: int = 0
+    bytes_kept_alive: int = 0
 
     @property
     def total_bytes_before(self) -> int:
@@ -51,6 +59,24 @@ class ConversionResult:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        if not self.converted:
+            return f"nothing converted: all {self.num_skipped} tensors were already on the target device and dtype"
+
+        def sizes(by_device: dict[str, int]) -> str:
+            return ", ".join(f"{format_bytes(n)} on {device}" for device, n in sorted(by_device.items())) or "0 B"
+
+        text = (
+            f"converted {self.num_converted} tensors ({self.num_skipped} already matched): parameters and buffers"
+            f" {sizes(self.bytes_before)} -> {sizes(self.bytes_after)}"
+        )
+        if self.num_kept_alive:
+            text += (
+                f"; {format_bytes(self.bytes_kept_alive)} of the old tensors ({self.num_kept_alive}) is still"
+                " held by other references and not freed"
+            )
+        return text
 
 
 def _bytes_by_device(module: torch.nn.Module) -> dict[str, int]:
@@ -84,6 +110,20 @@ def _allocated(device: torch.device | None) -> int | None:
         return read_memory(device).allocated_bytes
     except Exception:
         return None
+
+
+def _weak_storages(tensors: list[torch.Tensor]) -> dict[tuple[int, str], tuple[Any, int]]:
+    """Weak references to the distinct storages of ``tensors`` with their sizes (none where torch has none).
+
+    A function of its own so that no local variable outlives it and keeps a storage alive.
+    """
+    out: dict[tuple[int, str], tuple[Any, int]] = {}
+    for tensor in tensors:
+        ref = _torch_private.storage_weak_ref(tensor)
+        if ref is not None:
+            storage = tensor.untyped_storage()
+            out[(storage.data_ptr(), str(storage.device))] = (ref, storage.nbytes())
+    return out
 
 
 def to_device_and_dtype(
@@ -143,13 +183,28 @@ def to_device_and_dtype(
         kwargs["device"] = target
     if dtype is not None:
         kwargs["dtype"] = dtype
+    num_converted, num_skipped = len(pending), len(tensors) - len(pending)
+    # Weak references to the old storages: after the conversion, a live one is held by someone else.
+    old = _weak_storages(pending)
+    del tensors, pending  # our own references to old buffers must not keep them alive
     model.to(**kwargs)
-    return ConversionResult(
+    kept = [nbytes for ref, nbytes in old.values() if not ref.expired()]
+    result = ConversionResult(
         converted=True,
-        num_converted=len(pending),
-        num_skipped=len(tensors) - len(pending),
+        num_converted=num_converted,
+        num_skipped=num_skipped,
         bytes_before=before,
         bytes_after=_bytes_by_device(model),
         allocated_before=alloc_before,
         allocated_after=_allocated(reading_device),
+        num_kept_alive=len(kept),
+        bytes_kept_alive=sum(kept),
     )
+    if kept:
+        warnings.warn(
+            f"to_device_and_dtype: {format_bytes(sum(kept))} of the model's old tensors ({len(kept)} storages) were"
+            " not freed: something else still references them (a `state_dict()`, the weights kept in a"
+            " variable, a copy of the model). The conversion saved less than it shows; drop those references.",
+            stacklevel=2,
+        )
+    return result

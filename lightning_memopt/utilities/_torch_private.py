@@ -14,6 +14,7 @@ import torch
 
 __all__: list[str] = [
     "dump_memory_snapshot",
+    "storage_weak_ref",
     "start_memory_history",
     "stop_memory_history",
     "supports_memory_history",
@@ -73,3 +74,22 @@ def dump_memory_snapshot(path: str | os.PathLike[str]) -> bool:
         return False
     torch.cuda.memory._dump_snapshot(os.fspath(path))
     return True
+
+
+def storage_weak_ref(tensor: torch.Tensor) -> Any:
+    """A weak reference to ``tensor``'s storage with ``expired()``, or ``None`` where this torch has none.
+
+    Tells whether a storage is still alive after its tensor was replaced (someone else holds it).
+
+    Example:
+        >>> t = torch.ones(4)
+        >>> ref = storage_weak_ref(t)
+        >>> ref is None or (ref.expired(), (t := None), ref.expired())[::2] == (False, True)
+        True
+    """
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(tensor.untyped_storage())
+    except Exception:
+        return None

@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ from torch import nn
 
 from lightning_memopt import to_device_and_dtype
 from lightning_memopt.functional.conversion import ConversionResult
+from lightning_memopt.utilities.formatting import format_bytes
 
 
 def _net():
@@ -80,3 +82,36 @@ def test_cuda_move_and_cast_once_reports_allocator_delta():
     # the old bf16 weights stay alive in `stray`: allocated grows by the full fp32 size, nothing is freed
     assert res.allocated_after - res.allocated_before >= (1024 * 1024 + 1024) * 4
     del stray
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+
+
+def test_old_weights_kept_alive_by_a_state_dict_are_counted_and_warned():
+    model = _model()
+    kept = model.state_dict()  # the user's reference: the fp32 storages cannot be freed
+    fp32 = sum(t.numel() * 4 for t in kept.values() if t.is_floating_point())
+    size = format_bytes(fp32)
+    with pytest.warns(UserWarning, match=rf"to_device_and_dtype: {size} of the model's old tensors \(6 storages\)"):
+        result = to_device_and_dtype(model, dtype=torch.bfloat16)
+    assert result.num_kept_alive == 6 and result.bytes_kept_alive == fp32
+    assert result.total_bytes_after < result.total_bytes_before
+    assert f"{size} of the old tensors (6) is still held by other references" in str(result)
+    del kept
+
+
+def test_a_conversion_that_frees_everything_warns_nothing_and_prints_readably():
+    model = _model()
+    before = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = to_device_and_dtype(model, dtype=torch.bfloat16)
+    after = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert result.num_kept_alive == 0 and result.bytes_kept_alive == 0
+    assert str(result) == (
+        f"converted 6 tensors (1 already matched): parameters and buffers {format_bytes(before)} on cpu ->"
+        f" {format_bytes(after)} on cpu"
+    )
+    assert "KiB" in str(result)
+    assert str(to_device_and_dtype(model, dtype=torch.bfloat16)).startswith("nothing converted: all 7 tensors")
