@@ -27,6 +27,7 @@ from lightning_memopt.functional.footprint import (
     unexplained_bytes,
 )
 from lightning_memopt.functional.leaks import (
+    GradFnHolder,
     Growth,
     detect_growth,
     grad_fn_holders,
@@ -66,13 +67,15 @@ class MemoryAudit(RunIdCallback):
       of bf16 weights, a state dict loaded onto the device, a ``deepcopy``); a batch that merely has a
       weight's shape does not count. When they add up to at least ``duplicate_fraction`` of the
       parameters' elements, one warning gives their bytes, count, dtypes and the likely cause.
-    * **Leaks**: every ``leak_every_n_steps`` optimizer steps (stretched on CPU, see ``leak_max_overhead``),
-      right after the optimizer step, one sample:
-      allocated bytes of the device (CUDA/XPU/MPS), or on CPU the bytes of the live CPU tensors (one
-      ``gc.get_objects()`` walk). When the last ``leak_window`` samples rise steadily by at least
-      ``leak_min_bytes_per_step`` per step, one warning names the growth per step, the step it was first
-      seen and the usual causes, and lists the attributes of the LightningModule (and its submodules) that
-      hold tensors with a ``grad_fn``; that attribute scan runs only when growth is seen.
+    * **Leaks**: every ``leak_every_n_steps`` optimizer steps, right after the optimizer step, on every device,
+      a scan of the attributes of the LightningModule and its submodules (lists, tuples, dicts, deques
+      included) for tensors with autograd history: an attribute that holds more of them at each of the last
+      ``leak_window`` samples (``self.history.append(loss * x)``, the most common leak) is reported by name.
+      Then one memory sample: allocated bytes of the device (CUDA/XPU/MPS), or on CPU the bytes of the live
+      CPU tensors (one ``gc.get_objects()`` walk, stretched to stay within ``leak_max_overhead``). When the
+      last ``leak_window`` samples rise steadily by at least ``leak_min_bytes_per_step`` per step, one warning
+      names the growth per step, the step it was first seen and the usual causes, and lists the attributes
+      that hold tensors with a ``grad_fn``.
     * **Grad tracking**: one warning when ``validation_step`` returns tensors with autograd history or
       leaves grad enabled, and one when metric states (torchmetrics) hold tensors that require grad.
 
@@ -172,6 +175,8 @@ class MemoryAudit(RunIdCallback):
         self._has_device_memory = False
         self._rank = 0
         self._samples: deque[tuple[int, int]] = deque(maxlen=leak_window)
+        # (step, {attribute path: (tensors with grad_fn, bytes)}): the cheap check, on every device
+        self._holder_samples: deque[tuple[int, dict[str, tuple[int, int]]]] = deque(maxlen=leak_window)
         self._last_sampled_step = -1
         self._leak_reported = False
         self._first_step_audited = False
@@ -220,6 +225,7 @@ class MemoryAudit(RunIdCallback):
             self._samples.clear()
             self._leak_reported = False
             self.leak = None
+        self._holder_samples.clear()
         self._last_sampled_step = -1
         self._first_step_audited = False
         self._next_sample_step = (trainer.global_step // self.leak_every_n_steps + 1) * self.leak_every_n_steps
@@ -241,7 +247,10 @@ class MemoryAudit(RunIdCallback):
             self._guarded("audit", self._audit, trainer, pl_module, "first_step")
         if self.detect_leaks and not self._leak_reported and step >= self._next_sample_step:
             self._next_sample_step = step + self.leak_every_n_steps
-            if self._walk_within_budget():
+            # The common cause first, on every device and cheaply: attributes of the module that keep tensors
+            # with autograd history, more of them every step. The full walk (CPU) waits for its time budget.
+            self._guarded("leak", self._holder_sample, trainer, pl_module, step, batch_idx)
+            if not self._leak_reported and self._walk_within_budget():
                 self._guarded("leak", self._leak_sample, trainer, pl_module, step, batch_idx)
         if step % self.leak_every_n_steps != 0:
             return
@@ -383,6 +392,28 @@ class MemoryAudit(RunIdCallback):
             return read_memory(self._device).allocated_bytes
         return sum(t.bytes for t in self._timed_walk())
 
+    def _holder_sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_idx: int) -> None:
+        """Attributes of the module holding more tensors with autograd history at every sample: a leak."""
+        holders = grad_fn_holders(pl_module)
+        self._holder_samples.append((step, {h.path: (h.num_tensors, h.bytes) for h in holders}))
+        if len(self._holder_samples) < self.leak_window:
+            return
+        steps = [s for s, _ in self._holder_samples]
+        for holder in holders:
+            counts = [sample.get(holder.path, (0, 0))[0] for _, sample in self._holder_samples]
+            if not detect_growth(steps, counts, min_bytes_per_step=1e-9).growing:
+                continue
+            sizes = [sample.get(holder.path, (0, 0))[1] for _, sample in self._holder_samples]
+            growth = detect_growth(steps, sizes, min_bytes_per_step=0.0)
+            per_step = (counts[-1] - counts[0]) / max(steps[-1] - steps[0], 1)
+            self._report_leak(
+                trainer, batch_idx, growth, steps, holders,
+                f"{holder.path} holds more tensors with autograd history at every sample ({counts[0]} at step"
+                f" {steps[0]}, {counts[-1]} at step {steps[-1]}: {per_step:.2g} per optimizer step,"
+                f" {format_bytes(sizes[-1])} of tensors plus the graphs they keep alive).",
+            )
+            return
+
     def _leak_sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_idx: int) -> None:
         value = self._sample_bytes()
         if value is None:
@@ -394,21 +425,25 @@ class MemoryAudit(RunIdCallback):
         growth = detect_growth(steps, values, self.leak_min_bytes_per_step)
         if not growth.growing:
             return
+        holders = grad_fn_holders(pl_module)
+        kind = "allocated" if self._has_device_memory else "live tensor"
+        self._report_leak(
+            trainer, batch_idx, growth, list(steps), holders,
+            f"{kind.capitalize()} memory on {self._device} grows by {format_bytes(growth.bytes_per_step)} per"
+            f" optimizer step ({int(growth.bytes_per_step)} bytes/step, {format_bytes(growth.total_bytes)} over"
+            f" steps {steps[0]}-{steps[-1]}), first seen at step {growth.first_step}.",
+        )
+
+    def _report_leak(self, trainer: pl.Trainer, batch_idx: int, growth: Growth, steps: list[int],
+                     holders: list[GradFnHolder], what: str) -> None:
         self._leak_reported = True
         self.leak = growth
-        holders = grad_fn_holders(pl_module)
         where = (
             "Attributes holding tensors with autograd history: "
             + "; ".join(f"{h.path} ({h.num_tensors} tensors with grad_fn)" for h in holders[:5]) + "."
             if holders else "No attribute of the LightningModule holds tensors with autograd history."
         )
-        kind = "allocated" if self._has_device_memory else "live tensor"
-        message = (
-            f"MemoryAudit [rank {self._rank}]: {kind} memory on {self._device} grows by"
-            f" {format_bytes(growth.bytes_per_step)} per optimizer step ({int(growth.bytes_per_step)} bytes/step,"
-            f" {format_bytes(growth.total_bytes)} over steps {steps[0]}-{steps[-1]}), first seen at step"
-            f" {growth.first_step}. {where} Usual causes: {_LEAK_CAUSES}."
-        )
+        message = f"MemoryAudit [rank {self._rank}]: {what} {where} Usual causes: {_LEAK_CAUSES}."
         self._findings.warn("leak", message)
         reading = read_memory(self._device)
         self._write(self._record(

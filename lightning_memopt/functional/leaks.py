@@ -8,7 +8,8 @@ Pure functions: :func:`detect_growth` judges a window of ``(step, bytes)`` sampl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,19 @@ def tensors_with_grad_fn(obj: Any, max_depth: int = 4, max_items: int = 100_000)
     return count, nbytes
 
 
+#: Attribute types that hold no tensor: skipped by an exact type test, before any slower check.
+_NEVER_HOLD = frozenset({bool, int, float, complex, str, bytes, type(None), types.FunctionType, types.MethodType,
+                         types.BuiltinFunctionType, type})
+#: What every ``nn.Module`` has in its ``__dict__`` (hook registries, parameter and buffer dicts, ...).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+#: Containers that :func:`grad_fn_holders` looks into (a ``deque`` is a ``MutableSequence``).
+_WALKED = (list, tuple, set, frozenset, Mapping, MutableSequence)
+
+
+def _path(prefix: str, module_name: str, attr: str) -> str:
+    return f"{prefix}.{module_name}.{attr}" if module_name else f"{prefix}.{attr}"
+
+
 def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: int = 4) -> list[GradFnHolder]:
     """Attributes of ``module`` and its submodules that hold tensors with autograd history.
 
@@ -175,19 +189,27 @@ def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: in
     skip = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
     holders: list[GradFnHolder] = []
     for mod_name, mod in module.named_modules():
-        base = f"{prefix}.{mod_name}" if mod_name else prefix
         try:
             attributes = list(vars(mod).items())
         except TypeError:
             continue
         for attr, value in attributes:
+            # Cheap tests first: this runs on every leak interval, over every attribute of every submodule.
+            if attr in _MODULE_INTERNALS or type(value) in _NEVER_HOLD or attr in skip:
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.grad_fn is not None:
+                    holders.append(GradFnHolder(_path(prefix, mod_name, attr), 1, storage_bytes(value)))
+                continue
+            if not isinstance(value, _WALKED) or not value:  # scalars, functions, empty hook dicts, ...
+                continue
             if attr in skip or attr.endswith("_hooks") or attr.startswith("_forward") or attr.startswith("_backward"):
                 continue
-            if attr == "_trainer" or isinstance(value, torch.nn.Module):
+            if attr == "_trainer":
                 continue
             count, nbytes = tensors_with_grad_fn(value, max_depth=max_depth)
             if count:
-                holders.append(GradFnHolder(f"{base}.{attr}", count, nbytes))
+                holders.append(GradFnHolder(_path(prefix, mod_name, attr), count, nbytes))
     return sorted(holders, key=lambda h: (-h.num_tensors, h.path))
 
 

@@ -186,9 +186,10 @@ def test_leak_warning_names_growth_step_and_attribute(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(tmp_path, callbacks=[audit], max_steps=20).fit(model)
-    messages = _audit_warnings(caught, "grows by")
+    messages = _audit_warnings(caught, "autograd history")
     assert len(messages) == 1
-    assert "self.losses (" in messages[0] and "per optimizer step" in messages[0]
+    assert "self.losses holds more tensors with autograd history" in messages[0]
+    assert "self.losses (10 tensors with grad_fn)" in messages[0] and "per optimizer step" in messages[0]
     assert audit.leak is not None and audit.leak.first_step == 4  # the first sample above the one before
     # backward frees what the graph saved: what stays is the float32 loss itself, 4 bytes per step
     assert 4 <= audit.leak.bytes_per_step < 64
@@ -363,3 +364,36 @@ def test_findings_respect_the_users_filters(tmp_path):
     finally:
         _STRAY.clear()
     assert not _audit_warnings(caught, "not owned")
+
+
+class HistoryModel(TinyModel):
+    """The textbook leak: every step keeps a tensor with autograd history in a module attribute."""
+
+    def __init__(self, leak=True):
+        super().__init__()
+        self.leak = leak
+        self.history = []
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        kept = out["loss"] * torch.ones(2048)
+        if self.leak:
+            self.history.append(kept)
+        else:
+            self.history = [kept]  # the latest only: one tensor with a graph, replaced every step
+        return out
+
+
+@pytest.mark.parametrize("leak", [True, False], ids=["leaky", "clean"])
+def test_textbook_leak_is_found_on_a_short_cpu_run_at_defaults(tmp_path, leak):
+    audit = MemoryAudit(audit_fit_start=False)  # defaults for everything that decides leaks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[audit], max_steps=200, limit_train_batches=None, limit_val_batches=0,
+                     max_epochs=-1).fit(HistoryModel(leak))
+    messages = _audit_warnings(caught, "autograd history at every sample")
+    if leak:
+        assert len(messages) == 1 and "self.history holds more tensors" in messages[0], messages
+        assert audit.leak is not None
+    else:
+        assert messages == [] and audit.leak is None
