@@ -21,6 +21,7 @@ from lightning_memopt.functional.footprint import (
     LiveTensor,
     StorageKey,
     find_duplicates,
+    find_storage_holders,
     live_tensors,
     model_footprint,
     tensor_names,
@@ -337,17 +338,18 @@ class MemoryAudit(RunIdCallback):
         else:
             log.info(_footprint_text(footprint, device, unexplained, unowned, when))
         if warn_duplicates:
-            self._warn_duplicates(trainer, reading, duplicates, device, when)
+            self._warn_duplicates(trainer, pl_module, reading, duplicates, device, when)
 
-    def _warn_duplicates(self, trainer: pl.Trainer, reading: MemoryReading, dup: Duplicates, device: str,
-                         when: str) -> None:
+    def _warn_duplicates(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reading: MemoryReading,
+                         dup: Duplicates, device: str, when: str) -> None:
         largest = ", ".join(f"{tuple(t.shape)} {t.dtype.replace('torch.', '')} {format_bytes(t.bytes)}"
                             for t in dup.largest)
+        held = _where_held(pl_module, dup)
         message = (
             f"MemoryAudit [rank {self._rank}] ({when.replace('_', ' ')}): {dup.num_tensors} tensors on {device}"
             f" ({format_bytes(dup.bytes)} = {dup.bytes} bytes, dtypes {', '.join(dup.dtypes)}) are not owned by the"
             f" model or optimizer but have the shapes of its parameters: {dup.fraction:.2f}x the parameters'"
-            f" elements. Likely cause: {dup.cause}. Largest: {largest}."
+            f" elements. {held} Likely cause: {dup.cause}. Largest: {largest}."
         )
         if self._findings.warn("duplicates", message):
             self._write(self._record(trainer, reading, "warning", None, check="duplicates", message=message,
@@ -479,6 +481,23 @@ class MemoryAudit(RunIdCallback):
                 " Each `update` keeps its autograd graph alive until `reset`: pass detached tensors"
                 " (`metric.update(preds.detach(), target)`).",
             )
+
+
+def _where_held(pl_module: pl.LightningModule, dup: Duplicates) -> str:
+    """Where the largest copies are held, as attribute paths from the LightningModule, in one sentence."""
+    try:
+        found = find_storage_holders(pl_module, [t.key for t in dup.largest if t.key is not None])
+    except Exception:
+        found = {}
+    paths = sorted(set(found.values()))
+    if not paths:
+        return ("Where: not in an attribute of the LightningModule (a variable, a closure or another object holds"
+                " them).")
+    text = "Held at " + ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "") + "."
+    if any("hparams" in p for p in paths):
+        text += (" That is a copy kept by `save_hyperparameters()`: pass `ignore=[...]` with the module's argument"
+                 " name, or save only its configuration.")
+    return text
 
 
 def _tensor_dict(t: LiveTensor) -> dict[str, Any]:

@@ -10,6 +10,7 @@ is identified by its :data:`StorageKey`: ``(device string, data pointer of the s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,7 @@ __all__ = [
     "LiveTensor",
     "StorageKey",
     "find_duplicates",
+    "find_storage_holders",
     "live_tensors",
     "model_footprint",
     "storage_bytes",
@@ -592,3 +594,74 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def find_storage_holders(
+    module: torch.nn.Module, keys: Iterable[StorageKey], prefix: str = "self", max_depth: int = 4,
+    max_items: int = 100_000,
+) -> dict[StorageKey, str]:
+    """Where in ``module``'s attributes the storages ``keys`` are held: ``{key: "self._hparams_initial['x']"}``.
+
+    A storage inside a module that is stored without being registered is reported at that module's path.
+
+    Walks the instance attributes of ``module`` and its submodules (not their registered parameters, buffers and
+    submodules), into lists, tuples, dicts and deques, and into modules that are stored without being
+    registered (a model kept in ``hparams`` by ``save_hyperparameters()``, a teacher in a dict). Used to say
+    where a stray copy of the weights lives. Keys that are not found are left out; this never raises.
+
+    Example:
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(2, 2)
+        ...         self.kept = {"backbone": torch.nn.Linear(2, 2)}  # not a registered submodule
+        >>> net = Net()
+        >>> key = storage_key(net.kept["backbone"].weight)
+        >>> find_storage_holders(net, [key])[key]
+        "self.kept['backbone']"
+    """
+    wanted = {k for k in keys if k is not None}
+    found: dict[StorageKey, str] = {}
+    if not wanted:
+        return found
+    budget = [max_items]
+    seen: set[int] = set()
+    internals = {"_parameters", "_buffers", "_modules"}
+
+    def visit(value: Any, path: str, depth: int, owner: str | None = None) -> None:
+        # `owner`: the outermost unregistered module on the way, named instead of each of its tensors
+        if len(found) == len(wanted) or budget[0] <= 0 or id(value) in seen:
+            return
+        budget[0] -= 1
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            key = storage_key(value)
+            if key in wanted and key not in found:
+                found[key] = owner or path
+            return
+        if depth >= max_depth or isinstance(value, (str, bytes, int, float, bool, type(None))):
+            return
+        if isinstance(value, torch.nn.Module):  # an unregistered module: its tensors, then its attributes
+            owner = owner or path
+            for name, tensor in [*value.named_parameters(), *value.named_buffers()]:
+                visit(tensor, f"{path}.{name}", depth + 1, owner)
+            attributes = {k: v for k, v in vars(value).items() if k not in internals}
+            for name, item in attributes.items():
+                visit(item, f"{path}.{name}", depth + 1, owner)
+        elif isinstance(value, Mapping):
+            for k, item in list(value.items()):
+                visit(item, f"{path}[{k!r}]", depth + 1, owner)
+        elif isinstance(value, (list, tuple)) or type(value).__name__ == "deque":
+            for i, item in enumerate(list(value)):
+                visit(item, f"{path}[{i}]", depth + 1, owner)
+
+    with contextlib.suppress(Exception):
+        modules = list(module.named_modules())
+        seen.update(id(mod) for _, mod in modules)  # registered submodules are the model, not a copy of it
+        for mod_name, mod in modules:
+            base = f"{prefix}.{mod_name}" if mod_name else prefix
+            for attr, value in list(vars(mod).items()):
+                if attr in internals or attr == "_trainer" or attr.endswith("_hooks"):
+                    continue
+                visit(value, f"{base}.{attr}", 0)
+    return found

@@ -1,3 +1,4 @@
+import copy
 import json
 import logging
 import pickle
@@ -397,3 +398,39 @@ def test_textbook_leak_is_found_on_a_short_cpu_run_at_defaults(tmp_path, leak):
         assert audit.leak is not None
     else:
         assert messages == [] and audit.leak is None
+
+
+class KeepsBackboneInHparams(TinyModel):
+    """As in DreaMS: the backbone is an __init__ argument, so save_hyperparameters() keeps the object passed in."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = copy.deepcopy(backbone)  # the model trains this copy; hparams keep the original
+
+    def forward(self, x):
+        return self.layer(self.backbone(x))
+
+
+def test_duplicate_warning_says_where_the_copy_is_held(tmp_path):
+    model = KeepsBackboneInHparams(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 32)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[MemoryAudit(detect_leaks=False)], max_steps=1).fit(model)
+    messages = _audit_warnings(caught, "not owned")
+    assert messages, "the copy in hparams was not reported"
+    assert "Held at self._hparams['backbone'], self._hparams_initial['backbone']." in messages[0], messages[0]
+    assert "save_hyperparameters()" in messages[0]
+
+
+def test_duplicate_warning_says_when_the_holder_is_not_an_attribute(tmp_path):
+    model = HiddenModel(hidden=64, dtype=torch.bfloat16, out=3)
+    _STRAY[:] = [p.detach().float().clone() for p in model.parameters()]  # a module-level variable
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_trainer(tmp_path, callbacks=[MemoryAudit(detect_leaks=False)], max_steps=1).fit(model)
+    finally:
+        _STRAY.clear()
+    (message,) = _audit_warnings(caught, "not owned")
+    assert "not in an attribute of the LightningModule" in message
