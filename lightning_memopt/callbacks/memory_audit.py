@@ -178,6 +178,7 @@ class MemoryAudit(RunIdCallback):
         self._samples: deque[tuple[int, int]] = deque(maxlen=leak_window)
         # (step, {attribute path: (tensors with grad_fn, bytes)}): the cheap check, on every device
         self._holder_samples: deque[tuple[int, dict[str, tuple[int, int]]]] = deque(maxlen=leak_window)
+        self._duplicates_seen: set[tuple[StorageKey, tuple[int, ...], str]] = set()
         self._last_sampled_step = -1
         self._leak_reported = False
         self._first_step_audited = False
@@ -222,6 +223,7 @@ class MemoryAudit(RunIdCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._findings.reset()  # every fit reports its own findings, also a second fit in the same process
+        self._duplicates_seen = set()
         if trainer.global_step == 0:  # a new run; a resumed one keeps its leak window (see `state_dict`)
             self._samples.clear()
             self._leak_reported = False
@@ -317,7 +319,9 @@ class MemoryAudit(RunIdCallback):
         device = str(self._device)
         unexplained = unexplained_bytes(reading.allocated_bytes, footprint, device)
         unowned = [t for t in live if t.name is None]
-        duplicates = find_duplicates(pl_module, live, max_listed=self.max_listed)
+        # Copies found at fit start still count after the first step moved the weights away from their values.
+        duplicates = find_duplicates(pl_module, live, max_listed=self.max_listed, known=self._duplicates_seen)
+        self._duplicates_seen = set(duplicates.signatures)
         warn_duplicates = duplicates.num_tensors > 0 and duplicates.fraction >= self.duplicate_fraction
         record = self._record(
             trainer, reading, "audit", None,

@@ -442,6 +442,8 @@ class Duplicates:
         num_same_shape_other_values: Unowned tensors that have a parameter's shape but other values (a
             batch or a dataset tensor that happens to have that shape, another model's weights): not counted
             above.
+        signatures: ``(storage key, shape, dtype)`` of every copy (not part of comparisons, ``repr`` or
+            :meth:`as_dict`); pass them as ``known`` to a later :func:`find_duplicates`.
     """
 
     num_tensors: int
@@ -451,10 +453,14 @@ class Duplicates:
     cause: str
     largest: tuple[LiveTensor, ...]
     num_same_shape_other_values: int = 0
+    signatures: frozenset[tuple[StorageKey, tuple[int, ...], str]] = field(
+        default=frozenset(), compare=False, repr=False
+    )
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         out = asdict(self)
+        out.pop("signatures", None)
         out["largest"] = [t.as_dict() for t in self.largest]
         out["dtypes"] = list(self.dtypes)
         return out
@@ -517,7 +523,11 @@ def _mirroring_keys(module: torch.nn.Module, candidates: Sequence[LiveTensor]) -
 
 
 def find_duplicates(
-    module: torch.nn.Module, live: Sequence[LiveTensor], max_listed: int = 5, match_values: bool = True
+    module: torch.nn.Module,
+    live: Sequence[LiveTensor],
+    max_listed: int = 5,
+    match_values: bool = True,
+    known: Iterable[tuple[StorageKey, tuple[int, ...], str]] = (),
 ) -> Duplicates:
     """Find unowned live tensors that mirror ``module``'s parameters.
 
@@ -534,6 +544,8 @@ def find_duplicates(
         live: Live storages with names attached (``live_tensors(device, names=tensor_names(...))``).
         max_listed: How many of the largest copies to keep in ``largest``.
         match_values: Whether a copy must also hold the parameter's values; ``False`` matches on shape alone.
+        known: Copies found before (``Duplicates.signatures`` of an earlier call): a live storage with the same
+            key, shape and dtype still counts when training has moved the weights away from its values since.
 
     Example:
         >>> model = torch.nn.Linear(64, 64)
@@ -548,8 +560,11 @@ def find_duplicates(
         shapes.setdefault(tuple(int(s) for s in plain.shape), set()).add(str(plain.dtype))
         total_numel += int(plain.numel())
     candidates = [t for t in live if t.name is None and t.shape in shapes and t.bytes > 0]
+    known = set(known)
     if match_values and candidates:
-        mirrored = _mirroring_keys(module, candidates)
+        seen_before = {t.key for t in candidates if (t.key, t.shape, t.dtype) in known}
+        unknown = [t for t in candidates if t.key not in seen_before]
+        mirrored = _mirroring_keys(module, unknown) | seen_before
         copies = [t for t in candidates if t.key in mirrored]
     else:
         copies = candidates
@@ -586,6 +601,7 @@ def find_duplicates(
         cause=cause,
         largest=tuple(copies[:max_listed]),
         num_same_shape_other_values=len(candidates) - len(copies),
+        signatures=frozenset((t.key, t.shape, t.dtype) for t in copies if t.key is not None),
     )
 
 

@@ -434,3 +434,27 @@ def test_duplicate_warning_says_when_the_holder_is_not_an_attribute(tmp_path):
         _STRAY.clear()
     (message,) = _audit_warnings(caught, "not owned")
     assert "not in an attribute of the LightningModule" in message
+
+
+class FastMovingBf16(HiddenModel):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=50.0)  # one step moves every weight far from its copy
+
+
+def test_the_first_step_audit_does_not_shrink_a_copy_because_the_weights_moved(tmp_path):
+    model = FastMovingBf16(hidden=64, dtype=torch.bfloat16, out=3)
+    _STRAY[:] = [p.detach().float().clone() for p in model.parameters()]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_trainer(tmp_path, callbacks=[MemoryAudit(dirpath=tmp_path / "a", detect_leaks=False)],
+                         max_steps=2).fit(model)
+        moved = [not torch.allclose(p.detach().float(), s, rtol=1e-2, atol=1e-3)
+                 for p, s in zip(model.parameters(), _STRAY)]
+    finally:
+        _STRAY.clear()
+    assert all(moved)  # the copies no longer hold the weights' values
+    audits = {r["audit"]: r for r in _records(tmp_path / "a" / "memory_rank0.jsonl") if r["event"] == "audit"}
+    assert audits["fit_start"]["duplicates"]["num_tensors"] == 4
+    assert audits["first_step"]["duplicates"]["num_tensors"] == 4
+    assert audits["first_step"]["duplicates"]["bytes"] == audits["fit_start"]["duplicates"]["bytes"]
