@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lightning_memopt.utilities.checks import check_path, is_finite_number
-from lightning_memopt.utilities.files import file_kind
+from lightning_memopt.utilities.files import regular_file_problem
 from lightning_memopt.utilities.formatting import format_bytes
 
 __all__ = [
@@ -117,19 +117,12 @@ def _record_problem(record: Any) -> str | None:
 
 def _check_log_path(path: Path) -> None:
     """Refuse what is not a regular file before opening it: a named pipe would block forever."""
-    try:
-        mode = os.stat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        raise MemoryLogError(f"{path}: no such file") from None
-    except OSError as err:
-        raise MemoryLogError(f"{path}: cannot be read ({err.strerror or err})") from None
-    if stat.S_ISDIR(mode):
+    problem = regular_file_problem(path)
+    if problem == "is a directory":
         raise MemoryLogError(f"{path}: is a directory; pass the memory_rank*.jsonl files inside it")
-    if not stat.S_ISREG(mode):
-        raise MemoryLogError(
-            f"{path}: is {file_kind(mode)}, not a regular file;"
-            " pass a memory_rank*.jsonl file (save a stream to a file first)"
-        )
+    if problem is not None:
+        hint = "; pass a memory_rank*.jsonl file (save a stream to a file first)" if "regular" in problem else ""
+        raise MemoryLogError(f"{path}: {problem}{hint}")
 
 
 def _open_log(path: Path) -> BinaryIO:

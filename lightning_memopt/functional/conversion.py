@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.functional.footprint import model_footprint
+from lightning_memopt.functional.footprint import StorageKey, model_footprint, storage_bytes, storage_key
 from lightning_memopt.functional.memory import read_memory, supports_device_memory
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.checks import check_device
@@ -112,17 +112,16 @@ def _allocated(device: torch.device | None) -> int | None:
         return None
 
 
-def _weak_storages(tensors: list[torch.Tensor]) -> dict[tuple[int, str], tuple[Any, int]]:
+def _weak_storages(tensors: list[torch.Tensor]) -> dict[StorageKey, tuple[Any, int]]:
     """Weak references to the distinct storages of ``tensors`` with their sizes (none where torch has none).
 
     A function of its own so that no local variable outlives it and keeps a storage alive.
     """
-    out: dict[tuple[int, str], tuple[Any, int]] = {}
+    out: dict[StorageKey, tuple[Any, int]] = {}
     for tensor in tensors:
-        ref = _torch_private.storage_weak_ref(tensor)
-        if ref is not None:
-            storage = tensor.untyped_storage()
-            out[(storage.data_ptr(), str(storage.device))] = (ref, storage.nbytes())
+        key, ref = storage_key(tensor), _torch_private.storage_weak_ref(tensor)
+        if key is not None and ref is not None:
+            out[key] = (ref, storage_bytes(tensor))
     return out
 
 

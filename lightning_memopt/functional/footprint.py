@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ __all__ = [
     "StorageKey",
     "find_duplicates",
     "find_storage_holders",
+    "iter_held_tensors",
     "live_tensors",
     "model_footprint",
     "storage_bytes",
@@ -612,18 +613,80 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+#: What every ``nn.Module`` has in its ``__dict__`` (hook registries, parameter, buffer and submodule dicts, ...).
+MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def iter_held_tensors(
+    obj: Any,
+    path: str = "",
+    max_depth: int = 4,
+    max_items: int = 100_000,
+    into_modules: bool = False,
+    seen: set[int] | None = None,
+) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+    """The tensors inside ``obj``: ``(path, owner, tensor)``, walking dicts, lists, tuples, sets and deques.
+
+    With ``into_modules``, modules met on the way (stored without being registered) are walked too: their
+    parameters, buffers and attributes; ``owner`` is then the path of the outermost such module, else ``None``.
+    Each object is visited once (``seen`` may be shared between calls), at most ``max_items`` of them, to
+    ``max_depth`` levels. A container that breaks while being walked is skipped; this never raises.
+
+    Example:
+        >>> w = torch.ones(2)
+        >>> [(p, o) for p, o, _ in iter_held_tensors({"a": [w, 3], "m": torch.nn.Linear(1, 1)}, "x",
+        ...                                           into_modules=True)]
+        [("x['a'][0]", None), ("x['m'].weight", "x['m']"), ("x['m'].bias", "x['m']")]
+    """
+    seen = set() if seen is None else seen
+    budget = [max_items]
+
+    def walk(value: Any, where: str, depth: int, owner: str | None) -> Iterator[tuple[str, str | None, Any]]:
+        if budget[0] <= 0 or id(value) in seen:
+            return
+        budget[0] -= 1
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            yield where, owner, value
+            return
+        if depth >= max_depth or isinstance(value, (str, bytes, int, float, bool, type(None))):
+            return
+        try:
+            if isinstance(value, torch.nn.Module):
+                if not into_modules:
+                    return
+                owner = owner or where
+                named = [*value.named_parameters(), *value.named_buffers()]
+                named += [(k, v) for k, v in vars(value).items() if k not in MODULE_INTERNALS]
+                items = [(f"{where}.{k}", v) for k, v in named]
+            elif isinstance(value, Mapping):
+                items = [(f"{where}[{k!r}]", v) for k, v in list(value.items())]
+            elif isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
+                items = [(f"{where}[{i}]", v) for i, v in enumerate(list(value))]
+            else:
+                return
+        except Exception:  # a container that breaks while being listed
+            return
+        for item_path, item in items:
+            yield from walk(item, item_path, depth + 1, owner)
+
+    try:
+        yield from walk(obj, path, 0, None)
+    except Exception:  # e.g. a property that raises while being walked: stop with what was found
+        return
+
+
 def find_storage_holders(
     module: torch.nn.Module, keys: Iterable[StorageKey], prefix: str = "self", max_depth: int = 4,
     max_items: int = 100_000,
 ) -> dict[StorageKey, str]:
     """Where in ``module``'s attributes the storages ``keys`` are held: ``{key: "self._hparams_initial['x']"}``.
 
-    A storage inside a module that is stored without being registered is reported at that module's path.
-
     Walks the instance attributes of ``module`` and its submodules (not their registered parameters, buffers and
-    submodules), into lists, tuples, dicts and deques, and into modules that are stored without being
-    registered (a model kept in ``hparams`` by ``save_hyperparameters()``, a teacher in a dict). Used to say
-    where a stray copy of the weights lives. Keys that are not found are left out; this never raises.
+    submodules) with :func:`iter_held_tensors`, into modules that are stored without being registered (a model
+    kept in ``hparams`` by ``save_hyperparameters()``, a teacher in a dict); a storage inside such a module is
+    reported at that module's path. Used to say where a stray copy of the weights lives. Keys that are not found
+    are left out; this never raises.
 
     Example:
         >>> class Net(torch.nn.Module):
@@ -640,44 +703,19 @@ def find_storage_holders(
     found: dict[StorageKey, str] = {}
     if not wanted:
         return found
-    budget = [max_items]
-    seen: set[int] = set()
-    internals = {"_parameters", "_buffers", "_modules"}
-
-    def visit(value: Any, path: str, depth: int, owner: str | None = None) -> None:
-        # `owner`: the outermost unregistered module on the way, named instead of each of its tensors
-        if len(found) == len(wanted) or budget[0] <= 0 or id(value) in seen:
-            return
-        budget[0] -= 1
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            key = storage_key(value)
-            if key in wanted and key not in found:
-                found[key] = owner or path
-            return
-        if depth >= max_depth or isinstance(value, (str, bytes, int, float, bool, type(None))):
-            return
-        if isinstance(value, torch.nn.Module):  # an unregistered module: its tensors, then its attributes
-            owner = owner or path
-            for name, tensor in [*value.named_parameters(), *value.named_buffers()]:
-                visit(tensor, f"{path}.{name}", depth + 1, owner)
-            attributes = {k: v for k, v in vars(value).items() if k not in internals}
-            for name, item in attributes.items():
-                visit(item, f"{path}.{name}", depth + 1, owner)
-        elif isinstance(value, Mapping):
-            for k, item in list(value.items()):
-                visit(item, f"{path}[{k!r}]", depth + 1, owner)
-        elif isinstance(value, (list, tuple)) or type(value).__name__ == "deque":
-            for i, item in enumerate(list(value)):
-                visit(item, f"{path}[{i}]", depth + 1, owner)
-
     with contextlib.suppress(Exception):
         modules = list(module.named_modules())
-        seen.update(id(mod) for _, mod in modules)  # registered submodules are the model, not a copy of it
+        seen = {id(mod) for _, mod in modules}  # registered submodules are the model, not a copy of it
         for mod_name, mod in modules:
             base = f"{prefix}.{mod_name}" if mod_name else prefix
             for attr, value in list(vars(mod).items()):
-                if attr in internals or attr == "_trainer" or attr.endswith("_hooks"):
+                if attr in MODULE_INTERNALS or attr == "_trainer":
                     continue
-                visit(value, f"{base}.{attr}", 0)
+                for path, owner, tensor in iter_held_tensors(value, f"{base}.{attr}", max_depth, max_items,
+                                                             into_modules=True, seen=seen):
+                    key = storage_key(tensor)
+                    if key in wanted and key not in found:
+                        found[key] = owner or path
+                if len(found) == len(wanted):
+                    return found
     return found

@@ -7,7 +7,6 @@ Pure functions: :func:`detect_growth` judges a window of ``(step, bytes)`` sampl
 
 from __future__ import annotations
 
-import contextlib
 import types
 from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.functional.footprint import storage_bytes
+from lightning_memopt.functional.footprint import MODULE_INTERNALS, iter_held_tensors, storage_bytes
 
 __all__ = [
     "GradFnHolder",
@@ -121,41 +120,17 @@ def tensors_with_grad_fn(obj: Any, max_depth: int = 4, max_items: int = 100_000)
         >>> tensors_with_grad_fn({"a": [w * 2, w.detach()], "b": (w + 1,)})
         (2, 16)
     """
-    count = 0
-    nbytes = 0
-    budget = [max_items]
-    seen: set[int] = set()
-
-    def walk(value: Any, depth: int) -> None:
-        nonlocal count, nbytes
-        if budget[0] <= 0 or id(value) in seen:
-            return
-        budget[0] -= 1
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            if value.grad_fn is not None:
-                count += 1
-                nbytes += storage_bytes(value)
-            return
-        if depth >= max_depth or isinstance(value, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
-            return
-        if isinstance(value, Mapping):
-            for item in list(value.values()):
-                walk(item, depth + 1)
-        elif isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
-            for item in list(value):
-                walk(item, depth + 1)
-
-    with contextlib.suppress(Exception):  # a container that breaks while being walked: report what was found
-        walk(obj, 0)
+    count = nbytes = 0
+    for _, _, tensor in iter_held_tensors(obj, max_depth=max_depth, max_items=max_items):
+        if tensor.grad_fn is not None:
+            count += 1
+            nbytes += storage_bytes(tensor)
     return count, nbytes
 
 
 #: Attribute types that hold no tensor: skipped by an exact type test, before any slower check.
 _NEVER_HOLD = frozenset({bool, int, float, complex, str, bytes, type(None), types.FunctionType, types.MethodType,
                          types.BuiltinFunctionType, type})
-#: What every ``nn.Module`` has in its ``__dict__`` (hook registries, parameter and buffer dicts, ...).
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 #: Containers that :func:`grad_fn_holders` looks into (a ``deque`` is a ``MutableSequence``).
 _WALKED = (list, tuple, set, frozenset, Mapping, MutableSequence)
 
@@ -186,7 +161,6 @@ def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: in
         >>> grad_fn_holders(net)
         [GradFnHolder(path='self.losses', num_tensors=3, bytes=12)]
     """
-    skip = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
     holders: list[GradFnHolder] = []
     for mod_name, mod in module.named_modules():
         try:
@@ -195,7 +169,7 @@ def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: in
             continue
         for attr, value in attributes:
             # Cheap tests first: this runs on every leak interval, over every attribute of every submodule.
-            if attr in _MODULE_INTERNALS or type(value) in _NEVER_HOLD or attr in skip:
+            if attr in MODULE_INTERNALS or type(value) in _NEVER_HOLD:
                 continue
             if isinstance(value, torch.Tensor):
                 if value.grad_fn is not None:
@@ -203,9 +177,7 @@ def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: in
                 continue
             if not isinstance(value, _WALKED) or not value:  # scalars, functions, empty hook dicts, ...
                 continue
-            if attr in skip or attr.endswith("_hooks") or attr.startswith("_forward") or attr.startswith("_backward"):
-                continue
-            if attr == "_trainer":
+            if attr == "_trainer" or attr.endswith("_hooks") or attr.startswith(("_forward", "_backward")):
                 continue
             count, nbytes = tensors_with_grad_fn(value, max_depth=max_depth)
             if count:

@@ -18,14 +18,13 @@ import json
 import os
 import platform
 import re
-import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lightning_memopt.utilities.checks import is_finite_number
-from lightning_memopt.utilities.files import file_kind
+from lightning_memopt.utilities.files import regular_file_problem
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.redaction import (  # noqa: F401  (SECRET_FRAGMENTS: kept importable from here)
     REDACTED,
@@ -533,17 +532,9 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     hint = "Pass the oom_report_rank{r}.json written by OOMReporter."
     name = os.fspath(path)
-    try:
-        mode = os.stat(name).st_mode
-    except FileNotFoundError:
-        raise ValueError(f"{name}: no such file. {hint}") from None
-    except OSError as err:
-        raise ValueError(f"{name}: cannot be read ({err.strerror or err}). {hint}") from None
-    if stat.S_ISDIR(mode):
-        raise ValueError(f"{name}: is a directory. {hint}")
-    if not stat.S_ISREG(mode):
-        # A named pipe or a device would block or never end: refuse it without opening it.
-        raise ValueError(f"{name}: is {file_kind(mode)}, not a regular file. {hint}")
+    problem = regular_file_problem(name)  # a named pipe or a device is refused without opening it
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}. {hint}")
     try:
         with open(name, encoding="utf-8") as f:
             report = json.load(f)

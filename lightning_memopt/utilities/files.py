@@ -22,6 +22,7 @@ __all__ = [
     "check_regular_file",
     "file_kind",
     "is_runtime_failure",
+    "regular_file_problem",
     "write_text_atomic",
 ]
 
@@ -107,6 +108,28 @@ def file_kind(mode: int) -> str:
     kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
     return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a regular file, in a few words, without opening it; ``None`` if it can.
+
+    A named pipe or a device would block the reader or never end, so they are refused by their ``stat`` alone.
+
+    Example:
+        >>> import tempfile
+        >>> regular_file_problem(tempfile.mkdtemp()), regular_file_problem("/no/such/file")
+        ('is a directory', 'no such file')
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "no such file"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = file_kind(mode)
+    return f"is {kind}" if kind == "a directory" else f"is {kind}, not a regular file"
 
 
 def check_regular_file(name: str, path: Path) -> None:
