@@ -19,10 +19,17 @@ middle value as torchmetrics and CLIP4Clip's multi-sentence code do).
 
 No sort and no top-k is needed: for each block ``S_b = V_b @ T_b.T`` the counts of gallery items above each
 query's best positive are accumulated for both directions from the same product, and the positives' own
-contributions are removed by index afterwards (an ``O(pairs)`` gather), so a positive never beats itself whatever
-the rounding of the matrix product. Thresholds (the best positive's score) come from one pass over the positive
-pairs, accumulated in float64 and rounded to float32; blocks are always multiplied in full float32 (TF32 is
-switched off for the duration and restored), whatever the storage dtype of the features.
+contributions are removed by index afterwards (an ``O(pairs)`` correction). Blocks are multiplied in full float32
+(TF32 is switched off for the duration and restored), whatever the storage dtype of the features; float64 features
+are ranked in float32 too (a warning says so once).
+
+Ties are decided by ``ties`` and never by rounding. A positive's score (the threshold a negative must beat) is a
+float64 dot product summed in a fixed pairwise order and rounded to float32, so equal inputs give the same bits on
+every device, in every chunk and on every process. Gallery items whose embedding equals a positive's exactly (a
+caption or a video embedded twice, under another id, on this process or another) are found by a row key and an exact
+comparison; in every block, their cells and the positives' own cells take that same score before the comparison. An
+exact duplicate of the best positive therefore ties with it in every block layout, chunk size and world size. Only
+duplicates cost anything: without them the extra work is one key per row.
 
 Protocols (see :func:`retrieval_ranks`):
 
@@ -44,6 +51,7 @@ import hashlib
 import math
 import operator
 import reprlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -59,6 +67,7 @@ __all__ = [
     "as_id_tensor",
     "choose_block_sizes",
     "count_ranks",
+    "embedding_keys",
     "full_fp32_matmul",
     "pair_scores",
     "plan_retrieval",
@@ -87,10 +96,18 @@ V2T_GALLERIES = ("texts", "groups")
 _CPU_MAX_BLOCK = (2048, 4096)
 _CUDA_MAX_BLOCK = (16384, 32768)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-#: Feature dtypes accepted (blocks are multiplied in float32 whatever the storage dtype).
+#: Feature dtypes accepted (blocks are multiplied in float32 whatever the storage dtype; float64 is rounded to float32).
 FEATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Positive pairs scored per chunk: float64 copies of 1024 x D rows stay in cache and are not fresh pages each time.
 _PAIR_CHUNK = 1024
+# Row keys read this many evenly spaced columns: cheap next to the block products, and rows that agree on all of
+# them are compared in full before they count as duplicates.
+_KEY_COLUMNS = 32
+# Odd multipliers below 2**26: 32 products of int32 bits and these stay far inside int64 (no overflow anywhere).
+_KEY_MULTIPLIERS = torch.tensor([(2654435761 * (i + 1)) % (1 << 26) | 1 for i in range(_KEY_COLUMNS)],
+                                dtype=torch.int64)
+# Tie cells written into a block per chunk (bounds the index memory when a duplicate group is huge).
+_TIE_CHUNK = 1 << 22
 
 
 class RetrievalRanks(NamedTuple):
@@ -279,8 +296,29 @@ def full_fp32_matmul() -> Iterator[None]:
             torch.set_float32_matmul_precision(previous)
 
 
+def _pairwise_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise float64 dot products summed in a fixed pairwise order: the same bits for the same rows anywhere.
+
+    The products of float32 values are exact in float64; the sum halves the row repeatedly with elementwise adds, so
+    its order depends only on the feature dim, not on the batch, the chunk, the device or a BLAS kernel's choice.
+    """
+    products = a.double() * b.double()
+    width = products.shape[1]
+    size = 1 << max(width - 1, 0).bit_length()
+    if size != width:
+        products = torch.nn.functional.pad(products, (0, size - width))
+    while size > 1:
+        size //= 2
+        products = products[:, :size] + products[:, size : 2 * size]
+    return products[:, 0] if products.shape[1] else products.new_zeros(products.shape[0])
+
+
 def pair_scores(video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tensor, chunk: int = _PAIR_CHUNK) -> Tensor:
-    """Scores of the positive pairs, accumulated in float64 and rounded to float32 (deterministic in any layout).
+    """Scores of the positive pairs: float64 dot products of the float32 features in a fixed order, rounded to float32.
+
+    Equal feature rows give bit-identical scores whatever the chunk, the device or the process, which is what lets an
+    exact duplicate of a positive tie with it (see the module docstring). Features are rounded to float32 first, as
+    the blocks are.
 
     Example:
         >>> v, t = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0], [0.5, 0.5]])
@@ -291,10 +329,163 @@ def pair_scores(video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tens
     for start in range(0, pair_video.numel(), chunk):
         pv = pair_video[start : start + chunk].to(video.device)
         pt = pair_text[start : start + chunk].to(text.device)
-        a = video.index_select(0, pv).double()
-        b = text.index_select(0, pt).to(video.device).double()
-        out[start : start + chunk] = torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1).float()
+        a = video.index_select(0, pv).float()
+        b = text.index_select(0, pt).to(video.device).float()
+        out[start : start + chunk] = _pairwise_dot(a, b).float()
     return out
+
+
+def embedding_keys(features: Tensor) -> Tensor:
+    """An int64 key per row, equal for rows with equal values (``-0.0`` equals ``0.0``); int64 on CPU.
+
+    Read from up to 32 evenly spaced columns of the float32 values with integer arithmetic only, so the key is the
+    same on every device and process. Different rows can share a key: treat equal keys as candidates and compare.
+
+    Example:
+        >>> x = torch.tensor([[1.0, -0.0], [1.0, 0.0], [2.0, 0.0]])
+        >>> k = embedding_keys(x)
+        >>> bool(k[0] == k[1]), bool(k[0] == k[2])
+        (True, False)
+    """
+    n, dim = features.shape
+    if dim == 0:
+        return torch.zeros(n, dtype=torch.int64)
+    m = min(dim, _KEY_COLUMNS)
+    columns = torch.div(torch.arange(m) * (dim - 1), max(m - 1, 1), rounding_mode="floor").to(features.device)
+    sample = features.index_select(1, columns).float() + 0.0  # + 0.0 turns -0.0 into 0.0
+    bits = sample.view(torch.int32).to(torch.int64)
+    return (bits * _KEY_MULTIPLIERS[:m].to(bits.device)).sum(1).cpu()
+
+
+class _Groups(NamedTuple):
+    """Rows grouped by exact equality: ``gid`` per row (numbered by first row), ``size`` and ``rep`` per group."""
+
+    gid: Tensor
+    size: Tensor
+    rep: Tensor
+
+
+def _exact_groups(features: Tensor, keys: Tensor) -> _Groups | None:
+    """Group rows with exactly equal values (``None`` when all rows differ, the common case)."""
+    n = keys.numel()
+    _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    if counts.numel() == n:
+        return None
+    candidates = (counts[inverse] > 1).nonzero().squeeze(1)
+    rows = features.index_select(0, candidates.to(features.device)).float() + 0.0
+    _, sub = torch.unique(rows.view(torch.int32), dim=0, return_inverse=True)
+    label = torch.arange(n, dtype=torch.int64) + n
+    label[candidates] = sub.cpu()
+    uniq, first, inv = _first_occurrence(label)
+    if uniq.numel() == n:
+        return None
+    order = torch.argsort(first)
+    rank_of = torch.empty_like(order)
+    rank_of[order] = torch.arange(order.numel())
+    gid = rank_of[inv]
+    return _Groups(gid, torch.bincount(gid, minlength=uniq.numel()), first[order])
+
+
+def _members_in_range(
+    slot_group: Tensor, codes: Tensor, n: int, lo: int, hi: int
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """For each slot, the members of its group with index in ``[lo, hi)``: yields ``(slot positions, members)``.
+
+    ``codes`` are the sorted ``group * n + member`` of every member. Chunks hold at most ``_TIE_CHUNK`` cells (a slot
+    with more members than that comes alone).
+    """
+    chunk = _TIE_CHUNK
+    if slot_group.numel() == 0 or codes.numel() == 0:
+        return
+    base = slot_group * n
+    start = torch.searchsorted(codes, base + lo)
+    count = torch.searchsorted(codes, base + hi) - start
+    live = (count > 0).nonzero().squeeze(1)
+    if live.numel() == 0:
+        return
+    start, count = start[live], count[live]
+    ends = count.cumsum(0)
+    a = 0
+    while a < live.numel():
+        done = int(ends[a - 1]) if a else 0
+        b = max(a + 1, int(torch.searchsorted(ends, torch.tensor(done + chunk), right=True)))
+        c = count[a:b]
+        slot = torch.repeat_interleave(torch.arange(b - a), c)
+        offset = torch.arange(int(c.sum())) - (c.cumsum(0) - c)[slot]
+        slots = live[a:b][slot]
+        yield slots, codes[start[a:b][slot] + offset] - base[slots]
+        a = b
+
+
+class _TieCells:
+    """Cells whose true score equals a positive's exactly, and that score (see the module docstring).
+
+    v2t: for a video and each text group holding one of its positives, every text of that group. t2v: for a text and
+    each key of its positives' videos (over all processes), every local video with that key (a key shared by
+    different embeddings only means those cells get their own exact pair score, which is harmless).
+    """
+
+    def __init__(
+        self,
+        video: Tensor,
+        text: Tensor,
+        pv: Tensor,
+        pt: Tensor,
+        scores: Tensor,
+        positive_video_keys: tuple[Tensor, Tensor] | None,
+    ) -> None:
+        n_video, n_text = video.shape[0], text.shape[0]
+        self.n_video, self.n_text = n_video, n_text
+        empty = torch.empty(0, dtype=torch.int64)
+        self.v2t = (empty, empty, torch.empty(0))
+        self.t2v = (empty, empty, torch.empty(0))
+        self.text_codes, self.video_codes = empty, empty
+        text_groups = _exact_groups(text, embedding_keys(text)) if n_text else None
+        if text_groups is not None and pv.numel():
+            multi = text_groups.size[text_groups.gid[pt]] > 1
+            q, g = pv[multi], text_groups.gid[pt[multi]]
+            first = _first_occurrence(q * text_groups.size.numel() + g)[1]  # sorted by video, then group
+            self.v2t = (q[first], g[first], scores[multi][first])
+            in_multi = (text_groups.size[text_groups.gid] > 1).nonzero().squeeze(1)
+            self.text_codes = torch.sort(text_groups.gid[in_multi] * n_text + in_multi).values
+        if not n_video:
+            return
+        keys = embedding_keys(video)
+        if positive_video_keys is None:  # one process: keys of the positives' videos shared by another local video
+            _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+            shared = counts[inverse[pv]] > 1
+            positive_video_keys = (pt[shared], keys[pv[shared]])
+        p_text, p_key = (t.to(torch.int64).cpu() for t in positive_video_keys)
+        if p_text.numel() == 0:
+            return
+        groups = _exact_groups(video, keys)
+        gid = groups.gid if groups is not None else torch.arange(n_video)
+        rep = groups.rep if groups is not None else torch.arange(n_video)
+        group_key = keys[rep]
+        by_key = torch.argsort(group_key)
+        sorted_keys = group_key[by_key]
+        lo = torch.searchsorted(sorted_keys, p_key)
+        count = torch.searchsorted(sorted_keys, p_key, right=True) - lo
+        which = torch.repeat_interleave(torch.arange(p_text.numel()), count)
+        offset = torch.arange(int(count.sum())) - (count.cumsum(0) - count)[which]
+        j, g = p_text[which], by_key[lo[which] + offset]
+        code = torch.unique(j * rep.numel() + g)  # sorted by text, then group
+        j, g = code // rep.numel(), code % rep.numel()
+        self.t2v = (j, g, pair_scores(video, text, rep[g], j).cpu())
+        self.video_codes = torch.sort(gid * n_video + torch.arange(n_video)).values
+
+    def cells(self, v0: int, v1: int, t0: int, t1: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        """``(video index, text index, score)`` of the tie cells inside the block ``[v0, v1) x [t0, t1)``."""
+        q, g, value = self.v2t
+        if q.numel():
+            a, b = (int(i) for i in torch.searchsorted(q, torch.tensor([v0, v1])))
+            for slot, members in _members_in_range(g[a:b], self.text_codes, self.n_text, t0, t1):
+                yield q[a:b][slot], members, value[a:b][slot]
+        j, g, value = self.t2v
+        if j.numel():
+            a, b = (int(i) for i in torch.searchsorted(j, torch.tensor([t0, t1])))
+            for slot, members in _members_in_range(g[a:b], self.video_codes, self.n_video, v0, v1):
+                yield members, j[a:b][slot], value[a:b][slot]
 
 
 def positive_thresholds(scores: Tensor, index: Tensor, size: int) -> Tensor:
@@ -355,6 +546,7 @@ def count_ranks(
     video_groups: Tensor | None = None,
     group_pairs: tuple[Tensor, Tensor, int] | None = None,
     positive_scores: Tensor | None = None,
+    positive_video_keys: tuple[Tensor, Tensor] | None = None,
     video_block_size: int | None = None,
     text_block_size: int | None = None,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
@@ -364,20 +556,24 @@ def count_ranks(
 
     One pass over ``(video block x text block)`` products serves both directions. ``video`` rows may be only this
     process's videos: the v2t counts are then complete and the t2v counts are this process's share (sum them over
-    processes). Positives are excluded by index, using the block's own products.
+    processes). Positives and the exact duplicates of positives take the positive's own score (see the module
+    docstring), so ``ties`` alone decides a tie.
 
     Args:
         video: ``(V, D)`` video features (any float dtype; blocks are upcast to float32).
         text: ``(T, D)`` text features.
         pair_video: video index of each positive pair.
         pair_text: text index of each positive pair.
-        video_threshold: ``(V,)`` best positive score of each video.
+        video_threshold: ``(V,)`` best positive score of each video (from :func:`pair_scores`).
         text_threshold: ``(T,)`` best positive score of each text (over all processes' videos).
         ties: ``"optimistic"`` counts strictly higher items, ``"pessimistic"`` also counts ties.
         video_groups: for the group-max v2t gallery, the group (global video index) of each local video.
         group_pairs: for the group-max v2t gallery, ``(text index, group index, number of groups)`` of every
             (caption, video) membership over all processes.
-        positive_scores: the :func:`pair_scores` of the pairs (needed with ``video_groups``).
+        positive_scores: the :func:`pair_scores` of the pairs (computed here when ``None``).
+        positive_video_keys: ``(text index, video key)`` of the positive pairs over all processes whose video's
+            :func:`embedding_keys` value is shared by another video anywhere; ``None`` in a single process (found
+            from the local videos).
         video_block_size: rows of ``video`` per block; chosen from ``memory_budget_bytes`` when ``None``.
         text_block_size: rows of ``text`` per block; chosen likewise when ``None``.
         memory_budget_bytes: working-set budget used to choose block sizes.
@@ -398,8 +594,8 @@ def count_ranks(
     n_video, dim = video.shape
     n_text = text.shape[0]
     grouped = video_groups is not None
-    if grouped and (group_pairs is None or positive_scores is None):
-        raise ValueError("`video_groups` needs `group_pairs` and `positive_scores` (the group-max v2t gallery).")
+    if grouped and group_pairs is None:
+        raise ValueError("`video_groups` needs `group_pairs` (the group-max v2t gallery).")
     n_groups = group_pairs[2] if grouped and group_pairs is not None else 0
     bv, bt = choose_block_sizes(
         n_video, n_text, dim, device, memory_budget_bytes, video_block_size, text_block_size, n_groups
@@ -413,13 +609,15 @@ def count_ranks(
     compare = torch.gt if ties == "optimistic" else torch.ge
     n_vb, n_tb = math.ceil(n_video / bv), math.ceil(n_text / bt)
 
-    # bucket the positive pairs by block, so each block removes its own positives with one gather
     pv, pt = pair_video.to(torch.int64).cpu(), pair_text.to(torch.int64).cpu()
+    with torch.no_grad():
+        ps = (positive_scores if positive_scores is not None else pair_scores(video, text, pv, pt)).float().cpu()
+        tie_cells = _TieCells(video, text, pv, pt, ps, positive_video_keys)
+    # bucket the positive pairs by block: each block writes its positives' own scores with one scatter
     key = (pv // bv) * n_tb + pt // bt
     order = torch.argsort(key, stable=True)
     offsets = [0, *torch.bincount(key, minlength=n_vb * n_tb).cumsum(0).tolist()]
-    pv_s, pt_s = pv[order].to(device), pt[order].to(device)
-    ps_s = positive_scores.cpu()[order].to(device) if positive_scores is not None else None
+    pv_s, pt_s, ps_s = pv[order].to(device), pt[order].to(device), ps[order].to(device)
     if grouped and group_pairs is not None:
         g_text, g_group, _ = group_pairs
         g_text, g_group = g_text.to(torch.int64).cpu(), g_group.to(torch.int64).cpu()
@@ -450,20 +648,16 @@ def count_ranks(
                 nt = t1 - t0
                 scores = score_buf[: nv * nt].view(nv, nt)
                 torch.mm(vb, text32[t0:t1].T, out=scores)
-                flags = cmp_buf[: nv * nt].view(nv, nt)
                 a, b = offsets[i * n_tb + j], offsets[i * n_tb + j + 1]
-                lv = pv_s[a:b] - v0
-                lt = pt_s[a:b] - t0
+                if b > a:
+                    scores[pv_s[a:b] - v0, pt_s[a:b] - t0] = ps_s[a:b]
+                for rows, cols, values in tie_cells.cells(v0, v1, t0, t1):
+                    scores[(rows - v0).to(device), (cols - t0).to(device)] = values.to(device)
+                flags = cmp_buf[: nv * nt].view(nv, nt)
                 compare(scores, thr_col, out=flags)
                 if hits is None:
                     v_acc += flags.sum(1).to(torch.int64)
-                    if b > a:
-                        own = compare(scores[lv, lt], v_thr[lv + v0])
-                        v_acc.index_add_(0, lv, own.to(torch.int64), alpha=-1)
                 else:
-                    if b > a and ps_s is not None:
-                        # a positive caption shared with another video: decide it by the threshold's own rounding
-                        flags[lv, lt] = compare(ps_s[a:b], v_thr[lv + v0]).float()
                     ga, gb = g_offsets[j], g_offsets[j + 1]
                     if gb > ga:
                         cols = flags.index_select(1, g_text_s[ga:gb] - t0)
@@ -471,13 +665,15 @@ def count_ranks(
                         hit.scatter_reduce_(1, index, cols, "amax")
                 compare(scores, t_thr[t0:t1].unsqueeze(0), out=flags)
                 t_counts[t0:t1] += flags.sum(0).to(torch.int64)
-                if b > a:
-                    own_t = compare(scores[lv, lt], t_thr[lt + t0])
-                    t_counts.index_add_(0, lt + t0, own_t.to(torch.int64), alpha=-1)
             if hits is not None:
                 rows = torch.arange(nv, device=device)
                 v_acc = (hit.sum(1) - hit[rows, own_group[v0:v1]]).to(torch.int64)
             v_counts[v0:v1] = v_acc
+        # the positives were counted with their own scores above: take them out again
+        pv_d, pt_d, ps_d = pv.to(device), pt.to(device), ps.to(device)
+        if hits is None:
+            v_counts.index_add_(0, pv_d, compare(ps_d, v_thr[pv_d]).to(torch.int64), alpha=-1)
+        t_counts.index_add_(0, pt_d, compare(ps_d, t_thr[pt_d]).to(torch.int64), alpha=-1)
     return v_counts.cpu(), t_counts.cpu()
 
 
@@ -559,6 +755,24 @@ def summarize_ranks(
 # --------------------------------------------------------------------------------------------------- front door
 
 
+_float64_warned = False
+
+
+def _warn_if_float64(*features: Tensor) -> None:
+    """Say once per process that float64 features are ranked in float32 (the blocks are float32 products)."""
+    global _float64_warned
+    if _float64_warned or not any(x.dtype == torch.float64 for x in features):
+        return
+    _float64_warned = True
+    warnings.warn(
+        "Retrieval features of dtype float64 are ranked in float32: every score is computed from the features"
+        " rounded to float32, as if `.float()` had been called on them (ties between exact copies stay exact). Pass"
+        " float32 features to silence this.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def _check_features(video_features: Tensor, text_features: Tensor) -> None:
     allowed = ", ".join(str(d) for d in FEATURE_DTYPES)
     for name, x in (("video_features", video_features), ("text_features", text_features)):
@@ -587,6 +801,7 @@ def _check_features(video_features: Tensor, text_features: Tensor) -> None:
     for name, x in (("video_features", video_features), ("text_features", text_features)):
         if x.numel() and not bool(torch.isfinite(x).all()):
             raise ValueError(f"`{name}` contains NaN or inf values; retrieval ranks are undefined for them.")
+    _warn_if_float64(video_features, text_features)
 
 
 def retrieval_ranks(
@@ -606,6 +821,8 @@ def retrieval_ranks(
 ) -> RetrievalRanks:
     """Per-query ``rank0`` in both directions from one row per sample (the functional form of the metric).
 
+    Features of any float dtype are rounded to float32 before scoring (float64 too, with one warning).
+
     Args:
         video_features: ``(N, D)`` one row per sample.
         text_features: ``(N, D)`` the caption of each sample.
@@ -616,7 +833,8 @@ def retrieval_ranks(
         sample_ids: sample id of each row; repeated samples (padding of a distributed sampler) count once.
         protocol: ``"dedup"`` or ``"paired"`` (row i <-> row i, no deduplication).
         v2t_gallery: ``"texts"`` (best of captions) or ``"groups"`` (one gallery item per video, group max).
-        ties: ``"optimistic"`` or ``"pessimistic"``.
+        ties: ``"optimistic"`` or ``"pessimistic"``; it alone decides a tie, also between a positive and an exact copy
+            of it under another id (see the module docstring).
         video_block_size: videos per block (``None``: from the memory budget).
         text_block_size: texts per block (``None``: from the memory budget).
         memory_budget_bytes: working-set budget for the blocks.
@@ -692,7 +910,7 @@ def _ranks_single(
         ties=ties,
         video_groups=torch.arange(n_video) if grouped else None,
         group_pairs=(plan.pair_text, plan.pair_video, n_video) if grouped else None,
-        positive_scores=scores if grouped else None,
+        positive_scores=scores,
         video_block_size=video_block_size,
         text_block_size=text_block_size,
         memory_budget_bytes=memory_budget_bytes,

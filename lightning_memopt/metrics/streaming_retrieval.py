@@ -27,6 +27,7 @@ from lightning_memopt.functional.retrieval import (
     _top_k_tuple,
     as_id_tensor,
     count_ranks,
+    embedding_keys,
     pair_scores,
     plan_retrieval,
     positive_thresholds,
@@ -77,6 +78,10 @@ class StreamingRetrievalMetric(Metric):
             ``"device"`` keeps them where the metric lives.
         kwargs: torchmetrics ``Metric`` keyword arguments (``process_group`` is honoured; ``sync_on_compute`` is
             always off, see above).
+
+    Ties are decided by ``ties`` alone: a caption or video embedded twice (an exact copy of a positive, under
+    another id, on any process) ties with the positive whatever the block sizes and the world size. float64
+    features are ranked in float32 (a warning says so once).
 
     Device requirements: none; on a GPU the blocks run there in full float32 (TF32 is switched off during
     ``compute`` and restored).
@@ -372,6 +377,15 @@ class StreamingRetrievalMetric(Metric):
         pv = local_index[plan.pair_video[pair_mask]]
         pt = plan.pair_text[pair_mask]
 
+        # exact copies of a positive video may sit on another process: share one key per video, so every process
+        # gives its copies the positive's own score (see `count_ranks`); only keys held more than once travel on
+        keys = comm.all_gather_rows(torch.stack([mine, embedding_keys(my_video)], 1))
+        video_key = torch.empty(n_video, dtype=torch.int64)
+        video_key[keys[:, 0]] = keys[:, 1]
+        _, key_index, key_count = torch.unique(video_key, return_inverse=True, return_counts=True)
+        shared = key_count[key_index[plan.pair_video]] > 1
+        positive_video_keys = (plan.pair_text[shared], video_key[plan.pair_video[shared]])
+
         device = self.device
         with torch.no_grad():
             scores = pair_scores(my_video, text, pv, pt)
@@ -388,7 +402,8 @@ class StreamingRetrievalMetric(Metric):
             ties=self.ties,
             video_groups=mine if grouped else None,
             group_pairs=(plan.pair_text, plan.pair_video, n_video) if grouped else None,
-            positive_scores=scores if grouped else None,
+            positive_scores=scores,
+            positive_video_keys=positive_video_keys,
             video_block_size=self.video_block_size,
             text_block_size=self.text_block_size,
             memory_budget_bytes=self.memory_budget_bytes,

@@ -27,8 +27,11 @@ from lightning_memopt.functional.retrieval import (
 
 # ------------------------------------------------------------------------------------------ reference
 def reference_ranks(video, text, text_ids=None, video_ids=None, sample_ids=None, protocol="dedup",
-                    v2t_gallery="texts", ties="optimistic"):
-    """Plain full-matrix ranks in float64, with python loops over queries: deliberately nothing shared."""
+                    v2t_gallery="texts", ties="optimistic", scores=None):
+    """Plain full-matrix ranks in float64, with python loops over queries: deliberately nothing shared.
+
+    ``scores(V, T)`` gives the score matrix (default ``V @ T.T`` in float64).
+    """
     n = video.shape[0]
     rows, seen = [], set()
     for i in range(n):
@@ -50,7 +53,7 @@ def reference_ranks(video, text, text_ids=None, video_ids=None, sample_ids=None,
     tk = sorted(texts)
     V = torch.stack([video[videos[k]] for k in vk]).double()
     T = torch.stack([text[texts[k]] for k in tk]).double()
-    S = V @ T.T
+    S = V @ T.T if scores is None else scores(V, T)
     pos_v = {k: set() for k in vk}
     for i in rows:
         pos_v[vkey(i)].add(tk.index(tkey(i)))

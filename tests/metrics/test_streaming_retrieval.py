@@ -11,6 +11,7 @@ import torch
 from lightning_memopt import StreamingRetrievalMetric
 from lightning_memopt.functional.retrieval import retrieval_ranks, streaming_retrieval, summarize_ranks
 from tests.functional.test_retrieval import make_data, reference_ranks
+from tests.functional.test_retrieval_ties import duplicated_data, exact_scores
 from tests.helpers.subprocess_run import run_script
 
 
@@ -244,6 +245,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning_memopt import StreamingRetrievalMetric
 from tests.functional.test_retrieval import make_data
+from tests.functional.test_retrieval_ties import duplicated_data
 
 def scenarios():
     video, text, ids = make_data(n=41, d=4, n_captions=13, seed=5)
@@ -259,6 +261,14 @@ def scenarios():
     vfeat = video[vid_ids * 3]
     yield "video_ids", vfeat, text, ids, sample, vid_ids, rank_rows, {"v2t_gallery": "groups"}
     yield "paired", video, text, ids, sample, None, rank_rows, {"protocol": "paired", "median": "mean"}
+    # exact copies of captions and videos under other ids, split over both ranks (rows alternate between ranks)
+    video, text, ids = duplicated_data()
+    sample = torch.arange(48)
+    split = {0: sample[0::2], 1: sample[1::2]}
+    for blocks in (1, 7, None):
+        for ties in ("optimistic", "pessimistic"):
+            opts = {"ties": ties, "video_block_size": blocks, "text_block_size": blocks}
+            yield f"copies_{blocks}_{ties}", video, text, ids, sample, None, split, opts
 
 def run(rank, world, out):
     if world > 1:
@@ -267,7 +277,7 @@ def run(rank, world, out):
     results = {}
     for name, video, text, ids, sample, vid_ids, rank_rows, opts in scenarios():
         rows = torch.cat(list(rank_rows.values())) if world == 1 else rank_rows[rank]
-        m = StreamingRetrievalMetric(top_k=(1, 3), video_block_size=3, text_block_size=4, **opts)
+        m = StreamingRetrievalMetric(top_k=(1, 3), **({"video_block_size": 3, "text_block_size": 4} | opts))
         for start in range(0, rows.numel(), 4):
             r = rows[start:start + 4]
             m.update(video[r], text[r], ids[r], sample_ids=sample[r],
@@ -316,6 +326,14 @@ def test_two_gloo_processes_match_world_size_one(tmp_path):
     text[21:25] = text[21]
     ref = retrieval_ranks(video, text, ids)
     assert sorted(single["padded"]["v2t_ranks"].values()) == sorted(ref.v2t.tolist())
+    # with exact copies split over the ranks, both world sizes give the exact answer in every block layout
+    video, text, ids = duplicated_data()
+    for ties in ("optimistic", "pessimistic"):
+        exact_v2t, exact_t2v = reference_ranks(video, text, text_ids=ids, ties=ties, scores=exact_scores)
+        for blocks in (1, 7, None):
+            got = single[f"copies_{blocks}_{ties}"]
+            assert [got["v2t_ranks"][str(i)] for i in range(48)] == exact_v2t.tolist(), (blocks, ties)
+            assert [got["t2v_ranks"][str(i)] for i in range(48)] == exact_t2v.tolist(), (blocks, ties)
 
 
 @pytest.mark.cuda
@@ -405,3 +423,21 @@ def test_a_loaded_state_of_another_feature_dim_is_what_counts():
     metric.update(torch.randn(2, 4), torch.randn(2, 4), [0, 1])  # the loaded rows are 4-dim: accepted
     with pytest.raises(ValueError, match="feature dim 8 but earlier updates had 4"):
         metric.update(torch.randn(2, 8), torch.randn(2, 8), [2, 3])
+
+
+def test_float64_features_rank_as_float32_with_one_warning(monkeypatch):
+    import warnings
+
+    from lightning_memopt.functional import retrieval
+
+    monkeypatch.setattr(retrieval, "_float64_warned", False)
+    video, text, ids = duplicated_data()
+    results = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in (torch.float64, torch.float32):
+            m = StreamingRetrievalMetric(ties="pessimistic")
+            feed(m, video.to(dtype), text.to(dtype), ids)
+            results.append({k: v.item() for k, v in m.compute().items()})
+    assert results[0] == results[1]
+    assert sum("ranked in float32" in str(w.message) for w in caught) == 1
