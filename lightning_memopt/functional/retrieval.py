@@ -98,8 +98,9 @@ _CUDA_MAX_BLOCK = (16384, 32768)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 #: Feature dtypes accepted (blocks are multiplied in float32 whatever the storage dtype; float64 is rounded to float32).
 FEATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# Positive pairs scored per chunk: float64 copies of 1024 x D rows stay in cache and are not fresh pages each time.
-_PAIR_CHUNK = 1024
+# Positive pairs are scored in chunks whose float64 buffer holds about this many bytes (two buffers, reused): few
+# enough chunks that per-operation latency does not add up, small enough to stay a footnote next to the blocks.
+_PAIR_CHUNK_BYTES = 1 << 24
 # Row keys read this many evenly spaced columns: cheap next to the block products, and rows that agree on all of
 # them are compared in full before they count as duplicates.
 _KEY_COLUMNS = 32
@@ -296,42 +297,46 @@ def full_fp32_matmul() -> Iterator[None]:
             torch.set_float32_matmul_precision(previous)
 
 
-def _pairwise_dot(a: Tensor, b: Tensor) -> Tensor:
-    """Row-wise float64 dot products summed in a fixed pairwise order: the same bits for the same rows anywhere.
-
-    The products of float32 values are exact in float64; the sum halves the row repeatedly with elementwise adds, so
-    its order depends only on the feature dim, not on the batch, the chunk, the device or a BLAS kernel's choice.
-    """
-    products = a.double() * b.double()
-    width = products.shape[1]
-    size = 1 << max(width - 1, 0).bit_length()
-    if size != width:
-        products = torch.nn.functional.pad(products, (0, size - width))
-    while size > 1:
-        size //= 2
-        products = products[:, :size] + products[:, size : 2 * size]
-    return products[:, 0] if products.shape[1] else products.new_zeros(products.shape[0])
-
-
-def pair_scores(video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tensor, chunk: int = _PAIR_CHUNK) -> Tensor:
+def pair_scores(
+    video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tensor, chunk: int | None = None
+) -> Tensor:
     """Scores of the positive pairs: float64 dot products of the float32 features in a fixed order, rounded to float32.
 
-    Equal feature rows give bit-identical scores whatever the chunk, the device or the process, which is what lets an
-    exact duplicate of a positive tie with it (see the module docstring). Features are rounded to float32 first, as
-    the blocks are.
+    The products of float32 values are exact in float64, and the sum halves each row repeatedly with elementwise adds,
+    so the order depends only on the feature dim, never on the chunk, the device, the process or a BLAS kernel's
+    choice: equal feature rows give bit-identical scores, which is what lets an exact copy of a positive tie with it
+    (see the module docstring). Features are rounded to float32 first, as the blocks are. ``chunk`` is the number of
+    pairs per chunk (``None``: what fills a 16 MiB float64 buffer).
 
     Example:
         >>> v, t = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0], [0.5, 0.5]])
         >>> pair_scores(v, t, torch.tensor([0, 0]), torch.tensor([0, 1]))
         tensor([1.0000, 1.5000])
     """
-    out = torch.empty(pair_video.numel(), dtype=torch.float32, device=video.device)
-    for start in range(0, pair_video.numel(), chunk):
-        pv = pair_video[start : start + chunk].to(video.device)
-        pt = pair_text[start : start + chunk].to(text.device)
-        a = video.index_select(0, pv).float()
-        b = text.index_select(0, pt).to(video.device).float()
-        out[start : start + chunk] = _pairwise_dot(a, b).float()
+    n, dim = pair_video.numel(), video.shape[1]
+    out = torch.empty(n, dtype=torch.float32, device=video.device)
+    if n == 0:
+        return out
+    size = 1 << max(dim - 1, 0).bit_length()
+    if chunk is None:
+        chunk = max(64, _PAIR_CHUNK_BYTES // (8 * size))
+    rows = min(chunk, n)
+    # two float64 buffers reused for every chunk; the padding columns [dim, size) stay zero
+    acc = torch.zeros(rows, size, dtype=torch.float64, device=video.device)
+    other = torch.empty(rows, dim, dtype=torch.float64, device=video.device)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        pv = pair_video[start : start + m].to(video.device)
+        pt = pair_text[start : start + m].to(text.device)
+        a, b = acc[:m], other[:m]
+        a[:, :dim].copy_(video.index_select(0, pv).float())
+        b.copy_(text.index_select(0, pt).to(video.device).float())
+        a[:, :dim].mul_(b)
+        width = size
+        while width > 1:
+            width //= 2
+            a[:, :width].add_(a[:, width : 2 * width])
+        out[start : start + m] = a[:, 0]
     return out
 
 
@@ -450,14 +455,17 @@ class _TieCells:
             self.text_codes = torch.sort(text_groups.gid[in_multi] * n_text + in_multi).values
         if not n_video:
             return
-        keys = embedding_keys(video)
+        keys = None
         if positive_video_keys is None:  # one process: keys of the positives' videos shared by another local video
+            keys = embedding_keys(video)
             _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
             shared = counts[inverse[pv]] > 1
             positive_video_keys = (pt[shared], keys[pv[shared]])
         p_text, p_key = (t.to(torch.int64).cpu() for t in positive_video_keys)
         if p_text.numel() == 0:
             return
+        if keys is None:
+            keys = embedding_keys(video)
         groups = _exact_groups(video, keys)
         gid = groups.gid if groups is not None else torch.arange(n_video)
         rep = groups.rep if groups is not None else torch.arange(n_video)
