@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_memopt import GarbageCollector, GradientCheckpointing, MemoryPrecision
+from lightning_memopt.callbacks import garbage_collector
 from lightning_memopt.utilities import allocator
 from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
 from tests.helpers.models import TinyModel
@@ -189,6 +190,11 @@ class Row:
     plugins: Callable[[], list[Any]] = list
 
 
+def _gc_state(model):
+    """Everything a collector may touch: automatic collection, thresholds, frozen objects, what forked children get."""
+    return gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), garbage_collector._enable_in_forked_child
+
+
 def _switch(model):
     return model.backbone.is_gradient_checkpointing
 
@@ -221,6 +227,24 @@ ROWS = {
         lambda m: gc.get_threshold(),
         TinyModel,
         lambda: [GarbageCollector(disable_automatic=True, freeze_after_setup=True, every_n_steps=1)],
+    ),
+    "gc-defaults": Row(
+        app_gc,
+        _gc_state,
+        TinyModel,
+        lambda: [GarbageCollector(every_n_steps=1)],
+    ),
+    "gc-defaults-disabled-by-app": Row(
+        lambda: app_gc(disabled=True),
+        _gc_state,
+        TinyModel,
+        lambda: [GarbageCollector(every_n_steps=1)],
+    ),
+    "gc-full-interval-frozen": Row(
+        lambda: app_gc(threshold=(500, 7, 9)),
+        _gc_state,
+        TinyModel,
+        lambda: [GarbageCollector(every_n_steps=1, full_every_n_steps=2, freeze_after_setup=True)],
     ),
     "alloc-env-unset": Row(
         app_env,

@@ -33,6 +33,10 @@ class CacheCleaner(Callback):
     ``benchmarks/callback_overhead.py``. Calls are made under the device's context so the right GPU's
     cache is emptied.
 
+    Measured cost (``python benchmarks/callback_overhead.py``: CPU, one thread, 1,000-step fits at a 32 ms
+    step): 0.002 ms per step, the interval check, since there is no cache to empty on CPU. On a GPU the same
+    script with ``--accelerator gpu`` prints the cost of one call and of the next allocation after it.
+
     Args:
         every_n_train_batches: Empty the cache after every this many training batches. ``None``: never
             during training batches.

@@ -65,6 +65,10 @@ class MemoryMonitor(RunIdCallback):
     ``torch.cuda.synchronize()`` and runs no collective on steps it does not log; reading the allocator's
     counters costs microseconds.
 
+    Measured cost (``python benchmarks/callback_overhead.py``: CPU, one thread, 1,000-step fits at a 32 ms
+    step): 0.41 ms per reading (host RSS and one JSONL line), 0.017 ms per step at the trainer's default
+    ``log_every_n_steps=50`` (0.05 % of the fit), and under 1 ms once per fit (16 ms in a process's first fit).
+
     A warning is emitted (once per crossing, on the rank that crosses, and written as a ``warning``
     record) when allocated or reserved memory goes above ``warn_threshold`` of the device total.
 

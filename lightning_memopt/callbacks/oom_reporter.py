@@ -89,6 +89,10 @@ class OOMReporter(RunIdCallback):
     time on every allocation: use it to investigate, not in every run. Devices without it get one warning and
     the report without a snapshot.
 
+    Measured cost (``python benchmarks/callback_overhead.py``: CPU, one thread, 1,000-step fits at a 32 ms
+    step): nothing per step (no per-step hook) and under 0.2 ms once per fit (setup, train start), without
+    ``record_history``.
+
     Guarantees:
 
     * The reporter never raises: whatever fails while the report is gathered is logged and listed in the

@@ -7,6 +7,8 @@ Pure functions: :func:`detect_growth` judges a window of ``(step, bytes)`` sampl
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import types
 from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
@@ -139,6 +141,50 @@ def _path(prefix: str, module_name: str, attr: str) -> str:
     return f"{prefix}.{module_name}.{attr}" if module_name else f"{prefix}.{attr}"
 
 
+#: Items of a large container looked at first (this many from each end, at every level); the container is walked in
+#: full only when one of them leads to a tensor with autograd history. A growing history is appended at the end; a
+#: dataset kept as an attribute (a million token lists) holds none: the first is found, the second costs little.
+_SAMPLE_ENDS = 16
+
+
+def _grad_fn_tensors_sampled(value: Any, max_depth: int) -> tuple[int, int]:
+    """``(count, bytes)`` of tensors with a ``grad_fn`` in ``value``, looking at the ends of large containers first."""
+    seen: set[int] = set()
+
+    def count(obj: Any, depth: int, sampled: bool) -> tuple[int, int]:
+        if isinstance(obj, torch.Tensor):
+            return (1, storage_bytes(obj)) if obj.grad_fn is not None else (0, 0)
+        if depth >= max_depth or not isinstance(obj, _WALKED) or (not sampled and id(obj) in seen):
+            return 0, 0  # (the sampling look-ahead is bounded by the depth and marks nothing as seen)
+        try:
+            values = obj.values() if isinstance(obj, Mapping) else obj
+            if sampled and len(obj) > 2 * _SAMPLE_ENDS:  # look at the ends without copying the container
+                if isinstance(values, (list, tuple)):
+                    ends = [*values[:_SAMPLE_ENDS], *values[-_SAMPLE_ENDS:]]
+                else:
+                    ends = [*itertools.islice(values, _SAMPLE_ENDS)]
+                    with contextlib.suppress(TypeError):  # sets cannot be reversed: their first items stand for all
+                        ends += itertools.islice(reversed(values), _SAMPLE_ENDS)
+                if not any(count(v, depth + 1, True)[0] for v in ends if type(v) not in _NEVER_HOLD):
+                    return 0, 0
+                sampled = False  # this container leads to one: count all of it
+            items = list(values)
+        except Exception:  # a container that breaks while being listed
+            return 0, 0
+        if not sampled:
+            seen.add(id(obj))
+        total = nbytes = 0
+        for v in items:
+            if type(v) in _NEVER_HOLD:
+                continue
+            c, b = count(v, depth + 1, sampled)
+            total += c
+            nbytes += b
+        return total, nbytes
+
+    return count(value, 0, True)
+
+
 def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: int = 4) -> list[GradFnHolder]:
     """Attributes of ``module`` and its submodules that hold tensors with autograd history.
 
@@ -179,7 +225,7 @@ def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: in
                 continue
             if attr == "_trainer" or attr.endswith("_hooks") or attr.startswith(("_forward", "_backward")):
                 continue
-            count, nbytes = tensors_with_grad_fn(value, max_depth=max_depth)
+            count, nbytes = _grad_fn_tensors_sampled(value, max_depth)
             if count:
                 holders.append(GradFnHolder(_path(prefix, mod_name, attr), count, nbytes))
     return sorted(holders, key=lambda h: (-h.num_tensors, h.path))

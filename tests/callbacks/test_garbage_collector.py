@@ -1,11 +1,15 @@
+import copy
 import gc
+import warnings
 from unittest import mock
 
+import lightning.pytorch as pl
 import pytest
+import torch
 
-from lightning_memopt.callbacks import GarbageCollector
+from lightning_memopt.callbacks import GarbageCollector, MemoryAudit
 from lightning_memopt.callbacks import garbage_collector as gcmod
-from tests.helpers.models import TinyModel
+from tests.helpers.models import RandomDataset, TinyModel
 from tests.helpers.trainer import make_trainer
 
 
@@ -126,6 +130,9 @@ def test_time_and_counts_logged_at_fit_end(tmp_path):
         ({"disable_automatic": 1}, r"`disable_automatic` must be a bool \(True or False\), got 1\."),
         ({"freeze_after_setup": "no"}, r"`freeze_after_setup` must be a bool \(True or False\), got 'no'\."),
         ({"freeze_after_setup": None}, r"`freeze_after_setup` must be a bool \(True or False\), got None\."),
+        ({"full_every_n_steps": 0}, r"`full_every_n_steps` must be a positive int, got 0\. Pass None to never"),
+        ({"full_every_n_steps": True}, r"`full_every_n_steps` must be a positive int, got True\."),
+        ({"full_every_n_steps": 2.0}, r"`full_every_n_steps` must be a positive int, got 2.0\."),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -181,3 +188,144 @@ def test_thresholds_are_never_changed(tmp_path):
         assert seen == [(321, 4, 5)] * 2 and gc.get_threshold() == (321, 4, 5)
     finally:
         gc.set_threshold(*old)
+
+
+class CollectionRecorder(pl.Callback):
+    """Records every collection Python runs during training (``gc.callbacks``), and the collector's state."""
+
+    def __init__(self):
+        self.generations = []
+        self.enabled = []
+        self.frozen = []
+        self._training = False
+
+    def _on_gc(self, phase, info):
+        if phase == "start" and self._training:
+            self.generations.append(info["generation"])
+
+    def on_train_start(self, trainer, pl_module):
+        self._training = True
+        gc.callbacks.append(self._on_gc)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.enabled.append(gc.isenabled())
+        self.frozen.append(gc.get_freeze_count())
+
+    def on_train_end(self, trainer, pl_module):
+        self._training = False
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.on_train_end(trainer, pl_module)
+
+
+def test_defaults_collect_the_young_generations_with_the_automatic_collector_off(tmp_path):
+    # A full collection scans every tracked object (hundreds of milliseconds at a million objects): the defaults
+    # never run one. They switch the automatic collector off and collect generation 1 on the interval.
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    collector = GarbageCollector()
+    recorder = CollectionRecorder()
+    trainer = make_trainer(
+        tmp_path, callbacks=[collector, recorder], max_steps=50, limit_train_batches=16, limit_val_batches=0
+    )
+    trainer.fit(TinyModel())
+    assert recorder.generations == [1, 1]  # steps 25 and 50: no automatic collection, no full one
+    assert collector.calls == 2
+    assert recorder.enabled == [False] * 50  # off for the whole of training
+    assert recorder.frozen == [0] * 50  # nothing frozen: MemoryAudit and OOMReporter still see every tensor
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and gcmod._enable_in_forked_child is None
+    assert (collector.every_n_steps, collector.generation, collector.disable_automatic) == (25, 1, True)
+    assert (collector.freeze_after_setup, collector.full_every_n_steps) == (False, None)
+
+
+def test_full_collections_only_where_asked(tmp_path):
+    collector = GarbageCollector(every_n_steps=4, full_every_n_steps=6)
+    steps_seen = []
+
+    def collect(generation):
+        steps_seen.append((trainer.global_step, generation))
+        return 0
+
+    with mock.patch.object(gcmod.gc, "collect", side_effect=collect):
+        trainer = make_trainer(
+            tmp_path, callbacks=[collector], max_steps=12, limit_train_batches=12, limit_val_batches=0
+        )
+        trainer.fit(TinyModel())
+    assert steps_seen == [(4, 1), (6, 2), (8, 1), (12, 2)]  # a full one in place of the regular one at 12
+    assert collector.calls == 4
+
+
+def test_full_collection_interval_with_generation_2_collects_once_per_step(tmp_path):
+    collector = GarbageCollector(every_n_steps=2, generation=2, full_every_n_steps=3)
+    with mock.patch.object(gcmod.gc, "collect", return_value=0) as collect:
+        trainer = make_trainer(
+            tmp_path, callbacks=[collector], max_steps=6, limit_train_batches=6, limit_val_batches=0
+        )
+        trainer.fit(TinyModel())
+    assert collect_calls(collect) == [(2,), (2,), (2,), (2,)]  # steps 2, 3, 4 and 6: never twice in one step
+
+
+class GcStateDataset(RandomDataset):
+    """Each sample carries whether the automatic collector is on where it was loaded (a worker process)."""
+
+    def __getitem__(self, idx):
+        return torch.cat([super().__getitem__(idx)[:-1], torch.tensor([float(gc.isenabled())])])
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="needs fork")
+def test_forked_dataloader_workers_get_the_automatic_collector_back(tmp_path):
+    seen_in_workers = []
+    seen_in_main = []
+
+    class Model(TinyModel):
+        def train_dataloader(self):
+            context = torch.multiprocessing.get_context("fork")
+            return torch.utils.data.DataLoader(
+                GcStateDataset(self.in_features, 8), batch_size=4, num_workers=1, multiprocessing_context=context
+            )
+
+        def training_step(self, batch, batch_idx):
+            seen_in_workers.extend(batch[:, -1].tolist())
+            seen_in_main.append(gc.isenabled())
+            return super().training_step(batch, batch_idx)
+
+    collector = GarbageCollector(every_n_steps=1)
+    make_trainer(tmp_path, callbacks=[collector], max_steps=4, limit_val_batches=0).fit(Model())
+    assert seen_in_main == [False] * 4
+    # Lightning starts the first epoch's workers before `on_train_start`; the second epoch's are forked while
+    # the collector is off in the main process, and get it back on in the child.
+    assert seen_in_workers == [1.0] * 16
+    assert gc.isenabled() and gcmod._enable_in_forked_child is None
+
+
+def test_forked_children_keep_the_collector_off_when_the_application_had_it_off(tmp_path):
+    gc.disable()
+    try:
+        collector = GarbageCollector()
+        make_trainer(tmp_path, callbacks=[collector], max_steps=1, limit_val_batches=0).fit(TinyModel())
+        trainer = make_trainer(tmp_path, callbacks=[collector], max_steps=1, limit_val_batches=0)
+        states = []
+
+        class Model(TinyModel):
+            def training_step(self, batch, batch_idx):
+                states.append(gcmod._enable_in_forked_child)
+                return super().training_step(batch, batch_idx)
+
+        trainer.fit(Model())
+        assert states == [False] and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_default_collector_hides_no_tensor_from_memory_audit(tmp_path):
+    # Frozen objects are invisible to `gc.get_objects()`: freezing by default would hide a copy of the weights
+    # made before fit from MemoryAudit's walk. The default does not freeze, so the copy is reported.
+    model = TinyModel(in_features=256)
+    stray = copy.deepcopy(model.layer)  # noqa: F841 - kept alive on purpose
+    audit = MemoryAudit(detect_leaks=False, check_grad_tracking=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[GarbageCollector(), audit], max_steps=1, limit_val_batches=0).fit(model)
+    assert any("not owned by the model or optimizer" in str(w.message) for w in seen)
+    assert audit.last_audit["duplicates"]["num_tensors"] >= 2  # weight and bias

@@ -113,3 +113,28 @@ def test_metric_states_requiring_grad_with_torchmetrics():
     assert metric_states_requiring_grad(net) == []
     net.cat.update(pred)  # keeps the graph
     assert metric_states_requiring_grad(net) == ["self.cat.value"]
+
+
+@pytest.mark.slow
+def test_a_dataset_kept_as_an_attribute_is_not_walked_but_a_history_beside_it_is_found():
+    """300k token lists in `self.data` cost the leak scan almost nothing; a growing history is still counted."""
+    import time
+
+    from lightning_memopt.functional.leaks import grad_fn_holders
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+            self.data = [[i % 97 for i in range(20)] for _ in range(300_000)]
+            self.splits = {"train": self.data, "history": []}
+
+    module = Holder()
+    start = time.perf_counter()
+    assert grad_fn_holders(module) == []
+    assert time.perf_counter() - start < 0.25  # the whole walk took seconds
+    w = torch.ones(3, requires_grad=True)
+    for i in range(500):
+        module.splits["history"].append({"step": i, "loss": w * i})
+    holders = grad_fn_holders(module)
+    assert [(h.path, h.num_tensors) for h in holders] == [("self.splits", 500)]
