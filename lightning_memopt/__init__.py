@@ -13,6 +13,7 @@ from lightning_memopt.__about__ import __version__
 
 if TYPE_CHECKING:
     from lightning_memopt.callbacks import (
+        AutoMicroBatch,
         CacheCleaner,
         GarbageCollector,
         GradientCheckpointing,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 #: Where each public name lives.
 _EXPORTS = {
+    "AutoMicroBatch": "lightning_memopt.callbacks",
     "CacheCleaner": "lightning_memopt.callbacks",
     "GarbageCollector": "lightning_memopt.callbacks",
     "GradientCheckpointing": "lightning_memopt.callbacks",
@@ -42,6 +44,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AutoMicroBatch",
     "CacheCleaner",
     "GarbageCollector",
     "GradientCheckpointing",

@@ -1,0 +1,368 @@
+"""AutoMicroBatch on one device: a simulated memory budget, Lightning's own accumulation as the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_memopt import OOMReporter
+from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
+from lightning_memopt.functional.micro_batch import batch_size_of, slice_batch
+from tests.helpers.trainer import make_trainer
+
+N_SAMPLES = 64
+
+
+class _BackwardBudget(torch.autograd.Function):
+    """Identity whose backward runs out of memory when it sees more than ``limit`` samples."""
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.n, ctx.limit = x.shape[0], limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.limit is not None and ctx.n > ctx.limit:
+            raise torch.OutOfMemoryError(f"simulated: backward of {ctx.n} samples, budget {ctx.limit}")
+        return grad, None
+
+
+class Data(Dataset):
+    def __init__(self, kind="tuple"):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(N_SAMPLES, 4, generator=g), torch.randn(N_SAMPLES, generator=g)
+        self.kind = kind
+
+    def __len__(self):
+        return N_SAMPLES
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+class Net(pl.LightningModule):
+    """A linear model plus a per-sample probe: ``probe.grad[i] * N * accumulate`` counts how often sample i was used."""
+
+    def __init__(self, forward_budget=None, backward_budget=None, optimizer="sgd", batch_size=16, accumulate=1,
+                 budget_from_batch=0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 3)
+        self.head = nn.Linear(3, 1)
+        self.probe = nn.Parameter(torch.zeros(N_SAMPLES))
+        self.forward_budget, self.backward_budget = forward_budget, backward_budget
+        self.budget_from_batch = budget_from_batch
+        self.optimizer, self.batch_size, self.accumulate = optimizer, batch_size, accumulate
+        self.seen_sizes: list[int] = []
+        self.counts: list[torch.Tensor] = []
+
+    def unpack(self, batch):
+        return batch
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = self.unpack(batch)
+        self.seen_sizes.append(x.shape[0])
+        active = batch_idx >= self.budget_from_batch
+        if active and self.forward_budget is not None and x.shape[0] > self.forward_budget:
+            raise torch.OutOfMemoryError(f"simulated: forward of {x.shape[0]} samples")
+        h = _BackwardBudget.apply(self.layer(x), self.backward_budget if active else None)
+        out = self.head(torch.tanh(h)).squeeze(1)
+        loss = nn.functional.mse_loss(out, y) + self.probe[idx].mean()
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.counts.append(self.probe.grad.detach().clone())
+
+    def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(Data(), batch_size=self.batch_size, shuffle=False)
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fit(tmp_path, model, callbacks=(), accumulate=1, max_steps=4, **kwargs):
+    trainer = make_trainer(tmp_path, callbacks=list(callbacks), accumulate_grad_batches=accumulate,
+                           max_steps=max_steps, limit_train_batches=None, limit_val_batches=0, **kwargs)
+    trainer.fit(model)
+    return trainer
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_starts_above_the_budget_and_ends_bitwise_equal_to_lightning_accumulation(tmp_path, optimizer, where):
+    budget = {"forward_budget": 4} if where == "forward" else {"backward_budget": 4}
+    ours = Net(optimizer=optimizer, batch_size=16, **budget)
+    callback = AutoMicroBatch()
+    trainer = fit(tmp_path / "ours", ours, [callback])
+    reference = Net(optimizer=optimizer, batch_size=4)  # the feasible micro-batch, Lightning's own accumulation
+    ref_trainer = fit(tmp_path / "ref", reference, accumulate=4)
+    assert callback.micro_batch_size == 4 and callback.retries == 2  # 16 -> 8 -> 4
+    assert trainer.global_step == ref_trainer.global_step == 4
+    got, expected = weights(ours), weights(reference)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    scheduler, ref_scheduler = trainer.lr_scheduler_configs[0].scheduler, ref_trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == ref_scheduler.last_epoch == 4
+    assert trainer.optimizers[0].param_groups[0]["lr"] == ref_trainer.optimizers[0].param_groups[0]["lr"]
+    # every sample of each step's batch counted exactly once, nothing else
+    for step, grad in enumerate(ours.counts):
+        expected_count = torch.zeros(N_SAMPLES)
+        expected_count[step * 16:(step + 1) * 16] = 1.0
+        assert torch.allclose(grad * 16, expected_count, atol=1e-6), step
+    if where == "forward":  # a backward failure logged before it failed: documented, it stays in the epoch mean
+        expected_loss = ref_trainer.callback_metrics["train_loss"].item()
+        assert trainer.callback_metrics["train_loss"].item() == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_an_oom_in_backward_mid_window_restores_the_window_s_gradients(tmp_path):
+    """accumulate 2: the window's first batch fits whole, its second runs out of memory in backward."""
+    ours = Net(backward_budget=8, batch_size=16, budget_from_batch=1)
+    callback = AutoMicroBatch()
+    trainer = fit(tmp_path / "ours", ours, [callback], accumulate=2, max_steps=2)
+    assert callback.micro_batch_size == 8 and callback.retries == 1
+    assert ours.seen_sizes[:4] == [16, 16, 8, 8]  # batch 0 whole; batch 1 failed whole, then two halves
+    for step, grad in enumerate(ours.counts):
+        expected_count = torch.zeros(N_SAMPLES)
+        expected_count[step * 32:(step + 1) * 32] = 1.0
+        assert torch.allclose(grad * 32, expected_count, atol=1e-6), step
+    reference = Net(batch_size=16)
+    fit(tmp_path / "ref", reference, accumulate=2, max_steps=2)
+    for name, value in weights(reference).items():
+        assert torch.allclose(weights(ours)[name], value, atol=1e-6), name
+    assert trainer.global_step == 2
+
+
+def test_the_micro_batch_is_saved_and_a_resumed_run_does_not_run_out_of_memory_again(tmp_path):
+    model = Net(forward_budget=4, batch_size=16)
+    callback = AutoMicroBatch()
+    trainer = fit(tmp_path, model, [callback], max_steps=2)
+    path = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["callbacks"][callback.state_key]["micro_batch_size"] == 4
+    resumed_model, resumed = Net(forward_budget=4, batch_size=16), AutoMicroBatch()
+    trainer = make_trainer(tmp_path, callbacks=[resumed], max_steps=4, limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(resumed_model, ckpt_path=path)
+    assert resumed.micro_batch_size == 4
+    assert max(resumed_model.seen_sizes) == 4  # never tried 16 or 8 again
+    assert trainer.global_step == 4
+
+
+def test_below_the_smallest_micro_batch_the_original_error_ends_the_run_with_a_report(tmp_path):
+    model = Net(forward_budget=0, batch_size=8)
+    callback = AutoMicroBatch(min_micro_batch_size=2)
+    reporter = OOMReporter(dirpath=tmp_path / "oom")
+    with pytest.raises(torch.OutOfMemoryError, match=r"simulated: forward of 2 samples.*min_micro_batch_size=2"):
+        fit(tmp_path, model, [callback, reporter])
+    assert model.seen_sizes == [8, 4, 2]
+    assert list((tmp_path / "oom").glob("*.md"))  # OOMReporter wrote its report
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("not memory"), RuntimeError("CUDA error: out of memory")], ids=["value", "cuda-kernel"]
+)
+def test_other_errors_are_never_retried(tmp_path, error):
+    class Failing(Net):
+        def training_step(self, batch, batch_idx):
+            self.seen_sizes.append(batch[0].shape[0])
+            raise error
+
+    model = Failing(batch_size=8)
+    with pytest.raises(type(error), match=str(error)):
+        fit(tmp_path, model, [AutoMicroBatch()])
+    assert model.seen_sizes == [8]
+
+
+Pair = namedtuple("Pair", ["x", "y", "idx"])
+
+
+@dataclasses.dataclass
+class Record:
+    x: torch.Tensor
+    y: torch.Tensor
+    idx: torch.Tensor
+    name: list
+
+
+class Custom:
+    def __init__(self, x, y, idx):
+        self.x, self.y, self.idx = x, y, idx
+
+
+def _collate(kind):
+    def collate(items):
+        x = torch.stack([i[0] for i in items])
+        y = torch.stack([i[1] for i in items])
+        idx = torch.tensor([i[2] for i in items])
+        if kind == "dict":
+            return {"x": x, "y": y, "idx": idx, "names": [f"s{int(i)}" for i in idx], "scale": 1.0}
+        if kind == "namedtuple":
+            return Pair(x, y, idx)
+        if kind == "dataclass":
+            return Record(x, y, idx, [f"s{int(i)}" for i in idx])
+        return Custom(x, y, idx)
+
+    return collate
+
+
+class Typed(Net):
+    def __init__(self, kind, **kw):
+        super().__init__(**kw)
+        self.kind = kind
+
+    def unpack(self, batch):
+        if self.kind == "dict":
+            assert len(batch["names"]) == batch["x"].shape[0] and batch["scale"] == 1.0
+            return batch["x"], batch["y"], batch["idx"]
+        if self.kind == "dataclass":
+            assert len(batch.name) == batch.x.shape[0]
+        return batch.x, batch.y, batch.idx
+
+    def train_dataloader(self):
+        return DataLoader(Data(), batch_size=self.batch_size, shuffle=False, collate_fn=_collate(self.kind))
+
+
+@pytest.mark.parametrize("kind", ["dict", "namedtuple", "dataclass"])
+def test_batch_types_split_by_the_default_slicer(tmp_path, kind):
+    model = Typed(kind, forward_budget=4, batch_size=8)
+    callback = AutoMicroBatch()
+    fit(tmp_path, model, [callback], max_steps=2)
+    assert callback.micro_batch_size == 4 and model.seen_sizes == [8, 4, 4, 4, 4]
+
+
+def test_a_custom_batch_type_needs_the_override_and_works_with_it(tmp_path):
+    with pytest.raises(TypeError, match=r"Custom.*split_batch=fn"):
+        fit(tmp_path, Typed("custom", forward_budget=4, batch_size=8), [AutoMicroBatch()])
+
+    def split(batch, start, stop):
+        return Custom(batch.x[start:stop], batch.y[start:stop], batch.idx[start:stop])
+
+    model = Typed("custom", forward_budget=4, batch_size=8)
+    callback = AutoMicroBatch(split_batch=split, batch_size=lambda b: b.x.shape[0])
+    fit(tmp_path / "override", model, [callback], max_steps=2)
+    assert model.seen_sizes == [8, 4, 4, 4, 4]
+
+
+def test_a_fixed_start_never_tries_the_whole_batch(tmp_path):
+    model = Net(batch_size=16)
+    fit(tmp_path, model, [AutoMicroBatch(micro_batch_size=4)], max_steps=1)
+    assert model.seen_sizes == [4, 4, 4, 4]
+
+
+def test_the_user_s_loop_is_given_back(tmp_path):
+    model = Net(batch_size=8)
+    trainer = make_trainer(tmp_path, callbacks=[AutoMicroBatch()], max_steps=1, limit_val_batches=0)
+    original = trainer.fit_loop.epoch_loop.automatic_optimization
+    trainer.fit(model)
+    assert trainer.fit_loop.epoch_loop.automatic_optimization is original
+
+
+def test_slicer_edges():
+    batch = {"x": torch.arange(6).view(6, 1), "t": (torch.zeros(6), ["a"] * 6), "none": None, "scalar": torch.tensor(1)}
+    part = slice_batch(batch, 1, 3)
+    assert part["x"].tolist() == [[1], [2]] and part["t"][1] == ["a", "a"] and part["none"] is None
+    assert part["scalar"].item() == 1
+    assert batch_size_of(batch) == 6
+    with pytest.raises(TypeError, match=r"batch\['w'\].*first dim is not the batch size 6"):
+        slice_batch({"x": torch.zeros(6), "w": torch.zeros(5)}, 0, 3)
+    with pytest.raises(TypeError, match=r"cannot tell the batch size.*split_batch=fn"):
+        batch_size_of({"names": ["a", "b"]})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"micro_batch_size": "big"}, "micro_batch_size"),
+        ({"min_micro_batch_size": 0}, "min_micro_batch_size"),
+        ({"micro_batch_size": 2, "min_micro_batch_size": 4}, "min_micro_batch_size"),
+        ({"split_batch": 3}, "split_batch"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoMicroBatch(**kwargs)
+
+
+def test_manual_optimization_is_refused_in_setup(tmp_path):
+    class Manual(Net):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="automatic optimization"):
+        fit(tmp_path, Manual(), [AutoMicroBatch()])
+
+
+DDP_SCRIPT = """
+import sys
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
+from tests.callbacks.test_auto_micro_batch import Data, Net
+
+
+class RankBudget(Net):
+    # only rank 1 has a memory budget
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank != 1:
+            self.forward_budget = self.backward_budget = None
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        sampler = DistributedSampler(Data(), shuffle=False)
+        return DataLoader(Data(), batch_size=self.batch_size, sampler=sampler)
+
+
+if __name__ == "__main__":
+    for where in ("forward", "backward"):
+        budget = {"forward_budget": 2} if where == "forward" else {"backward_budget": 2}
+        model = RankBudget(optimizer="adamw", batch_size=8, **budget)
+        callback = AutoMicroBatch()
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, use_distributed_sampler=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, logger=False,
+                             default_root_dir=".", callbacks=[callback])
+        trainer.fit(model)
+        torch.save({"weights": model.state_dict(), "micro": callback.micro_batch_size, "retries": callback.retries,
+                    "step": trainer.global_step, "sizes": model.seen_sizes},
+                   f"{where}_rank{trainer.global_rank}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_where_only_rank_1_runs_out_of_memory(tmp_path):
+    from tests.helpers.subprocess_run import run_script
+
+    proc = run_script(DDP_SCRIPT, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = Net(optimizer="adamw", batch_size=16)  # one process, the global batch
+    fit(tmp_path / "ref", reference, max_steps=3)
+    for where in ("forward", "backward"):
+        ranks = [torch.load(tmp_path / f"{where}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+        for r in ranks:  # both ranks halved together (8 -> 4 -> 2) and made the same three steps
+            assert (r["micro"], r["retries"], r["step"]) == (2, 2, 3)
+        assert ranks[0]["sizes"][:3] == [8, 4, 2]  # rank 0 had memory to spare and still followed rank 1
+        for name, value in ranks[0]["weights"].items():
+            assert torch.equal(value, ranks[1]["weights"][name]), (where, name)
+            assert torch.allclose(value, reference.state_dict()[name], atol=1e-6), (where, name)
