@@ -44,6 +44,14 @@ class AutoMicroBatch(Callback):
     (the peak of a step varies with the data), and every failed attempt costs a forward pass. It is saved in the
     checkpoint, so a resumed run starts at the size that worked; a new ``fit`` starts from ``micro_batch_size``.
 
+    Under DDP every rank agrees after each micro-batch (a 1-element all-reduce): an out-of-memory error on one rank
+    makes every rank restore its gradients and halve, so nothing hangs. Micro-batches run without DDP's gradient
+    sync, and the gradients are all-reduced once, after the last micro-batch of a batch that steps the optimizer.
+    Strategies that run collectives inside forward or backward (FSDP, DeepSpeed, model or tensor parallel) are
+    refused in ``setup``. Collectives inside ``training_step`` itself (``self.log(..., sync_dist=True)`` on step
+    logs, an ``all_gather`` of negatives, ``SyncBatchNorm``) cannot be made safe: a rank that ran out of memory
+    before reaching one leaves the others waiting in it.
+
     Below ``min_micro_batch_size`` the original ``torch.OutOfMemoryError`` ends the run, its message extended with
     what was tried (``OOMReporter`` then writes its report). Other errors are never retried, nor are CUDA errors that
     are not allocator out-of-memory errors (``RuntimeError: CUDA error: out of memory`` from a kernel).
