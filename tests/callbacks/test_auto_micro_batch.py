@@ -366,3 +366,30 @@ def test_two_ddp_processes_where_only_rank_1_runs_out_of_memory(tmp_path):
         for name, value in ranks[0]["weights"].items():
             assert torch.equal(value, ranks[1]["weights"][name]), (where, name)
             assert torch.allclose(value, reference.state_dict()[name], atol=1e-6), (where, name)
+
+
+def test_fp16_grad_scaler_steps_and_state_match_lightning_accumulation(tmp_path):
+    """16-mixed on CPU (fp16 autocast with a GradScaler): same weights and the same scaler state as the reference."""
+    from lightning_memopt import MemoryPrecision
+
+    ours, reference = Net(forward_budget=4, batch_size=16), Net(batch_size=4)
+    plugins = [MemoryPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**14))]
+    ref_plugins = [MemoryPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**14))]
+    trainer = fit(tmp_path / "ours", ours, [AutoMicroBatch()], plugins=plugins)
+    ref_trainer = fit(tmp_path / "ref", reference, accumulate=4, plugins=ref_plugins)
+    scaler, ref_scaler = plugins[0].scaler, ref_plugins[0].scaler
+    assert scaler.state_dict() == ref_scaler.state_dict()
+    assert scaler.state_dict()["_growth_tracker"] == 4  # the scaler ran: four finite steps
+    for name, value in weights(reference).items():
+        assert torch.equal(weights(ours)[name], value), name
+
+
+def test_strategies_with_collectives_inside_forward_are_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    trainer = SimpleNamespace(strategy=FSDPStrategy(), world_size=1)
+    module = SimpleNamespace(automatic_optimization=True)
+    with pytest.raises(ValueError, match=r"FSDPStrategy.*collectives inside forward"):
+        AutoMicroBatch().setup(trainer, module, "fit")
