@@ -377,6 +377,7 @@ def test_fp16_grad_scaler_steps_and_state_match_lightning_accumulation(tmp_path)
     ref_plugins = [MemoryPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**14))]
     trainer = fit(tmp_path / "ours", ours, [AutoMicroBatch()], plugins=plugins)
     ref_trainer = fit(tmp_path / "ref", reference, accumulate=4, plugins=ref_plugins)
+    assert trainer.global_step == ref_trainer.global_step == 4
     scaler, ref_scaler = plugins[0].scaler, ref_plugins[0].scaler
     assert scaler.state_dict() == ref_scaler.state_dict()
     assert scaler.state_dict()["_growth_tracker"] == 4  # the scaler ran: four finite steps
@@ -393,3 +394,20 @@ def test_strategies_with_collectives_inside_forward_are_refused():
     module = SimpleNamespace(automatic_optimization=True)
     with pytest.raises(ValueError, match=r"FSDPStrategy.*collectives inside forward"):
         AutoMicroBatch().setup(trainer, module, "fit")
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "auto_microbatch.py"), "--quick", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["recovery"]["micro_batch_size"] == 8 and result["ratio_wall"] > 0
