@@ -98,9 +98,9 @@ _CUDA_MAX_BLOCK = (16384, 32768)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 #: Feature dtypes accepted (blocks are multiplied in float32 whatever the storage dtype; float64 is rounded to float32).
 FEATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# Positive pairs are scored in chunks whose float64 buffer holds about this many bytes (two buffers, reused): few
-# enough chunks that per-operation latency does not add up, small enough to stay a footnote next to the blocks.
-_PAIR_CHUNK_BYTES = 1 << 24
+# Positive pairs are scored in chunks whose float64 buffer holds about this many bytes (two buffers, reused): big
+# enough that per-operation latency does not add up, small enough to stay in cache (512 rows of 512 dims).
+_PAIR_CHUNK_BYTES = 1 << 21
 # Row keys read this many evenly spaced columns: cheap next to the block products, and rows that agree on all of
 # them are compared in full before they count as duplicates.
 _KEY_COLUMNS = 32
@@ -308,7 +308,7 @@ def pair_scores(
     so the order depends only on the feature dim, never on the chunk, the device, the process or a BLAS kernel's
     choice: equal feature rows give bit-identical scores, which is what lets an exact copy of a positive tie with it
     (see the module docstring). Features are rounded to float32 first, as the blocks are. ``chunk`` is the number of
-    pairs per chunk (``None``: what fills a 16 MiB float64 buffer).
+    pairs per chunk (``None``: what fills a 2 MiB float64 buffer).
 
     Example:
         >>> v, t = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0], [0.5, 0.5]])
