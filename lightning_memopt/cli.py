@@ -27,8 +27,28 @@ class CLIError(Exception):
     """A one-line error for the user; ``main`` prints it and exits with code 2."""
 
 
+_ANALYZE_DESCRIPTION = """\
+Summarise memory JSONL logs (MemoryMonitor, MemoryAudit): one row per rank and phase (and run, when the logs
+hold several run_ids) with peaks, means, growth and warnings; optionally a timeline plot.
+
+growth: a straight line fitted to the phase's step readings (allocated bytes; host RSS, marked "(RSS)", where
+the device gives none) against global_step, leaving out the first third of the steps (warm-up). Shown as the
+line's change over the steps it was fitted on ("+96.00 MiB over steps 140-400") only when the slope is at
+least 4 standard errors from zero (the error from the readings' scatter about the line, or from the scatter
+of block means when memory moves between plateaus) and the change is at least twice the readings' scatter;
+otherwise "flat over steps A-B". "too short to tell" when fewer than 10 readings spanning 100 steps, at 4 or
+more different steps, remain after the warm-up (a few readings do not show a trend).
+
+warnings: counted per check (MemoryAudit's duplicates and leak, MemoryMonitor's threshold); each is listed
+with its text under the table ("warnings in the logs", the first five of each check per row) and marked on
+the plot with a labelled line (threshold warnings: a red x at the figure that crossed the threshold).
+"""
+
+
 def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("analyze", help="summarise memory JSONL logs and plot a timeline")
+    parser = subparsers.add_parser("analyze", help="summarise memory JSONL logs and plot a timeline",
+                                   description=_ANALYZE_DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", metavar="LOG", help="memory_rank*.jsonl files written by MemoryMonitor")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="write a timeline plot to this file (the extension picks the format: .png, .svg, .pdf)")

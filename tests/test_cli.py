@@ -150,3 +150,56 @@ def test_analyze_catches_any_unexpected_error(tmp_path, capsys, monkeypatch):
 
 def test_module_exports_only_main():
     assert cli.__all__ == ["main"]
+
+
+def _cpu_step(t, step, rss, phase="train", **extra):
+    return {"time": t, "rank": 0, "phase": phase, "event": "step", "epoch": 0, "global_step": step, "batch_idx": 0,
+            "device": "cpu", "allocated_bytes": None, "host_rss_bytes": rss, **extra}
+
+
+def test_analyze_help_explains_growth_and_warnings(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("leaving out the first third of the steps (warm-up)", "at least 4 standard errors from zero",
+                  "at least twice the readings' scatter", '"too short to tell" when fewer than 10 readings spanning'
+                  " 100 steps", '"flat over steps A-B"', "each is listed with its text under the table",
+                  "marked on the plot with a labelled line"):
+        assert words in out
+
+
+def test_analyze_prints_growth_verdicts_and_audit_findings(tmp_path, capsys):
+    MiB = 1024**2
+    records = [_cpu_step(float(s), s, 400 * MiB + s * MiB) for s in range(0, 401, 10)]  # a leak: 1 MiB per step
+    records += [_cpu_step(500.0 + i, 400, 300 * MiB, phase="validate") for i in range(3)]  # 3 readings: no verdict
+    message = ("MemoryAudit [rank 0]: Live tensor memory on cpu grows by 1.00 MiB per optimizer step (1048576"
+               " bytes/step, 100.00 MiB over steps 200-300), first seen at step 210. Usual causes: a list of losses.")
+    records.append(dict(_cpu_step(300.5, 300, 700 * MiB), event="warning", check="leak", message=message))
+    path = _write(tmp_path, "memory_rank0.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    assert main(["analyze", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    lines = captured.out.splitlines()
+    train = next(line for line in lines if line.startswith("0     train"))
+    validate = next(line for line in lines if line.startswith("0     validate"))
+    assert "+260.00 MiB over steps 140-400 (RSS)" in train and "1 leak" in train
+    assert "too short to tell (3 readings, all at step 400) (RSS)" in validate
+    assert lines[lines.index("warnings in the logs:") + 1] == f"  rank 0, train, step 300, 300.5 s: leak: {message}"
+
+
+def test_analyze_keeps_the_findings_of_runs_appended_to_one_file_apart(tmp_path, capsys):
+    first = [dict(_cpu_step(float(s), s, 1000), run_id="a1") for s in range(1, 4)]
+    second = [dict(_cpu_step(100.0 + s, s, 2000), run_id="b2") for s in range(1, 4)]
+    second.append(dict(_cpu_step(102.5, 2, 2000), run_id="b2", event="warning", check="duplicates",
+                       message="MemoryAudit [rank 0] (fit start): 3 tensors on cpu mirror the parameters."))
+    path = _write(tmp_path, "memory_rank0.jsonl", "".join(json.dumps(r) + "\n" for r in first + second))
+    assert main(["analyze", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["rank", "run", "phase"]
+    assert [line.split()[:2] for line in lines[2:4]] == [["0", "a1"], ["0", "b2"]]
+    start, end = lines[0].index("warnings"), lines[0].index("peak at")
+    assert [line[start:end].strip() for line in lines[2:4]] == ["0", "1 duplicates"]
+    # listed under its own run, its time counted from that run's first record
+    assert lines[-1] == ("  rank 0, run b2, train, step 2, 1.5 s: duplicates: MemoryAudit [rank 0] (fit start): 3"
+                         " tensors on cpu mirror the parameters.")

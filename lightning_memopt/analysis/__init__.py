@@ -1,6 +1,7 @@
 """Reading memory JSONL logs back: summaries and plots."""
 
 from lightning_memopt.analysis.memory_log import (
+    MemoryFinding,
     MemoryLogError,
     PhaseSummary,
     analyze_memory_logs,
@@ -11,6 +12,7 @@ from lightning_memopt.analysis.memory_log import (
 )
 
 __all__ = [
+    "MemoryFinding",
     "MemoryLogError",
     "PhaseSummary",
     "analyze_memory_logs",

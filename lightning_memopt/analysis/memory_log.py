@@ -7,6 +7,13 @@ wrong type, NaN) is skipped, and each file with skipped records gets one warning
 
 Records may carry a ``run_id``: records of different runs (a log appended to by a second run, or logs of two
 runs analysed together) get rows and plot panels of their own instead of sharing one time axis.
+
+Growth is judged from a straight line fitted to a phase's step readings against ``global_step`` (see
+:func:`summarize_memory_log` for the rule): it is reported with the steps it was measured over, and only when the
+line rises or falls clearly more than the readings scatter around it; otherwise the phase is "flat", or "too short
+to tell" when there are too few readings over too few steps. ``warning`` records (MemoryAudit's duplicate and leak
+findings, MemoryMonitor's threshold warnings) are kept with their text: the summary lists them under the table and
+the plot marks each one with a label.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
+import textwrap
 import warnings
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -27,6 +36,7 @@ from lightning_memopt.utilities.files import regular_file_problem
 from lightning_memopt.utilities.formatting import format_bytes
 
 __all__ = [
+    "MemoryFinding",
     "MemoryLogError",
     "PhaseSummary",
     "analyze_memory_logs",
@@ -55,6 +65,22 @@ _MAX_LINE_BYTES = 1 << 20
 _LISTED_LINES = 10
 _LISTED_REASONS = 3
 _NO_RUN = "-"
+#: Warnings kept with their text per (run, rank, phase) and check, and per plot panel and check; the rest are counted.
+_LISTED_FINDINGS = 5
+_MAX_FINDING_CHARS = 2000
+#: The growth rule (see `summarize_memory_log`): the fit leaves out this fraction of a phase's steps (warm-up)
+#: and needs this many readings over this many steps, in at least this many of 8 blocks, in the rest ...
+_GROWTH_WARM_UP = 1 / 3
+_GROWTH_MIN_READINGS = 10
+_GROWTH_MIN_STEPS = 100
+_GROWTH_BLOCKS = 8
+_GROWTH_MIN_BLOCKS = 4
+#: ... and reports a slope only when it is this many standard errors from zero and the line's change over the
+#: fitted steps is this many times the readings' scatter around the line (residual standard deviation).
+_GROWTH_MIN_T = 4.0
+_GROWTH_MIN_CHANGE_OVER_NOISE = 2.0
+#: Step buckets the fit keeps per phase: sums per bucket, never the readings, so memory does not grow with the log.
+_GROWTH_BUCKETS = 64
 
 
 class MemoryLogError(ValueError):
@@ -232,10 +258,39 @@ def load_memory_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 @dataclass(frozen=True)
+class MemoryFinding:
+    """One ``warning`` record of a log, with its text.
+
+    ``check`` is what found it: ``"duplicates"`` or ``"leak"`` (MemoryAudit's ``check`` field), ``"threshold"``
+    (MemoryMonitor's ``warn_threshold``) or ``"warning"`` (a warning record that says neither). ``seconds`` counts
+    from the first record of the same run. Messages longer than 2,000 characters are cut there.
+    """
+
+    check: str
+    message: str
+    global_step: int | None
+    epoch: int | None
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class PhaseSummary:
     """What one rank's log says about one phase of one run. Sizes in bytes; ``None`` where the log has no figure.
 
     ``run_id`` is the records' ``run_id`` (``None`` for records without one).
+
+    Growth (the rule is in :func:`summarize_memory_log`): ``growth_field`` is the figure judged
+    (``allocated_bytes``, or ``host_rss_bytes`` when the device gives none), ``growth`` the verdict:
+    ``"growing"`` or ``"shrinking"`` (then ``growth_bytes_per_1k_steps`` is the fitted slope times 1000),
+    ``"flat"``, ``"too short"`` (too few readings over too few steps to tell), or ``None`` when the phase has no
+    figure at all. ``growth_readings``, ``growth_first_step`` and ``growth_last_step`` are the readings the verdict
+    rests on: those fitted for growing, shrinking and flat; all of the phase's step readings for too short.
+
+    ``warnings`` counts the phase's ``warning`` records, ``warnings_by_check`` per check, and ``findings`` holds
+    the first five of each check with their text.
     """
 
     rank: int
@@ -256,6 +311,12 @@ class PhaseSummary:
     peak_epoch: int | None
     peak_seconds: float | None
     run_id: str | None = None
+    growth: str | None = None
+    growth_readings: int = 0
+    growth_first_step: int | None = None
+    growth_last_step: int | None = None
+    warnings_by_check: dict[str, int] = field(default_factory=dict)
+    findings: tuple[MemoryFinding, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -265,6 +326,135 @@ def _max(current: float | None, value: float | None) -> float | None:
     if value is None:
         return current
     return value if current is None or value > current else current
+
+
+def _merge(a: list[float], b: list[float]) -> list[float]:
+    """Two buckets' least-squares sums as one (pairwise update of means and co-moments: stable, exact)."""
+    n = a[0] + b[0]
+    dx, dy = b[3] - a[3], b[4] - a[4]
+    w = a[0] * b[0] / n
+    return [n, min(a[1], b[1]), max(a[2], b[2]), a[3] + dx * b[0] / n, a[4] + dy * b[0] / n,
+            a[5] + b[5] + dx * dx * w, a[6] + b[6] + dy * dy * w, a[7] + b[7] + dx * dy * w]
+
+
+@dataclass(frozen=True)
+class _Growth:
+    verdict: str  # "growing", "shrinking", "flat" or "too short"
+    per_1k_steps: float | None
+    readings: int
+    first_step: int | None
+    last_step: int | None
+
+
+class _StepFit:
+    """(global_step, bytes) readings as least-squares sums in at most ``_GROWTH_BUCKETS`` step buckets.
+
+    A bucket holds ``[n, first step, last step, mean step, mean bytes, Sxx, Syy, Sxy]`` (sums of squares about
+    its means, updated one reading at a time, so large byte counts lose no precision). Buckets cover steps
+    ``[k * width, (k + 1) * width)``; when there are too many, the width doubles and neighbours merge. The buckets
+    depend only on which readings arrived, not on their order, and fitting any run of buckets is exact.
+    """
+
+    __slots__ = ("buckets", "width")
+
+    def __init__(self) -> None:
+        self.width = 1
+        self.buckets: dict[int, list[float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def add(self, step: int, value: float) -> None:
+        key = step // self.width
+        b = self.buckets.get(key)
+        if b is None:
+            self.buckets[key] = [1.0, step, step, float(step), float(value), 0.0, 0.0, 0.0]
+            while len(self.buckets) > _GROWTH_BUCKETS:
+                self._coarsen()
+            return
+        n = b[0] + 1.0
+        dx, dy = step - b[3], value - b[4]
+        b[3] += dx / n
+        b[4] += dy / n
+        b[5] += dx * (step - b[3])
+        b[6] += dy * (value - b[4])
+        b[7] += dx * (value - b[4])
+        b[0] = n
+        if step < b[1]:
+            b[1] = step
+        elif step > b[2]:
+            b[2] = step
+
+    def _coarsen(self) -> None:
+        self.width *= 2
+        merged: dict[int, list[float]] = {}
+        for key, b in self.buckets.items():
+            half = key // 2
+            merged[half] = b if half not in merged else _merge(merged[half], b)
+        self.buckets = merged
+
+    def growth(self) -> _Growth:
+        """The verdict of the rule in :func:`summarize_memory_log`."""
+        buckets = [self.buckets[k] for k in sorted(self.buckets)]
+        if not buckets:
+            return _Growth("too short", None, 0, None, None)
+        first, last = int(buckets[0][1]), int(buckets[-1][2])
+        short = _Growth("too short", None, int(sum(b[0] for b in buckets)), first, last)
+        cut = first + (last - first) * _GROWTH_WARM_UP
+        window = [b for b in buckets if b[1] >= cut]  # the first part of the steps holds the warm-up
+        if not window:
+            return short
+        fit = window[0]
+        for b in window[1:]:
+            fit = _merge(fit, b)
+        n, lo, hi, mx, my, sxx, syy, sxy = fit
+        blocks = _blocks(window, _GROWTH_BLOCKS)
+        if n < _GROWTH_MIN_READINGS or hi - lo < _GROWTH_MIN_STEPS or len(blocks) < _GROWTH_MIN_BLOCKS:
+            return short
+        slope = sxy / sxx
+        scatter = max(syy - slope * sxy, 0.0) / (n - 2)  # the readings' variance about the line
+        # The block means' variance about the line, per reading: as large as `scatter` when the readings
+        # scatter independently, larger when memory wanders in plateaus (host RSS); the slope's error uses the larger.
+        wander = sum(b[0] * (b[4] - my - slope * (b[3] - mx)) ** 2 for b in blocks) / (len(blocks) - 2)
+        error = math.sqrt(max(scatter, wander) / sxx)
+        change = slope * (hi - lo)
+        significant = slope != 0 and abs(slope) >= _GROWTH_MIN_T * error and (
+            abs(change) >= _GROWTH_MIN_CHANGE_OVER_NOISE * math.sqrt(scatter))
+        if not significant:
+            return _Growth("flat", None, int(n), int(lo), int(hi))
+        return _Growth("growing" if slope > 0 else "shrinking", 1000.0 * slope, int(n), int(lo), int(hi))
+
+
+def _blocks(buckets: list[list[float]], count: int) -> list[list[float]]:
+    """Consecutive buckets merged into at most ``count`` blocks of about the same number of readings."""
+    total = sum(b[0] for b in buckets)
+    blocks: list[list[float]] = []
+    current: list[float] | None = None
+    done = 0.0
+    for b in buckets:
+        current = b if current is None else _merge(current, b)
+        done += b[0]
+        if done * count >= total * (len(blocks) + 1):
+            blocks.append(current)
+            current = None
+    if current is not None:
+        blocks.append(current)
+    return blocks
+
+
+def _finding_check(r: Mapping[str, Any]) -> str:
+    check = r.get("check")
+    if isinstance(check, str) and check:
+        return check
+    return "threshold" if isinstance(r.get("field"), str) and r.get("field") else "warning"
+
+
+def _finding_text(r: Mapping[str, Any]) -> str:
+    message = r.get("message")
+    if not isinstance(message, str) or not message.strip():
+        return "(no message)"
+    message = " ".join(message.split())
+    return message if len(message) <= _MAX_FINDING_CHARS else message[: _MAX_FINDING_CHARS - 3] + "..."
 
 
 @dataclass
@@ -286,11 +476,11 @@ class _PhaseStats:
     reserved_n: int = 0
     rss_sum: float = 0
     rss_n: int = 0
-    # (global_step, value) of step readings, for the growth fit; host RSS only until a device figure appears.
-    alloc_x: array = field(default_factory=lambda: array("d"))
-    alloc_y: array = field(default_factory=lambda: array("d"))
-    rss_x: array = field(default_factory=lambda: array("d"))
-    rss_y: array = field(default_factory=lambda: array("d"))
+    # Step readings for the growth fit; host RSS only until a device figure appears.
+    alloc_fit: _StepFit = field(default_factory=_StepFit)
+    rss_fit: _StepFit = field(default_factory=_StepFit)
+    checks: dict[str, int] = field(default_factory=dict)  # check -> warnings
+    findings: list[tuple[str, str, Any, Any, float]] = field(default_factory=list)  # check, text, step, epoch, time
 
     def add(self, r: Mapping[str, Any], event: str, t: float) -> None:
         if self.device is None and r.get("device"):
@@ -298,6 +488,11 @@ class _PhaseStats:
         self.device_total = _max(self.device_total, r.get("device_total_bytes"))
         if event == "warning":
             self.warnings += 1
+            check = _finding_check(r)
+            seen = self.checks.get(check, 0)
+            self.checks[check] = seen + 1
+            if seen < _LISTED_FINDINGS:
+                self.findings.append((check, _finding_text(r), r.get("global_step"), r.get("epoch"), t))
         if event not in _READING_EVENTS:
             return
         alloc = None
@@ -316,13 +511,12 @@ class _PhaseStats:
         step = r.get("global_step")
         value = r.get("allocated_bytes")
         if value is not None:
-            if not self.alloc_n and self.rss_x:
-                self.rss_x, self.rss_y = array("d"), array("d")  # device figures win: host points not needed
+            if not self.alloc_n and len(self.rss_fit):
+                self.rss_fit = _StepFit()  # device figures win: the host's are not needed
             self.alloc_sum += value
             self.alloc_n += 1
             if step is not None:
-                self.alloc_x.append(step)
-                self.alloc_y.append(value)
+                self.alloc_fit.add(step, value)
         value = r.get("reserved_bytes")
         if value is not None:
             self.reserved_sum += value
@@ -332,16 +526,13 @@ class _PhaseStats:
             self.rss_sum += value
             self.rss_n += 1
             if step is not None and not self.alloc_n:
-                self.rss_x.append(step)
-                self.rss_y.append(value)
+                self.rss_fit.add(step, value)
 
     def summary(self, run_id: str | None, rank: int, phase: str, t0: float) -> PhaseSummary:
         growth_field = "allocated_bytes" if self.alloc_n else ("host_rss_bytes" if self.rss_n else None)
         growth = None
-        if growth_field == "allocated_bytes":
-            growth = _growth(self.alloc_x, self.alloc_y)
-        elif growth_field == "host_rss_bytes":
-            growth = _growth(self.rss_x, self.rss_y)
+        if growth_field is not None:
+            growth = (self.alloc_fit if growth_field == "allocated_bytes" else self.rss_fit).growth()
         # No device figures: the peak is the host's.
         where = self.peak_alloc_at if self.peak_alloc_at is not None else self.peak_rss_at
         return PhaseSummary(
@@ -357,35 +548,20 @@ class _PhaseStats:
             mean_host_rss_bytes=self.rss_sum / self.rss_n if self.rss_n else None,
             device_total_bytes=None if self.device_total is None else int(self.device_total),
             growth_field=growth_field,
-            growth_bytes_per_1k_steps=growth,
+            growth_bytes_per_1k_steps=None if growth is None else growth.per_1k_steps,
             warnings=self.warnings,
             peak_global_step=None if where is None else where[0],
             peak_epoch=None if where is None else where[1],
             peak_seconds=None if where is None else round(where[2] - t0, 3),
             run_id=run_id,
+            growth=None if growth is None else growth.verdict,
+            growth_readings=0 if growth is None else growth.readings,
+            growth_first_step=None if growth is None else growth.first_step,
+            growth_last_step=None if growth is None else growth.last_step,
+            warnings_by_check=dict(sorted(self.checks.items())),
+            findings=tuple(MemoryFinding(check, text, step, epoch, round(t - t0, 3))
+                           for check, text, step, epoch, t in self.findings),
         )
-
-
-def _growth(xs: array, ys: array) -> float | None:
-    """Least-squares slope times 1000 over the later half of the points sorted by (step, value) (all if < 6)."""
-    n = len(xs)
-    in_order = all(xs[i] < xs[i + 1] or (xs[i] == xs[i + 1] and ys[i] <= ys[i + 1]) for i in range(n - 1))
-    if in_order:
-        first = n // 2 if n >= 6 else 0
-        px, py = xs[first:], ys[first:]
-    else:  # rare (a resumed run appended earlier steps): sort a copy
-        points = sorted(zip(xs, ys))
-        if n >= 6:
-            points = points[n // 2:]
-        px, py = array("d", (x for x, _ in points)), array("d", (y for _, y in points))
-    m = len(px)
-    if m < 2 or min(px) == max(px):
-        return None
-    mx = sum(px) / m
-    my = sum(py) / m
-    sxx = sum((x - mx) ** 2 for x in px)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(px, py))
-    return 1000.0 * sxy / sxx
 
 
 @dataclass
@@ -402,17 +578,27 @@ class _Panel:
     phase_t: array = field(default_factory=lambda: array("d"))
     phase_start: array = field(default_factory=lambda: array("b"))  # 1 start, 0 end
     phase_name: list[str] = field(default_factory=list)
+    # Threshold warnings with the figure they are about: a mark at that figure.
     warn_t: array = field(default_factory=lambda: array("d"))
     warn_v: array = field(default_factory=lambda: array("d"))
+    # Every other warning (MemoryAudit's findings): a labelled line at its time. (time, check, text)
+    findings: list[tuple[float, str, str]] = field(default_factory=list)
+    checks: dict[str, int] = field(default_factory=dict)
 
     def add(self, r: Mapping[str, Any], event: str, t: float) -> None:
         if r.get("device") and t < self.device_time:
             self.device, self.device_time = r["device"], t
         if event == "warning":
-            key = r.get("field") if isinstance(r.get("field"), str) and r.get("field") else "allocated_bytes"
-            value = r.get(key)
-            self.warn_t.append(t)
-            self.warn_v.append(float(value) if is_finite_number(value) else 0.0)
+            check = _finding_check(r)
+            value = r.get(r["field"]) if check == "threshold" else None
+            if is_finite_number(value) and value >= 0:
+                self.warn_t.append(t)
+                self.warn_v.append(float(value))
+                return
+            seen = self.checks.get(check, 0)
+            self.checks[check] = seen + 1
+            if seen < _LISTED_FINDINGS:
+                self.findings.append((t, check, _finding_text(r)))
             return
         if event not in _READING_EVENTS:
             return
@@ -540,20 +726,44 @@ def _read_into(path: Path, summarizer: _LogSummarizer) -> _FileReport:
 def summarize_memory_log(records: Iterable[Mapping[str, Any]]) -> list[PhaseSummary]:
     """Summarise records (of one or more ranks and runs) per (run, rank, phase).
 
-    Growth is the least-squares slope of allocated bytes (host RSS where the device gives none) against
-    ``global_step``, times 1000, over the later half of the phase's step readings (all of them when there are
-    fewer than 6): the first readings hold the warm-up (data, optimizer state, the allocator's cache arriving),
-    which is not growth. ``peak_seconds`` counts from the first record of the same run.
+    Growth is judged on one figure per phase, allocated bytes (host RSS where the device gives none), at its
+    ``step`` records, against ``global_step``:
 
-    Records that cannot be used (a field of the wrong type) are left out with one warning.
+    1. **Warm-up left out**: readings in the first third of the phase's steps do not count. Memory climbs there
+       without leaking (data, optimizer state, the allocator's cache and, on CPU, the host allocator's pools
+       arriving).
+    2. **Enough readings**: the rest needs at least 10 readings spanning at least 100 steps and not bunched at
+       fewer than 4 steps (they must fill at least 4 of the 8 blocks below); with fewer the verdict is
+       ``"too short"``. A phase of 150 steps with a reading every 10 steps is enough; 3 readings never are.
+    3. **Clearly more than noise**: a straight line is fitted to those readings by least squares. Its slope is
+       reported (``"growing"``, or ``"shrinking"`` for a fall) only when both hold; otherwise the verdict is
+       ``"flat"``:
+
+       * the slope is at least 4 standard errors from zero. The error is taken from the readings' scatter about
+         the line or, when larger, from the scatter about it of the means of 8 consecutive blocks of about
+         equally many readings: memory that sits on one plateau for a while and then another (host RSS does)
+         has block means that stray much further than independent noise would, and must not pass for a trend;
+       * the line's change over the fitted steps is at least twice the readings' scatter about it (their
+         residual standard deviation), so that a slope that is real but small beside the noise is not called
+         growth either (a few KiB over a run whose readings jump by megabytes).
+
+    ``growth_bytes_per_1k_steps`` is the slope times 1000, ``growth_first_step`` and ``growth_last_step`` the
+    steps it was measured over. The fit keeps sums in at most 64 step buckets, never the readings; the warm-up
+    is cut at a bucket boundary, so on long runs slightly less than two thirds of the steps are fitted.
+
+    Each ``warning`` record is counted per check and the first five of each check are kept with their text
+    (:class:`MemoryFinding`). ``peak_seconds`` counts from the first record of the same run. Records that cannot
+    be used (a field of the wrong type) are left out with one warning.
 
     Example:
-        >>> recs = [{"time": t, "rank": 0, "phase": "train", "event": "step", "global_step": s, "epoch": 0,
+        >>> recs = [{"time": float(s), "rank": 0, "phase": "train", "event": "step", "global_step": s, "epoch": 0,
         ...          "allocated_bytes": 100 + 2 * s, "reserved_bytes": 400, "host_rss_bytes": 10}
-        ...         for t, s in [(1.0, 10), (2.0, 20), (3.0, 30)]]
+        ...         for s in range(0, 401, 10)]
         >>> s = summarize_memory_log(recs)[0]
-        >>> s.peak_allocated_bytes, s.growth_bytes_per_1k_steps, s.peak_global_step
-        (160, 2000.0, 30)
+        >>> s.peak_allocated_bytes, s.growth, s.growth_bytes_per_1k_steps, s.growth_first_step, s.growth_last_step
+        (900, 'growing', 2000.0, 140, 400)
+        >>> summarize_memory_log(recs[:3])[0].growth
+        'too short'
     """
     summarizer = _LogSummarizer()
     _add_checked(summarizer, records, "records")
@@ -585,23 +795,59 @@ def _add_checked(summarizer: _LogSummarizer, records: Iterable[Any], label: str)
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _growth_text(s: PhaseSummary) -> str:
+    """The growth cell: the fitted change over the steps it was measured on, "flat", or "too short to tell"."""
+    if s.growth is None:
+        return "n/a"
+    first, last, n = s.growth_first_step, s.growth_last_step, s.growth_readings
+    if s.growth == "too short":
+        if not n or first is None:
+            text = "too short to tell (no step readings)"
+        elif n == 1:
+            text = f"too short to tell (1 reading, step {first})"
+        elif first == last:
+            text = f"too short to tell ({n} readings, all at step {first})"
+        else:
+            text = f"too short to tell ({n} readings over steps {first}-{last})"
+    elif s.growth == "flat" or s.growth_bytes_per_1k_steps is None or first is None or last is None:
+        text = f"flat over steps {first}-{last}"
+    else:
+        change = s.growth_bytes_per_1k_steps * (last - first) / 1000
+        text = f"{'+' if change >= 0 else '-'}{format_bytes(abs(change))} over steps {first}-{last}"
+    return text + (" (RSS)" if s.growth_field == "host_rss_bytes" else "")
+
+
 def format_summary(summaries: Sequence[PhaseSummary]) -> str:
-    """A plain-text table of summaries, one row per (rank, phase); a ``run`` column when there are several runs."""
+    """A plain-text table of summaries, one row per (rank, phase); a ``run`` column when there are several runs.
+
+    The ``growth`` column gives the fitted change over the steps it was measured on (``+96.00 MiB over steps
+    200-400``), ``flat over steps ...``, or ``too short to tell (N readings over steps ...)``; ``(RSS)`` marks
+    host memory where the device gives no figures. The ``warnings`` column counts warnings per check
+    (``1 duplicates, 1 leak``), and below the table each warning is listed with its text (the first five of
+    each check per row).
+    """
     several_runs = len({s.run_id for s in summaries}) > 1
     header = ("rank", *(("run",) if several_runs else ()), "phase", "readings", "peak alloc", "peak reserved",
-              "mean alloc", "peak host RSS", "growth/1k steps", "warnings", "peak at")
+              "mean alloc", "peak host RSS", "growth", "warnings", "peak at")
     rows = [header]
+    findings: list[str] = []
     for s in summaries:
-        growth = "n/a" if s.growth_bytes_per_1k_steps is None else (
-            ("+" if s.growth_bytes_per_1k_steps >= 0 else "-") + format_bytes(abs(s.growth_bytes_per_1k_steps)))
-        if s.growth_field == "host_rss_bytes" and s.growth_bytes_per_1k_steps is not None:
-            growth += " (RSS)"
+        checks = s.warnings_by_check or ({"warning": s.warnings} if s.warnings else {})
+        warned = ", ".join(f"{count} {check}" for check, count in checks.items()) or "0"
         peak_at = "n/a" if s.peak_global_step is None else (
             f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
         run = ((s.run_id or _NO_RUN),) if several_runs else ()
         rows.append((str(s.rank), *run, s.phase, str(s.num_readings), format_bytes(s.peak_allocated_bytes),
                      format_bytes(s.peak_reserved_bytes), format_bytes(s.mean_allocated_bytes),
-                     format_bytes(s.peak_host_rss_bytes), growth, str(s.warnings), peak_at))
+                     format_bytes(s.peak_host_rss_bytes), _growth_text(s), warned, peak_at))
+        where = f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}"
+        for f in s.findings:
+            step = "" if f.global_step is None else f", step {f.global_step}"
+            findings.append(f"  {where}{step}, {f.seconds:.1f} s: {f.check}: {f.message}")
+        for check, count in checks.items():
+            listed = sum(f.check == check for f in s.findings)
+            if count > listed:
+                findings.append(f"  {where}: {count - listed} more {check} warnings (not listed)")
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -610,7 +856,10 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     foot = f"device: {', '.join(sorted(devices)) or 'n/a'}"
     if totals:
         foot += f"; device total {format_bytes(max(totals))}"
-    return "\n".join([*lines, foot])
+    lines.append(foot)
+    if findings:
+        lines += ["warnings in the logs:", *findings]
+    return "\n".join(lines)
 
 
 def _unit(max_bytes: float) -> tuple[float, str]:
@@ -746,14 +995,50 @@ def _draw_panel(ax: Any, run: str | None, rank: int, t0: float, panel: _Panel, s
     if len(panel.warn_t):
         times, values = _sorted_by_time(panel.warn_t, panel.warn_v)
         ax.scatter(times - t0, values / scale, color="red", marker="x", zorder=5, label="threshold warning")
+    _draw_findings(ax, t0, panel)
     ax.set_ylabel(f"memory ({unit})")
     off_scale = panel.has_device and total and not total_on_scale
     note = f", device total {format_bytes(total)} (off the scale)" if off_scale else ""
+    unmarked = sum(panel.checks.values()) - len(panel.findings)
+    if unmarked:
+        note += f"; {unmarked} more warnings not marked"
     name = f"rank {rank}" + ((f", run {run}" if run is not None else ", no run_id") if several_runs else "")
     ax.set_title(f"{name} ({panel.device or '?'}{note})", loc="left", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.set_ylim(0, (max(top, total) if total_on_scale else top) / scale * 1.2)
+    headroom = 1.6 if panel.findings else 1.2  # room for the warnings' boxes above the lines
+    ax.set_ylim(0, (max(top, total) if total_on_scale else top) / scale * headroom)
     ax.legend(loc="lower right", fontsize=8, ncol=3, framealpha=0.9)
+
+
+def _finding_label(check: str, text: str, width: int = 60, limit: int = 150) -> str:
+    """A finding's text for the plot: its check and first sentence, without the callback's prefix, wrapped."""
+    # "MemoryAudit [rank 0] (first step): 3 tensors ..." -> "3 tensors ..."
+    text = re.sub(r"^\w+ \[rank \d+\](?: \([^)]*\))?: ", "", text)
+    sentence = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+    if len(sentence) > limit:
+        sentence = sentence[: limit - 3].rstrip() + "..."
+    return "\n".join(textwrap.wrap(f"{check}: {sentence}", width=width))
+
+
+def _draw_findings(ax: Any, t0: float, panel: _Panel) -> None:
+    """Each listed warning that is not a threshold mark: a dashed line at its time and a box with its text."""
+    if not panel.findings:
+        return
+    findings = sorted(panel.findings)
+    low, high = ax.get_xlim() if ax.lines or ax.collections else (0.0, 1.0)
+    low, high = min(low, findings[0][0] - t0), max(high, findings[-1][0] - t0)
+    labelled: set[str] = set()
+    for i, (t, check, text) in enumerate(findings):
+        x = t - t0
+        color = "darkred" if check in ("leak", "duplicates") else "darkorange"
+        ax.axvline(x, color=color, linestyle="--", linewidth=1.2, zorder=4,
+                   label=None if check in labelled else f"{check} warning")
+        labelled.add(check)
+        right = high > low and x > (low + high) / 2
+        ax.annotate(_finding_label(check, text), xy=(x, 1.0), xycoords=ax.get_xaxis_transform(),
+                    xytext=(-4 if right else 4, -4 - 28 * (i % 3)), textcoords="offset points",
+                    ha="right" if right else "left", va="top", fontsize=7, color=color, zorder=6,
+                    bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": color, "alpha": 0.9})
 
 
 def plot_memory_timeline(
