@@ -42,6 +42,10 @@ more different steps, remain after the warm-up (a few readings do not show a tre
 warnings: counted per check (MemoryAudit's duplicates and leak, MemoryMonitor's threshold); each is listed
 with its text under the table ("warnings in the logs", the first five of each check per row) and marked on
 the plot with a labelled line (threshold warnings: a red x at the figure that crossed the threshold).
+
+micro-batch: AutoMicroBatch's changes (written to the log when MemoryMonitor is present) appear as a column
+("16 -> 4 (2 changes)"), are listed under the table with their step and reason, and are marked on the plot
+with a dotted line.
 """
 
 

@@ -13,7 +13,8 @@ Growth is judged from a straight line fitted to a phase's step readings against 
 line rises or falls clearly more than the readings scatter around it; otherwise the phase is "flat", or "too short
 to tell" when there are too few readings over too few steps. ``warning`` records (MemoryAudit's duplicate and leak
 findings, MemoryMonitor's threshold warnings) are kept with their text: the summary lists them under the table and
-the plot marks each one with a label.
+the plot marks each one with a label. ``micro_batch`` records (AutoMicroBatch's changes of the micro-batch size)
+are listed under the table, summed up in a ``micro-batch`` column and marked on the plot with a dotted line.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ _GROWTH_MIN_T = 4.0
 _GROWTH_MIN_CHANGE_OVER_NOISE = 2.0
 #: Step buckets the fit keeps per phase: sums per bucket, never the readings, so memory does not grow with the log.
 _GROWTH_BUCKETS = 64
+#: AutoMicroBatch's record of a micro-batch change; kept with its text per (run, rank, phase) and per plot panel.
+_MICRO_BATCH_EVENT = "micro_batch"
+_LISTED_CHANGES = 20
 
 
 class MemoryLogError(ValueError):
@@ -291,6 +295,10 @@ class PhaseSummary:
 
     ``warnings`` counts the phase's ``warning`` records, ``warnings_by_check`` per check, and ``findings`` holds
     the first five of each check with their text.
+
+    ``micro_batch_changes`` holds AutoMicroBatch's ``micro_batch`` records (the first 20, as findings with check
+    ``"micro_batch"`` and a text such as ``micro-batch 16 -> 8 (out of memory; batch of 16)``),
+    ``num_micro_batch_changes`` counts them, ``micro_batch_size`` is the size the last one set.
     """
 
     rank: int
@@ -317,6 +325,9 @@ class PhaseSummary:
     growth_last_step: int | None = None
     warnings_by_check: dict[str, int] = field(default_factory=dict)
     findings: tuple[MemoryFinding, ...] = ()
+    micro_batch_changes: tuple[MemoryFinding, ...] = ()
+    num_micro_batch_changes: int = 0
+    micro_batch_size: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -457,6 +468,22 @@ def _finding_text(r: Mapping[str, Any]) -> str:
     return message if len(message) <= _MAX_FINDING_CHARS else message[: _MAX_FINDING_CHARS - 3] + "..."
 
 
+def _int_field(r: Mapping[str, Any], key: str) -> int | None:
+    value = r.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _micro_batch_text(r: Mapping[str, Any]) -> str:
+    """``micro-batch 16 -> 8 (out of memory; batch of 16)`` from a ``micro_batch`` record; "?" for a missing size."""
+    old, new, n = (_int_field(r, k) for k in ("previous_micro_batch_size", "micro_batch_size", "batch_size"))
+    reason = r.get("reason")
+    why = [" ".join(reason.split())[:200]] if isinstance(reason, str) and reason.strip() else []
+    if n is not None:
+        why.append(f"batch of {n}")
+    text = f"micro-batch {old if old is not None else '?'} -> {new if new is not None else '?'}"
+    return text + (f" ({'; '.join(why)})" if why else "")
+
+
 @dataclass
 class _PhaseStats:
     """Running figures of one (run, rank, phase): what :class:`PhaseSummary` needs and nothing more."""
@@ -481,6 +508,9 @@ class _PhaseStats:
     rss_fit: _StepFit = field(default_factory=_StepFit)
     checks: dict[str, int] = field(default_factory=dict)  # check -> warnings
     findings: list[tuple[str, str, Any, Any, float]] = field(default_factory=list)  # check, text, step, epoch, time
+    changes: list[tuple[str, str, Any, Any, float]] = field(default_factory=list)  # micro-batch changes, as findings
+    num_changes: int = 0
+    micro_batch_size: int | None = None
 
     def add(self, r: Mapping[str, Any], event: str, t: float) -> None:
         if self.device is None and r.get("device"):
@@ -493,6 +523,11 @@ class _PhaseStats:
             self.checks[check] = seen + 1
             if seen < _LISTED_FINDINGS:
                 self.findings.append((check, _finding_text(r), r.get("global_step"), r.get("epoch"), t))
+        elif event == _MICRO_BATCH_EVENT:
+            self.num_changes += 1
+            self.micro_batch_size = _int_field(r, "micro_batch_size") or self.micro_batch_size
+            if len(self.changes) < _LISTED_CHANGES:
+                self.changes.append((_MICRO_BATCH_EVENT, _micro_batch_text(r), r.get("global_step"), r.get("epoch"), t))
         if event not in _READING_EVENTS:
             return
         alloc = None
@@ -561,6 +596,10 @@ class _PhaseStats:
             warnings_by_check=dict(sorted(self.checks.items())),
             findings=tuple(MemoryFinding(check, text, step, epoch, round(t - t0, 3))
                            for check, text, step, epoch, t in self.findings),
+            micro_batch_changes=tuple(MemoryFinding(check, text, step, epoch, round(t - t0, 3))
+                                      for check, text, step, epoch, t in self.changes),
+            num_micro_batch_changes=self.num_changes,
+            micro_batch_size=self.micro_batch_size,
         )
 
 
@@ -584,6 +623,8 @@ class _Panel:
     # Every other warning (MemoryAudit's findings): a labelled line at its time. (time, check, text)
     findings: list[tuple[float, str, str]] = field(default_factory=list)
     checks: dict[str, int] = field(default_factory=dict)
+    # AutoMicroBatch's changes: a labelled dotted line at their time. (time, "micro_batch", text)
+    changes: list[tuple[float, str, str]] = field(default_factory=list)
 
     def add(self, r: Mapping[str, Any], event: str, t: float) -> None:
         if r.get("device") and t < self.device_time:
@@ -600,6 +641,8 @@ class _Panel:
             if seen < _LISTED_FINDINGS:
                 self.findings.append((t, check, _finding_text(r)))
             return
+        if event == _MICRO_BATCH_EVENT and len(self.changes) < _LISTED_CHANGES:
+            self.changes.append((t, _MICRO_BATCH_EVENT, _micro_batch_text(r)))
         if event not in _READING_EVENTS:
             return
         for key, _, _ in (*_DEVICE_SERIES, *_HOST_SERIES):
@@ -825,22 +868,35 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     host memory where the device gives no figures. The ``warnings`` column counts warnings per check
     (``1 duplicates, 1 leak``), and below the table each warning is listed with its text (the first five of
     each check per row).
+
+    When a log holds AutoMicroBatch's ``micro_batch`` records, a ``micro-batch`` column gives the first and last
+    size and the number of changes (``16 -> 4 (2 changes)``), and each change is listed under the table.
     """
     several_runs = len({s.run_id for s in summaries}) > 1
+    with_changes = any(s.num_micro_batch_changes for s in summaries)
     header = ("rank", *(("run",) if several_runs else ()), "phase", "readings", "peak alloc", "peak reserved",
-              "mean alloc", "peak host RSS", "growth", "warnings", "peak at")
+              "mean alloc", "peak host RSS", "growth", "warnings", *(("micro-batch",) if with_changes else ()),
+              "peak at")
     rows = [header]
     findings: list[str] = []
+    changes: list[str] = []
     for s in summaries:
         checks = s.warnings_by_check or ({"warning": s.warnings} if s.warnings else {})
         warned = ", ".join(f"{count} {check}" for check, count in checks.items()) or "0"
         peak_at = "n/a" if s.peak_global_step is None else (
             f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
         run = ((s.run_id or _NO_RUN),) if several_runs else ()
+        micro = (_micro_batch_cell(s),) if with_changes else ()
         rows.append((str(s.rank), *run, s.phase, str(s.num_readings), format_bytes(s.peak_allocated_bytes),
                      format_bytes(s.peak_reserved_bytes), format_bytes(s.mean_allocated_bytes),
-                     format_bytes(s.peak_host_rss_bytes), _growth_text(s), warned, peak_at))
+                     format_bytes(s.peak_host_rss_bytes), _growth_text(s), warned, *micro, peak_at))
         where = f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}"
+        for f in s.micro_batch_changes:
+            step = "" if f.global_step is None else f", step {f.global_step}"
+            changes.append(f"  {where}{step}, {f.seconds:.1f} s: {f.message}")
+        if s.num_micro_batch_changes > len(s.micro_batch_changes):
+            changes.append(f"  {where}: {s.num_micro_batch_changes - len(s.micro_batch_changes)} more changes"
+                           " (not listed)")
         for f in s.findings:
             step = "" if f.global_step is None else f", step {f.global_step}"
             findings.append(f"  {where}{step}, {f.seconds:.1f} s: {f.check}: {f.message}")
@@ -859,7 +915,19 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     lines.append(foot)
     if findings:
         lines += ["warnings in the logs:", *findings]
+    if changes:
+        lines += ["micro-batch changes (AutoMicroBatch):", *changes]
     return "\n".join(lines)
+
+
+def _micro_batch_cell(s: PhaseSummary) -> str:
+    if not s.num_micro_batch_changes:
+        return "-"
+    first = re.match(r"micro-batch (\S+) ->", s.micro_batch_changes[0].message) if s.micro_batch_changes else None
+    start = first.group(1) if first else "?"
+    end = "?" if s.micro_batch_size is None else str(s.micro_batch_size)
+    count = s.num_micro_batch_changes
+    return f"{start} -> {end} ({count} change{'s' if count != 1 else ''})"
 
 
 def _unit(max_bytes: float) -> tuple[float, str]:
@@ -1005,7 +1073,7 @@ def _draw_panel(ax: Any, run: str | None, rank: int, t0: float, panel: _Panel, s
     name = f"rank {rank}" + ((f", run {run}" if run is not None else ", no run_id") if several_runs else "")
     ax.set_title(f"{name} ({panel.device or '?'}{note})", loc="left", fontsize=10)
     ax.grid(alpha=0.3)
-    headroom = 1.6 if panel.findings else 1.2  # room for the warnings' boxes above the lines
+    headroom = 1.6 if panel.findings or panel.changes else 1.2  # room for the warnings' boxes above the lines
     ax.set_ylim(0, (max(top, total) if total_on_scale else top) / scale * headroom)
     ax.legend(loc="lower right", fontsize=8, ncol=3, framealpha=0.9)
 
@@ -1017,22 +1085,25 @@ def _finding_label(check: str, text: str, width: int = 60, limit: int = 150) -> 
     sentence = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
     if len(sentence) > limit:
         sentence = sentence[: limit - 3].rstrip() + "..."
-    return "\n".join(textwrap.wrap(f"{check}: {sentence}", width=width))
+    label = sentence if check == _MICRO_BATCH_EVENT else f"{check}: {sentence}"
+    return "\n".join(textwrap.wrap(label, width=width))
 
 
 def _draw_findings(ax: Any, t0: float, panel: _Panel) -> None:
-    """Each listed warning that is not a threshold mark: a dashed line at its time and a box with its text."""
-    if not panel.findings:
+    """Each listed warning that is not a threshold mark, and each micro-batch change: a line at its time and a box
+    with its text (dashed for warnings, dotted for micro-batch changes)."""
+    if not panel.findings and not panel.changes:
         return
-    findings = sorted(panel.findings)
+    findings = sorted([*panel.findings, *panel.changes])
     low, high = ax.get_xlim() if ax.lines or ax.collections else (0.0, 1.0)
     low, high = min(low, findings[0][0] - t0), max(high, findings[-1][0] - t0)
     labelled: set[str] = set()
     for i, (t, check, text) in enumerate(findings):
         x = t - t0
-        color = "darkred" if check in ("leak", "duplicates") else "darkorange"
-        ax.axvline(x, color=color, linestyle="--", linewidth=1.2, zorder=4,
-                   label=None if check in labelled else f"{check} warning")
+        change = check == _MICRO_BATCH_EVENT
+        color = "purple" if change else "darkred" if check in ("leak", "duplicates") else "darkorange"
+        ax.axvline(x, color=color, linestyle=":" if change else "--", linewidth=1.2, zorder=4,
+                   label=None if check in labelled else "micro-batch change" if change else f"{check} warning")
         labelled.add(check)
         right = high > low and x > (low + high) / 2
         ax.annotate(_finding_label(check, text), xy=(x, 1.0), xycoords=ax.get_xaxis_transform(),

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.functional.memory import empty_device_cache
 from lightning_memopt.functional.micro_batch import batch_size_of, slice_batch
 from lightning_memopt.utilities.checks import check_positive_int
@@ -74,6 +75,11 @@ class AutoMicroBatch(Callback):
         * ``memory/micro_batch_size``: the micro-batch size in use (samples).
         * ``memory/micro_batch_retries``: batches run again after an out-of-memory error (count).
 
+    Each change is printed once by rank zero with its reason and, when a ``MemoryMonitor`` is among the callbacks,
+    written by every rank to its memory log as a record with ``event: "micro_batch"`` and the fields
+    ``micro_batch_size``, ``previous_micro_batch_size``, ``batch_size``, ``retries`` and ``reason``
+    (``lightning-memopt analyze`` lists the changes and marks them on the timeline).
+
     Device requirements: none; on CPU a simulated ``torch.OutOfMemoryError`` is handled the same way.
 
     Example:
@@ -112,6 +118,7 @@ class AutoMicroBatch(Callback):
         self._first_size: int | None = None
         self._restored = False
         self._original: _AutomaticOptimization | None = None
+        self._monitors: list[MemoryMonitor] = []
         self._warn = WarnOnce()
 
     @cached_property
@@ -146,6 +153,7 @@ class AutoMicroBatch(Callback):
             )
             self.retries = 0
         self._first_size = None
+        self._monitors = [c for c in trainer.callbacks if isinstance(c, MemoryMonitor)]
         epoch_loop = trainer.fit_loop.epoch_loop
         current = epoch_loop.automatic_optimization
         if not isinstance(current, _MicroBatchOptimization):
@@ -158,6 +166,7 @@ class AutoMicroBatch(Callback):
             epoch_loop.automatic_optimization = self._original
         self._original = None
         self._restored = False
+        self._monitors = []
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -217,17 +226,21 @@ class AutoMicroBatch(Callback):
         else:
             err.args = (*err.args, note)
 
-    def _shrink(self, trainer: pl.Trainer, size: int, n: int) -> None:
-        """Halve the micro-batch after an out-of-memory error, say so once and log it."""
+    def _shrink(self, trainer: pl.Trainer, size: int, n: int, here: bool, batch_idx: int | None) -> None:
+        """Halve the micro-batch after an out-of-memory error; say why (rank zero), log it, and record it."""
         new = max(self.min_micro_batch_size, size // 2)
         self.micro_batch_size = new
         self.retries += 1
+        reason = "out of memory" if here else "out of memory on another process"
         if trainer.is_global_zero:
             rank_zero_info(
-                f"AutoMicroBatch: out of memory at a micro-batch of {size} (batch of {n}, global step"
+                f"AutoMicroBatch: {reason} at a micro-batch of {size} (batch of {n}, global step"
                 f" {trainer.global_step}); running the batch again with micro-batches of {new}."
             )
         log_to_loggers(trainer, {"memory/micro_batch_size": float(new)}, self._warn, "AutoMicroBatch")
+        for monitor in self._monitors:  # each rank writes its own log; no collective
+            monitor.record_event(trainer, "micro_batch", batch_idx, micro_batch_size=new,
+                                 previous_micro_batch_size=size, batch_size=n, retries=self.retries, reason=reason)
 
 
 class _MicroBatchClosure(Closure):
@@ -285,7 +298,7 @@ class _MicroBatchOptimization(_AutomaticOptimization):
         while True:
             parts: list[tuple[int, Tensor | None, dict[str, Any]]] = []
             size = owner.micro_batch_size
-            flag, error = _OK, None
+            flag, error, here = _OK, None, False
             # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
             for k in range(comm.max(math.ceil(n / size))):
                 start, stop = k * size, min(n, (k + 1) * size)
@@ -310,6 +323,7 @@ class _MicroBatchOptimization(_AutomaticOptimization):
                         parts.append((stop - start, step.loss, step.extra))
                         del step
                     except torch.OutOfMemoryError as err:
+                        here = True
                         if size <= owner.min_micro_batch_size:
                             owner._give_up(err, size, n)
                             if not comm.active:
@@ -335,7 +349,7 @@ class _MicroBatchOptimization(_AutomaticOptimization):
             self._restore_grads(params, saved, zeroed)
             gc.collect()
             empty_device_cache(pl_module.device)
-            owner._shrink(trainer, size, n)
+            owner._shrink(trainer, size, n, here, kwargs.get("batch_idx"))
         if sync_at_end:
             comm.average_gradients(params)
         return _combine(parts, n, accumulate)

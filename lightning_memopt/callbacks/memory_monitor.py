@@ -56,8 +56,9 @@ class MemoryMonitor(RunIdCallback):
       ``time, rank, phase, event, epoch, global_step, batch_idx, device, allocated_bytes, reserved_bytes,
       active_bytes, peak_allocated_bytes, peak_reserved_bytes, device_total_bytes, device_free_bytes,
       host_rss_bytes, num_alloc_retries, num_ooms, run_id`` (``event`` is ``phase_start``, ``step``,
-      ``phase_end`` or ``warning``; figures a device cannot give are ``null``; ``run_id`` is the same on every
-      rank and in every callback of one run, and is kept when the run resumes from a checkpoint).
+      ``phase_end``, ``warning``, or another callback's event written through :meth:`record_event`, such as
+      ``AutoMicroBatch``'s ``micro_batch``; figures a device cannot give are ``null``; ``run_id`` is the same on
+      every rank and in every callback of one run, and is kept when the run resumes from a checkpoint).
 
     Peaks are per phase: the allocator's peak counters are reset when a phase starts and the phase's peak
     is reported when it ends. A phase nested in another (validation inside fit) has its own peak, and the
@@ -277,6 +278,22 @@ class MemoryMonitor(RunIdCallback):
         self._last_logged_train_step = int(state_dict.get("last_logged_train_step", -1))
 
     # ---------------------------------------------------------------- internals
+    def record_event(self, trainer: pl.Trainer, event: str, batch_idx: int | None = None, **fields: Any) -> None:
+        """Write a record of another callback's event (``AutoMicroBatch``'s ``micro_batch``) to this rank's log.
+
+        The record holds a memory reading taken now, where in training it happened and ``fields``. Runs on the
+        calling rank only and never communicates; never raises (a failure warns once and training goes on).
+        Does nothing before ``setup`` or after ``teardown``.
+        """
+        if self._writer is None or self._writer.stopped:
+            return
+        try:
+            reading = self._read()
+            if reading is not None:
+                self._write(self._record(trainer, reading, "train", event, batch_idx, **fields))
+        except Exception as err:
+            self._warn.warn("event", f"MemoryMonitor: writing a {event!r} record failed ({err!r}); training goes on.")
+
     def _read(self) -> MemoryReading | None:
         try:
             return read_memory(self._device)
