@@ -317,6 +317,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_memopt import MemoryMonitor
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from tests.callbacks.test_auto_micro_batch import Data, Net
 
@@ -342,7 +343,7 @@ if __name__ == "__main__":
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, use_distributed_sampler=False,
                              limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, logger=False,
-                             default_root_dir=".", callbacks=[callback])
+                             default_root_dir=".", callbacks=[callback, MemoryMonitor(dirpath=where)])
         trainer.fit(model)
         torch.save({"weights": model.state_dict(), "micro": callback.micro_batch_size, "retries": callback.retries,
                     "step": trainer.global_step, "sizes": model.seen_sizes},
@@ -352,6 +353,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_two_ddp_processes_where_only_rank_1_runs_out_of_memory(tmp_path):
+    from lightning_memopt.analysis.memory_log import load_memory_log
     from tests.helpers.subprocess_run import run_script
 
     proc = run_script(DDP_SCRIPT, tmp_path, timeout=300)
@@ -363,6 +365,11 @@ def test_two_ddp_processes_where_only_rank_1_runs_out_of_memory(tmp_path):
         for r in ranks:  # both ranks halved together (8 -> 4 -> 2) and made the same three steps
             assert (r["micro"], r["retries"], r["step"]) == (2, 2, 3)
         assert ranks[0]["sizes"][:3] == [8, 4, 2]  # rank 0 had memory to spare and still followed rank 1
+        for rank, reason in ((0, "out of memory on another process"), (1, "out of memory")):
+            log = load_memory_log(tmp_path / where / f"memory_rank{rank}.jsonl")
+            changes = [(r["previous_micro_batch_size"], r["micro_batch_size"], r["reason"])
+                       for r in log if r["event"] == "micro_batch"]
+            assert changes == [(8, 4, reason), (4, 2, reason)], (where, rank)
         for name, value in ranks[0]["weights"].items():
             assert torch.equal(value, ranks[1]["weights"][name]), (where, name)
             assert torch.allclose(value, reference.state_dict()[name], atol=1e-6), (where, name)
