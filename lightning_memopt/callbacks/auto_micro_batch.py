@@ -293,8 +293,33 @@ class _MicroBatchOptimization(_AutomaticOptimization):
             saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
         # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end
         sync_at_end = comm.active and backward_fn is not None and not trainer.fit_loop._should_accumulate()
-        zeroed = False
         results = trainer._results
+        # logs after the closure (on_before_optimizer_step, on_train_batch_end) are weighted by the whole batch again
+        whole = (results.batch, results.batch_size) if results is not None else None
+        try:
+            return self._run_micro_batches(kwargs, batch, n, accumulate, params, comm, saved, sync_at_end,
+                                           zero_grad_fn, backward_fn)
+        finally:
+            if whole is not None:
+                results.batch, results.batch_size = whole
+
+    def _run_micro_batches(
+        self,
+        kwargs: OrderedDict,
+        batch: Any,
+        n: int,
+        accumulate: int,
+        params: list[torch.nn.Parameter],
+        comm: _Agreement,
+        saved: list[Tensor | None] | None,
+        sync_at_end: bool,
+        zero_grad_fn: Callable[[], None] | None,
+        backward_fn: Callable[[Tensor], None] | None,
+    ) -> ClosureResult:
+        trainer, owner = self.trainer, self._owner
+        pl_module = trainer.lightning_module
+        results = trainer._results
+        zeroed = False
         while True:
             parts: list[tuple[int, Tensor | None, dict[str, Any]]] = []
             size = owner.micro_batch_size
