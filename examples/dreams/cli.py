@@ -8,9 +8,9 @@ Run from the repository root:
 
 The YAML lists every callback of the package by class path under ``trainer.callbacks``. A ``memory:`` section
 (added by :class:`DreamsCLI`) names the ``MemoryPreset`` that decides precision and gradient accumulation, exactly
-as ``train.py``'s ``--preset``, ``--effective_batch_size``, ``--train_precision`` and ``--gradient_checkpointing``
-do. After ``fit`` it prints the same report: where the checkpoints, memory logs and plot are, and the memory
-summary.
+as ``train.py``'s ``--preset``, ``--effective_batch_size``, ``--train_precision``, ``--gradient_checkpointing`` and
+``--auto_micro_batch`` do. After ``fit`` it prints the same report: where the checkpoints, memory logs and plot are,
+and the memory summary.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ class DreamsCLI(LightningCLI):
     ``memory.preset`` is one of ``auto`` (by GPU size; ``balanced`` without a GPU), ``max-savings``, ``balanced``,
     ``max-speed`` or ``none``. The micro-batch is ``data.batch_size``; with ``memory.effective_batch_size`` the
     accumulation is derived from it (``trainer.devices`` must then be an int). ``trainer.precision`` or
-    ``memory.train_precision`` overrides the preset's precision.
+    ``memory.train_precision`` overrides the preset's precision. With ``memory.auto_micro_batch: true`` the DataLoader
+    yields the whole per-device batch (the datamodule's ``batch_size`` is set to it) and ``AutoMicroBatch`` splits it
+    into micro-batches from ``data.batch_size``, halving them on out-of-memory with the same effective batch.
     """
 
     @override
@@ -54,6 +56,9 @@ class DreamsCLI(LightningCLI):
                             help="precision (32, 64, 16-mixed, bf16-mixed, ...); overrides the preset's choice")
         parser.add_argument("--memory.gradient_checkpointing", type=bool, default=False,
                             help="recompute encoder activations in backward")
+        parser.add_argument("--memory.auto_micro_batch", type=bool, default=False,
+                            help="the DataLoader yields the whole per-device batch and AutoMicroBatch splits it,"
+                                 " halving on out-of-memory with the same effective batch")
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -63,7 +68,7 @@ class DreamsCLI(LightningCLI):
         if memory.effective_batch_size is not None and not isinstance(devices, int):
             raise SystemExit(f"error: `memory.effective_batch_size` needs an int `trainer.devices`, got {devices!r}.")
         accumulate = trainer_cfg.get("accumulate_grad_batches") or 1
-        extra, _, _ = preset_trainer_kwargs(
+        extra, batch_size, _ = preset_trainer_kwargs(
             preset=memory.preset,
             batch_size=self.datamodule.hparams.batch_size,
             num_devices=devices if isinstance(devices, int) else 1,
@@ -72,7 +77,9 @@ class DreamsCLI(LightningCLI):
             train_precision=memory.train_precision or trainer_cfg.get("precision"),
             gradient_checkpointing=memory.gradient_checkpointing,
             accelerator=str(trainer_cfg.get("accelerator") or "auto"),
+            auto_micro_batch=memory.auto_micro_batch,
         )
+        self.datamodule.hparams.batch_size = batch_size  # the micro-batch, or the per-device batch to split
         extra["callbacks"] = [*(trainer_cfg.get("callbacks") or []), *extra.get("callbacks", [])]
         if "plugins" in extra:  # the preset's MemoryPrecision replaces a `precision` string
             extra["plugins"] = [*(trainer_cfg.get("plugins") or []), *extra["plugins"]]

@@ -18,6 +18,11 @@ Two CPU processes with DDP (gloo), one memory log per rank:
 
     python examples/dreams/train.py --num_devices 2 --accelerator cpu
 
+Surviving out-of-memory: the DataLoader yields the whole per-device batch and ``AutoMicroBatch`` splits it into
+micro-batches (from ``--batch_size``), halving them on out-of-memory with the same effective batch and step count:
+
+    python examples/dreams/train.py --model_preset dreams-base --effective_batch_size 256 --auto_micro_batch
+
 Fine-tuning from a backbone checkpoint, with the backbone frozen for the first epoch:
 
     python examples/dreams/train.py --pre_trained_pth outputs/dreams/version_0/checkpoints/last.ckpt \\
@@ -27,9 +32,9 @@ Flags are named as DreaMS users know them (``--batch_size``, ``--max_peaks_n``, 
 ``--num_devices``, ``--lr``, ``--max_epochs``, ``--val_check_interval``, ``--save_top_k``, ``--num_workers_data``,
 ``--dropout``, ``--d_fourier``, ``--d_peak``, ``--n_layers``, ``--n_heads``, ``--pre_trained_pth``,
 ``--unfreeze_backbone_at_epoch``, ``--seed``, ``--no_wandb``) plus the memory ones (``--preset``,
-``--effective_batch_size``, ``--accumulate_grad_batches``, ``--limit_val_batches``, ``--every_n_train_steps``,
-``--gradient_checkpointing``, ``--dynamic_padding``). ``examples/dreams/cli.py`` does the same from a LightningCLI
-YAML config (``examples/dreams/config.yaml``).
+``--effective_batch_size``, ``--accumulate_grad_batches``, ``--auto_micro_batch``, ``--limit_val_batches``,
+``--every_n_train_steps``, ``--gradient_checkpointing``, ``--dynamic_padding``). ``examples/dreams/cli.py`` does
+the same from a LightningCLI YAML config (``examples/dreams/config.yaml``).
 
 Each part of lightning-memopt is wired in one function below: ``preset_trainer_kwargs`` (``MemoryPreset``:
 precision and accumulation), ``memory_callbacks`` (every callback of the package) and ``report`` (the summary and
@@ -150,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per optimizer step over all devices; accumulation is derived from it")
     g.add_argument("--accumulate_grad_batches", type=int, default=None, help="micro-batches per optimizer step")
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute encoder activations in backward")
+    g.add_argument("--auto_micro_batch", action="store_true",
+                   help="the DataLoader yields the whole per-device batch and AutoMicroBatch splits it into"
+                        " micro-batches (from --batch_size), halving them on out-of-memory with the same effective"
+                        " batch; no Lightning accumulation")
     g.add_argument("--memory_log_every_n_steps", type=int, default=5, help="memory reading interval")
     g.add_argument("--no_memory_callbacks", action="store_true", help="run without the package's callbacks")
     return p
@@ -192,6 +201,7 @@ def preset_trainer_kwargs(
     train_precision: str | int | None = None,
     gradient_checkpointing: bool = False,
     accelerator: str = "auto",
+    auto_micro_batch: bool = False,
 ) -> tuple[dict[str, Any], int, str]:
     """Wiring point of ``MemoryPreset``: the Trainer kwargs that decide precision and accumulation.
 
@@ -202,11 +212,17 @@ def preset_trainer_kwargs(
     over the preset's choice. The preset's monitoring callbacks are left out here: :func:`memory_callbacks` adds
     them with this script's settings.
 
+    With ``auto_micro_batch`` the effective batch is the same, but the DataLoader yields the whole per-device batch,
+    ``accumulate_grad_batches`` is 1 and ``AutoMicroBatch`` (``MemoryPreset(auto_micro_batch=True)``) splits each
+    batch into micro-batches, starting at the micro-batch the run would have used (the whole batch when the preset
+    would have picked it) and halving on out-of-memory.
+
     Returns:
         The Trainer kwargs (``plugins`` or ``precision``, ``accumulate_grad_batches``, ``callbacks`` and
-        ``gradient_clip_val``), the micro-batch size per device, and the preset's name.
+        ``gradient_clip_val``), the DataLoader's batch size per device (the micro-batch, or the whole per-device
+        batch with ``auto_micro_batch``), and the preset's name.
     """
-    from lightning_memopt import GradientCheckpointing, MemoryPreset
+    from lightning_memopt import AutoMicroBatch, GradientCheckpointing, MemoryPreset
 
     precision = _precision_mode(train_precision)
     if effective_batch_size is not None:
@@ -234,6 +250,9 @@ def preset_trainer_kwargs(
                     " --batch_size.")
             accumulate = effective_batch_size // (batch_size * num_devices)
         callbacks: list[Callback] = [GradientCheckpointing()] if gradient_checkpointing else []
+        if auto_micro_batch:  # no preset: AutoMicroBatch directly, with the same effective batch
+            callbacks.append(AutoMicroBatch(micro_batch_size=batch_size))
+            batch_size, accumulate = batch_size * accumulate, 1
         return {"accumulate_grad_batches": accumulate, "precision": precision or "32-true",
                 "callbacks": callbacks}, batch_size, "none"
     if effective_batch_size is None:
@@ -241,7 +260,7 @@ def preset_trainer_kwargs(
         effective_batch_size = batch_size * num_devices * (accumulate_grad_batches or 1)
     overrides: dict[str, Any] = {"monitor": False, "cache_clean_on_phase_end": False, "gc_every_n_steps": 0,
                                  "effective_batch_size": effective_batch_size, "micro_batch_size": batch_size,
-                                 "devices": num_devices}
+                                 "devices": num_devices, "auto_micro_batch": auto_micro_batch}
     if gradient_checkpointing:
         overrides["gradient_checkpointing"] = True
     if precision is not None and precision != "64-true":
@@ -265,10 +284,10 @@ def preset_trainer_kwargs(
 
 
 def memory_trainer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`preset_trainer_kwargs` from the command line; sets ``args.batch_size`` to the micro-batch used."""
+    """:func:`preset_trainer_kwargs` from the command line; sets ``args.batch_size`` to the DataLoader's batch."""
     kwargs, batch_size, name = preset_trainer_kwargs(
         args.preset, args.batch_size, args.num_devices, args.effective_batch_size, args.accumulate_grad_batches,
-        args.train_precision, args.gradient_checkpointing, args.accelerator)
+        args.train_precision, args.gradient_checkpointing, args.accelerator, args.auto_micro_batch)
     args.batch_size = batch_size
     args.preset_name = name
     return kwargs
@@ -304,6 +323,12 @@ class ValidationPrinter(Callback):
             val, base = float(m["val_loss"]), float(m["val_baseline_loss"])
             print(f"epoch {trainer.current_epoch} step {trainer.global_step}: val_loss {val:.4f}"
                   f" (mean-prediction baseline {base:.4f}, ratio {val / base:.2f})", flush=True)
+
+
+def _auto_micro_batch(trainer: pl.Trainer) -> Any:
+    from lightning_memopt import AutoMicroBatch
+
+    return next((cb for cb in trainer.callbacks if isinstance(cb, AutoMicroBatch)), None)
 
 
 def _memory_dir(trainer: pl.Trainer) -> Path | None:
@@ -354,6 +379,10 @@ def report(trainer: pl.Trainer, checkpoint: ModelCheckpoint | None = None) -> st
         lines.append(f"checkpoints:   {checkpoint.dirpath} (best: {Path(checkpoint.best_model_path).name or 'none'})")
     if trainer.logger is not None and trainer.logger.log_dir:
         lines.append(f"metrics:       {Path(trainer.logger.log_dir) / 'metrics.csv'}")
+    auto = _auto_micro_batch(trainer)
+    if auto is not None and auto.micro_batch_size is not None:
+        lines.append(f"micro-batch:   {auto.micro_batch_size} at the end ({auto.retries} halving(s) after"
+                     " out-of-memory)")
     memory_dir = _memory_dir(trainer)
     logs = sorted(memory_dir.glob("memory_rank*.jsonl")) if memory_dir is not None else []
     if logs:
@@ -431,10 +460,17 @@ def _run(args: argparse.Namespace) -> pl.Trainer:
     )
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in model.parameters())
+        auto = _auto_micro_batch(trainer)
         print(f"model {args.model_preset}: {n_params / 1e6:.2f}M parameters; memory preset {args.preset_name}:"
-              f" precision {trainer.precision}, micro-batch {args.batch_size} x {trainer.accumulate_grad_batches}"
+              f" precision {trainer.precision}, {'batch' if auto else 'micro-batch'} {args.batch_size}"
+              f"{' per device' if auto else ''} x {trainer.accumulate_grad_batches}"
               f" accumulation x {trainer.world_size} device(s) = effective batch"
               f" {args.batch_size * trainer.accumulate_grad_batches * trainer.world_size}", flush=True)
+        if auto is not None:
+            start = "the whole batch" if auto.start_micro_batch_size == "auto" else auto.start_micro_batch_size
+            print(f"auto micro-batch: the DataLoader yields the whole per-device batch ({args.batch_size}) and"
+                  f" AutoMicroBatch splits it into micro-batches (from {start}), halving on out-of-memory with the"
+                  " same effective batch", flush=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")

@@ -23,6 +23,7 @@ __all__ = [
     "choose_precision",
     "has_native_bf16",
     "plan_accumulation",
+    "plan_auto_micro_batch",
     "tier_for_memory",
 ]
 
@@ -240,6 +241,29 @@ def plan_accumulation(
             f" `micro_batch_size` in {micros} (the effective batch is never rounded silently)."
         )
     return AccumulationPlan(effective_batch_size, micro_batch_size, per_rank // micro_batch_size, world)
+
+
+def plan_auto_micro_batch(
+    effective_batch_size: int,
+    micro_batch_size: int | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+) -> AccumulationPlan:
+    """The split for ``AutoMicroBatch``: the DataLoader yields the whole per-rank batch, no Lightning accumulation.
+
+    The plan's ``micro_batch_size`` is what the DataLoader yields per rank (``effective / (devices x num_nodes)``)
+    and ``accumulate_grad_batches`` is 1: ``AutoMicroBatch`` splits each batch into micro-batches itself.
+    ``micro_batch_size``, where ``AutoMicroBatch`` starts, is checked as in :func:`plan_accumulation` (it must divide
+    the per-rank batch), with the same messages; the effective batch is never changed.
+
+    Example:
+        >>> plan_auto_micro_batch(128, devices=4)
+        AccumulationPlan(effective_batch_size=128, micro_batch_size=32, accumulate_grad_batches=1, world_size=4)
+        >>> plan_auto_micro_batch(128, 16, devices=4).micro_batch_size  # AutoMicroBatch starts at 16 of the 32
+        32
+    """
+    start = plan_accumulation(effective_batch_size, micro_batch_size, devices, num_nodes)
+    return AccumulationPlan(effective_batch_size, effective_batch_size // start.world_size, 1, start.world_size)
 
 
 def has_native_bf16(device_type: str, capability: tuple[int, int] | None) -> bool:

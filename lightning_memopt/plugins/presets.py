@@ -19,6 +19,7 @@ from lightning_memopt.functional.presets import (
     AccumulationPlan,
     choose_precision,
     plan_accumulation,
+    plan_auto_micro_batch,
     tier_for_memory,
 )
 from lightning_memopt.utilities.allocator import parse_alloc_conf
@@ -116,6 +117,15 @@ class MemoryPreset:
     accumulation reaches the preset's target (``max-savings``: 96 -> 4 x 24). Pass :attr:`batch_size` to your
     DataLoader.
 
+    **Surviving out-of-memory.** With ``auto_micro_batch=True`` the DataLoader yields the whole per-device batch
+    (:attr:`batch_size` ``= effective_batch_size / (devices x num_nodes)``), ``accumulate_grad_batches`` is 1, and an
+    :class:`~lightning_memopt.AutoMicroBatch` callback splits each batch into micro-batches inside the training step,
+    halving them on out-of-memory with the same effective batch and optimizer step count. ``micro_batch_size``, if
+    given, is where it starts (it must divide the per-device batch, as without ``auto_micro_batch``); without it,
+    it starts with the whole batch: the preset's accumulation target is a rule of thumb, not a measurement, and a
+    size that does not fit costs one failed attempt per halving, once per run (the size is checkpointed). Your own
+    ``AutoMicroBatch`` among the Trainer's callbacks is kept instead of the preset's.
+
     **Short last window.** Lightning divides every micro-batch loss by ``accumulate_grad_batches``, also in the
     last window of an epoch when fewer micro-batches remain (upstream #19987). The preset's ``MemoryPrecision``
     rescales that window (``exact_accumulation=True``), so its optimizer step uses the mean of the micro-batch
@@ -129,7 +139,7 @@ class MemoryPreset:
         class MemoryCLI(LightningCLI):
             def add_arguments_to_parser(self, parser):
                 parser.add_class_arguments(MemoryPreset, "memory")
-                # optional: feed the micro-batch size to the model or datamodule
+                # optional: feed the DataLoader batch (the micro-batch; with auto_micro_batch the per-device batch)
                 parser.link_arguments("memory", "data.batch_size", lambda p: p.batch_size, apply_on="instantiate")
 
             def instantiate_trainer(self, **kwargs):
@@ -161,6 +171,8 @@ class MemoryPreset:
         monitor: add ``MemoryMonitor``.
         allow_emulated_bf16: allow bf16 on GPUs that only emulate it.
         tier: set by :meth:`for_device` (the GPU-size tier label); informational.
+        auto_micro_batch: the DataLoader yields the whole per-device batch and ``AutoMicroBatch`` splits it,
+            halving on out-of-memory; ``micro_batch_size`` is then where it starts (``None``: the whole batch).
 
     Example:
         >>> preset = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=16)
@@ -172,6 +184,9 @@ class MemoryPreset:
         >>> [type(c).__name__ for c in kwargs["callbacks"]]
         ['MemoryMonitor', 'CacheCleaner', 'GarbageCollector', 'GradientCheckpointing', 'AllocatorSettings']
         >>> kwargs["callbacks"][-1].restore()  # normally done at teardown
+        >>> auto = MemoryPreset(effective_batch_size=128, devices=2, auto_micro_batch=True)
+        >>> auto.batch_size, auto.accumulate_grad_batches, auto.auto_micro_batch_start  # AutoMicroBatch splits the 64
+        (64, 1, 'auto')
     """
 
     name: str = "balanced"
@@ -191,6 +206,7 @@ class MemoryPreset:
     monitor: bool | None = None
     allow_emulated_bf16: bool = False
     tier: str | None = None
+    auto_micro_batch: bool = False
     plan: AccumulationPlan | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -215,6 +231,9 @@ class MemoryPreset:
         for knob in ("gradient_checkpointing", "cache_clean_on_phase_end", "monitor"):
             check_bool(knob, getattr(self, knob), hint=leave)
         check_bool("allow_emulated_bf16", self.allow_emulated_bf16)
+        check_bool("auto_micro_batch", self.auto_micro_batch,
+                   hint="Use True to let AutoMicroBatch split the per-device batch (halving on out-of-memory), or"
+                        " False for Lightning's gradient accumulation.")
         check_non_negative_int("gc_every_n_steps", self.gc_every_n_steps, hint="Use 0 for no garbage collector.")
         check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
         check_str("allocator_conf", self.allocator_conf, hint="Example: 'expandable_segments:True'.")
@@ -226,8 +245,17 @@ class MemoryPreset:
         check_positive_int("devices", self.devices, hint="Pass the number of devices per node, as for the Trainer.")
         check_positive_int("num_nodes", self.num_nodes)
         check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
+        if self.auto_micro_batch and self.micro_batch_size is not None and self.effective_batch_size is None:
+            raise ValueError(
+                f"`micro_batch_size`={self.micro_batch_size!r} with `auto_micro_batch=True` needs"
+                " `effective_batch_size`: the DataLoader then yields the whole per-device batch and AutoMicroBatch"
+                " starts splitting it at `micro_batch_size`. Pass `effective_batch_size=` (samples per optimizer step"
+                " over all devices), or drop `micro_batch_size` to split whatever batch your DataLoader yields."
+            )
         plan = None
-        if self.effective_batch_size is not None:
+        if self.effective_batch_size is not None and self.auto_micro_batch:
+            plan = plan_auto_micro_batch(self.effective_batch_size, self.micro_batch_size, self.devices, self.num_nodes)
+        elif self.effective_batch_size is not None:
             plan = plan_accumulation(
                 self.effective_batch_size,
                 self.micro_batch_size,
@@ -288,8 +316,15 @@ class MemoryPreset:
 
     @property
     def batch_size(self) -> int | None:
-        """The micro-batch size to give the DataLoader (per rank)."""
+        """The DataLoader's batch per rank: the micro-batch, or the whole per-rank batch with ``auto_micro_batch``."""
         return self.plan.micro_batch_size if self.plan is not None else self.micro_batch_size
+
+    @property
+    def auto_micro_batch_start(self) -> int | str | None:
+        """Where the preset's ``AutoMicroBatch`` starts: ``micro_batch_size`` or ``"auto"``; ``None`` without it."""
+        if not self.auto_micro_batch:
+            return None
+        return self.micro_batch_size if self.micro_batch_size is not None else "auto"
 
     # ---------------------------------------------------------------------------------------------- outputs
     def precision_plugin(self) -> Any:
@@ -304,7 +339,13 @@ class MemoryPreset:
 
     def callbacks(self) -> list[Any]:
         """The callbacks the preset implies, built fresh on every call."""
-        from lightning_memopt.callbacks import CacheCleaner, GarbageCollector, GradientCheckpointing, MemoryMonitor
+        from lightning_memopt.callbacks import (
+            AutoMicroBatch,
+            CacheCleaner,
+            GarbageCollector,
+            GradientCheckpointing,
+            MemoryMonitor,
+        )
         from lightning_memopt.utilities.allocator import AllocatorSettings
 
         out: list[Any] = []
@@ -317,6 +358,8 @@ class MemoryPreset:
         if self.gradient_checkpointing:
             modules = list(self.checkpoint_modules) if self.checkpoint_modules else None
             out.append(GradientCheckpointing(modules=modules))
+        if self.auto_micro_batch:
+            out.append(AutoMicroBatch(micro_batch_size=self.auto_micro_batch_start))  # type: ignore[arg-type]
         if self.allocator_conf or self.memory_fraction is not None:
             out.append(AllocatorSettings(self.allocator_conf or None, self.memory_fraction))
         return out
@@ -342,8 +385,9 @@ class MemoryPreset:
 
         Returns ``plugins=[MemoryPrecision(...)]`` (or ``precision="..."`` for FSDP/DeepSpeed strategies, which need
         their own precision classes), ``accumulate_grad_batches``, ``gradient_clip_val``, ``callbacks`` (yours first,
-        then the preset's) and, with an effective batch, ``devices`` and ``num_nodes``. Allocator settings are
-        applied now, before CUDA is initialised, by the ``AllocatorSettings`` callback built here.
+        then the preset's; with ``auto_micro_batch`` an ``AutoMicroBatch`` of yours replaces the preset's) and, with
+        an effective batch, ``devices`` and ``num_nodes``. Allocator settings are applied now, before CUDA is
+        initialised, by the ``AllocatorSettings`` callback built here.
 
         Raises:
             ValueError: when one of ``trainer_kwargs`` contradicts the preset; the message says which to drop.
@@ -389,9 +433,12 @@ class MemoryPreset:
             given = trainer_kwargs.get(key)
             if given is not None and value is not None and given != value and not (key == "accumulate_grad_batches"
                                                                                      and self.plan is None):
+                why = ("with `auto_micro_batch=True` the DataLoader yields the whole per-device batch and"
+                       " AutoMicroBatch splits it" if self.auto_micro_batch else "the preset computes it from"
+                       " `effective_batch_size`")
                 raise ValueError(
                     f"`{key}={given!r}` contradicts the preset's {key}={value!r}. Drop `{key}=` from the Trainer"
-                    " arguments (the preset computes it from `effective_batch_size`) or change the preset."
+                    f" arguments ({why}) or change the preset."
                 )
             if given is None:
                 out[key] = value
@@ -408,7 +455,12 @@ class MemoryPreset:
                 out[key] = value
         user_callbacks = trainer_kwargs.get("callbacks") or []
         user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
-        out["callbacks"] = [*user_callbacks, *self.callbacks()]
+        from lightning_memopt.callbacks import AutoMicroBatch
+
+        ours = self.callbacks()
+        if any(isinstance(c, AutoMicroBatch) for c in user_callbacks):  # yours, with your settings, and only one
+            ours = [c for c in ours if not isinstance(c, AutoMicroBatch)]
+        out["callbacks"] = [*user_callbacks, *ours]
         return out
 
     def merge_trainer_config(self, trainer_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -462,10 +514,15 @@ class MemoryPreset:
             ("checkpoint_modules", self.checkpoint_modules or "HF switch / nn.Transformer layers",
              "which blocks to checkpoint."),
             ("effective_batch_size", self.effective_batch_size, "samples per optimizer step over all ranks (kept)."),
-            ("batch_size (micro)", self.batch_size, "samples per forward pass and rank: peak memory scales with it."),
+            ("batch_size (micro)", self.batch_size, "samples per forward pass and rank: peak memory scales with it.")
+            if not self.auto_micro_batch else
+            ("batch_size (per device)", self.batch_size, "samples per DataLoader batch and rank (the whole per-device"
+             " batch)."),
             ("accumulate_grad_batches", self.accumulate_grad_batches,
-             "effective / (micro x devices x nodes): same gradients as the full batch."),
+             "effective / (micro x devices x nodes): same gradients as the full batch." if not self.auto_micro_batch
+             else "AutoMicroBatch accumulates the micro-batches of each batch itself."),
             ("devices x num_nodes", f"{self.devices} x {self.num_nodes}", "world size used in the arithmetic."),
+            ("auto_micro_batch", self.auto_micro_batch, self._auto_micro_batch_reason()),
             ("gradient_clip_val", self.gradient_clip_val, "gradient norm clipping (None = off)."),
             ("allocator_conf", self.allocator_conf or "unchanged",
              "expandable segments reduce fragmentation; applied before CUDA initialises."),
@@ -482,6 +539,15 @@ class MemoryPreset:
         lines = [title, "-" * len(title)]
         lines += [f"{k:<{width}}  {v!s:<{vwidth}}  {why}" for k, v, why in rows]
         return "\n".join(lines)
+
+    def _auto_micro_batch_reason(self) -> str:
+        if not self.auto_micro_batch:
+            return ("off: an out-of-memory error ends the run (True: AutoMicroBatch splits the per-device batch and"
+                    " halves on out-of-memory).")
+        start = "the whole batch" if self.micro_batch_size is None else f"{self.micro_batch_size}"
+        size = f" ({self.batch_size})" if self.batch_size is not None else ""
+        return (f"the DataLoader yields the whole per-device batch{size} and AutoMicroBatch splits it into"
+                f" micro-batches (from {start}), halving on out-of-memory with the same effective batch.")
 
     def __str__(self) -> str:
         return self.describe()

@@ -290,7 +290,7 @@ def test_command_line_has_the_dreams_flags():
     for flag in ("--batch_size", "--max_peaks_n", "--train_precision", "--num_devices", "--lr", "--max_epochs",
                  "--val_check_interval", "--save_top_k", "--num_workers_data", "--dropout", "--d_fourier", "--d_peak",
                  "--n_layers", "--n_heads", "--pre_trained_pth", "--unfreeze_backbone_at_epoch", "--seed",
-                 "--no_wandb", "--preset", "--effective_batch_size", "--accumulate_grad_batches",
+                 "--no_wandb", "--preset", "--effective_batch_size", "--accumulate_grad_batches", "--auto_micro_batch",
                  "--limit_val_batches", "--every_n_train_steps", "--gradient_checkpointing", "--dynamic_padding",
                  "--model_preset", "--in_mem"):
         assert flag in help_text, flag
@@ -329,3 +329,81 @@ def test_lightning_cli_yaml_config_runs(tmp_path, spectra_file, capsys):
     out = capsys.readouterr().out
     assert str(run_dir / "memory" / "memory_timeline.png") in out and "memory summary:" in out
     assert not math.isnan(float(trainer.callback_metrics["val_loss"]))
+
+
+# ------------------------------------------------------------------------------------------------ AutoMicroBatch
+
+
+@pytest.mark.slow
+def test_auto_micro_batch_survives_out_of_memory_with_the_same_steps_and_weights(tmp_path, spectra_file, monkeypatch,
+                                                                                  capsys):
+    """``--auto_micro_batch`` with a training forward that runs out of memory (simulated) above 8 spectra.
+
+    The DataLoader yields the whole batch of 32; AutoMicroBatch halves 32 -> 16 -> 8 and the run takes its 4
+    optimizer steps, ending with the weights of Lightning's accumulation of 4 micro-batches of 8 (no OOM there).
+    """
+    from examples.dreams.train import main
+
+    seen: list[int] = []
+    forward = SpectraFineTuner.forward
+
+    def forward_with_budget(self, peaks):
+        if self.training:
+            seen.append(len(peaks))
+            if len(peaks) > 8:
+                raise torch.OutOfMemoryError(f"simulated: a forward of {len(peaks)} spectra, budget 8")
+        return forward(self, peaks)
+
+    monkeypatch.setattr(SpectraFineTuner, "forward", forward_with_budget)
+    same = ("--no_memory_callbacks", "--dropout", "0", "--no-dynamic_padding", "--save_top_k", "0")
+    trainer = main(_short_run_args(tmp_path / "auto", spectra_file, *same, "--effective_batch_size", "32",
+                                   "--auto_micro_batch"))
+    out = capsys.readouterr().out
+    auto = next(c for c in trainer.callbacks if type(c).__name__ == "AutoMicroBatch")
+    assert (auto.micro_batch_size, auto.retries) == (8, 2)
+    assert seen[:3] == [32, 16, 8] and set(seen[3:]) == {8} and len(seen) == 2 + 4 * 4
+    assert trainer.global_step == 4 and trainer.accumulate_grad_batches == 1
+    assert "batch 32 per device x 1 accumulation x 1 device(s) = effective batch 32" in out
+    assert "AutoMicroBatch splits it into micro-batches (from the whole batch), halving on out-of-memory" in out
+    assert "micro-batch:   8 at the end (2 halving(s) after out-of-memory)" in out
+    # the reference: micro-batches of 8 from the DataLoader, Lightning accumulates 4 of them per step
+    seen.clear()
+    args = _short_run_args(tmp_path / "ref", spectra_file, *same, "--batch_size", "8", "--accumulate_grad_batches", "4")
+    args[args.index("--limit_train_batches") + 1] = "16"
+    reference = main(args)
+    assert set(seen) == {8} and reference.global_step == 4
+    expected = reference.lightning_module.state_dict()
+    for name, tensor in trainer.lightning_module.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_auto_micro_batch_flag_keeps_the_effective_batch_and_starts_at_the_micro_batch():
+    from examples.dreams.train import build_parser, preset_trainer_kwargs
+
+    def split(**kw):
+        kwargs, batch, _ = preset_trainer_kwargs(accelerator="cpu", **kw)
+        for cb in kwargs["callbacks"]:  # allocator settings are applied when built: give them back
+            getattr(cb, "restore", lambda: None)()
+        autos = [c for c in kwargs["callbacks"] if type(c).__name__ == "AutoMicroBatch"]
+        return batch, kwargs["accumulate_grad_batches"], [c.start_micro_batch_size for c in autos]
+
+    # the same effective batch as without the flag; the DataLoader yields all of it per device
+    for preset in ("balanced", "none"):
+        assert split(preset=preset, batch_size=8, accumulate_grad_batches=4) == (8, 4, [])
+        assert split(preset=preset, batch_size=8, accumulate_grad_batches=4, auto_micro_batch=True) == (32, 1, [8])
+    assert split(preset="max-speed", effective_batch_size=64, num_devices=2, auto_micro_batch=True) == (32, 1, ["auto"])
+    assert split(preset="balanced", auto_micro_batch=True) == (32, 1, [32])  # the default batch, whole
+    assert build_parser().parse_args(["--auto_micro_batch"]).auto_micro_batch is True
+    assert build_parser().parse_args([]).auto_micro_batch is False
+
+
+def test_lightning_cli_auto_micro_batch_gives_the_datamodule_the_per_device_batch(tmp_path):
+    from examples.dreams.cli import CONFIG, cli_main
+
+    out_dir = tmp_path / "cli"
+    cli = cli_main(["--config", str(CONFIG), "--trainer.accelerator=cpu", f"--trainer.default_root_dir={out_dir}",
+                    f"--trainer.logger.init_args.save_dir={out_dir}", "--memory.preset=max-speed",
+                    "--memory.effective_batch_size=64", "--memory.auto_micro_batch=true"], run=False)
+    assert cli.datamodule.hparams.batch_size == 64 and cli.trainer.accumulate_grad_batches == 1
+    (auto,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "AutoMicroBatch"]
+    assert auto.start_micro_batch_size == 32  # data.batch_size: where the micro-batches start

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_memopt import (
+    AutoMicroBatch,
     CacheCleaner,
     GarbageCollector,
     GradientCheckpointing,
@@ -119,6 +120,8 @@ def test_effective_batch_smaller_than_micro_times_world():
         ("tier", 16, r"`tier` must be a str or None, got 16 \(int\)"),
         ("gc_every_n_steps", True, "`gc_every_n_steps` must be a non-negative int, got True"),
         ("precision", True, "`precision` must be one of .* got True"),
+        ("auto_micro_batch", "yes", r"`auto_micro_batch` must be a bool .* got 'yes'. Use True to let AutoMicroBatch"),
+        ("auto_micro_batch", None, r"`auto_micro_batch` must be a bool .* got None"),
     ],
 )
 def test_bad_fields(field, value, match):
@@ -392,3 +395,145 @@ def test_for_device_reads_the_current_gpu(monkeypatch, total_gib, name, tier):
     preset = MemoryPreset.for_device(effective_batch_size=64)
     assert (preset.name, preset.tier) == (name, tier) and asked == [1]
     assert preset.batch_size * preset.accumulate_grad_batches == 64
+
+
+# ------------------------------------------------------------------------------------------------ auto_micro_batch
+
+
+def _auto_micro_batches(callbacks):
+    return [c for c in callbacks if isinstance(c, AutoMicroBatch)]
+
+
+@pytest.mark.parametrize(("micro", "start"), [(None, "auto"), (16, 16)])
+def test_auto_micro_batch_plan_gives_the_dataloader_the_whole_per_device_batch(micro, start):
+    preset = MemoryPreset.from_name(
+        "max-savings", effective_batch_size=128, micro_batch_size=micro, devices=2, auto_micro_batch=True
+    )
+    assert (preset.batch_size, preset.accumulate_grad_batches, preset.auto_micro_batch_start) == (64, 1, start)
+    kwargs = preset.trainer_kwargs()
+    _restore(kwargs)
+    assert kwargs["accumulate_grad_batches"] == 1 and kwargs["devices"] == 2
+    (callback,) = _auto_micro_batches(kwargs["callbacks"])
+    assert callback.start_micro_batch_size == start
+    assert callback.micro_batch_size == (None if micro is None else micro)
+    # the preset's other callbacks are still there; without the flag there is no AutoMicroBatch
+    assert GradientCheckpointing in _types(kwargs["callbacks"])
+    plain = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=micro, devices=2)
+    plain_kwargs = plain.trainer_kwargs()
+    _restore(plain_kwargs)
+    assert not _auto_micro_batches(plain_kwargs["callbacks"]) and plain.auto_micro_batch_start is None
+    assert plain_kwargs["accumulate_grad_batches"] == 64 // plain.batch_size > 1
+
+
+def test_auto_micro_batch_printout_explains_the_split():
+    text = MemoryPreset(effective_batch_size=96, micro_batch_size=8, devices=3, auto_micro_batch=True).describe()
+    line = next(row for row in text.splitlines() if row.startswith("auto_micro_batch"))
+    assert line.split()[1] == "True"
+    assert line.endswith(
+        "the DataLoader yields the whole per-device batch (32) and AutoMicroBatch splits it into micro-batches"
+        " (from 8), halving on out-of-memory with the same effective batch."
+    )
+    assert next(row for row in text.splitlines() if row.startswith("batch_size")).split()[:4] == [
+        "batch_size", "(per", "device)", "32"
+    ]
+    off = next(row for row in MemoryPreset().describe().splitlines() if row.startswith("auto_micro_batch"))
+    assert off.split()[1:3] == ["False", "off:"]
+
+
+def test_auto_micro_batch_start_must_divide_and_needs_an_effective_batch():
+    with pytest.raises(ValueError, match=r"12 x 1 = 12. .* or `micro_batch_size` in \[5, 8, 10\]"):
+        MemoryPreset(effective_batch_size=40, micro_batch_size=12, auto_micro_batch=True)
+    with pytest.raises(ValueError, match="`effective_batch_size`=40 is not divisible by the world size 3"):
+        MemoryPreset(effective_batch_size=40, devices=3, auto_micro_batch=True)
+    with pytest.raises(ValueError, match=r"`micro_batch_size`=8 with `auto_micro_batch=True` needs `effective_batch"):
+        MemoryPreset(micro_batch_size=8, auto_micro_batch=True)
+    # without an effective batch the DataLoader's batch is yours; AutoMicroBatch splits it from the whole batch
+    no_plan = MemoryPreset.from_name("max-speed", auto_micro_batch=True)
+    assert no_plan.batch_size is None and no_plan.auto_micro_batch_start == "auto"
+    assert [type(c) for c in no_plan.trainer_kwargs()["callbacks"]] == [AutoMicroBatch]
+
+
+def test_auto_micro_batch_keeps_your_own_callback_and_refuses_accumulation():
+    preset = MemoryPreset.from_name("max-speed", effective_batch_size=32, auto_micro_batch=True)
+    mine = AutoMicroBatch(micro_batch_size=4, min_micro_batch_size=2)
+    kwargs = preset.trainer_kwargs(callbacks=[mine])
+    assert _auto_micro_batches(kwargs["callbacks"]) == [mine]  # yours, not a second one
+    with pytest.raises(ValueError, match=r"`accumulate_grad_batches=4` contradicts the preset's accumulate_grad_batches"
+                                         r"=1. .*with `auto_micro_batch=True` the DataLoader yields the whole"):
+        preset.trainer_kwargs(accumulate_grad_batches=4)
+
+
+class _BudgetModel(TinyModel):
+    """TinyModel whose forward runs out of memory (simulated) above ``budget`` samples; records the sizes it saw."""
+
+    def __init__(self, batch_size: int, budget: int | None = None) -> None:
+        torch.manual_seed(0)
+        super().__init__(batch_size=batch_size)
+        self.budget, self.seen = budget, []
+
+    def forward(self, x):
+        self.seen.append(len(x))
+        if self.budget is not None and len(x) > self.budget:
+            raise torch.OutOfMemoryError(f"simulated: {len(x)} samples, budget {self.budget}")
+        return super().forward(x)
+
+
+def test_auto_micro_batch_preset_fits_and_matches_the_accumulation_preset(tmp_path):
+    """The auto plan halves 16 -> 8 -> 4 and ends bitwise equal to the plain preset at micro-batch 4 x 4 steps."""
+    knobs = {"effective_batch_size": 16, "monitor": False, "cache_clean_on_phase_end": False, "allocator_conf": ""}
+    auto = MemoryPreset.from_name("balanced", auto_micro_batch=True, **knobs)
+    model = _BudgetModel(auto.batch_size, budget=4)
+    trainer = make_trainer(tmp_path / "auto", max_steps=3, limit_train_batches=None, **auto.trainer_kwargs())
+    trainer.fit(model)
+    (callback,) = _auto_micro_batches(trainer.callbacks)
+    assert (callback.micro_batch_size, callback.retries) == (4, 2)
+    assert model.seen[:3] == [16, 8, 4] and set(model.seen[3:]) == {4}
+    plain = MemoryPreset.from_name("balanced", micro_batch_size=4, **knobs)
+    reference = _BudgetModel(plain.batch_size)
+    ref_trainer = make_trainer(tmp_path / "plain", max_steps=3, limit_train_batches=None, **plain.trainer_kwargs())
+    ref_trainer.fit(reference)
+    assert (trainer.accumulate_grad_batches, ref_trainer.accumulate_grad_batches) == (1, 4)
+    assert trainer.global_step == ref_trainer.global_step == 3
+    for name, expected in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], expected), name
+
+
+def test_auto_micro_batch_from_yaml_and_a_full_trainer_config(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    config = tmp_path / "preset.yaml"
+    config.write_text("preset:\n  name: max-speed\n  effective_batch_size: 64\n  auto_micro_batch: true\n")
+    parser = ArgumentParser()
+    parser.add_class_arguments(MemoryPreset, "preset")
+    parser.add_argument("--config", action="config")
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    preset = instantiate(parser.parse_args([f"--config={config}"])).preset
+    assert preset.auto_micro_batch is True and (preset.batch_size, preset.accumulate_grad_batches) == (64, 1)
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    full = {
+        p.name: p.default
+        for p in inspect.signature(Trainer.__init__).parameters.values()
+        if p.default is not inspect.Parameter.empty
+    }
+    kwargs = preset.merge_trainer_config(full)
+    assert kwargs["accumulate_grad_batches"] == 1 and [type(c) for c in kwargs["callbacks"]] == [AutoMicroBatch]
+
+
+def test_auto_micro_batch_through_lightning_cli(tmp_path):
+    """The documented MemoryCLI: ``memory.auto_micro_batch: true`` links the per-device batch and adds the callback."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    config = tmp_path / "config.yaml"
+    yaml = CLI_YAML.format(root=tmp_path).replace("  micro_batch_size: 4\n", "  auto_micro_batch: true\n")
+    config.write_text(yaml)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = _memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
+    _restore({"callbacks": cli.trainer.callbacks})
+    assert cli.model.batch_size == 16 and cli.trainer.accumulate_grad_batches == 1
+    (callback,) = _auto_micro_batches(cli.trainer.callbacks)
+    assert callback.start_micro_batch_size == "auto"
+    assert ModelSummary in _types(cli.trainer.callbacks)  # the user's callbacks are kept
