@@ -67,9 +67,9 @@ class GarbageCollector(Callback):
     restored at teardown and when training stops with an exception. Thresholds are never changed.
 
     Measured cost (``python benchmarks/callback_overhead.py``: one CPU thread, 1.36M objects tracked by the
-    collector, 1,000-step fits at a 32 ms step): the default ``gc.collect(1)`` took 0.044 ms per call, 0.002 ms
-    per step; a full ``gc.collect(2)`` (``generation=2``) took 244 ms per call, 9.8 ms per step at every 25
-    steps (+25 % fit time), and 0.001 ms per call once ``gc.freeze()`` had frozen the process's objects.
+    collector, 1,000-step fits at a 13.6 ms step): the default ``gc.collect(1)`` took 0.035 ms per call, 0.0014 ms
+    per step; a full ``gc.collect(2)`` (``generation=2``) took 252 ms per call, 9.4 ms per step at every 25 steps
+    (+86 % fit time), and under 0.001 ms per call once ``gc.freeze()`` had frozen the process's objects.
 
     Args:
         every_n_steps: Collect every this many optimizer steps.
