@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from lightning_memopt.functional.conversion import to_device_and_dtype
     from lightning_memopt.functional.memory import MemoryReading, read_memory
     from lightning_memopt.metrics import StreamingRetrievalMetric
+    from lightning_memopt.planner import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
     from lightning_memopt.plugins import MemoryPrecision, MemoryPreset
 
 #: Where each public name lives.
@@ -41,6 +42,10 @@ _EXPORTS = {
     "read_memory": "lightning_memopt.functional.memory",
     "StreamingRetrievalMetric": "lightning_memopt.metrics",
     "to_device_and_dtype": "lightning_memopt.functional.conversion",
+    "MemoryEstimate": "lightning_memopt.planner",
+    "MemoryPlan": "lightning_memopt.planner",
+    "estimate_memory": "lightning_memopt.planner",
+    "plan_memory": "lightning_memopt.planner",
 }
 
 __all__ = [
@@ -49,13 +54,17 @@ __all__ = [
     "GarbageCollector",
     "GradientCheckpointing",
     "MemoryAudit",
+    "MemoryEstimate",
     "MemoryMonitor",
+    "MemoryPlan",
     "MemoryPrecision",
     "MemoryPreset",
     "MemoryReading",
     "OOMReporter",
     "StreamingRetrievalMetric",
     "__version__",
+    "estimate_memory",
+    "plan_memory",
     "read_memory",
     "to_device_and_dtype",
 ]

@@ -283,16 +283,30 @@ class MemoryPreset:
         return cls(name=name, **overrides)
 
     @classmethod
-    def for_device(cls, total_memory_gib: float | None = None, **overrides: Any) -> MemoryPreset:
+    def for_device(
+        cls,
+        total_memory_gib: float | None = None,
+        *,
+        module: nn.Module | None = None,
+        batch_fn: Any = None,
+        **overrides: Any,
+    ) -> MemoryPreset:
         """The preset for a GPU with ``total_memory_gib`` GiB (``None`` reads the current CUDA device).
 
         Without a CUDA device and without ``total_memory_gib`` it warns and uses ``balanced``.
+
+        Given ``module`` and ``batch_fn`` (``batch_fn(micro_batch_size) -> batch``) and ``effective_batch_size``,
+        the choice is measured instead of looked up by size: :func:`~lightning_memopt.plan_memory` estimates the
+        training step on fake tensors and picks the micro-batch, precision and checkpointing that fit (10 % margin).
+        If nothing fits, ``ValueError`` says what would (8-bit optimizer states, or FSDP over N GPUs).
 
         Example:
             >>> p = MemoryPreset.for_device(8, effective_batch_size=32)
             >>> p.name, p.tier, p.batch_size, p.accumulate_grad_batches
             ('max-savings', '8GB', 8, 4)
         """
+        if module is not None or batch_fn is not None:
+            return cls._planned(total_memory_gib, module, batch_fn, overrides)
         if total_memory_gib is None:
             if torch.cuda.is_available():
                 index = torch.cuda.current_device()
@@ -307,6 +321,41 @@ class MemoryPreset:
         tier, name = tier_for_memory(total_memory_gib)
         overrides.setdefault("tier", tier)
         return cls.from_name(name, **overrides)
+
+    @classmethod
+    def _planned(
+        cls, total_memory_gib: float | None, module: Any, batch_fn: Any, overrides: dict[str, Any]
+    ) -> MemoryPreset:
+        from lightning_memopt.planner import plan_memory
+
+        if module is None or batch_fn is None or overrides.get("effective_batch_size") is None:
+            raise ValueError(
+                "`MemoryPreset.for_device(module=..., batch_fn=...)` plans from the model and needs all of `module`,"
+                " `batch_fn` (`batch_fn(micro_batch_size) -> batch`) and `effective_batch_size`; got"
+                f" module={type(module).__name__ if module is not None else None}, batch_fn={batch_fn!r},"
+                f" effective_batch_size={overrides.get('effective_batch_size')!r}."
+            )
+        if overrides.get("micro_batch_size") is not None:
+            raise ValueError(
+                f"`micro_batch_size`={overrides['micro_batch_size']!r} cannot be given with `module`/`batch_fn`: the"
+                " plan chooses it. Drop one of them."
+            )
+        planned = {"effective_batch_size", "devices", "num_nodes", "precision", "gradient_checkpointing"}
+        plan = plan_memory(
+            module,
+            batch_fn,
+            effective_batch_size=overrides["effective_batch_size"],
+            budget_bytes=None if total_memory_gib is None else int(total_memory_gib * 1024**3),
+            devices=overrides.get("devices", 1),
+            num_nodes=overrides.get("num_nodes", 1),
+            precision=overrides.get("precision") or "auto",
+            checkpointing="auto" if overrides.get("gradient_checkpointing") is None
+            else bool(overrides["gradient_checkpointing"]),
+        )
+        if not plan.feasible:
+            raise ValueError(f"No micro-batch fits {plan.budget_label}: {plan.advice}")
+        rest = {k: v for k, v in overrides.items() if k not in planned}
+        return dataclasses.replace(plan.preset, **rest) if rest else plan.preset
 
     # ---------------------------------------------------------------------------------------------- properties
     @property

@@ -1,0 +1,368 @@
+"""estimate_memory and plan_memory: exact bytes on the CPU, CUDA modelling, plans and their clear answers."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_memopt import MemoryPreset, estimate_memory, plan_memory
+from lightning_memopt.planner import CUDA_CONTEXT_BYTES, MemoryEstimateError, parse_budget
+from lightning_memopt.utilities.formatting import format_bytes
+
+SGD_MOMENTUM = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+def mlp(frozen_first: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    if frozen_first:
+        model[0].requires_grad_(False)
+    return model
+
+
+def encoder(dropout: float = 0.1, width: int = 32, layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=dropout, batch_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+
+# 64*128 + 128 and 128*10 + 10 elements in four tensors
+FIRST, SECOND = 64 * 128 + 128, 128 * 10 + 10
+ELEMENTS, TENSORS = FIRST + SECOND, 4
+
+
+# ------------------------------------------------------------------------------------------------ exact bytes
+
+
+@pytest.mark.parametrize(
+    ("precision", "size"), [("32-true", 4), ("bf16-true", 2)], ids=["fp32", "bf16"]
+)
+@pytest.mark.parametrize(
+    ("optimizer", "state_bytes"),
+    [
+        (ADAMW, lambda n, size: 2 * n * size + 4 * TENSORS),  # two moments in the weights' dtype, a float32 step each
+        (SGD_MOMENTUM, lambda n, size: n * size),  # one momentum buffer
+        (SGD, lambda n, size: 0),
+    ],
+    ids=["adamw", "sgd-momentum", "sgd"],
+)
+def test_parameters_gradients_and_optimizer_states_are_exact(precision, size, optimizer, state_bytes):
+    est = estimate_memory(mlp(), torch.randn(16, 64), precision=precision, optimizer=optimizer, device="cpu")
+    assert est.parameter_bytes == est.trainable_parameter_bytes == ELEMENTS * size
+    assert est.gradient_bytes == ELEMENTS * size
+    assert est.optimizer_state_bytes == state_bytes(ELEMENTS, size)
+    assert est.batch_bytes == 16 * 64 * size  # "-true" precisions cast floating inputs too
+    assert sum(est.at_peak.values()) == est.peak_bytes
+
+
+def test_frozen_parameters_have_no_gradient_and_no_optimizer_state():
+    est = estimate_memory(mlp(frozen_first=True), torch.randn(16, 64), optimizer=ADAMW, device="cpu")
+    assert est.parameter_bytes == ELEMENTS * 4
+    assert est.trainable_parameter_bytes == est.gradient_bytes == SECOND * 4
+    assert est.optimizer_state_bytes == 2 * SECOND * 4 + 4 * 2
+
+
+def test_cuda_rounds_every_tensor_to_512_byte_blocks_and_adds_the_cublas_workspaces():
+    from lightning_memopt.functional.planning import CUBLAS_WORKSPACE_BYTES
+
+    est = estimate_memory(mlp(), torch.randn(16, 64), optimizer=SGD_MOMENTUM, device="cuda")
+    blocks = [-(-n * 4 // 512) * 512 for n in (64 * 128, 128, 128 * 10, 10)]
+    assert est.parameter_bytes == est.gradient_bytes == est.optimizer_state_bytes == sum(blocks)
+    assert est.at_peak["workspace"] == CUBLAS_WORKSPACE_BYTES
+    assert (est.peak_bytes - CUBLAS_WORKSPACE_BYTES) % 512 == 0
+    assert any("512-byte" in a for a in est.assumptions)
+
+
+def test_a_hand_counted_peak():
+    """Linear(D, D, bias=False), loss = sum, plain SGD: step 1's forward holds W, its gradient, x and y (+ loss)."""
+    d, b = 64, 32
+    model = nn.Linear(d, d, bias=False)
+    est = estimate_memory(model, torch.randn(b, d), optimizer=SGD, device="cpu")
+    assert est.peak_bytes == 4 * (2 * d * d + 2 * b * d) + 4
+    assert (est.peak_phase, est.peak_step) == ("forward", 1)
+    assert est.at_peak == {"parameters": 4 * d * d, "buffers": 0, "batch": 4 * b * d, "gradients": 4 * d * d,
+                           "optimizer_states": 0, "activations": 4 * b * d + 4, "temporaries": 0}
+    # with momentum the buffer made at step 0 is alive too, and counted as an optimizer state
+    momentum = estimate_memory(model, torch.randn(b, d), optimizer=SGD_MOMENTUM, device="cpu")
+    assert momentum.peak_bytes == est.peak_bytes + 4 * d * d
+    assert momentum.at_peak == {**est.at_peak, "optimizer_states": 4 * d * d}
+
+
+def test_a_peak_inside_the_first_optimizer_step_counts_the_states_made_so_far():
+    """AdamW over one large weight: step 0's update peaks with both moments made and a temporary alive."""
+    model = nn.Linear(256, 256, bias=False)
+    est = estimate_memory(model, torch.randn(2, 256), optimizer=ADAMW, device="cpu")
+    assert (est.peak_phase, est.peak_step) == ("optimizer step", 0)
+    assert est.at_peak["optimizer_states"] == 2 * 4 * 256 * 256 + 4
+    assert est.at_peak["temporaries"] > 0
+
+
+# ------------------------------------------------------------------------------------------------ fake == real
+
+
+class Lit(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = encoder()
+        self.head = nn.Linear(32, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.head(self.net(x)).squeeze(-1), y)
+        self.log("train_loss", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}
+
+
+CASES = {
+    "mlp-adamw": (mlp, lambda: torch.randn(32, 64), {"optimizer": ADAMW}),
+    "mlp-sgd-bf16-true": (mlp, lambda: torch.randn(32, 64), {"optimizer": SGD_MOMENTUM, "precision": "bf16-true"}),
+    "encoder": (encoder, lambda: torch.randn(4, 16, 32), {}),
+    "encoder-bf16-mixed": (encoder, lambda: torch.randn(4, 16, 32), {"precision": "bf16-mixed"}),
+    "encoder-16-mixed": (functools.partial(encoder, 0.0), lambda: torch.randn(4, 16, 32), {"precision": "16-mixed"}),
+    "encoder-checkpointing": (encoder, lambda: torch.randn(4, 16, 32), {"checkpointing": True}),
+    "encoder-bf16-checkpointing": (encoder, lambda: torch.randn(4, 16, 32),
+                                   {"checkpointing": [nn.TransformerEncoderLayer], "precision": "bf16-mixed"}),
+    "lightning-module": (Lit, lambda: (torch.randn(4, 16, 32), torch.randn(4, 16)), {}),
+}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if "checkpointing" in c or "16" in c else c for c in sorted(CASES)]
+)
+def test_the_fake_estimate_equals_a_real_cpu_step_to_the_byte(case):
+    build, batch_fn, kwargs = CASES[case]
+    model, batch = build(), batch_fn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    predicted = estimate_memory(model, batch, device="cpu", **kwargs)
+    measured = estimate_memory(model, batch, device="cpu", fake=False, **kwargs)
+    assert predicted.fake and not measured.fake
+    assert predicted.peak_bytes == measured.peak_bytes > 0
+    assert (predicted.peak_phase, predicted.peak_step) == (measured.peak_phase, measured.peak_step)
+    assert predicted.at_peak == measured.at_peak
+    assert predicted.optimizer_state_bytes == measured.optimizer_state_bytes > 0
+    for key, value in model.state_dict().items():  # neither run trained the user's model
+        assert torch.equal(value, before[key]), key
+
+
+@pytest.mark.slow
+def test_checkpointing_lowers_the_activations_and_the_peak_moves_to_backward():
+    x = torch.randn(8, 64, 32)
+    plain = estimate_memory(encoder(), x, device="cpu")
+    checkpointed = estimate_memory(encoder(), x, device="cpu", checkpointing=True)
+    assert checkpointed.peak_bytes < plain.peak_bytes
+    assert checkpointed.phase_peaks["forward"] < plain.phase_peaks["forward"] / 2
+
+
+def test_the_user_s_module_is_not_wrapped_or_cast():
+    from lightning_memopt.callbacks.gradient_checkpointing import is_checkpointed
+
+    model = encoder()
+    estimate_memory(model, torch.randn(2, 8, 32), device="cpu", checkpointing=True, precision="bf16-true")
+    assert not any(is_checkpointed(m) for m in model.modules())
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ CUDA modelling
+
+
+def test_cuda_attention_keeps_no_sequence_by_sequence_matrix():
+    """With dropout the CPU takes the math path (B x H x L x L kept for backward); CUDA's fused kernels do not."""
+    batch, heads, length = 2, 4, 256
+    x = torch.randn(batch, length, 32)
+    cpu = estimate_memory(encoder(layers=1), x, device="cpu", optimizer=SGD)
+    cuda = estimate_memory(encoder(layers=1), x, device="cuda", optimizer=SGD)
+    matrix = batch * heads * length * length * 4
+    # the scores and the dropped-out scores (plus the dropout mask) are kept on the CPU, none of them on CUDA
+    assert cpu.phase_peaks["forward"] - cuda.phase_peaks["forward"] >= 2 * matrix
+    assert cuda.activation_bytes < matrix
+    assert any("fused kernels" in a for a in cuda.assumptions)
+    assert torch.nn.functional.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"  # given back
+
+
+def test_cuda_uses_foreach_optimizers_where_torch_would():
+    model, x = mlp(), torch.randn(16, 64)
+    cuda = estimate_memory(model, x, optimizer=ADAMW, device="cuda")
+    explicit = estimate_memory(model, x, optimizer=functools.partial(torch.optim.AdamW, foreach=False), device="cuda")
+    assert any("foreach" in a for a in cuda.assumptions)
+    assert not any("foreach" in a for a in explicit.assumptions)
+
+
+# ------------------------------------------------------------------------------------------------ clear errors
+
+
+class DataDependent(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.linear, self.how = nn.Linear(8, 8), how
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.how == "item":
+            return y.sum() * float(y.max().item() > 0)
+        return y[y > 0].sum()
+
+
+@pytest.mark.parametrize(("how", "op"), [("item", "aten._local_scalar_dense"), ("mask", "aten.nonzero")])
+def test_a_step_that_cannot_run_on_fake_tensors_names_the_operator_and_the_fallback(how, op):
+    model = DataDependent(how)
+    with pytest.raises(MemoryEstimateError, match=rf"operator `{op}[^`]*`.*fake=False") as info:
+        estimate_memory(model, torch.randn(4, 8), device="cpu")
+    assert info.value.__cause__ is not None and info.value.__cause__.op.startswith(op)
+    fallback = estimate_memory(model, torch.randn(4, 8), device="cpu", fake=False)
+    assert fallback.peak_bytes > 0 and not fallback.fake
+
+
+class NeedsTrainer(Lit):
+    def configure_optimizers(self):
+        steps = self.trainer.estimated_stepping_batches
+        optimizer = torch.optim.AdamW(self.parameters())
+        return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=steps)]
+
+
+def test_configure_optimizers_that_needs_a_trainer_asks_for_optimizer():
+    batch = (torch.randn(2, 4, 32), torch.randn(2, 4))
+    with pytest.raises(MemoryEstimateError, match=r"configure_optimizers\(\)` failed outside a Trainer.*`optimizer="):
+        estimate_memory(NeedsTrainer(), batch, device="cpu")
+    assert estimate_memory(NeedsTrainer(), batch, device="cpu", optimizer=ADAMW).optimizer_state_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"precision": "bf16"}, r"`precision`"),
+        ({"device": "gpu"}, r"`device`"),
+        ({"optimizer": "adamw"}, r"`optimizer` must be a callable"),
+        ({"steps": 0}, r"`steps`"),
+        ({"checkpointing": ["no_such_block"]}, r"`checkpointing`=\['no_such_block'\] matched no submodule"),
+    ],
+)
+def test_estimate_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, MemoryEstimateError), match=match):
+        estimate_memory(encoder(), torch.randn(2, 4, 32), **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+def batch_of(size):
+    return torch.randn(size, 64, 32)
+
+
+@pytest.mark.slow
+def test_the_plan_keeps_the_effective_batch_with_the_largest_micro_batch_that_fits():
+    model = encoder()
+    need = {b: estimate_memory(model, batch_of(b), device="cpu").peak_bytes for b in (6, 8)}
+    budget = (need[6] + need[8]) // 2  # 6 fits, 8 does not (margin 0); both divide 48
+    lines = []
+    plan = plan_memory(model, batch_of, effective_batch_size=48, budget_bytes=budget, margin=0.0, device="cpu",
+                       checkpointing=False, precision="32-true", progress=lines.append)
+    assert plan.feasible and plan.micro_batch_size == 6 and plan.accumulate_grad_batches == 8
+    assert len(lines) == len(plan.trials) and "micro-batch" in lines[0]
+    tried = {t.micro_batch_size: t.fits for t in plan.trials}
+    assert tried[48] is False and tried[6] is True and tried[8] is False and all(48 % size == 0 for size in tried)
+    assert plan.trainer_kwargs()["accumulate_grad_batches"] == 8
+    assert plan.preset.batch_size == 6 and plan.preset.precision == "32-true"
+    assert "micro-batch 6 x accumulate 8 = 48" in str(plan)
+
+
+def test_the_plan_splits_the_effective_batch_over_devices_and_counts_ddp_buckets():
+    model = encoder()
+    single = plan_memory(model, batch_of, effective_batch_size=16, budget_bytes=10**9, device="cpu", margin=0.0,
+                         checkpointing=False)
+    ddp = plan_memory(model, batch_of, effective_batch_size=16, budget_bytes=10**9, device="cpu", margin=0.0,
+                      checkpointing=False, devices=2)
+    assert (single.micro_batch_size, ddp.micro_batch_size) == (16, 8)
+    assert ddp.trials[0].needed_bytes == ddp.estimate.peak_bytes + ddp.estimate.gradient_bytes
+    with pytest.raises(ValueError, match=r"`effective_batch_size`=15 must divide by devices x num_nodes = 2"):
+        plan_memory(model, batch_of, effective_batch_size=15, budget_bytes=10**9, devices=2)
+
+
+@pytest.mark.slow
+def test_checkpointing_is_chosen_only_where_it_at_least_doubles_the_micro_batch():
+    model = encoder()
+    plain = {b: estimate_memory(model, batch_of(b), device="cpu").peak_bytes for b in (2, 4, 8, 16)}
+    ckpt = {b: estimate_memory(model, batch_of(b), device="cpu", checkpointing=True).peak_bytes for b in (2, 4, 8)}
+    assert plain[4] < ckpt[8] < plain[8] and ckpt[2] < plain[2] < ckpt[4]
+
+    def plan(budget):
+        return plan_memory(model, batch_of, effective_batch_size=16, budget_bytes=budget, margin=0.0, device="cpu")
+
+    doubled = plan(ckpt[8])  # 4 without checkpointing, 8 with it
+    assert (doubled.micro_batch_size, doubled.gradient_checkpointing) == (8, True)
+    assert doubled.preset.gradient_checkpointing is True
+    same = plan(plain[2])  # 2 either way: no checkpointing
+    assert (same.micro_batch_size, same.gradient_checkpointing) == (2, False)
+    assert any(t.checkpointing and t.micro_batch_size == 2 and t.fits for t in same.trials)
+    roomy = plan(plain[16])
+    assert (roomy.micro_batch_size, roomy.gradient_checkpointing) == (16, False)
+    assert all(not t.checkpointing for t in roomy.trials)  # the whole batch fit: checkpointing never tried
+
+
+@pytest.mark.parametrize("blocks", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["mlp", "encoder"])
+def test_a_budget_too_small_for_micro_batch_1_gets_the_smallest_option_instead_of_a_number(blocks):
+    """Model states dominate: half the memory they need is answered with FSDP over N GPUs, not a micro-batch."""
+    torch.manual_seed(0)
+    if blocks:
+        model, batch_fn = encoder(width=512, layers=2), (lambda b: torch.randn(b, 4, 512))
+    else:
+        model, batch_fn = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)), (
+            lambda b: torch.randn(b, 1024))
+    one = estimate_memory(model, batch_fn(1), precision="bf16-mixed", checkpointing=blocks or None)
+    plan = plan_memory(model, batch_fn, effective_batch_size=8, budget_bytes=CUDA_CONTEXT_BYTES + one.peak_bytes // 2)
+    assert not plan.feasible and plan.micro_batch_size is None
+    how = " and activation checkpointing" if blocks else ""
+    assert f"even micro-batch 1 with bf16-mixed{how} needs {format_bytes(one.peak_bytes)};" in plan.advice
+    states = sum(one.at_peak[k] for k in ("parameters", "buffers", "gradients", "optimizer_states"))
+    usable, rest = plan.usable_bytes, one.peak_bytes - states
+    shards = math.ceil(states / (usable - rest))
+    assert shards >= 2 and f"Needs sharding: {shards} GPUs with FSDP" in plan.advice
+    with pytest.raises(ValueError, match="No setting fits"):
+        plan.trainer_kwargs()
+    assert "Nothing fits" in str(plan)
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [("A100-40GB", (int(39.4 * 1024**3), "A100-40GB", True)), ("t4", (int(14.7 * 1024**3), "T4", False)),
+     ("40GB", (40 * 10**9, "40GB", None)), ("24GiB", (24 * 1024**3, "24GiB", None)),
+     (8e9, (8 * 10**9, "7.45 GiB", None))],
+)
+def test_budgets_by_gpu_name_or_size(budget, expected):
+    assert parse_budget(budget) == expected
+
+
+@pytest.mark.parametrize("budget", ["A200", "forty GB", -1, True, "0GB"])
+def test_bad_budgets_name_the_argument_and_the_known_gpus(budget):
+    with pytest.raises(ValueError, match=r"`budget_bytes`"):
+        parse_budget(budget)
+
+
+def test_bf16_is_planned_only_where_the_gpu_computes_it():
+    def plan(gpu):
+        return plan_memory(mlp(), lambda b: torch.randn(b, 64), effective_batch_size=8, budget_bytes=gpu)
+
+    assert plan("A100-40GB").precision == "bf16-mixed" and plan("H100-80GB").precision == "bf16-mixed"
+    assert plan("V100-32GB").precision == plan("T4").precision == "16-mixed"
+
+
+@pytest.mark.slow
+def test_memory_preset_for_device_plans_when_given_a_module_and_a_batch():
+    model = encoder()
+    need = estimate_memory(model, batch_of(4), device="cuda", precision="bf16-mixed", checkpointing=True).peak_bytes
+    gib = (CUDA_CONTEXT_BYTES + need / 0.9 + 1) / 1024**3
+    preset = MemoryPreset.for_device(gib, module=model, batch_fn=batch_of, effective_batch_size=16, monitor=False)
+    assert (preset.batch_size, preset.accumulate_grad_batches) == (4, 4)
+    assert preset.precision == "bf16-mixed" and preset.gradient_checkpointing is True and preset.monitor is False
+    with pytest.raises(ValueError, match=r"needs all of `module`, `batch_fn`.*effective_batch_size=None"):
+        MemoryPreset.for_device(40, module=model, batch_fn=batch_of)
