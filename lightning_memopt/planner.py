@@ -695,31 +695,36 @@ def plan_memory(
                      f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)")
         return ok
 
+    def search(option: Any, candidates: list[int]) -> int | None:
+        """The largest candidate that fits (the need grows with the micro-batch), or None."""
+        if fits(candidates[-1], option):
+            return candidates[-1]
+        if len(candidates) == 1 or not fits(candidates[0], option):
+            return None
+        lo, hi = 0, len(candidates) - 1  # candidates[lo] fits, candidates[hi] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(candidates[mid], option):
+                lo = mid
+            else:
+                hi = mid
+        return candidates[lo]
+
     best: dict[bool, int | None] = {}
     last_option: Any = options[-1]
     for option in options:
-        if best.get(False) == sizes[-1]:
-            break  # the whole batch fits without checkpointing: nothing to gain from it
+        plain = best.get(False)
+        # checkpointing is only worth it from twice the micro-batch that fits without it
+        candidates = [s for s in sizes if plain is None or not option or s >= 2 * plain]
+        if not candidates:
+            break
         try:
-            if fits(sizes[-1], option):
-                best[bool(option)] = sizes[-1]
-                continue
-            if len(sizes) == 1 or not fits(sizes[0], option):
-                best[bool(option)] = None
-                continue
+            best[bool(option)] = search(option, candidates)
         except MemoryEstimateError as err:
             if checkpointing == "auto" and option and "matched no submodule" in str(err):
                 last_option = False  # nothing to checkpoint: the plan is made without
                 break
             raise
-        lo, hi = 0, len(sizes) - 1  # sizes[lo] fits, sizes[hi] does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(sizes[mid], option):
-                lo = mid
-            else:
-                hi = mid
-        best[bool(option)] = sizes[lo]
     plain, checkpointed = best.get(False), best.get(True)
     if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
         chosen, option = checkpointed, True
