@@ -4,11 +4,18 @@ Subcommands:
 
 * ``analyze LOG [LOG ...] [--plot FILE.png]``: summary table and timeline plot from memory JSONL logs.
 * ``report REPORT [REPORT ...]``: an out-of-memory report (``oom_report_rank{r}.json``) as Markdown.
+* ``estimate --model CLASS_PATH | --config FILE.yaml [--data CLASS_PATH | --batch-shape SPEC ...] [--gpu NAME |
+  --device-memory SIZE] [--effective-batch-size N]``: a training step's peak memory predicted on fake tensors
+  (:func:`~lightning_memopt.planner.estimate_memory`, its breakdown table) and, with a budget, the plan
+  (:func:`~lightning_memopt.planner.plan_memory`: micro-batch, accumulation, precision, checkpointing), with a
+  progress line per estimate on stderr. The model and datamodule are given the LightningCLI way (class paths, init
+  args, a YAML config, ``--model.NAME VALUE`` overrides); exit code 1 when nothing fits the budget.
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that registers its parser and sets
-``func``; ``main`` returns the process exit code (0 success, 2 bad input). Bad input never ends in a
-traceback: an error is one line on stderr naming the file, and a warning (records ``analyze`` skipped) is one
-line on stderr before the output.
+``func``; ``main`` returns the process exit code (0 success, 2 bad input; ``estimate``: 1 when nothing fits). Bad
+input never ends in a traceback: an error is one line on stderr naming the file or the argument, and a warning
+(records ``analyze`` skipped) is one line on stderr before the output. ``analyze`` and ``report`` start without
+importing torch or Lightning; ``estimate`` imports them when it runs (in ``lightning_memopt.utilities.cli_estimate``).
 """
 
 from __future__ import annotations
@@ -109,18 +116,120 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+_ESTIMATE_DESCRIPTION = """\
+Predict a training step's peak memory without a GPU (fake tensors: shapes, no data) and, with a memory budget,
+plan the micro-batch, gradient accumulation, precision and activation checkpointing that fit it.
+
+model: --model CLASS_PATH (a LightningModule or nn.Module) with its init args from --config (a LightningCLI YAML
+config: model: class_path + init_args, or the init args alone for a LightningCLI with a fixed model class) and
+from overrides --model.NAME VALUE (also --model.init_args.NAME VALUE; values are read as YAML: 0.1, true, null,
+[1, 2]). --model '{class_path: ..., init_args: {...}}' replaces the section. Nested class_path/init_args are built
+too. The working directory is importable (examples.dreams.module.SpectraFineTuner from the repository root).
+The config's optimizer: section (or --optimizer CLASS_PATH, --optimizer.NAME VALUE) replaces the module's
+configure_optimizers; trainer: gives defaults for --precision, --devices, --num-nodes and accumulate_grad_batches;
+other sections (seed_everything, a LightningCLI subclass's own, ...) are ignored. link_arguments are not applied.
+
+batch: from the datamodule (--data CLASS_PATH, --data.NAME VALUE, or the config's data: section): prepare_data(),
+setup("fit"), then the first B samples of train_dataloader()'s dataset in order (a smaller set is cycled),
+collated by its collate_fn. Variable-length samples: the first batch decides the length; choose init args that
+give the longest (e.g. padding to the maximum). Without a datamodule, a LightningModule's own train_dataloader()
+is used. Or describe it: --batch-shape SPEC per tensor, SPEC = [name=]DIMS[:dtype], DIMS comma-separated ints
+and B (the micro-batch), dtype default float32: one tensor is the batch, several a tuple, named ones a dict
+(--batch-shape ids=B,512:int64 --batch-shape labels=B:int64). Integer tensors are zeros.
+
+without a budget: the estimate at --batch-size (default: the datamodule's batch size) and its breakdown table;
+--precision auto means 32-true (Lightning's default). With --gpu NAME or --device-memory SIZE: the plan for
+--effective-batch-size samples per optimizer step over all devices (default: batch size x accumulate_grad_batches
+x devices x nodes), every micro-batch tried estimated on its own; printed: the estimate at the chosen micro-batch,
+the trials and the verdict; --precision auto picks bf16-mixed where the GPU computes bf16 (and for a
+--device-memory size), else 16-mixed (32-true for --device cpu). Usable memory: the budget less the CUDA context
+(512 MiB) and --margin. A progress line per estimate goes to stderr.
+
+exit codes: 0 an estimate, or a plan that fits; 1 nothing fits the budget (the advice says what would: 8-bit
+optimizer states or sharding); 2 bad input (one line on stderr naming the argument).
+
+example (from the repository root):
+  lightning-memopt estimate --config examples/dreams/config.yaml \\
+      --model examples.dreams.module.SpectraFineTuner --data examples.dreams.module.SpectraDataModule \\
+      --model.model_preset small --gpu A100-40GB --effective-batch-size 64
+"""
+
+
+def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate", help="predict a training step's peak memory and plan micro-batch, precision and checkpointing",
+        description=_ESTIMATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--config FILE.yaml] [--model CLASS_PATH] [--model.NAME VALUE ...] [--data CLASS_PATH |"
+              " --batch-shape SPEC ...] [--gpu NAME | --device-memory SIZE] [--effective-batch-size N] [options]")
+    what = parser.add_argument_group("model and batch")
+    what.add_argument("--config", metavar="FILE.yaml", action="append", default=None,
+                      help="a LightningCLI config (model:, data:, optimizer:, trainer:); repeat to merge several")
+    what.add_argument("--model", metavar="CLASS_PATH", default=None,
+                      help="the LightningModule (or nn.Module) class, e.g. examples.dreams.module.SpectraFineTuner;"
+                           " init args from --config and --model.NAME VALUE")
+    what.add_argument("--data", metavar="CLASS_PATH", default=None,
+                      help="the LightningDataModule class whose training set gives the batch; init args from --config"
+                           " and --data.NAME VALUE")
+    what.add_argument("--optimizer", metavar="CLASS_PATH", default=None,
+                      help="an optimizer class (torch.optim.AdamW, or AdamW) instead of configure_optimizers;"
+                           " init args --optimizer.NAME VALUE")
+    what.add_argument("--batch-shape", metavar="SPEC", action="append", default=None,
+                      help="one batch tensor, [name=]DIMS[:dtype] with B for the micro-batch, e.g. B,128,64:float32;"
+                           " repeat per tensor (instead of --data)")
+    what.add_argument("--batch-size", metavar="N", type=int, default=None,
+                      help="the micro-batch to estimate without a budget (default: the datamodule's)")
+    budget = parser.add_argument_group("memory budget (one of --gpu, --device-memory)")
+    budget.add_argument("--gpu", metavar="NAME", default=None,
+                        help="a GPU by name: T4, V100-16GB, A10G, L4, RTX4090, A100-40GB, A100-80GB, L40S, H100-80GB,"
+                             " H200, ...")
+    budget.add_argument("--device-memory", metavar="SIZE", default=None,
+                        help="the device's memory: 40GB (10^9 bytes), 24GiB (2^30) or bytes")
+    budget.add_argument("--effective-batch-size", metavar="N", type=int, default=None,
+                        help="samples per optimizer step over all devices, kept exactly by the plan")
+    budget.add_argument("--devices", metavar="N", type=int, default=None,
+                        help="data-parallel devices per node (default: trainer.devices of the config, else 1)")
+    budget.add_argument("--num-nodes", metavar="N", type=int, default=None,
+                        help="nodes (default: trainer.num_nodes of the config, else 1)")
+    budget.add_argument("--margin", metavar="FRACTION", type=float, default=0.1,
+                        help="fraction of the usable memory left free for what is not modelled (default 0.1)")
+    how = parser.add_argument_group("settings")
+    how.add_argument("--precision", metavar="PRECISION", default=None,
+                     help="auto, 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (or 32, 16, bf16); default:"
+                          " trainer.precision of the config, else auto")
+    how.add_argument("--checkpointing", metavar="auto|on|off|BLOCKS", default="auto",
+                     help="activation checkpointing: auto (the plan tries without and with; no budget: the model as"
+                          " it is), on (the model's own gradient_checkpointing_enable() where it has one, else"
+                          " PyTorch transformer layers), off, or block class names / name patterns, comma-separated")
+    how.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="the target modelled (default cuda; the estimate itself runs on the CPU)")
+    parser.set_defaults(func=_run_estimate, takes_overrides=True)
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from lightning_memopt.utilities.cli_estimate import EstimateInputError, run_estimate
+
+    try:
+        return run_estimate(args)
+    except EstimateInputError as err:
+        raise CLIError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-memopt", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_analyze(subparsers)
     _add_report(subparsers)
+    _add_estimate(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")  # what parse_args says
+    args.overrides = extras  # estimate's --model.NAME VALUE and the like
     try:
         return int(args.func(args) or 0)
     except CLIError as err:

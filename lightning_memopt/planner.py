@@ -229,7 +229,7 @@ def _checkpointing_prepare(checkpointing: Any) -> Callable[[nn.Module], None] | 
     elif isinstance(checkpointing, GradientCheckpointing):
         callback = GradientCheckpointing(checkpointing.modules, checkpointing.use_model_switch)
     else:
-        callback = GradientCheckpointing(modules=checkpointing)
+        callback = GradientCheckpointing(modules=checkpointing, use_model_switch=False)  # the blocks asked for
 
     def prepare(model: nn.Module) -> None:
         switches = callback._find_switches(model) if callback.use_model_switch else []
@@ -451,7 +451,7 @@ def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | Non
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
         raise ValueError(f"`budget_bytes` must be bytes, a size such as '40GB' or a GPU name, got {budget!r}.")
     if isinstance(budget, (int, float)):
-        if budget <= 0:
+        if not math.isfinite(budget) or budget <= 0:
             raise ValueError(f"`budget_bytes` must be positive, got {budget!r}.")
         return int(budget), format_bytes(int(budget)), None
     names = {name.upper(): name for name in GPU_MEMORY}
@@ -465,7 +465,7 @@ def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | Non
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or value <= 0:
+    if unit not in _UNITS or not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"`budget_bytes`={budget!r} is neither a size (e.g. '40GB', '24GiB', 8e9) nor a known GPU."
             f" Known GPUs: {', '.join(GPU_MEMORY)}."
@@ -621,8 +621,11 @@ def plan_memory(
         devices / num_nodes: the data-parallel world (``effective_batch_size`` must divide by it).
         margin: fraction of the usable memory left free for what is not modelled (fragmentation, cuDNN, NCCL).
         precision: ``"auto"`` (``bf16-mixed`` where the GPU computes bf16, else ``16-mixed``; ``32-true`` for
-            ``device="cpu"``) or one precision to use.
+            ``device="cpu"``; a budget given as a size says nothing about the GPU, so bf16 is assumed: pass
+            ``precision="16-mixed"`` for a V100 or T4 given by size) or one precision to use.
         checkpointing: ``"auto"`` tries without and with; ``True``/``False`` or block classes/name patterns fix it.
+            "Without" is the model as it is: a model that checkpoints itself (e.g. an HF model with gradient
+            checkpointing enabled) stays checkpointed.
         optimizer / loss_fn / device: as for :func:`estimate_memory`.
         progress: called with one line per estimate (the CLI prints them).
 
@@ -691,7 +694,7 @@ def plan_memory(
         trials.append(PlanTrial(size, precision, bool(option), needed, ok, est.seconds))
         estimates[(size, bool(option))] = est
         if progress is not None:
-            progress(f"micro-batch {size:>5}, {precision}, checkpointing {'on ' if option else 'off'}:"
+            progress(f"micro-batch {size:>5}, {precision}, checkpointing {'on' if option else 'off'}:"
                      f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)")
         return ok
 

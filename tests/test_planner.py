@@ -74,7 +74,8 @@ def test_cuda_rounds_every_tensor_to_512_byte_blocks_and_adds_the_cublas_workspa
 
     est = estimate_memory(mlp(), torch.randn(16, 64), optimizer=SGD_MOMENTUM, device="cuda")
     blocks = [-(-n * 4 // 512) * 512 for n in (64 * 128, 128, 128 * 10, 10)]
-    assert est.parameter_bytes == est.gradient_bytes == est.optimizer_state_bytes == sum(blocks)
+    assert est.parameter_bytes == est.trainable_parameter_bytes == sum(blocks)
+    assert est.gradient_bytes == est.optimizer_state_bytes == sum(blocks)
     assert est.at_peak["workspace"] == CUBLAS_WORKSPACE_BYTES
     assert (est.peak_bytes - CUBLAS_WORKSPACE_BYTES) % 512 == 0
     assert any("512-byte" in a for a in est.assumptions)
@@ -344,7 +345,7 @@ def test_budgets_by_gpu_name_or_size(budget, expected):
     assert parse_budget(budget) == expected
 
 
-@pytest.mark.parametrize("budget", ["A200", "forty GB", -1, True, "0GB"])
+@pytest.mark.parametrize("budget", ["A200", "forty GB", -1, True, "0GB", "infGB", "nan", float("inf"), float("nan")])
 def test_bad_budgets_name_the_argument_and_the_known_gpus(budget):
     with pytest.raises(ValueError, match=r"`budget_bytes`"):
         parse_budget(budget)
@@ -368,3 +369,27 @@ def test_memory_preset_for_device_plans_when_given_a_module_and_a_batch():
     assert preset.precision == "bf16-mixed" and preset.gradient_checkpointing is True and preset.monitor is False
     with pytest.raises(ValueError, match=r"needs all of `module`, `batch_fn`.*effective_batch_size=None"):
         MemoryPreset.for_device(40, module=model, batch_fn=batch_of)
+
+
+class Switched(nn.Module):
+    """A model with its own checkpointing switch (as Hugging Face models have), and blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = encoder(layers=1)
+        self.switched = False
+
+    def gradient_checkpointing_enable(self):
+        self.switched = True
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def test_named_blocks_are_checkpointed_even_where_the_model_has_its_own_switch():
+    x = torch.randn(2, 16, 32)
+    with pytest.raises(MemoryEstimateError, match=r"matched no submodule of Switched"):
+        estimate_memory(Switched(), x, device="cpu", checkpointing=["nothing.*"])
+    named = estimate_memory(Switched(), x, device="cpu", checkpointing=["blocks.layers.*"])
+    switch = estimate_memory(Switched(), x, device="cpu", checkpointing=True)  # the switch: nothing wrapped here
+    assert named.phase_peaks["forward"] < switch.phase_peaks["forward"]

@@ -318,7 +318,8 @@ def count_training_steps(
             parameter_bytes = sum(counter._bytes(p.untyped_storage().nbytes()) for p in {
                 id(p.untyped_storage()): p for p in params}.values())
             trainable = [p for p in params if p.requires_grad]
-            trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+            trainable_bytes = sum(counter._bytes(p.untyped_storage().nbytes()) for p in {
+                id(p.untyped_storage()): p for p in trainable}.values())
             buffer_bytes = sum(counter._bytes(b.untyped_storage().nbytes()) for b in model.buffers())
             batch_bytes = sum(counter._bytes(t.untyped_storage().nbytes()) for t in {
                 id(t.untyped_storage()): t for t in _tensors(batch)}.values())
