@@ -139,17 +139,11 @@ class MemoryEstimate:
 
 
 def _is_lightning_module(module: nn.Module) -> bool:
-    try:
-        from lightning.pytorch import LightningModule
-    except ImportError:  # pragma: no cover - lightning is a dependency
-        return False
-    if isinstance(module, LightningModule):
-        return True
-    try:
-        from pytorch_lightning import LightningModule as PLModule
-    except ImportError:
-        return False
-    return isinstance(module, PLModule)
+    # by the class hierarchy, without importing Lightning for a plain nn.Module
+    return any(
+        cls.__name__ == "LightningModule" and cls.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
+        for cls in type(module).__mro__
+    )
 
 
 def _loss_of(output: Any) -> Tensor:
@@ -308,6 +302,11 @@ def estimate_memory(
         raise ValueError(
             f"`optimizer` must be a callable that builds an optimizer from parameters, got {optimizer!r}."
             " Example: `optimizer=functools.partial(torch.optim.AdamW, lr=1e-4)`."
+        )
+    if not fake and any(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]):
+        raise ValueError(
+            "`fake=False` runs a real CPU step, but the model is on the meta device (no data). Estimate it with"
+            " `fake=True`, or build it on the CPU."
         )
     lightning = _is_lightning_module(module)
     cuda = device == "cuda"

@@ -393,3 +393,29 @@ def test_named_blocks_are_checkpointed_even_where_the_model_has_its_own_switch()
     named = estimate_memory(Switched(), x, device="cpu", checkpointing=["blocks.layers.*"])
     switch = estimate_memory(Switched(), x, device="cpu", checkpointing=True)  # the switch: nothing wrapped here
     assert named.phase_peaks["forward"] < switch.phase_peaks["forward"]
+
+
+def test_a_model_built_on_the_meta_device_is_estimated_without_its_weights():
+    with torch.device("meta"):
+        meta = encoder(dropout=0.0)
+    real = encoder(dropout=0.0)
+    x = torch.randn(2, 16, 32)
+    assert estimate_memory(meta, x, device="cpu").peak_bytes == estimate_memory(real, x, device="cpu").peak_bytes
+    with pytest.raises(ValueError, match=r"`fake=False` runs a real CPU step, but the model is on the meta device"):
+        estimate_memory(meta, x, device="cpu", fake=False)
+
+
+@pytest.mark.slow
+def test_a_plain_module_does_not_import_lightning(tmp_path):
+    from tests.helpers.subprocess_run import run_script
+
+    script = (
+        "import sys, torch\n"
+        "from lightning_memopt.planner import estimate_memory\n"
+        "estimate_memory(torch.nn.Linear(4, 4), torch.randn(2, 4), device='cpu')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning'))"
+        " and not m.startswith('lightning_memopt')))\n"
+    )
+    proc = run_script(script, tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -191,13 +191,20 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
 
     Tied weights stay tied; the module itself is not changed. Parameters and buffers that are fake already (a model
     built inside ``mode``) are used as they are. ``dtype`` casts the floating ones (``"bf16-true"``); with ``mode``
-    ``None`` the copy holds real copies of the tensors.
+    ``None`` the copy holds real copies of the tensors. A model built on the meta device (``with torch.device("meta")``)
+    gets fake CPU tensors of the same shapes: a large model can be estimated without ever holding its weights.
     """
     memo: dict[int, Any] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) in memo:
             continue
-        if mode is None:
+        if tensor.device.type == "meta":
+            if mode is None:
+                raise FakeStepError("a model on the meta device has no data to run a real step with; estimate it on"
+                                    " fake tensors (fake=True)")
+            with mode:  # a model built on the meta device: the same shapes on fake CPU tensors
+                fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+        elif mode is None:
             fake = tensor.detach().clone()
         else:
             fake = tensor if getattr(tensor, "fake_mode", None) is mode else mode.from_tensor(tensor)

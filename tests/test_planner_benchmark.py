@@ -1,0 +1,47 @@
+"""benchmarks/planner.py --quick: every path runs, and the fake-tensor prediction equals the real step's peak."""
+
+import json
+
+import pytest
+
+from tests.helpers.subprocess_run import REPO_ROOT, run_script
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode_runs(tmp_path):
+    out = tmp_path / "planner.json"
+    script = REPO_ROOT / "benchmarks" / "planner.py"
+    # run_script: a session of its own, so a time-out also ends the benchmark's own worker process
+    proc = run_script(
+        f"""
+        import runpy, sys
+        sys.argv = ["planner.py", "--quick", "--out", {str(out)!r}]
+        runpy.run_path({str(script)!r}, run_name="__main__")
+        """,
+        tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "planner" and report["quick"] is True
+
+    cases = report["cases"]
+    assert {"dreams", "clip", "encoder"} <= {c["model"] for c in cases}
+    assert {(c["precision"], c["checkpointing"]) for c in cases} == {("32-true", False), ("bf16-mixed", True)}
+    for case in cases:
+        assert case["predicted_bytes"] > 0 and case["measured_bytes"] > 0
+        assert case["ratio"] == pytest.approx(1.0, rel=0.01), case
+    assert report["checks"]["accuracy"]["pass"] is True
+    if not report["transformers"]["available"]:
+        assert "skipped" in report["transformers"] and "t5" not in report["models"]
+
+    # the RSS cross-check ran in a fresh process (too small in --quick to be judged)
+    (rss,) = report["rss"]
+    assert rss["growth"] > 0 and rss["peak_reset"] in (True, False)
+    assert report["checks"]["rss"]["pass"] is None
+
+    # the large-model path ran for both targets
+    (scale,) = report["scale"]
+    assert set(scale["estimates"]) == {"cuda", "cpu"}
+    assert scale["estimates"]["cuda"]["peak_bytes"] > 0 and report["checks"]["scale_seconds"]["pass"] is True
+    assert "large-model estimate" in proc.stdout and "PASS  accuracy" in proc.stdout
