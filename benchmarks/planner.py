@@ -18,9 +18,10 @@ RSS is not the quantity the counter counts. It adds:
   ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` of 128 KiB (every larger tensor is its own ``mmap``, returned
   when freed); each case also runs with glibc's defaults, reported beside it (5-83 % above the prediction in the
   committed run);
-* memory allocated inside a kernel, which no operator-level counter sees (fake or real alike): oneDNN's bf16 GEMM
-  primitives and their buffers, fp32 temporaries of bf16 kernels (``bernoulli_`` for dropout on a bf16 tensor,
-  ``_log_softmax`` over bf16 logits converts the whole input: 67 MB for CLIP's 4096 x 4096 logits);
+* memory allocated inside a kernel that the estimate does not model: oneDNN's bf16 GEMM primitives and their
+  buffers (DreaMS bf16: 1.07 with oneDNN, 1.004 with ``torch.backends.mkldnn.enabled = False``). The softmax
+  kernels' contiguous copies of non-contiguous inputs are modelled (``functional.planning.kernel_scratch``: CLIP's
+  ``cross_entropy(logits.T)`` copies the 4096 x 4096 logits inside the kernel; without it that case was 1.169);
 * page rounding (4 KiB per large tensor), OpenMP/oneDNN thread state, autograd graph nodes, Python objects, and
   library pages touched for the first time (a warm-up step at batch 2, freed before the baseline, loads most);
 
@@ -84,11 +85,10 @@ SCALE_SECONDS_TARGET = 30.0
 SCALE_RSS_TARGET = 1_000_000_000
 #: Why RSS can sit above the prediction (found by resetting VmHWM around every operator of the real step).
 RSS_NOTE = (
-    "RSS also holds memory allocated inside kernels, which no operator-level counter sees, fake or real: fp32"
-    " temporaries of bf16 kernels (CPU _log_softmax over CLIP's 4096 x 4096 bf16 logits converts the whole input, 67"
-    " MB; bernoulli_ for dropout on a bf16 tensor, 2x the tensor) and oneDNN's bf16 GEMM buffers (DreaMS bf16:"
-    " 1.075 with oneDNN, 1.004 with torch.backends.mkldnn.enabled = False). With glibc's default malloc, freed heap"
-    " memory stays resident: see each case's default_malloc."
+    "RSS also holds memory allocated inside kernels that the estimate does not model: oneDNN's bf16 GEMM buffers"
+    " (DreaMS bf16: 1.075 with oneDNN, 1.004 with torch.backends.mkldnn.enabled = False). The softmax kernels'"
+    " contiguous copies of non-contiguous inputs are modelled (kernel_scratch; CLIP's cross_entropy(logits.T) was"
+    " 1.169 without). With glibc's default malloc, freed heap memory stays resident: see each case's default_malloc."
 )
 #: glibc settings of the RSS worker: one arena, every allocation of 128 KiB or more a separate mmap (see above).
 RSS_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}

@@ -26,6 +26,7 @@ from lightning_memopt.functional.planning import (
     FakeStepError,
     count_training_steps,
     cuda_attention,
+    kernel_scratch,
     use_foreach,
 )
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
@@ -356,7 +357,8 @@ def estimate_memory(
         try:
             counted = count_training_steps(
                 module, batch, step_fn, _make_optimizers(optimizer, lightning), fake=fake, steps=steps,
-                block_bytes=CUDA_BLOCK_BYTES if cuda else 1, prepare=prepare, step_context=step_context,
+                block_bytes=CUDA_BLOCK_BYTES if cuda else 1, scratch=kernel_scratch,
+                prepare=prepare, step_context=step_context,
                 prepare_optimizers=prepare_optimizers, batch_fn=batch_fn,
                 dtype=dtype if mode == "true" else None,
             )

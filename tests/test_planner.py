@@ -419,3 +419,24 @@ def test_a_plain_module_does_not_import_lightning(tmp_path):
     proc = run_script(script, tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_softmax_kernel_s_own_copy_of_a_non_contiguous_input_is_counted_while_it_runs():
+    from lightning_memopt.functional.planning import LiveBytes, kernel_scratch
+
+    n = 256 * 256
+    x, y, grad = torch.randn(256, 256), torch.randn(256, 256).softmax(1), torch.ones(256, 256)
+
+    def peak(run):
+        with LiveBytes(scratch=kernel_scratch) as counter:
+            for t in (x, y, grad):
+                counter.track(t)
+            run()
+        return counter.peak - 3 * n * 4
+
+    assert peak(lambda: torch.log_softmax(x, 1)) == n * 4  # contiguous: the output only
+    assert peak(lambda: torch.log_softmax(x.T, 1)) == 2 * n * 4  # transposed: and a contiguous copy inside
+    assert peak(lambda: torch.softmax(x.T, 1)) == 2 * n * 4
+    backward = torch.ops.aten._softmax_backward_data
+    assert peak(lambda: backward(grad, y, 1, torch.float32)) == n * 4
+    assert peak(lambda: backward(grad.T, y.T, 1, torch.float32)) == 3 * n * 4  # both copied inside

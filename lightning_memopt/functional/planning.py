@@ -34,6 +34,7 @@ __all__ = [
     "count_training_steps",
     "cuda_attention",
     "fake_twin",
+    "kernel_scratch",
     "use_foreach",
 ]
 
@@ -46,7 +47,26 @@ CUBLAS_WORKSPACE_BYTES = 2 * (2 * 4096 + 8 * 16) * 1024
 PEAK_PARTS = ("parameters", "buffers", "batch", "gradients", "optimizer_states", "activations", "temporaries")
 
 _PHASE_PARTS = {"forward": "activations", "backward": "temporaries", "optimizer step": "temporaries",
-                "zero_grad": "temporaries", "setup": "temporaries"}
+                "zero_grad": "temporaries", "setup": "temporaries", "scratch": "temporaries"}
+
+
+def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
+    """Bytes a softmax kernel holds inside itself: a contiguous copy of each non-contiguous input.
+
+    ``softmax``/``log_softmax`` and their backward make their inputs contiguous inside the kernel, on the CPU and on
+    CUDA alike (``F.cross_entropy(logits.T, ...)`` in a CLIP loss copies the whole logits matrix; its backward
+    copies the gradient and the output). No operator shows these copies, so they are counted while the kernel runs.
+    Measured as process RSS on torch 2.13 (``benchmarks/planner.py``).
+    """
+    packet = getattr(func, "overloadpacket", None)
+    aten = torch.ops.aten
+    if packet in (aten._softmax, aten._log_softmax):
+        tensors = args[:1]
+    elif packet in (aten._softmax_backward_data, aten._log_softmax_backward_data):
+        tensors = args[:2]
+    else:
+        return 0
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and not t.is_contiguous())
 
 
 class FakeStepError(RuntimeError):
@@ -66,11 +86,14 @@ class LiveBytes(TorchDispatchMode):
 
     Args:
         block_bytes: round each storage up to a multiple of this (512 models the CUDA caching allocator; 1: none).
+        scratch: ``scratch(op, args, kwargs) -> bytes`` a kernel holds inside itself beside its outputs while it runs
+            (no operator shows them); counted at that moment only (e.g. :func:`kernel_scratch`).
     """
 
-    def __init__(self, block_bytes: int = 1) -> None:
+    def __init__(self, block_bytes: int = 1, scratch: Callable[[Any, tuple, dict], int] | None = None) -> None:
         super().__init__()
         self.block_bytes = block_bytes
+        self.scratch = scratch
         self.phase = "setup"
         self.step = 0
         self.now = 0
@@ -130,11 +153,24 @@ class LiveBytes(TorchDispatchMode):
             self.now -= info[0]
             self.totals[info[1]] -= info[0]
 
+    def _transient(self, nbytes: int) -> None:
+        level = self.now + nbytes
+        if level > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = level
+        if level > self.peak:
+            self.peak, self.peak_phase, self.peak_step, self.peak_seq = level, self.phase, self.step, self._seq
+            self.peak_totals = {**self.totals, "scratch": nbytes}
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         for value in tree_flatten(out)[0]:
             if isinstance(value, Tensor):
                 self.track(value)
+        if self.scratch is not None:
+            extra = self.scratch(func, args, kwargs)
+            if extra:
+                self._transient(self._bytes(extra))
         return out
 
 
@@ -268,6 +304,7 @@ def count_training_steps(
     fake: bool = True,
     steps: int = 2,
     block_bytes: int = 1,
+    scratch: Callable[[Any, tuple, dict], int] | None = None,
     prepare: Callable[[nn.Module], None] | None = None,
     step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     prepare_optimizers: Callable[[list[torch.optim.Optimizer]], None] | None = None,
@@ -288,6 +325,7 @@ def count_training_steps(
         fake: run on fake CPU tensors (no memory); ``False`` runs a real step on the CPU and counts its bytes.
         steps: training steps to run.
         block_bytes: round storages up to this many bytes.
+        scratch: bytes a kernel holds inside itself (see :class:`LiveBytes`).
         prepare: called with the model that runs, before counting (checkpointing, dtype casts).
         step_context: a fresh context around each step (autocast, attention modelling).
         prepare_optimizers: called with the optimizers once they exist (e.g. :func:`use_foreach`).
@@ -297,7 +335,7 @@ def count_training_steps(
     Raises:
         FakeStepError: an operator of the step cannot run on fake tensors; the message names it.
     """
-    counter = LiveBytes(block_bytes)
+    counter = LiveBytes(block_bytes, scratch)
     mode = None
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode

@@ -336,6 +336,7 @@ def test_state_dict_keeps_leak_window_and_pickles(tmp_path):
     assert pickle.loads(pickle.dumps(audit)).state_dict() == state
 
 
+@pytest.mark.slow
 def test_every_fit_in_one_process_reports_its_own_findings(tmp_path):
     """Notebooks, sweeps, cross-validation: a second fit (same callback or a new one) warns again."""
     model = HiddenModel(hidden=64, dtype=torch.bfloat16, out=3)
