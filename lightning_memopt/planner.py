@@ -26,6 +26,7 @@ from lightning_memopt.functional.planning import (
     FakeStepError,
     count_training_steps,
     cuda_attention,
+    cuda_autocast,
     kernel_scratch,
     use_foreach,
 )
@@ -350,8 +351,13 @@ def estimate_memory(
             foreach_set.append(use_foreach(optimizers))
 
     started = time.perf_counter()
-    # the attention model holds for the whole run: checkpointing recomputes the forward inside backward
-    with warnings.catch_warnings(), cuda_attention() if cuda and fake else contextlib.nullcontext():
+    # the CUDA models hold for the whole run: checkpointing recomputes the forward inside backward (under autocast
+    # when the forward was); cuda_autocast acts only where autocast is on
+    with (
+        warnings.catch_warnings(),
+        cuda_attention() if cuda and fake else contextlib.nullcontext(),
+        cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
+    ):
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*reference is not registered.*")
         try:
@@ -382,7 +388,8 @@ def estimate_memory(
             assumptions.append("optimizer foreach=True (torch's default on CUDA)")
         assumptions.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
     if mode == "mixed":
-        assumptions.append(f"autocast to {dtype} around the training step (the CPU's autocast op lists)")
+        lists = "CUDA's float32 list (layer_norm, softmax, sum, ...) in float32" if cuda else "the CPU's op lists"
+        assumptions.append(f"autocast to {dtype} around the training step, {lists}")
     if not fake:
         assumptions.append("a real step on the CPU (fallback)")
     return MemoryEstimate(

@@ -440,3 +440,43 @@ def test_a_softmax_kernel_s_own_copy_of_a_non_contiguous_input_is_counted_while_
     backward = torch.ops.aten._softmax_backward_data
     assert peak(lambda: backward(grad, y, 1, torch.float32)) == n * 4
     assert peak(lambda: backward(grad.T, y.T, 1, torch.float32)) == 3 * n * 4  # both copied inside
+
+
+def test_cuda_autocast_runs_cuda_s_float32_functions_in_float32():
+    from lightning_memopt.functional.planning import cuda_autocast
+
+    x, weight = torch.randn(4, 8), torch.randn(8, 8)
+    ln = nn.LayerNorm(8)
+
+    def dtypes():
+        h = nn.functional.linear(x, weight)
+        return (h.dtype, ln(h).dtype, torch.softmax(h, -1).dtype, h.sum().dtype, (h ** 2).dtype, h.exp().dtype,
+                h.sum(dtype=torch.bfloat16).dtype)
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    with torch.autocast("cpu", dtype=bf16):
+        assert dtypes() == (bf16, bf16, bf16, bf16, bf16, bf16, bf16)  # the CPU's lists
+        with cuda_autocast():
+            assert dtypes() == (bf16, fp32, fp32, fp32, fp32, fp32, bf16)  # CUDA's (explicit dtype= is kept)
+    with cuda_autocast():  # without autocast nothing changes
+        assert dtypes()[:2] == (fp32, fp32)
+        assert nn.functional.linear(x.bfloat16(), weight.bfloat16()).sum().dtype == bf16
+
+
+def test_a_cuda_bf16_estimate_keeps_layer_norm_outputs_in_float32_also_when_checkpointed():
+    """Linear -> LayerNorm -> Linear: on CUDA the norm's input is cast up and its output is float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.LayerNorm(512), nn.Linear(512, 512))
+    batch = torch.randn(64, 512)
+    kw = {"precision": "bf16-mixed", "optimizer": SGD}
+    cpu, cuda = estimate_memory(model, batch, device="cpu", **kw), estimate_memory(model, batch, device="cuda", **kw)
+    # the norm saves its input for backward: float32 on CUDA (+2 bytes an element); its float32 output is only cast
+    # down for the second linear. Allocator rounding adds at most 512 bytes per tensor.
+    assert 64 * 512 * 2 <= cuda.activation_bytes - cpu.activation_bytes <= 64 * 512 * 2 + 16 * 512
+    assert any("CUDA's float32 list" in a for a in cuda.assumptions)
+    # checkpointed, the block's forward runs again inside backward: with the same float32 norm (else torch's
+    # checkpoint finds the recomputed tensors' dtypes changed)
+    blocks = nn.Sequential(nn.Sequential(nn.Linear(512, 512), nn.LayerNorm(512)), nn.Linear(512, 512))
+    checkpointed = estimate_memory(blocks, batch, device="cuda", checkpointing=["0"], **kw)
+    assert checkpointed.activation_bytes < cuda.activation_bytes
+    assert any("the CPU's op lists" in a for a in cpu.assumptions)

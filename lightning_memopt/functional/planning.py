@@ -21,18 +21,23 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_memopt.utilities._torch_private import backward_outside_torch_function
 
 __all__ = [
     "CUDA_BLOCK_BYTES",
     "CUBLAS_WORKSPACE_BYTES",
+    "CUDA_AUTOCAST_FP32",
     "PEAK_PARTS",
     "FakeStepError",
     "LiveBytes",
     "StepCount",
     "count_training_steps",
     "cuda_attention",
+    "cuda_autocast",
     "fake_twin",
     "kernel_scratch",
     "use_foreach",
@@ -284,6 +289,48 @@ def cuda_attention() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
+#: Functions CUDA's autocast runs in float32 (torch's autocast op reference); the CPU's autocast leaves most of them in
+#: the lower precision (layer_norm, group_norm, softmax, log_softmax, exp, pow, sum, ... stay bf16 there).
+CUDA_AUTOCAST_FP32 = frozenset({
+    "__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
+    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv",
+    "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax",
+    "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss", "multilabel_margin_loss", "multi_margin_loss",
+    "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh",
+    "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
+    "triplet_margin_loss",
+})
+
+
+class _CudaAutocastFloat32(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (
+            getattr(func, "__name__", None) in CUDA_AUTOCAST_FP32
+            and kwargs.get("dtype") is None  # an explicit dtype= is not autocast
+            and torch.is_autocast_enabled("cpu")
+        ):
+            def up(value: Any) -> Any:
+                if isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+                    return value.float()
+                return value
+
+            args, kwargs = tree_map(up, args), tree_map(up, kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_autocast() -> Iterator[None]:
+    """Inside CPU autocast, run the functions CUDA's autocast runs in float32 (:data:`CUDA_AUTOCAST_FP32`) in float32.
+
+    Their bf16/fp16 inputs are cast to float32 first, as CUDA's autocast does, so their outputs (and what they save
+    for backward) have CUDA's sizes. Functions called from inside another torch function (e.g. the softmax inside
+    ``F.multi_head_attention_forward``) keep the CPU's behaviour.
+    """
+    with _CudaAutocastFloat32():
+        yield
+
+
 def use_foreach(optimizers: list[torch.optim.Optimizer]) -> bool:
     """Set ``foreach=True`` where it was left to torch (``None``), as torch's default does on CUDA; whether any was."""
     changed = False
@@ -383,7 +430,7 @@ def count_training_steps(
                     for optimizer in optimizers:
                         optimizer.zero_grad(set_to_none=True)
                     counter.phase = "backward"
-                    loss.backward()
+                    backward_outside_torch_function(loss)  # CUDA modes stay on for checkpointed recomputes
                     del loss
                     counter.phase = "optimizer step"
                     for optimizer in optimizers:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 __all__: list[str] = [
+    "backward_outside_torch_function",
     "dump_memory_snapshot",
     "storage_weak_ref",
     "start_memory_history",
@@ -93,3 +94,18 @@ def storage_weak_ref(tensor: torch.Tensor) -> Any:
         return StorageWeakRef(tensor.untyped_storage())
     except Exception:
         return None
+
+
+def backward_outside_torch_function(loss: torch.Tensor) -> None:
+    """``loss.backward()`` straight into the autograd engine, not through ``__torch_function__`` handling.
+
+    ``Tensor.backward`` hands itself to an active ``TorchFunctionMode``, which runs it with the mode switched off; the
+    engine call keeps the mode on for code that runs inside backward (activation checkpointing's recomputed forward).
+    Falls back to ``loss.backward()`` where the engine is not reachable.
+    """
+    engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+    if engine is None or not hasattr(engine, "run_backward"):
+        loss.backward()
+        return
+    engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+                        accumulate_grad=True)
