@@ -8,6 +8,7 @@ models what CUDA does differently and says so in :attr:`MemoryEstimate.assumptio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -24,6 +25,7 @@ from lightning_memopt.functional.planning import (
     CUDA_BLOCK_BYTES,
     PEAK_PARTS,
     FakeStepError,
+    StepCount,
     count_training_steps,
     cuda_attention,
     cuda_autocast,
@@ -65,8 +67,8 @@ class MemoryEstimateError(RuntimeError):
     """The step could not be estimated; the message says why and what to do."""
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate(StepCount):
     """Bytes of one training step, predicted by :func:`estimate_memory`.
 
     Attributes:
@@ -84,17 +86,6 @@ class MemoryEstimate:
         seconds: how long the estimate took.
     """
 
-    peak_bytes: int
-    peak_phase: str
-    peak_step: int
-    at_peak: dict[str, int]
-    parameter_bytes: int
-    trainable_parameter_bytes: int
-    buffer_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    batch_bytes: int
-    phase_peaks: dict[str, int]
     device: str
     precision: str
     fake: bool
@@ -375,7 +366,7 @@ def estimate_memory(
                 " fake=False, device='cpu')` (it allocates the memory)."
             ) from err
     seconds = time.perf_counter() - started
-    at_peak = dict(counted.peak_parts)
+    at_peak = dict(counted.at_peak)
     peak = counted.peak_bytes
     if cuda:
         at_peak["workspace"] = CUBLAS_WORKSPACE_BYTES
@@ -392,18 +383,10 @@ def estimate_memory(
         assumptions.append(f"autocast to {dtype} around the training step, {lists}")
     if not fake:
         assumptions.append("a real step on the CPU (fallback)")
+    counts = {f.name: getattr(counted, f.name) for f in dataclasses.fields(StepCount)}
+    counts.update(peak_bytes=peak, at_peak={k: at_peak[k] for k in (*PEAK_PARTS, "workspace") if k in at_peak})
     return MemoryEstimate(
-        peak_bytes=peak,
-        peak_phase=counted.peak_phase,
-        peak_step=counted.peak_step,
-        at_peak={k: at_peak.get(k, 0) for k in (*PEAK_PARTS, "workspace") if k in at_peak},
-        parameter_bytes=counted.parameter_bytes,
-        trainable_parameter_bytes=counted.trainable_parameter_bytes,
-        buffer_bytes=counted.buffer_bytes,
-        gradient_bytes=counted.gradient_bytes,
-        optimizer_state_bytes=counted.optimizer_state_bytes,
-        batch_bytes=counted.batch_bytes,
-        phase_peaks=dict(counted.phase_peaks),
+        **counts,
         device=device,
         precision=precision,
         fake=fake,

@@ -179,14 +179,14 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class StepCount:
-    """What :func:`count_training_steps` counted (bytes; ``peak_parts`` add up to ``peak_bytes``)."""
+    """What :func:`count_training_steps` counted (bytes; ``at_peak`` adds up to ``peak_bytes``)."""
 
     peak_bytes: int
     peak_phase: str
     peak_step: int
-    peak_parts: dict[str, int]
+    at_peak: dict[str, int]
     parameter_bytes: int
     trainable_parameter_bytes: int
     buffer_bytes: int
@@ -465,7 +465,7 @@ def count_training_steps(
         peak_bytes=counter.peak,
         peak_phase=counter.peak_phase,
         peak_step=counter.peak_step,
-        peak_parts=parts,
+        at_peak=parts,
         parameter_bytes=parameter_bytes,
         trainable_parameter_bytes=trainable_bytes,
         buffer_bytes=buffer_bytes,
