@@ -3,6 +3,8 @@
 #
 #   bash scripts/bootstrap.sh [EXTRAS]      (EXTRAS default: test)
 #
+# With the test extra it also puts pytorch-lightning 2.1.4 (the oldest Lightning served) into .venv/lightning-oldest.
+#
 # On a machine without an NVIDIA GPU it installs the CPU build of torch (never the multi-GB CUDA
 # packages) before anything that depends on torch; with a GPU it installs the default (CUDA) build.
 # A second run with an unchanged pyproject.toml installs nothing.
@@ -30,7 +32,7 @@ has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if has_gpu; then
     echo "bootstrap: NVIDIA GPU found; installing torch with CUDA"
-    "$PY" -m pip install "torch>=2.4"
+    "$PY" -m pip install "torch>=2.13"
   else
     echo "bootstrap: no GPU; installing the CPU build of torch ($CPU_TORCH)"
     if "$PY" -c "import urllib.request as u; u.urlopen('$CPU_INDEX/torch/', timeout=5)" 2>/dev/null; then
@@ -46,5 +48,12 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 
 "$PY" -m pip install -e ".[$EXTRAS]"
+if [[ ",$EXTRAS," == *",test,"* ]]; then
+  # The oldest Lightning served (lightning_memopt.utilities.namespaces.MIN_VERSION), beside the venv: tests/test_namespaces.py
+  # runs the contract tests on it with this folder first on PYTHONPATH. setuptools<70 gives it pkg_resources.
+  rm -rf "$VENV/lightning-oldest"
+  "$PY" -m pip install --quiet --no-deps --target "$VENV/lightning-oldest" \
+    pytorch-lightning==2.1.4 lightning-fabric==2.1.4 "setuptools<70"
+fi
 rm -f "$VENV"/.lightning-memopt-"$EXTRAS"-*
 touch "$stamp"

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import importlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult, _AutomaticOptimization
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer import call
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -24,8 +20,13 @@ from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.functional.memory import empty_device_cache
 from lightning_memopt.functional.micro_batch import batch_size_of, slice_batch
 from lightning_memopt.utilities.checks import check_positive_int
+from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult, _AutomaticOptimization
 
 __all__ = ["AutoMicroBatch"]
 
@@ -140,7 +141,7 @@ class AutoMicroBatch(Callback):
         strategy = trainer.strategy
         name = type(strategy).__name__
         if any(word in name for word in ("FSDP", "DeepSpeed", "ModelParallel", "Tensor")) or (
-            trainer.world_size > 1 and not isinstance(strategy, DDPStrategy)
+            trainer.world_size > 1 and not is_instance(strategy, "strategies.DDPStrategy")
         ):
             raise ValueError(
                 f"AutoMicroBatch cannot split the batches of strategy {name}: it runs collectives inside forward and"
@@ -158,7 +159,9 @@ class AutoMicroBatch(Callback):
         current = epoch_loop.automatic_optimization
         if not isinstance(current, _MicroBatchOptimization):
             self._original = current
-            epoch_loop.automatic_optimization = _MicroBatchOptimization(trainer, self, current)
+            epoch_loop.automatic_optimization = _optimization_class(namespace_of(trainer).__name__)(
+                trainer, self, current
+            )
 
     def _give_back(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -243,32 +246,53 @@ class AutoMicroBatch(Callback):
                                  previous_micro_batch_size=size, batch_size=n, retries=self.retries, reason=reason)
 
 
-class _MicroBatchClosure(Closure):
-    """Lightning's closure, with training_step + backward run once per micro-batch."""
+class _MicroBatchClosure:
+    """Lightning's closure, with training_step + backward run once per micro-batch (mixed into the Trainer's own)."""
 
     def __init__(self, run: Callable[[], ClosureResult]) -> None:
-        super().__init__(step_fn=run)
+        super().__init__(step_fn=run)  # type: ignore[call-arg]
 
-    @override
     @torch.enable_grad()
     def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
-        return self._step_fn()
+        return self._step_fn()  # type: ignore[attr-defined]
 
 
-class _MicroBatchOptimization(_AutomaticOptimization):
-    """Lightning's automatic optimization with the closure replaced; its progress counters are the original's."""
+@functools.cache
+def _optimization_class(namespace: str) -> type:
+    """:class:`_MicroBatchOptimization` on the automatic-optimization loop of ``namespace`` (the Trainer's own)."""
+    automatic = importlib.import_module(f"{namespace}.loops.optimization.automatic")
+    closure = type("_MicroBatchClosure", (_MicroBatchClosure, automatic.Closure), {})
+    return type(
+        "_MicroBatchOptimization",
+        (_MicroBatchOptimization, automatic._AutomaticOptimization),
+        {
+            "_closure_class": closure,
+            "_result_class": automatic.ClosureResult,
+            "_call": importlib.import_module(f"{namespace}.trainer.call"),
+        },
+    )
+
+
+class _MicroBatchOptimization:
+    """Lightning's automatic optimization with the closure replaced; its progress counters are the original's.
+
+    A mixin: :func:`_optimization_class` puts it in front of the loop class of the Trainer's namespace.
+    """
+
+    _closure_class: type
+    _result_class: type[ClosureResult]
+    _call: Any
 
     def __init__(self, trainer: pl.Trainer, owner: AutoMicroBatch, original: _AutomaticOptimization) -> None:
-        super().__init__(trainer)
+        super().__init__(trainer)  # type: ignore[call-arg]
         self.optim_progress = original.optim_progress  # checkpointed: the same object keeps counting
         self._skip_backward = original._skip_backward
         self._owner = owner
 
-    @override
     def _make_closure(self, kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
-        zero_grad_fn = self._make_zero_grad_fn(batch_idx, optimizer)
-        backward_fn = self._make_backward_fn(optimizer)
-        return _MicroBatchClosure(lambda: self._run_batch(kwargs, zero_grad_fn, backward_fn))
+        zero_grad_fn = self._make_zero_grad_fn(batch_idx, optimizer)  # type: ignore[attr-defined]
+        backward_fn = self._make_backward_fn(optimizer)  # type: ignore[attr-defined]
+        return self._closure_class(lambda: self._run_batch(kwargs, zero_grad_fn, backward_fn))
 
     def _run_batch(
         self,
@@ -336,9 +360,9 @@ class _MicroBatchOptimization(_AutomaticOptimization):
                     fx_name = pl_module._current_fx_name
                     try:
                         with comm.no_sync():
-                            output = call._call_strategy_hook(trainer, "training_step", *micro_kwargs.values())
+                            output = self._call._call_strategy_hook(trainer, "training_step", *micro_kwargs.values())
                             trainer.strategy.post_training_step()
-                            step = ClosureResult.from_training_step_output(output, 1)
+                            step = self._result_class.from_training_step_output(output, 1)
                             del output
                             if zero_grad_fn is not None and not zeroed:
                                 zero_grad_fn()
@@ -377,7 +401,7 @@ class _MicroBatchOptimization(_AutomaticOptimization):
             owner._shrink(trainer, size, n, here, kwargs.get("batch_idx"))
         if sync_at_end:
             comm.average_gradients(params)
-        return _combine(parts, n, accumulate)
+        return _combine(self._result_class, parts, n, accumulate)
 
     @staticmethod
     def _restore_grads(params: list[torch.nn.Parameter], saved: list[Tensor | None] | None, zeroed: bool) -> None:
@@ -433,10 +457,12 @@ class _Agreement:
                 offset += count
 
 
-def _combine(parts: list[tuple[int, Tensor | None, dict[str, Any]]], n: int, accumulate: int) -> ClosureResult:
+def _combine(
+    result: type[ClosureResult], parts: list[tuple[int, Tensor | None, dict[str, Any]]], n: int, accumulate: int
+) -> ClosureResult:
     """One result for the batch: the loss as Lightning reports it (the batch mean over accumulation), detached."""
     losses = [(m, loss) for m, loss, _ in parts if loss is not None]
     if not losses:
-        return ClosureResult(None, extra=parts[-1][2] if parts else {})
+        return result(None, extra=parts[-1][2] if parts else {})
     total = sum(loss.detach().double() * (m / n) for m, loss in losses) / accumulate
-    return ClosureResult(total.to(losses[0][1].dtype), extra=parts[-1][2])
+    return result(total.to(losses[0][1].dtype), extra=parts[-1][2])

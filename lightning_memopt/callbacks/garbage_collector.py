@@ -6,16 +6,17 @@ import gc
 import os
 import time
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_memopt.utilities.checks import check_bool, check_choice, check_non_negative_int, check_positive_int
+from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["GarbageCollector"]
 

@@ -9,12 +9,12 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from lightning_memopt.utilities.checks import check_bool
+from lightning_memopt.utilities.namespaces import Callback
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
 if TYPE_CHECKING:

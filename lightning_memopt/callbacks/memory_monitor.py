@@ -6,11 +6,9 @@ import json
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_memopt.functional.memory import (
@@ -23,9 +21,13 @@ from lightning_memopt.functional.memory import (
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
+from lightning_memopt.utilities.namespaces import rank_zero_only
 from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["MemoryMonitor"]
 

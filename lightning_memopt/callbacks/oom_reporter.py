@@ -9,9 +9,8 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
@@ -42,6 +41,9 @@ from lightning_memopt.utilities.redaction import redact_secrets
 from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
 from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["OOMReporter"]
 

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_memopt.functional.presets import PRECISION_MODES, PrecisionChoice, choose_precision
 from lightning_memopt.utilities.checks import check_bool, check_choice
+from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
@@ -73,6 +74,11 @@ def _restore_matmul_state(state: dict[str, str]) -> None:
         if name in state:
             with contextlib.suppress(Exception):
                 _matmul_backend(name).fp32_precision = state[name]
+
+
+def _plugin_class(namespace: str, name: str) -> type:
+    """Lightning's precision plugin ``name`` (``"Precision"``, ``"MixedPrecision"``, ...) in ``namespace``."""
+    return getattr(importlib.import_module(f"{namespace}.plugins.precision"), name)
 
 
 class MemoryPrecision(Precision):
@@ -151,7 +157,12 @@ class MemoryPrecision(Precision):
         self._scaler = scaler
         self.choice: PrecisionChoice | None = None
         self.precision = mode if mode != "auto" else "32-true"
-        self._delegate: Precision = HalfPrecision(mode) if mode in ("16-true", "bf16-true") else Precision()
+        #: The Lightning namespace whose plugins do the work: the Trainer's, once ``setup`` has seen it.
+        self._namespace = NAMESPACES[0]
+        half = mode in ("16-true", "bf16-true")
+        self._delegate: Any = _plugin_class(self._namespace, "HalfPrecision" if half else "Precision")(
+            *((mode,) if half else ())
+        )
         self._previous_matmul: dict[str, str] | None = None
         self._pending_state: dict[str, Any] | None = None
         self._warn = WarnOnce()
@@ -167,10 +178,12 @@ class MemoryPrecision(Precision):
         device: torch.device,
         capability: tuple[int, int] | None = None,
         device_name: str | None = None,
+        namespace: str | None = None,
     ) -> PrecisionChoice:
         """Choose the precision for ``device`` and build the Lightning plugin that implements it.
 
-        ``capability`` and ``device_name`` are read from the device when ``None`` (CUDA only).
+        ``capability`` and ``device_name`` are read from the device when ``None`` (CUDA only). ``namespace``
+        (``"lightning.pytorch"`` or ``"pytorch_lightning"``) is where the plugin comes from: the Trainer's.
         """
         device = torch.device(device)
         if device.type == "cuda" and torch.cuda.is_available():
@@ -181,21 +194,25 @@ class MemoryPrecision(Precision):
         choice = choose_precision(self.mode, device.type, capability, device_name, self.allow_emulated_bf16)
         self.choice = choice
         self.precision = choice.precision
+        namespace = namespace or self._namespace
+        same_namespace, self._namespace = namespace == self._namespace, namespace
+        mixed = _plugin_class(namespace, "MixedPrecision")
+        half = _plugin_class(namespace, "HalfPrecision")
         current = self._delegate
         if (
-            isinstance(current, MixedPrecision)
+            isinstance(current, mixed)
             and current.precision == choice.precision
             and current.device == device.type
         ):
             pass  # a second fit keeps the scaler state of the first
         elif choice.precision in ("16-mixed", "bf16-mixed"):
             scaler = self._scaler if choice.precision == "16-mixed" else None
-            self._delegate = MixedPrecision(choice.precision, device.type, scaler=scaler)  # type: ignore[arg-type]
+            self._delegate = mixed(choice.precision, device.type, scaler=scaler)
         elif choice.precision in ("16-true", "bf16-true"):
-            if not isinstance(self._delegate, HalfPrecision) or self._delegate.precision != choice.precision:
-                self._delegate = HalfPrecision(choice.precision)  # type: ignore[arg-type]
-        else:
-            self._delegate = Precision()
+            if not isinstance(self._delegate, half) or self._delegate.precision != choice.precision:
+                self._delegate = half(choice.precision)
+        elif not same_namespace or type(self._delegate) is not _plugin_class(namespace, "Precision"):
+            self._delegate = _plugin_class(namespace, "Precision")()
         if self._pending_state:
             self._delegate.load_state_dict(self._pending_state)
         self._pending_state = None
@@ -222,7 +239,7 @@ class MemoryPrecision(Precision):
             device = trainer.strategy.root_device
         else:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        choice = self.resolve(device)
+        choice = self.resolve(device, namespace=namespace_of(trainer if trainer is not None else module).__name__)
         if self.mode == "auto" and getattr(trainer, "global_rank", 0) == 0:
             message = f"MemoryPrecision(mode='auto') chose precision={choice.precision!r}: {choice.reason}"
             self._warn.warn("choice", message)

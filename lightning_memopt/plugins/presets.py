@@ -58,8 +58,10 @@ _PRESET_TRAINER_KEYS = (
 
 
 def _trainer_defaults() -> dict[str, Any]:
-    """Defaults of ``lightning.pytorch.Trainer``'s arguments, read from its signature."""
-    from lightning.pytorch import Trainer
+    """Defaults of the Trainer's arguments (the first installed namespace's), read from its signature."""
+    from lightning_memopt.utilities.namespaces import classes
+
+    Trainer = classes("Trainer")[0]
 
     params = inspect.signature(Trainer.__init__).parameters.values()
     return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
@@ -467,9 +469,9 @@ class MemoryPreset:
                     f" given. Drop `precision=` from the Trainer arguments and set"
                     f" `MemoryPreset(precision={trainer_kwargs['precision']!r})` instead."
                 )
-            from lightning.pytorch.plugins.precision import Precision
+            from lightning_memopt.utilities.namespaces import is_instance
 
-            theirs = [p for p in user_plugins if isinstance(p, Precision)]
+            theirs = [p for p in user_plugins if is_instance(p, "plugins.precision.Precision")]
             if theirs:
                 raise ValueError(
                     f"Both `plugins=[{type(theirs[0]).__name__}(...)]` and the preset's MemoryPrecision plugin were"

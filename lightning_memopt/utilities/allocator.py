@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_memopt.utilities.checks import check_fraction
+from lightning_memopt.utilities.namespaces import Callback
 from lightning_memopt.utilities.trainer import trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce
 

@@ -727,9 +727,7 @@ def _guarded(call: Callable[[], Any], planner: Any, model: Any, source: str, bud
 
 def _own_train_dataloader(model: Any) -> bool:
     """Whether a LightningModule defines its own ``train_dataloader`` (LightningCLI runs without a datamodule)."""
-    try:
-        from lightning.pytorch.core.hooks import DataHooks
-    except ImportError:  # pragma: no cover
-        return False
+    from lightning_memopt.utilities.namespaces import classes
+
     method = getattr(type(model), "train_dataloader", None)
-    return method is not None and method is not DataHooks.train_dataloader
+    return method is not None and all(method is not hooks.train_dataloader for hooks in classes("core.hooks.DataHooks"))

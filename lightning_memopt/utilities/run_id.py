@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_memopt.utilities.namespaces import Callback
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["CHECKPOINT_KEY", "RunIdCallback", "adopt_run_id", "ensure_run_id", "run_id", "save_run_id"]
 

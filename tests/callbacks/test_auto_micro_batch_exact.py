@@ -10,10 +10,12 @@ from unittest import mock
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from tests.callbacks.test_auto_micro_batch import N_SAMPLES, Net, fit, weights
+from tests.helpers.lightning import lightning_module
+
+ModelCheckpoint = lightning_module("callbacks").ModelCheckpoint
 
 ONE_EPOCH = {"max_steps": -1, "max_epochs": 1}
 
@@ -279,7 +281,7 @@ CLI_TRAINER = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.lo
 
 def _cli(tmp_path, args):
     pytest.importorskip("jsonargparse")
-    from lightning.pytorch.cli import LightningCLI
+    LightningCLI = lightning_module("cli").LightningCLI
 
     # no seed_everything: it would set the global seed and PL_GLOBAL_SEED for the tests after this one
     with mock.patch("sys.argv", ["train.py"]):  # pytest's own arguments are not the CLI's

@@ -5,9 +5,9 @@ import pickle
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 import lightning_memopt.callbacks as callbacks_pkg
+from tests.helpers.lightning import lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -19,7 +19,7 @@ CONTRACT = [pytest.param(c, marks=pytest.mark.slow) if c.__name__ == "MemoryAudi
 def test_every_export_is_a_callback():
     assert EXPORTED, "no callbacks exported"
     for cls in EXPORTED:
-        assert issubclass(cls, Callback), cls
+        assert issubclass(cls, pl.Callback), cls
     assert list(callbacks_pkg.__all__) == sorted(callbacks_pkg.__all__)
 
 
@@ -58,7 +58,7 @@ def test_callback_contract(cls, tmp_path):
 
 @pytest.mark.parametrize("cls", CONTRACT, ids=lambda c: c.__name__)
 def test_callback_state_survives_a_checkpoint(cls, tmp_path):
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    ModelCheckpoint = lightning_module("callbacks").ModelCheckpoint
 
     callback = cls()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
@@ -84,7 +84,7 @@ def test_callback_state_survives_a_checkpoint(cls, tmp_path):
 def test_callbacks_configurable_from_lightning_cli_yaml(tmp_path):
     pytest.importorskip("jsonargparse")
     import yaml
-    from lightning.pytorch.cli import LightningCLI
+    LightningCLI = lightning_module("cli").LightningCLI
 
     config = {
         "trainer": {

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from tests.helpers.lightning import pl
 
 
 class RandomDataset(Dataset):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
+from tests.helpers.lightning import pl
 
 
 def make_trainer(tmp_path, **kwargs: Any) -> pl.Trainer:

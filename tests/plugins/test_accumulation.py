@@ -7,14 +7,13 @@ The reference is plain torch: one SGD step per effective batch on the mean loss.
 
 import json
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt import MemoryPrecision, MemoryPreset
+from tests.helpers.lightning import pl
 from tests.helpers.subprocess_run import run_script
 from tests.helpers.trainer import make_trainer
 
@@ -44,7 +43,7 @@ class Regression(pl.LightningModule):
         return DataLoader(TensorDataset(*_data(self.n)), batch_size=self.batch_size, shuffle=False)
 
 
-class GradRecorder(Callback):
+class GradRecorder(pl.Callback):
     def __init__(self):
         self.grads = []
 
@@ -131,8 +130,8 @@ def test_memory_precision_fixes_the_short_last_window(tmp_path):
 DDP_SCRIPT = """
 import json, sys
 import torch
-import lightning.pytorch as pl
 sys.path.insert(0, {tests_root!r})
+from tests.helpers.lightning import pl
 from tests.plugins.test_accumulation import Regression, GradRecorder, reference, _close
 from lightning_memopt import MemoryPreset
 

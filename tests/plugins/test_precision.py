@@ -3,14 +3,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_memopt import MemoryPrecision
+from tests.helpers.lightning import lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
 
-class _Probe(Callback):
+class _Probe(pl.Callback):
     """Records the matmul precision, the output dtype of a forward and the scaler during training."""
 
     def __init__(self):
@@ -182,7 +182,7 @@ def test_strategies_with_their_own_precision_are_refused(name):
 
 
 def test_real_fsdp_strategy_class_is_refused():
-    from lightning.pytorch.strategies import FSDPStrategy
+    FSDPStrategy = lightning_module("strategies").FSDPStrategy
 
     module = torch.nn.Linear(2, 2)
     module._trainer = SimpleNamespace(strategy=object.__new__(FSDPStrategy), global_rank=0)

@@ -16,6 +16,7 @@ from lightning_memopt import (
     MemoryPreset,
 )
 from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
+from tests.helpers.lightning import NAMESPACE, lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -180,7 +181,7 @@ def test_conflicting_trainer_arguments_say_which_to_drop():
     preset = MemoryPreset(effective_batch_size=32, micro_batch_size=8, gradient_clip_val=1.0)
     with pytest.raises(ValueError, match=r"Both `precision='bf16-mixed'` .* Drop `precision=` from the Trainer"):
         preset.trainer_kwargs(precision="bf16-mixed")
-    from lightning.pytorch.plugins.precision import MixedPrecision
+    MixedPrecision = lightning_module("plugins.precision").MixedPrecision
 
     with pytest.raises(ValueError, match=r"Both `plugins=\[MixedPrecision\(...\)\]` .* Drop that precision plugin"):
         preset.trainer_kwargs(plugins=[MixedPrecision("bf16-mixed", "cpu")])
@@ -280,7 +281,7 @@ def test_usable_from_yaml_with_jsonargparse(tmp_path):
 def test_merge_trainer_config_fills_defaults_and_keeps_real_conflicts():
     import inspect
 
-    from lightning.pytorch import Trainer
+    Trainer = pl.Trainer
 
     # a complete trainer config with every argument at its default, as LightningCLI passes it
     full = {
@@ -308,7 +309,7 @@ def test_merge_trainer_config_fills_defaults_and_keeps_real_conflicts():
 
 def _memory_cli_class():
     """The LightningCLI subclass documented in ``MemoryPreset``'s docstring."""
-    from lightning.pytorch.cli import LightningCLI
+    LightningCLI = lightning_module("cli").LightningCLI
 
     class MemoryCLI(LightningCLI):
         def add_arguments_to_parser(self, parser):
@@ -340,7 +341,7 @@ trainer:
   enable_progress_bar: false
   default_root_dir: {root}
   callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelSummary
+    - class_path: {namespace}.callbacks.ModelSummary
       init_args:
         max_depth: 2
 """
@@ -348,10 +349,10 @@ trainer:
 
 @pytest.mark.parametrize("subcommand", [False, True], ids=["run_false", "fit_subcommand"])
 def test_lightning_cli_yaml_builds_the_trainer_from_the_preset(tmp_path, subcommand):
-    from lightning.pytorch.callbacks import ModelSummary
+    ModelSummary = lightning_module("callbacks").ModelSummary
 
     config = tmp_path / "config.yaml"
-    config.write_text(CLI_YAML.format(root=tmp_path))
+    config.write_text(CLI_YAML.format(root=tmp_path, namespace=NAMESPACE))
     args = ["fit", f"--config={config}"] if subcommand else [f"--config={config}"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -511,7 +512,7 @@ def test_auto_micro_batch_from_yaml_and_a_full_trainer_config(tmp_path):
     assert preset.auto_micro_batch is True and (preset.batch_size, preset.accumulate_grad_batches) == (64, 1)
     import inspect
 
-    from lightning.pytorch import Trainer
+    Trainer = pl.Trainer
 
     full = {
         p.name: p.default
@@ -524,10 +525,11 @@ def test_auto_micro_batch_from_yaml_and_a_full_trainer_config(tmp_path):
 
 def test_auto_micro_batch_through_lightning_cli(tmp_path):
     """The documented MemoryCLI: ``memory.auto_micro_batch: true`` links the per-device batch and adds the callback."""
-    from lightning.pytorch.callbacks import ModelSummary
+    ModelSummary = lightning_module("callbacks").ModelSummary
 
     config = tmp_path / "config.yaml"
-    yaml = CLI_YAML.format(root=tmp_path).replace("  micro_batch_size: 4\n", "  auto_micro_batch: true\n")
+    yaml = CLI_YAML.format(root=tmp_path, namespace=NAMESPACE)
+    yaml = yaml.replace("  micro_batch_size: 4\n", "  auto_micro_batch: true\n")
     config.write_text(yaml)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
