@@ -39,7 +39,8 @@ CONTRACT_TESTS = [
     "tests/callbacks/test_auto_micro_batch.py",
     "tests/callbacks/test_auto_micro_batch_exact.py",
 ]
-OLDEST_TESTS = ["tests/callbacks/test_contract.py", "tests/plugins/test_precision.py", "tests/plugins/test_presets.py"]
+OLDEST_TESTS = ["tests/callbacks/test_contract.py", "tests/plugins/test_precision.py", "tests/plugins/test_presets.py",
+                "tests/plugins/test_precision_names.py"]
 CALLBACKS = [AutoMicroBatch, CacheCleaner, GarbageCollector, GradientCheckpointing, MemoryAudit, MemoryMonitor,
              OOMReporter]
 

@@ -78,7 +78,6 @@ __all__ = [
 #: ``none`` uses no preset, only the explicit flags.
 MEMORY_PRESETS = ("auto", "max-savings", "balanced", "max-speed", "none")
 DEFAULT_BATCH_SIZE = 32
-_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
 def _int_or_float(text: str) -> int | float:
@@ -181,15 +180,14 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _precision_mode(train_precision: str | int | None) -> str | None:
-    from lightning_memopt.functional.presets import PRECISION_MODES
+    from lightning_memopt.functional.presets import normalize_precision
 
     if train_precision is None:
         return None
-    precision = _PRECISION_ALIASES.get(str(train_precision), str(train_precision))
-    if precision not in (*PRECISION_MODES, "64-true"):
-        allowed = ", ".join(["32", "64", "16", "bf16", *PRECISION_MODES, "64-true"])
-        raise SystemExit(f"error: `--train_precision` must be one of {allowed}; got {train_precision!r}.")
-    return precision
+    try:  # Lightning's names: 16 -> 16-mixed, bf16 -> bf16-mixed, 32 -> 32-true, 64 -> 64-true
+        return normalize_precision(train_precision, "--train_precision")
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def preset_trainer_kwargs(

@@ -9,26 +9,78 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from lightning_memopt.utilities.checks import check_choice, check_positive_int, check_positive_number
 
 __all__ = [
+    "PRECISION_ALIASES",
     "PRECISION_MODES",
     "PRESETS",
     "PRESET_NAMES",
     "TIERS",
     "AccumulationPlan",
     "PrecisionChoice",
+    "PrecisionInput",
     "choose_precision",
     "has_native_bf16",
+    "normalize_precision",
     "plan_accumulation",
     "plan_auto_micro_batch",
     "tier_for_memory",
 ]
 
-#: Modes accepted by ``MemoryPrecision`` (Lightning's precision strings plus ``"auto"``).
-PRECISION_MODES = ("auto", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+#: Modes of ``MemoryPrecision`` and ``MemoryPreset(precision=...)``: Lightning's precision strings plus ``"auto"``.
+PRECISION_MODES = (
+    "auto",
+    "32-true",
+    "16-mixed",
+    "bf16-mixed",
+    "16-true",
+    "bf16-true",
+    "64-true",
+    "transformer-engine",
+    "transformer-engine-float16",
+)
+
+#: The short names Lightning's Trainer also accepts (as str or int), mapped as Lightning maps them.
+PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
+#: Every precision value Lightning's Trainer accepts, and ``"auto"``.
+PrecisionInput = Literal[
+    "auto",
+    "32-true",
+    "16-mixed",
+    "bf16-mixed",
+    "16-true",
+    "bf16-true",
+    "64-true",
+    "transformer-engine",
+    "transformer-engine-float16",
+    "16",
+    "bf16",
+    "32",
+    "64",
+    16,
+    32,
+    64,
+]
+
+
+def normalize_precision(value: Any, name: str = "precision") -> str:
+    """Lightning's precision ``value`` (``16``, ``"16"``, ``"bf16"``, ``"16-mixed"``, ...) as its full name.
+
+    The short names map as Lightning's Trainer maps them: ``16`` / ``"16"`` to ``"16-mixed"``, ``"bf16"`` to
+    ``"bf16-mixed"``, ``32`` to ``"32-true"``, ``64`` to ``"64-true"``. Anything else gets an error naming ``name``.
+
+    Example:
+        >>> [normalize_precision(v) for v in (16, "16", "bf16", 32, "64", "bf16-true", "auto")]
+        ['16-mixed', '16-mixed', 'bf16-mixed', '32-true', '64-true', 'bf16-true', 'auto']
+    """
+    check_choice(name, value, (*PRECISION_MODES, *PRECISION_ALIASES, 16, 32, 64),
+                 hint="These are the values `Trainer(precision=...)` accepts, and 'auto'.")
+    key = str(value)
+    return PRECISION_ALIASES.get(key, key)
 
 #: The knobs of each named preset. ``target_accumulation`` is used only when ``micro_batch_size`` is not given.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -302,12 +354,15 @@ def choose_precision(
     capability: tuple[int, int] | None = None,
     device_name: str | None = None,
     allow_emulated_bf16: bool = False,
+    setting: str = "precision={!r}",
 ) -> PrecisionChoice:
     """Resolve a ``MemoryPrecision`` mode to a Lightning precision string for one device.
 
     ``"auto"`` picks ``bf16-mixed`` on a GPU with native bf16, ``16-mixed`` (with a GradScaler) on older GPUs and
     ``32-true`` on CPU and other devices. Asking for bf16 on a CUDA GPU without native bf16 raises (suggesting fp16)
-    unless ``allow_emulated_bf16`` is set.
+    unless ``allow_emulated_bf16`` is set. Lightning's short names (``16``, ``"bf16"``, ...) are accepted
+    (:func:`normalize_precision`). ``setting`` is where the user sets the mode, as a template for the messages
+    (``"MemoryPrecision(mode={!r})"``).
 
     Example:
         >>> choose_precision("auto", "cuda", (8, 0), "NVIDIA A100").precision
@@ -319,9 +374,9 @@ def choose_precision(
         >>> choose_precision("bf16-mixed", "cuda", (7, 5), "Tesla T4")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: `precision`='bf16-mixed' needs native bf16, but Tesla T4 (compute capability 7.5) ...
+        ValueError: `precision='bf16-mixed'` needs native bf16, but Tesla T4 (compute capability 7.5) ...
     """
-    check_choice("precision", mode, PRECISION_MODES)
+    mode = normalize_precision(mode)
     where = _describe_device(device_type, capability, device_name)
     native = has_native_bf16(device_type, capability)
     if mode == "auto":
@@ -335,16 +390,17 @@ def choose_precision(
             )
         return PrecisionChoice(
             "32-true",
-            f"mixed precision is chosen automatically only on CUDA GPUs; {where} trains in fp32."
-            " Pass `precision='bf16-mixed'` to use bf16 autocast anyway.",
+            f"mixed precision is chosen automatically only on CUDA GPUs; {where} trains in fp32. Set"
+            f" `{setting.format('bf16-mixed')}` to use bf16 autocast anyway (there, not `Trainer(precision=...)`,"
+            " which Lightning refuses beside this package's precision plugin).",
         )
     if mode.startswith("bf16") and device_type == "cuda" and not native:
         if allow_emulated_bf16:
             return PrecisionChoice(mode, f"{where} emulates bf16 (slow); used because `allow_emulated_bf16=True`.")
         fp16 = mode.replace("bf16", "16")
         raise ValueError(
-            f"`precision`={mode!r} needs native bf16, but {where} has none (compute capability >= 8.0 is needed;"
-            f" `torch.cuda.is_bf16_supported()` also counts slow emulation). Use `precision={fp16!r}` (fp16 with"
+            f"`{setting.format(mode)}` needs native bf16, but {where} has none (compute capability >= 8.0 is needed;"
+            f" `torch.cuda.is_bf16_supported()` also counts slow emulation). Use `{setting.format(fp16)}` (fp16 with"
             " loss scaling) or pass `allow_emulated_bf16=True`."
         )
-    return PrecisionChoice(mode, f"`precision`={mode!r} was asked for explicitly on {where}.")
+    return PrecisionChoice(mode, f"`{setting.format(mode)}` was asked for explicitly on {where}.")

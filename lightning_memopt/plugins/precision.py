@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
@@ -14,7 +15,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_memopt.functional.presets import PRECISION_MODES, PrecisionChoice, choose_precision
+from lightning_memopt.functional.presets import PrecisionChoice, PrecisionInput, choose_precision, normalize_precision
 from lightning_memopt.utilities.checks import check_bool, check_choice
 from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -81,6 +82,20 @@ def _plugin_class(namespace: str, name: str) -> type:
     return getattr(importlib.import_module(f"{namespace}.plugins.precision"), name)
 
 
+def _plain_plugin(namespace: str, precision: str) -> Any:
+    """Lightning's plugin for a precision without autocast, built as Lightning's Trainer builds it."""
+    if precision in ("16-true", "bf16-true"):
+        return _plugin_class(namespace, "HalfPrecision")(precision)
+    if precision == "64-true":
+        return _plugin_class(namespace, "DoublePrecision")()
+    if precision.startswith("transformer-engine"):
+        dtype = torch.float16 if precision.endswith("float16") else torch.bfloat16
+        cls = _plugin_class(namespace, "TransformerEnginePrecision")
+        keyword = "weights_dtype" if "weights_dtype" in inspect.signature(cls).parameters else "dtype"  # Lightning 2.1
+        return cls(**{keyword: dtype})
+    return _plugin_class(namespace, "Precision")()
+
+
 class MemoryPrecision(Precision):
     """A Lightning precision plugin that picks mixed precision from what the GPU really supports.
 
@@ -91,7 +106,10 @@ class MemoryPrecision(Precision):
     * ``"16-mixed"``, ``"bf16-mixed"``: autocast; asking for bf16 on a GPU without native bf16 raises an error that
       names the GPU and suggests fp16 (``torch.cuda.is_bf16_supported()`` would say True there: it counts emulation).
     * ``"16-true"``, ``"bf16-true"``: weights, inputs and tensors created in ``trainer.init_module()`` are half.
-    * ``"32-true"``: plain fp32.
+    * ``"32-true"``: plain fp32; ``"64-true"``: fp64; ``"transformer-engine"`` (``-float16``): Lightning's
+      Transformer Engine plugin (needs ``transformer_engine``).
+    * Lightning's short names are accepted and mapped as the Trainer maps them: ``16`` / ``"16"`` is ``"16-mixed"``,
+      ``"bf16"`` is ``"bf16-mixed"``, ``32`` is ``"32-true"``, ``64`` is ``"64-true"``.
 
     ``float32_matmul_precision`` (``"high"`` allows TF32 on Ampere+) is set only through
     ``torch.set_float32_matmul_precision`` at setup. The previous state, including what that call writes into
@@ -115,7 +133,7 @@ class MemoryPrecision(Precision):
     emit the precision string.
 
     Args:
-        mode: one of ``"auto"``, ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``.
+        mode: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``, ``"bf16"``...).
         float32_matmul_precision: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (leave as is).
         allow_emulated_bf16: use bf16 on a GPU without native bf16 instead of raising.
         scaler: a ``torch.amp.GradScaler`` for the fp16 path (one is made when ``None``).
@@ -134,13 +152,13 @@ class MemoryPrecision(Precision):
 
     def __init__(
         self,
-        mode: Literal["auto", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"] = "auto",
+        mode: PrecisionInput = "auto",
         float32_matmul_precision: Literal["highest", "high", "medium"] | None = None,
         allow_emulated_bf16: bool = False,
         scaler: torch.amp.GradScaler | None = None,
         exact_accumulation: bool = True,
     ) -> None:
-        check_choice("mode", mode, PRECISION_MODES)
+        mode = normalize_precision(mode, "mode")  # type: ignore[assignment]
         if float32_matmul_precision is not None:
             check_choice("float32_matmul_precision", float32_matmul_precision, _MATMUL_PRECISIONS)
         check_bool("allow_emulated_bf16", allow_emulated_bf16)
@@ -159,10 +177,9 @@ class MemoryPrecision(Precision):
         self.precision = mode if mode != "auto" else "32-true"
         #: The Lightning namespace whose plugins do the work: the Trainer's, once ``setup`` has seen it.
         self._namespace = NAMESPACES[0]
-        half = mode in ("16-true", "bf16-true")
-        self._delegate: Any = _plugin_class(self._namespace, "HalfPrecision" if half else "Precision")(
-            *((mode,) if half else ())
-        )
+        #: Where the user sets ``mode``, for messages (a ``MemoryPreset`` says its own field).
+        self.setting = "MemoryPrecision(mode={!r})"
+        self._delegate: Any = _plain_plugin(self._namespace, mode if mode in ("16-true", "bf16-true") else "32-true")
         self._previous_matmul: dict[str, str] | None = None
         self._pending_state: dict[str, Any] | None = None
         self._warn = WarnOnce()
@@ -191,13 +208,13 @@ class MemoryPrecision(Precision):
                 capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
             if device_name is None:
                 device_name = torch.cuda.get_device_name(device)
-        choice = choose_precision(self.mode, device.type, capability, device_name, self.allow_emulated_bf16)
+        choice = choose_precision(self.mode, device.type, capability, device_name, self.allow_emulated_bf16,
+                                  setting=self.setting)
         self.choice = choice
         self.precision = choice.precision
         namespace = namespace or self._namespace
         same_namespace, self._namespace = namespace == self._namespace, namespace
         mixed = _plugin_class(namespace, "MixedPrecision")
-        half = _plugin_class(namespace, "HalfPrecision")
         current = self._delegate
         if (
             isinstance(current, mixed)
@@ -208,11 +225,12 @@ class MemoryPrecision(Precision):
         elif choice.precision in ("16-mixed", "bf16-mixed"):
             scaler = self._scaler if choice.precision == "16-mixed" else None
             self._delegate = mixed(choice.precision, device.type, scaler=scaler)
-        elif choice.precision in ("16-true", "bf16-true"):
-            if not isinstance(self._delegate, half) or self._delegate.precision != choice.precision:
-                self._delegate = half(choice.precision)
-        elif not same_namespace or type(self._delegate) is not _plugin_class(namespace, "Precision"):
-            self._delegate = _plugin_class(namespace, "Precision")()
+        elif (
+            not same_namespace
+            or isinstance(current, mixed)
+            or getattr(current, "precision", None) != choice.precision
+        ):
+            self._delegate = _plain_plugin(namespace, choice.precision)
         if self._pending_state:
             self._delegate.load_state_dict(self._pending_state)
         self._pending_state = None

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from lightning_memopt.functional.presets import (
-    PRECISION_MODES,
     PRESET_NAMES,
     PRESETS,
     AccumulationPlan,
+    PrecisionInput,
     choose_precision,
+    normalize_precision,
     plan_accumulation,
     plan_auto_micro_batch,
     tier_for_memory,
@@ -161,7 +162,8 @@ class MemoryPreset:
         micro_batch_size: samples per forward pass and rank; ``None`` = chosen by the preset.
         devices: devices per node (as given to the Trainer).
         num_nodes: number of nodes.
-        precision: a ``MemoryPrecision`` mode (``"auto"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ...).
+        precision: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``,
+            ``"bf16"``, ``"16-true"``, ...), mapped as Lightning maps it (``16`` is ``"16-mixed"``).
         float32_matmul_precision: ``"highest"``, ``"high"`` (TF32) or ``"medium"``; ``""`` leaves it alone.
         gradient_checkpointing: add :class:`~lightning_memopt.GradientCheckpointing`.
         checkpoint_modules: class names or name patterns for ``GradientCheckpointing(modules=...)``.
@@ -196,7 +198,7 @@ class MemoryPreset:
     micro_batch_size: int | None = None
     devices: int = 1
     num_nodes: int = 1
-    precision: str | None = None
+    precision: PrecisionInput | None = None
     float32_matmul_precision: str | None = None
     gradient_checkpointing: bool | None = None
     checkpoint_modules: tuple[str, ...] | None = None
@@ -227,7 +229,7 @@ class MemoryPreset:
         for knob in _KNOBS:
             if getattr(self, knob) is None:
                 object.__setattr__(self, knob, table[knob])
-        check_choice("precision", self.precision, PRECISION_MODES)
+        object.__setattr__(self, "precision", normalize_precision(self.precision))
         check_choice("float32_matmul_precision", self.float32_matmul_precision, ("", "highest", "high", "medium"))
         leave = "Leave it None for the preset's value."
         for knob in ("gradient_checkpointing", "cache_clean_on_phase_end", "monitor"):
@@ -382,11 +384,13 @@ class MemoryPreset:
         """The :class:`~lightning_memopt.MemoryPrecision` plugin this preset uses."""
         from lightning_memopt.plugins.precision import MemoryPrecision
 
-        return MemoryPrecision(
+        plugin = MemoryPrecision(
             self.precision,  # type: ignore[arg-type]
             float32_matmul_precision=self.float32_matmul_precision or None,  # type: ignore[arg-type]
             allow_emulated_bf16=self.allow_emulated_bf16,
         )
+        plugin.setting = "MemoryPreset(precision={0!r})` (`memory.precision: {0}` in a LightningCLI config)"
+        return plugin
 
     def callbacks(self) -> list[Any]:
         """The callbacks the preset implies, built fresh on every call."""
