@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from lightning_memopt.functional.memory import MemoryReading, read_memory
     from lightning_memopt.metrics import StreamingRetrievalMetric
     from lightning_memopt.planner import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
-    from lightning_memopt.plugins import MemoryPrecision, MemoryPreset
+    from lightning_memopt.plugins import MemoryPrecision, MemoryPreset, MemoryPresetCLI
 
 #: Where each public name lives.
 _EXPORTS = {
@@ -38,6 +38,7 @@ _EXPORTS = {
     "OOMReporter": "lightning_memopt.callbacks",
     "MemoryPrecision": "lightning_memopt.plugins",
     "MemoryPreset": "lightning_memopt.plugins",
+    "MemoryPresetCLI": "lightning_memopt.plugins",
     "MemoryReading": "lightning_memopt.functional.memory",
     "read_memory": "lightning_memopt.functional.memory",
     "StreamingRetrievalMetric": "lightning_memopt.metrics",
@@ -59,6 +60,7 @@ __all__ = [
     "MemoryPlan",
     "MemoryPrecision",
     "MemoryPreset",
+    "MemoryPresetCLI",
     "MemoryReading",
     "OOMReporter",
     "StreamingRetrievalMetric",

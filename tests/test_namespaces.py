@@ -40,7 +40,7 @@ CONTRACT_TESTS = [
     "tests/callbacks/test_auto_micro_batch_exact.py",
 ]
 OLDEST_TESTS = ["tests/callbacks/test_contract.py", "tests/plugins/test_precision.py", "tests/plugins/test_presets.py",
-                "tests/plugins/test_precision_names.py"]
+                "tests/plugins/test_precision_names.py", "tests/plugins/test_preset_cli.py"]
 CALLBACKS = [AutoMicroBatch, CacheCleaner, GarbageCollector, GradientCheckpointing, MemoryAudit, MemoryMonitor,
              OOMReporter]
 

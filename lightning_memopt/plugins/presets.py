@@ -7,7 +7,7 @@ import inspect
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,8 +33,15 @@ from lightning_memopt.utilities.checks import (
     check_positive_int,
     check_str,
 )
+from lightning_memopt.utilities.namespaces import rank_zero_info
 
-__all__ = ["MemoryPreset"]
+__all__ = ["DEFAULT_BATCH_SIZE", "MemoryPreset", "PresetName", "device_count"]
+
+#: The DataLoader batch per device when a preset has neither ``effective_batch_size`` nor ``micro_batch_size``.
+DEFAULT_BATCH_SIZE = 32
+
+#: The preset names (a ``Literal``, so LightningCLI lists them in ``--help`` and refuses a typo while parsing).
+PresetName = Literal["max-savings", "balanced", "max-speed"]
 
 _KNOBS = (
     "precision",
@@ -88,6 +95,36 @@ def _checkpoint_modules(value: Any) -> tuple[Any, ...] | None:
     return tuple(entries)
 
 
+def device_count(accelerator: Any, devices: Any) -> int | None:
+    """How many devices per node ``Trainer(accelerator=..., devices=...)`` trains on; ``None`` if it cannot tell.
+
+    Counts as Lightning does: a list (or ``"0,1"``) by its length, a positive int (or its string) as is, ``"auto"``
+    and ``-1`` as every CUDA GPU for a CUDA accelerator, one device for the CPU and others.
+
+    Example:
+        >>> device_count("cpu", "auto"), device_count("gpu", [0, 3]), device_count("auto", "2"), device_count("cpu", 0)
+        (1, 2, 2, None)
+    """
+    if isinstance(devices, (list, tuple)):
+        return len(devices) or None
+    if isinstance(devices, str):
+        text = devices.strip()
+        if "," in text:
+            return len([d for d in text.split(",") if d.strip()]) or None
+        if text.lstrip("-").isdigit():
+            devices = int(text)
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if devices in ("auto", -1):
+        name = (accelerator if isinstance(accelerator, str) else type(accelerator).__name__).lower()
+        if any(word in name for word in ("auto", "gpu", "cuda")) and torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return 1
+    return None
+
+
 def _same(value: Any, default: Any) -> bool:
     """``value == default`` for plain values only (plugin or callback objects are never "at the default")."""
     if default is None:
@@ -136,13 +173,15 @@ class MemoryPreset:
     behaviour: there, keep ``len(train_dataloader)`` a multiple of ``accumulate_grad_batches`` or use
     ``drop_last=True``.
 
-    **LightningCLI.** Give the preset its own section of the config and merge it into the trainer arguments;
-    :meth:`merge_trainer_config` takes the whole ``trainer`` section, where most entries sit at their defaults::
+    **LightningCLI.** ``class CLI(MemoryPresetCLI, LightningCLI)`` adds a ``memory:`` section holding the preset
+    (see :class:`~lightning_memopt.MemoryPresetCLI`): the preset's batch goes to ``data.batch_size``,
+    ``trainer.devices`` flows into it, and its errors name config keys. Without the mixin, add the section yourself
+    and merge it into the trainer arguments; :meth:`merge_trainer_config` takes the whole ``trainer`` section, where
+    most entries sit at their defaults::
 
         class MemoryCLI(LightningCLI):
             def add_arguments_to_parser(self, parser):
                 parser.add_class_arguments(MemoryPreset, "memory")
-                # optional: feed the DataLoader batch (the micro-batch; with auto_micro_batch the per-device batch)
                 parser.link_arguments("memory", "data.batch_size", lambda p: p.batch_size, apply_on="instantiate")
 
             def instantiate_trainer(self, **kwargs):
@@ -153,6 +192,12 @@ class MemoryPreset:
     with a config such as ``{memory: {name: max-savings, effective_batch_size: 128, micro_batch_size: 16},
     trainer: {max_steps: 1000}}``. ``MemoryPrecision`` and ``GradientCheckpointing`` can also be used alone
     through ``class_path`` entries under ``trainer.plugins`` and ``trainer.callbacks``.
+
+    **Your own callbacks.** A callback you pass (``trainer_kwargs(callbacks=[...])``, ``trainer.callbacks`` in a
+    config) of a type the preset adds (``MemoryMonitor``, ``CacheCleaner``, ``GarbageCollector``,
+    ``GradientCheckpointing``, ``AutoMicroBatch``, ``AllocatorSettings``) replaces the preset's, with your settings;
+    the preset says so once. Without ``effective_batch_size`` and ``micro_batch_size``, :attr:`batch_size` is
+    ``DEFAULT_BATCH_SIZE`` (32).
 
     Knob fields left ``None`` take the preset's value; turn a knob off with ``False``, ``0`` or ``""``.
 
@@ -193,7 +238,7 @@ class MemoryPreset:
         (64, 1, 'auto')
     """
 
-    name: str = "balanced"
+    name: PresetName = "balanced"
     effective_batch_size: int | None = None
     micro_batch_size: int | None = None
     devices: int = 1
@@ -212,6 +257,7 @@ class MemoryPreset:
     tier: str | None = None
     auto_micro_batch: bool = False
     plan: AccumulationPlan | None = field(default=None, init=False, repr=False, compare=False)
+    _said: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -368,9 +414,15 @@ class MemoryPreset:
         return self.plan.accumulate_grad_batches if self.plan is not None else 1
 
     @property
-    def batch_size(self) -> int | None:
-        """The DataLoader's batch per rank: the micro-batch, or the whole per-rank batch with ``auto_micro_batch``."""
-        return self.plan.micro_batch_size if self.plan is not None else self.micro_batch_size
+    def batch_size(self) -> int:
+        """The DataLoader's batch per rank: the micro-batch, or the whole per-rank batch with ``auto_micro_batch``.
+
+        Without ``effective_batch_size`` it is ``micro_batch_size``, or :data:`DEFAULT_BATCH_SIZE` (32) when that is
+        not given either: never ``None`` (a DataLoader given ``batch_size=None`` would yield single samples).
+        """
+        if self.plan is not None:
+            return self.plan.micro_batch_size
+        return self.micro_batch_size if self.micro_batch_size is not None else DEFAULT_BATCH_SIZE
 
     @property
     def auto_micro_batch_start(self) -> int | str | None:
@@ -392,8 +444,8 @@ class MemoryPreset:
         plugin.setting = "MemoryPreset(precision={0!r})` (`memory.precision: {0}` in a LightningCLI config)"
         return plugin
 
-    def callbacks(self) -> list[Any]:
-        """The callbacks the preset implies, built fresh on every call."""
+    def _callback_factories(self) -> list[tuple[type, Any]]:
+        """``(type, build)`` for each callback the preset implies, in order; nothing is built yet."""
         from lightning_memopt.callbacks import (
             AutoMicroBatch,
             CacheCleaner,
@@ -403,21 +455,28 @@ class MemoryPreset:
         )
         from lightning_memopt.utilities.allocator import AllocatorSettings
 
-        out: list[Any] = []
+        out: list[tuple[type, Any]] = []
         if self.monitor:
-            out.append(MemoryMonitor())
+            out.append((MemoryMonitor, MemoryMonitor))
         if self.cache_clean_on_phase_end:
-            out.append(CacheCleaner(every_n_train_batches=None, every_n_val_batches=None, on_phase_end=True))
+            out.append((CacheCleaner, lambda: CacheCleaner(every_n_train_batches=None, every_n_val_batches=None,
+                                                           on_phase_end=True)))
         if self.gc_every_n_steps:
-            out.append(GarbageCollector(every_n_steps=self.gc_every_n_steps))
+            out.append((GarbageCollector, lambda: GarbageCollector(every_n_steps=self.gc_every_n_steps)))
         if self.gradient_checkpointing:
             modules = list(self.checkpoint_modules) if self.checkpoint_modules else None
-            out.append(GradientCheckpointing(modules=modules))
+            out.append((GradientCheckpointing, lambda: GradientCheckpointing(modules=modules)))
         if self.auto_micro_batch:
-            out.append(AutoMicroBatch(micro_batch_size=self.auto_micro_batch_start))  # type: ignore[arg-type]
+            out.append((AutoMicroBatch, lambda: AutoMicroBatch(micro_batch_size=self.auto_micro_batch_start)))
         if self.allocator_conf or self.memory_fraction is not None:
-            out.append(AllocatorSettings(self.allocator_conf or None, self.memory_fraction))
+            # built last and only when used: it sets the allocator's environment when it is made
+            conf, fraction = self.allocator_conf or None, self.memory_fraction
+            out.append((AllocatorSettings, lambda: AllocatorSettings(conf, fraction)))
         return out
+
+    def callbacks(self, exclude: tuple[type, ...] = ()) -> list[Any]:
+        """The callbacks the preset implies, built fresh on every call, leaving out those of the ``exclude`` types."""
+        return [build() for kind, build in self._callback_factories() if not issubclass(kind, exclude)]
 
     def _precision_string(self) -> str:
         """A Lightning precision string for strategies with their own precision classes, resolved on this machine."""
@@ -501,6 +560,9 @@ class MemoryPreset:
             for key in ("devices", "num_nodes"):
                 value = getattr(self, key)
                 given = trainer_kwargs.get(key)
+                count = device_count(trainer_kwargs.get("accelerator", "auto"), given) if key == "devices" else given
+                if given is not None and count == value:
+                    continue  # the same number, written your way (e.g. devices=[0, 1] or "2")
                 if given is not None and given != value:
                     raise ValueError(
                         f"`{key}={given!r}` differs from the preset's `{key}={value}`, so the effective batch would"
@@ -510,12 +572,14 @@ class MemoryPreset:
                 out[key] = value
         user_callbacks = trainer_kwargs.get("callbacks") or []
         user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
-        from lightning_memopt.callbacks import AutoMicroBatch
-
-        ours = self.callbacks()
-        if any(isinstance(c, AutoMicroBatch) for c in user_callbacks):  # yours, with your settings, and only one
-            ours = [c for c in ours if not isinstance(c, AutoMicroBatch)]
-        out["callbacks"] = [*user_callbacks, *ours]
+        # a callback of yours of a type the preset adds replaces the preset's: yours, with your settings, only one
+        kinds = [kind for kind, _ in self._callback_factories()]
+        replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in user_callbacks))
+        for kind in replaced:
+            if kind.__name__ not in self._said:
+                self._said.add(kind.__name__)
+                rank_zero_info(f"MemoryPreset {self.name!r}: your {kind.__name__} is used instead of the preset's.")
+        out["callbacks"] = [*user_callbacks, *self.callbacks(exclude=replaced)]
         return out
 
     def merge_trainer_config(self, trainer_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from lightning_memopt import (
     MemoryPrecision,
     MemoryPreset,
 )
+from lightning_memopt.plugins.presets import DEFAULT_BATCH_SIZE
 from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
 from tests.helpers.lightning import NAMESPACE, lightning_module, pl
 from tests.helpers.models import TinyModel
@@ -448,9 +449,9 @@ def test_auto_micro_batch_start_must_divide_and_needs_an_effective_batch():
         MemoryPreset(effective_batch_size=40, devices=3, auto_micro_batch=True)
     with pytest.raises(ValueError, match=r"`micro_batch_size`=8 with `auto_micro_batch=True` needs `effective_batch"):
         MemoryPreset(micro_batch_size=8, auto_micro_batch=True)
-    # without an effective batch the DataLoader's batch is yours; AutoMicroBatch splits it from the whole batch
+    # without an effective batch the DataLoader's batch is the default; AutoMicroBatch splits it from the whole batch
     no_plan = MemoryPreset.from_name("max-speed", auto_micro_batch=True)
-    assert no_plan.batch_size is None and no_plan.auto_micro_batch_start == "auto"
+    assert no_plan.batch_size == DEFAULT_BATCH_SIZE and no_plan.auto_micro_batch_start == "auto"
     assert [type(c) for c in no_plan.trainer_kwargs()["callbacks"]] == [AutoMicroBatch]
 
 
