@@ -198,7 +198,8 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                           " trainer.precision of the config, else auto")
     how.add_argument("--checkpointing", metavar="auto|on|off|BLOCKS", default="auto",
                      help="activation checkpointing: auto (the plan tries without and with; no budget: the model as"
-                          " it is), on (the model's own gradient_checkpointing_enable() where it has one, else"
+                          " it is), on (the model's own switch, activation_checkpointing_enable() or the older"
+                          " gradient_checkpointing_enable(), where it has one, else"
                           " PyTorch transformer layers), off, or block class names / name patterns, comma-separated")
     how.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                      help="the target modelled (default cuda; the estimate itself runs on the CPU)")

@@ -219,11 +219,11 @@ def _checkpointing_prepare(checkpointing: Any) -> Callable[[nn.Module], None] | 
         callback = GradientCheckpointing(modules=checkpointing, use_model_switch=False)  # the blocks asked for
 
     def prepare(model: nn.Module) -> None:
-        switches = callback._find_switches(model) if callback.use_model_switch else []
+        switches = callback._find_switches(model) if callback.use_model_switch and callback.modules is None else []
         if switches:
-            for module in switches:
-                if not getattr(module, "is_gradient_checkpointing", False):
-                    callback._enable_switch(module)
+            for _, module, api in switches:
+                if not getattr(module, api.is_on, False):
+                    callback._enable_switch(module, api)
             return
         if not callback.wrap(model) and not callback.already_wrapped_names:
             raise MemoryEstimateError(

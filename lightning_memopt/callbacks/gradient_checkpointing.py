@@ -6,7 +6,7 @@ import fnmatch
 import functools
 import inspect
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -14,16 +14,48 @@ from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from lightning_memopt.utilities.checks import check_bool
-from lightning_memopt.utilities.namespaces import Callback
-from lightning_memopt.utilities.warnings import WarnOnce, log
+from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
+from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["GradientCheckpointing"]
 
-#: Block classes wrapped when no ``modules`` are given and the model has no ``gradient_checkpointing_enable``.
+#: Block classes wrapped when no ``modules`` are given and the model has no checkpointing switch of its own.
 DEFAULT_BLOCKS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+class _SwitchAPI(NamedTuple):
+    """A model's own checkpointing switch: the names of its methods, its property and its keyword argument."""
+
+    enable: str
+    disable: str
+    is_on: str
+    kwargs: str
+
+
+#: The switch APIs, newest first: Hugging Face transformers 5 renamed ``gradient_checkpointing_*`` to
+#: ``activation_checkpointing_*`` (the old names still work there, with a FutureWarning on every call).
+SWITCH_APIS = (
+    _SwitchAPI("activation_checkpointing_enable", "activation_checkpointing_disable", "is_activation_checkpointing",
+               "activation_checkpointing_kwargs"),
+    _SwitchAPI("gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing",
+               "gradient_checkpointing_kwargs"),
+)
+
+
+def switch_api(module: nn.Module) -> _SwitchAPI | None:
+    """The newest checkpointing switch ``module`` has, or ``None``; models that say they do not support it: ``None``.
+
+    Only methods are looked up (``is_*`` properties, which warn on old names, are not read here).
+    """
+    if getattr(type(module), "supports_gradient_checkpointing", True) is False:
+        return None  # a Hugging Face model whose switch would raise: its blocks are wrapped instead
+    for api in SWITCH_APIS:
+        if callable(getattr(module, api.enable, None)):
+            return api
+    return None
 
 
 class _CheckpointedForward:
@@ -62,13 +94,21 @@ class GradientCheckpointing(Callback):
     Activations inside each wrapped block are not kept for backward but recomputed from the block's input, trading
     roughly one extra forward pass for much less activation memory. At ``setup``:
 
-    1. if the LightningModule, or a submodule, has ``gradient_checkpointing_enable()`` (Hugging Face
-       ``PreTrainedModel``), that is called (non-reentrant where the model accepts
-       ``gradient_checkpointing_kwargs``); models that say ``supports_gradient_checkpointing = False`` are skipped;
-    2. otherwise every submodule that matches ``modules`` is wrapped with non-reentrant
-       ``torch.utils.checkpoint.checkpoint``. Entries of ``modules`` are classes (``nn.TransformerEncoderLayer``),
-       class names (``"TransformerEncoderLayer"``, handy in YAML) or ``fnmatch`` patterns over qualified submodule
-       names (``"encoder.layers.*"``). Without ``modules``, PyTorch's transformer encoder/decoder layers are wrapped.
+    1. with ``modules`` given, every submodule that matches is wrapped with non-reentrant
+       ``torch.utils.checkpoint.checkpoint``, also where the model has a switch of its own: your choice wins. Entries
+       of ``modules`` are classes (``nn.TransformerEncoderLayer``), class names (``"TransformerEncoderLayer"``,
+       ``"T5Block"``, handy in YAML) or ``fnmatch`` patterns over qualified submodule names (``"encoder.layers.*"``).
+       Models whose ``config.use_cache`` is on (Hugging Face decoders) get ``use_cache=False`` for the fit: a cache
+       filled inside a checkpointed block makes its recomputation differ (``CheckpointError``). It is restored at
+       teardown;
+    2. without ``modules``, if the LightningModule or a submodule has a switch of its own (Hugging Face
+       ``PreTrainedModel``: ``activation_checkpointing_enable()`` in transformers 5, ``gradient_checkpointing_enable()``
+       before; the newest name is used, so transformers 5 does not warn), that is turned on, non-reentrant; models
+       that say ``supports_gradient_checkpointing = False`` are skipped;
+    3. otherwise PyTorch's transformer encoder/decoder layers are wrapped.
+
+    The path taken is said at setup (rank zero, at Lightning's default log level): what was wrapped, or which
+    switch was turned on.
 
     Wrapping replaces the instance's ``forward`` only (parameter names and ``state_dict`` keys do not change) and
     is active only in training mode with grad enabled; validation runs the plain forward. RNG state is preserved,
@@ -81,7 +121,7 @@ class GradientCheckpointing(Callback):
 
     Args:
         modules: which submodules to checkpoint (see above); ``None`` for the defaults.
-        use_model_switch: call the model's own ``gradient_checkpointing_enable()`` when it has one.
+        use_model_switch: without ``modules``, turn on the model's own switch when it has one.
 
     Device requirements: any.
 
@@ -126,7 +166,8 @@ class GradientCheckpointing(Callback):
         self.wrapped_names: list[str] = []
         self.already_wrapped_names: list[str] = []
         self._wrapped: list[tuple[nn.Module, Any]] = []
-        self._switched: list[nn.Module] = []
+        self._switched: list[tuple[nn.Module, _SwitchAPI]] = []
+        self._caches: list[Any] = []  # configs whose use_cache this callback turned off
         self._warn = WarnOnce()
 
     # ---------------------------------------------------------------------------------------------- matching
@@ -177,53 +218,74 @@ class GradientCheckpointing(Callback):
         self.already_wrapped_names = []
 
     @staticmethod
-    def _find_switches(model: nn.Module) -> list[nn.Module]:
-        """The outermost submodules (or the model itself) that have ``gradient_checkpointing_enable()``."""
-        found: list[nn.Module] = []
+    def _find_switches(model: nn.Module) -> list[tuple[str, nn.Module, _SwitchAPI]]:
+        """The outermost submodules (or the model itself) with a checkpointing switch: ``(name, module, api)``."""
+        found: list[tuple[str, nn.Module, _SwitchAPI]] = []
         prefixes: list[str] = []
         for name, module in model.named_modules():
             if any(p == "" or name.startswith(p + ".") for p in prefixes):
                 continue
-            if not callable(getattr(module, "gradient_checkpointing_enable", None)):
+            api = switch_api(module)
+            if api is None:
                 continue
-            if getattr(module, "supports_gradient_checkpointing", True) is False:
-                continue  # a Hugging Face model whose switch would raise: its blocks are wrapped instead
-            found.append(module)
+            found.append((name, module, api))
             prefixes.append(name)
         return found
 
-    def _enable_switch(self, module: nn.Module) -> None:
-        enable = module.gradient_checkpointing_enable  # type: ignore[operator]
+    def _enable_switch(self, module: nn.Module, api: _SwitchAPI) -> None:
+        enable = getattr(module, api.enable)
         try:
             params = inspect.signature(enable).parameters
         except (TypeError, ValueError):
             params = {}  # type: ignore[assignment]
-        if "gradient_checkpointing_kwargs" in params:
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if api.kwargs in params:
+            enable(**{api.kwargs: {"use_reentrant": False}})
         else:
             enable()
-        self._switched.append(module)
+        self._switched.append((module, api))
+
+    def _turn_off_caches(self, model: nn.Module) -> list[str]:
+        """``config.use_cache = False`` on every submodule's config that has it on; returns where (for the message)."""
+        where = []
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            config = getattr(module, "config", None)
+            if config is None or id(config) in seen or getattr(config, "use_cache", None) is not True:
+                continue
+            seen.add(id(config))
+            config.use_cache = False
+            self._caches.append(config)
+            where.append(name or type(module).__name__)
+        return where
 
     # ---------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._wrapped or self._switched:
             return
-        if self.use_model_switch:
-            switches = self._find_switches(pl_module)
-            if switches:
-                for module in switches:
-                    already = bool(getattr(module, "is_gradient_checkpointing", False))
-                    if not already:
-                        self._enable_switch(module)
-                log.info("GradientCheckpointing: enabled the model's own switch on %d module(s).", len(switches))
-                return
+        switches = self._find_switches(pl_module) if self.use_model_switch else []
+        if switches and self.modules is None:
+            turned, already = [], []
+            for name, module, api in switches:
+                label = f"{name or type(module).__name__}.{api.enable}()"
+                if bool(getattr(module, api.is_on, False)):
+                    already.append(label)
+                else:
+                    self._enable_switch(module, api)
+                    turned.append(label)
+            rank_zero_info(
+                "GradientCheckpointing: the model's own switch"
+                + (f" turned on: {', '.join(turned)}" if turned else "")
+                + (f"{'; ' if turned else ' '}on already: {', '.join(already)}" if already else "")
+                + " (pass `modules=` to wrap blocks yourself instead)."
+            )
+            return
         names = self.wrap(pl_module)
+        caches = self._turn_off_caches(pl_module) if names else []
         if not names and self.already_wrapped_names:
-            log.info(
-                "GradientCheckpointing: %d module(s) were checkpointed already and are left as they are: %s",
-                len(self.already_wrapped_names),
-                ", ".join(self.already_wrapped_names),
+            rank_zero_info(
+                f"GradientCheckpointing: {len(self.already_wrapped_names)} module(s) were checkpointed already and are"
+                f" left as they are: {', '.join(self.already_wrapped_names)}"
             )
         elif not names:
             wanted = "PyTorch transformer layers" if self.modules is None else repr(self.modules)
@@ -233,14 +295,23 @@ class GradientCheckpointing(Callback):
                 " nothing is checkpointed. Pass `modules=` with your block classes or name patterns.",
             )
         else:
-            log.info("GradientCheckpointing: wrapped %d module(s): %s", len(names), ", ".join(names))
+            why = f"`modules={self.modules!r}`" if self.modules is not None else "PyTorch transformer layers"
+            own = ", ".join(f"{n or type(m).__name__}.{a.enable}()" for n, m, a in switches)
+            over = f", instead of the model's own switch ({own})" if switches else ""
+            cache = (f"; `config.use_cache=False` for the fit on {', '.join(caches)} (a cache filled inside a"
+                     " checkpointed block breaks its recomputation)" if caches else "")
+            rank_zero_info(f"GradientCheckpointing: wrapped {len(names)} module(s) by {why}{over}: {', '.join(names)}"
+                           f"{cache}.")
 
     def restore(self) -> None:
         """Give back everything setup changed: the original forwards, and model switches turned on by this callback."""
         self.unwrap()
+        caches, self._caches = self._caches, []
+        for config in caches:
+            config.use_cache = True
         switched, self._switched = self._switched, []
-        for module in switched:
-            disable = getattr(module, "gradient_checkpointing_disable", None)
+        for module, api in switched:
+            disable = getattr(module, api.disable, None)
             if callable(disable):
                 disable()
 

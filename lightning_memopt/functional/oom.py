@@ -397,8 +397,8 @@ def suggest_fixes(
                 None if activations is None else activations * 0.6,
                 2,
                 "Enable activation checkpointing: recompute layer activations in backward instead of storing them"
-                " (the `GradientCheckpointing` callback, or `model.gradient_checkpointing_enable()` for Hugging"
-                " Face models)",
+                " (the `GradientCheckpointing` callback, or `model.activation_checkpointing_enable()` for Hugging"
+                " Face models; `gradient_checkpointing_enable()` before transformers 5)",
                 why,
             )
         else:
