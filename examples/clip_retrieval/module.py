@@ -258,9 +258,9 @@ class ClipRetrievalModule(pl.LightningModule):
         with PeakRSSSampler() as rss:
             results = metric.compute()
         seconds = time.perf_counter() - start
-        # every process holds the same global values: the mean over processes changes nothing, it only tells
-        # Lightning that these epoch-level values are synchronised
-        self.log_dict({f"val/{k}": v for k, v in results.items()}, sync_dist=True)
+        # every process holds the same global values: `sync_dist` only tells Lightning that these epoch-level values
+        # are synchronised, and the max of equal values is exact (a mean over 3 processes may round)
+        self.log_dict({f"val/{k}": v for k, v in results.items()}, sync_dist=True, reduce_fx="max")
         metric.reset()
         if self.trainer.sanity_checking:
             return

@@ -34,6 +34,7 @@ from lightning_memopt.functional.retrieval import (
     summarize_rank_histogram,
 )
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
+from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__ = ["StreamingRetrievalMetric"]
 
@@ -60,8 +61,20 @@ class StreamingRetrievalMetric(Metric):
     Distributed: video features never leave their process. Processes share row ids, the unique text embeddings
     and per-text vectors; each counts its own videos against all texts, and the counts are summed (t2v ranks, v2t
     rank histogram) or max-reduced (best positive score per text). Repeated samples (the padding of Lightning's
-    distributed validation sampler) count once when ``sample_ids`` are given. Synchronisation is done here, so
-    torchmetrics' own gather-everything sync is turned off.
+    distributed validation sampler) count once when ``sample_ids`` are given; without them, under DDP, a warning
+    says (once) that such repeats count twice. Synchronisation is done here, so torchmetrics' own gather-everything
+    sync is turned off.
+
+    **Every process calls** ``compute()``: it synchronises. Called on rank zero only (under ``if
+    trainer.is_global_zero``) it cannot finish; its first collective is a handshake that turns the resulting
+    collective error (after the process group's timeout) or a mismatch with another collective into an error that
+    says so. The values it returns are the same on every process, so log them from every process with
+    ``sync_dist=True, reduce_fx="max"``: that silences Lightning's "It is recommended to use ``sync_dist=True``"
+    warning, and the max of equal values is exact (a mean over 3 processes may round)::
+
+        def on_validation_epoch_end(self):
+            self.log_dict(self.retrieval.compute(), sync_dist=True, reduce_fx="max")
+            self.retrieval.reset()
 
     Args:
         top_k: the K of the R@K keys.
@@ -155,6 +168,7 @@ class StreamingRetrievalMetric(Metric):
         # `_known_text_ids`), so a load, merge, sync or reset can never leave it stale.
         self._seen_text_ids: set[int] = set()
         self._seen_token: tuple[Any, ...] | None = None
+        self._warn = WarnOnce()
 
     # ------------------------------------------------------------------------------------------- update
 
@@ -305,6 +319,7 @@ class StreamingRetrievalMetric(Metric):
 
     def _compute_ranks(self, gather_v2t: bool) -> tuple[Tensor, Tensor, tuple | None]:
         comm = _Comm(self.process_group)
+        comm.handshake()
         n_local = sum(t.shape[0] for t in self.video_features)
         dim_local = int(self.video_features[0].shape[1]) if self.video_features else 0
         has_samples = 1 if self.sample_ids else 0
@@ -325,6 +340,13 @@ class StreamingRetrievalMetric(Metric):
                 raise ValueError(f"`{name}` were given on some processes and not on others; give them everywhere.")
         dim = dims.pop()
         use_samples, use_videos = bool(nonempty[0, 2]), bool(nonempty[0, 3])
+        if comm.active and not use_samples and comm.rank == 0:
+            self._warn.warn(
+                "padding",
+                f"StreamingRetrievalMetric runs on {comm.world} processes without `sample_ids`: the samples Lightning's"
+                " DistributedSampler repeats to pad the last batches are counted twice. Pass"
+                " `update(..., sample_ids=...)` (e.g. the dataset index of each row) so repeats count once.",
+            )
         rank = comm.rank
         offset = sum(sizes[:rank])
 
@@ -434,6 +456,10 @@ def _cat_state(metric: Metric, name: str, empty_shape: tuple[int, ...]) -> Tenso
     return parts[0]
 
 
+#: The first thing every process sends in ``compute()``: a value no other collective is likely to carry.
+_HANDSHAKE = 0x5EED_C0DE_2025
+
+
 class _Comm:
     """The few collectives the metric needs; a no-op world of one when not distributed."""
 
@@ -445,6 +471,25 @@ class _Comm:
         self.device = torch.device("cpu")
         if self.active and dist.get_backend(group) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def handshake(self) -> None:
+        """Check that every process is in ``compute()``: the first collective, with a token only it sends."""
+        if not self.active:
+            return
+        token = torch.tensor([[_HANDSHAKE, self.rank, _HANDSHAKE]], dtype=torch.int64, device=self.device)
+        out = [torch.zeros_like(token) for _ in range(self.world)]
+        problem = (
+            "Every process must call `StreamingRetrievalMetric.compute()` (it synchronises): call it on all ranks, not"
+            " under `if trainer.is_global_zero`, and log its values with `sync_dist=True, reduce_fx=\"max\"`."
+        )
+        try:
+            dist.all_gather(out, token, group=self.group)
+        except RuntimeError as err:
+            raise RuntimeError(f"{problem} The first collective of compute() failed: {err}") from err
+        got = torch.cat(out).cpu()
+        if not (bool((got[:, 0] == _HANDSHAKE).all()) and bool((got[:, 2] == _HANDSHAKE).all())):
+            stray = [r for r in range(self.world) if int(got[r, 0]) != _HANDSHAKE or int(got[r, 2]) != _HANDSHAKE]
+            raise RuntimeError(f"{problem} Process(es) {stray} were in another collective.")
 
     def all_reduce(self, x: Tensor, op: Any) -> Tensor:
         if not self.active:
