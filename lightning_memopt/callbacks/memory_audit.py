@@ -33,6 +33,7 @@ from lightning_memopt.functional.leaks import (
     metric_states_requiring_grad,
     tensors_with_grad_fn,
 )
+from lightning_memopt.functional.loaders import LoaderMemory, loader_memory
 from lightning_memopt.functional.memory import MemoryReading, memory_record, read_memory, supports_device_memory
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
@@ -81,6 +82,13 @@ class MemoryAudit(RunIdCallback):
       that hold tensors with a ``grad_fn``.
     * **Grad tracking**: one warning when ``validation_step`` returns tensors with autograd history or
       leaves grad enabled, and one when metric states (torchmetrics) hold tensors that require grad.
+    * **DataLoaders** (at train start, when the train and validation loaders exist): the host memory each holds
+      or will hold, ``num_workers x prefetch_factor`` batches prepared ahead (a batch estimated as ``batch_size``
+      times the first sample's bytes) plus their page-locked copies with ``pin_memory`` on CUDA; printed by rank
+      zero and written as an ``event="dataloaders"`` record. Settings that waste memory get one warning each,
+      with the fix: more workers than CPU cores, batches prepared ahead over a quarter of the host's memory,
+      ``pin_memory`` without a CUDA device to copy to, ``persistent_workers`` on a validation loader, and a
+      dataset holding a Python container of 100,000+ objects under workers (copied page by page per worker).
 
     Nothing here stops training: an audit that fails (an object that breaks the garbage-collector walk, a
     file that cannot be written) warns once and training goes on. Per-step cost is one integer comparison
@@ -108,6 +116,7 @@ class MemoryAudit(RunIdCallback):
             Raise it to ignore growth you expect (e.g. predictions gathered over an epoch).
         audit_fit_start: Whether to take the footprint and look for duplicates at fit start and after the
             first optimizer step.
+        audit_dataloaders: Whether to report the DataLoaders' host memory and wasteful settings at train start.
         detect_leaks: Whether to sample for leaks.
         check_grad_tracking: Whether to run the grad-tracking checks.
         max_listed: How many of the largest unowned tensors / duplicate copies each record lists.
@@ -145,6 +154,7 @@ class MemoryAudit(RunIdCallback):
         max_listed: int = 5,
         collect_garbage: bool = True,
         leak_max_overhead: float | None = 0.01,
+        audit_dataloaders: bool = True,
     ) -> None:
         check_path("dirpath", dirpath)
         check_fraction("duplicate_fraction", duplicate_fraction, hint="Use e.g. 0.5 to warn at half a copy.")
@@ -162,7 +172,8 @@ class MemoryAudit(RunIdCallback):
             )
         check_positive_int("max_listed", max_listed)
         for name, flag in (("audit_fit_start", audit_fit_start), ("detect_leaks", detect_leaks),
-                           ("check_grad_tracking", check_grad_tracking), ("collect_garbage", collect_garbage)):
+                           ("check_grad_tracking", check_grad_tracking), ("collect_garbage", collect_garbage),
+                           ("audit_dataloaders", audit_dataloaders)):
             check_bool(name, flag)
         check_fraction("leak_max_overhead", leak_max_overhead, allow_none=True,
                        hint="Use e.g. 0.01 for 1 % of the training time, or None for a fixed interval.")
@@ -177,6 +188,9 @@ class MemoryAudit(RunIdCallback):
         self.max_listed = max_listed
         self.collect_garbage = collect_garbage
         self.leak_max_overhead = leak_max_overhead
+        self.audit_dataloaders = audit_dataloaders
+        #: The DataLoader audit of the last fit (one :class:`~lightning_memopt.functional.loaders.LoaderMemory` each).
+        self.loaders: list[LoaderMemory] = []
 
         self._warn = WarnOnce()  # failures of the audit itself: once per instance
         self._findings = WarnOnce(every_time=True)  # what the audit found: once per fit, every fit
@@ -245,6 +259,43 @@ class MemoryAudit(RunIdCallback):
         self._walk_s = None
         if self.audit_fit_start:
             self._guarded("audit", self._audit, trainer, pl_module, "fit_start")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.loaders = []
+        if self.audit_dataloaders:
+            self._guarded("dataloaders", self._audit_loaders, trainer)
+
+    def _audit_loaders(self, trainer: pl.Trainer) -> None:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+        named = [*_named_loaders("train", trainer.train_dataloader)]
+        if trainer.val_dataloaders is not None and getattr(trainer, "limit_val_batches", 1) != 0:
+            named += _named_loaders("val", trainer.val_dataloaders)
+        infos = []
+        for name, loader in named:
+            info = loader_memory(loader, name, self._device.type, host_total_bytes=total,
+                                 evaluation=name.startswith("val"))
+            if info is not None:
+                infos.append(info)
+        self.loaders = infos
+        if not infos:
+            return
+        known = [i.host_bytes for i in infos if i.host_bytes is not None]
+        reading = read_memory(self._device)
+        self._write(self._record(trainer, reading, "dataloaders", None, loaders=[i.as_dict() for i in infos],
+                                 loaders_host_bytes=sum(known) if known else None, host_total_bytes=total))
+        if self._rank != 0:
+            return  # the loaders are the same on every rank: rank zero speaks for them
+        rank_zero_info("MemoryAudit: DataLoaders (host memory held by batches prepared ahead):\n  "
+                       + "\n  ".join(i.summary() for i in infos))
+        for info in infos:
+            for finding in info.findings:
+                message = f"MemoryAudit: {finding}"
+                if self._findings.warn(f"loader-{finding}", message):
+                    self._write(self._record(trainer, reading, "warning", None, check="dataloaders",
+                                             message=message, loader=info.name))
 
     @override
     def on_train_batch_end(
@@ -516,6 +567,15 @@ def _where_held(pl_module: pl.LightningModule, dup: Duplicates) -> str:
 def _tensor_dict(t: LiveTensor) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": t.dtype, "device": t.device, "bytes": t.bytes,
             "requires_grad": t.requires_grad, "has_grad_fn": t.has_grad_fn}
+
+
+def _named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
+    """``(name, loader)`` for a loader or a list / dict of them, as the Trainer holds them."""
+    if isinstance(loaders, (list, tuple)):
+        return [(f"{name}[{i}]" if len(loaders) > 1 else name, dl) for i, dl in enumerate(loaders)]
+    if isinstance(loaders, dict):
+        return [(f"{name}[{key}]", dl) for key, dl in loaders.items()]
+    return [] if loaders is None else [(name, loaders)]
 
 
 def _footprint_text(footprint: Footprint, device: str, unexplained: int | None, unowned: list[LiveTensor],

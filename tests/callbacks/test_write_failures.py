@@ -147,8 +147,9 @@ def test_full_disk_warns_once_per_file_writer_and_training_goes_on(full_disk, re
 
 def test_full_disk_never_masks_an_out_of_memory_error(full_disk):
     directory, fill = full_disk
-    model = StepModel({1: fill, 2: _raise_oom})  # the disk fills before step 2; out of memory in step 3
-    trainer = make_trainer(directory, callbacks=_callbacks(directory), max_steps=6, limit_train_batches=6)
+    # the disk fills before step 2; out of memory in step 16, once a tmpfs has used up the page its files already had
+    model = StepModel({1: fill, 15: _raise_oom})
+    trainer = make_trainer(directory, callbacks=_callbacks(directory), max_steps=20, limit_train_batches=20)
     with pytest.warns(UserWarning, match="are not stored"), pytest.raises(BaseException) as info:
         trainer.fit(model)
     assert info.value is model.raised

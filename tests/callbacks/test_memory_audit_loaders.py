@@ -1,0 +1,134 @@
+"""MemoryAudit reports what the DataLoaders hold in host memory and flags the settings that waste it."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_memopt import MemoryAudit, MemoryPreset
+from lightning_memopt.analysis.memory_log import format_summary, load_memory_log, summarize_memory_log
+from lightning_memopt.functional.loaders import batch_bytes, loader_memory
+from tests.helpers.models import TinyModel
+from tests.helpers.trainer import make_trainer
+
+GIB = 2**30
+
+
+def _loader(**kwargs):
+    return DataLoader(TensorDataset(torch.zeros(64, 1024)), batch_size=16, **kwargs)
+
+
+def test_batches_prepared_ahead_and_their_pinned_copies_are_counted():
+    info = loader_memory(_loader(num_workers=3, prefetch_factor=4, pin_memory=True), "train", "cuda",
+                         cpu_count=8, host_total_bytes=64 * GIB)
+    one = 16 * 1024 * 4
+    assert (info.batch_bytes, info.in_flight) == (one, 12)
+    assert info.pinned_bytes == 12 * one and info.host_bytes == 24 * one
+    assert info.findings == []
+    plain = loader_memory(_loader(), "train", "cpu", cpu_count=8, host_total_bytes=64 * GIB)
+    assert (plain.in_flight, plain.host_bytes, plain.pinned_bytes, plain.prefetch_factor) == (0, 0, 0, None)
+    assert "12 batch(es) of 64.00 KiB prepared ahead = 1.50 MiB, 768.00 KiB of it pinned" in info.summary()
+
+
+class PythonObjects(Dataset):
+    def __init__(self):
+        self.tokens = [[i, i + 1] for i in range(150_000)]  # a tokenised dataset kept as Python lists
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return torch.tensor(self.tokens[i])
+
+
+@pytest.mark.parametrize(
+    ("make", "device", "expected"),
+    [
+        (lambda: _loader(num_workers=12), "cuda", "num_workers=12 exceeds the 8 CPU cores"),
+        (lambda: _loader(num_workers=4, prefetch_factor=80), "cuda",
+         "320 batches prepared ahead (num_workers=4 x prefetch_factor=80) of 64.00 KiB hold 20.00 MiB, over 25%"),
+        (lambda: _loader(pin_memory=True), "cpu", "pin_memory=True while training on cpu"),
+        (lambda: _loader(num_workers=2, persistent_workers=True), "cuda",
+         "persistent_workers=True keeps 2 validation worker(s)"),
+        (lambda: DataLoader(PythonObjects(), batch_size=4, num_workers=2), "cuda",
+         "`dataset.tokens` is a Python container of 150,000 objects: each of the 2 workers"),
+    ],
+    ids=["workers", "prefetch", "pin", "persistent", "python-objects"],
+)
+def test_each_wasteful_setting_is_named_with_its_fix(make, device, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pinning for a CPU run of a GPU machine
+    info = loader_memory(make(), "val", device, cpu_count=8, host_total_bytes=64 * 2**20, evaluation=True)
+    assert len(info.findings) == 1 and expected in info.findings[0], info.findings
+
+
+def test_batch_bytes_of_nested_batches():
+    import numpy as np
+
+    batch = {"peaks": torch.zeros(4, 8), "meta": [np.zeros(3, dtype=np.float64), ("id", torch.zeros(2))]}
+    assert batch_bytes(batch) == 4 * 8 * 4 + 3 * 8 + 2 * 4
+
+
+class LoaderModel(TinyModel):
+    def __init__(self, val_workers=0, persistent=False):
+        super().__init__()
+        self.val_workers, self.persistent = val_workers, persistent
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, 32)), batch_size=4, num_workers=self.val_workers,
+                          persistent_workers=self.persistent)
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+
+def _fit(tmp_path, model, **kwargs):
+    audit = MemoryAudit(dirpath=tmp_path / "memory", **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[audit], max_steps=2, limit_val_batches=1, val_check_interval=1).fit(model)
+    ours = [str(w.message) for w in caught if "MemoryAudit: val" in str(w.message)
+            or "MemoryAudit: train" in str(w.message)]
+    records = [json.loads(line) for line in (tmp_path / "memory" / "memory_rank0.jsonl").read_text().splitlines()]
+    return audit, ours, records
+
+
+def test_a_fit_reports_the_loaders_and_warns_about_persistent_validation_workers(tmp_path):
+    audit, warned, records = _fit(tmp_path, LoaderModel(val_workers=1, persistent=True))
+    assert [i.name for i in audit.loaders] == ["train", "val"]
+    assert audit.loaders[0].batch_bytes == 4 * 32 * 4
+    assert len(warned) == 1 and "val: persistent_workers=True keeps 1 validation worker(s)" in warned[0]
+    [report] = [r for r in records if r["event"] == "dataloaders"]
+    assert [loader["name"] for loader in report["loaders"]] == ["train", "val"]
+    assert report["loaders"][1]["in_flight"] == 2 and report["loaders_host_bytes"] == 2 * 4 * 32 * 4
+    [finding] = [r for r in records if r["event"] == "warning" and r["check"] == "dataloaders"]
+    assert finding["loader"] == "val"
+    text = format_summary(summarize_memory_log(load_memory_log(tmp_path / "memory" / "memory_rank0.jsonl")))
+    assert "dataloaders" in text and "persistent_workers=True" in text  # analyze shows the finding
+
+
+def test_a_clean_fit_says_nothing_and_the_audit_can_be_turned_off(tmp_path):
+    audit, warned, records = _fit(tmp_path / "clean", LoaderModel())
+    assert warned == [] and len(audit.loaders) == 2
+    audit, warned, records = _fit(tmp_path / "off", LoaderModel(val_workers=1, persistent=True),
+                                  audit_dataloaders=False)
+    assert audit.loaders == [] and warned == [] and not [r for r in records if r["event"] == "dataloaders"]
+
+
+@pytest.mark.parametrize("name", ["max-savings", "balanced", "max-speed"])
+def test_the_preset_printout_recommends_loader_settings_for_its_tier(name):
+    preset = MemoryPreset(name, effective_batch_size=64, micro_batch_size=8)
+    kwargs = preset.dataloader_kwargs(cpu_count=16, cuda=True)
+    ahead = kwargs["num_workers"] * kwargs.get("prefetch_factor", 0)
+    assert kwargs["batch_size"] == 8 and kwargs["pin_memory"] is True
+    assert ahead == {"max-savings": 2, "balanced": 8, "max-speed": 16}[name]  # fewer batches ahead, less memory
+    assert kwargs["persistent_workers"] is (name == "max-speed")
+    assert MemoryPreset(name).dataloader_kwargs(cpu_count=2, cuda=False) == {
+        "batch_size": 32, "num_workers": 1, "prefetch_factor": {"max-savings": 1}.get(name, 2), "pin_memory": False,
+        "persistent_workers": name == "max-speed"}
+    row = next(r for r in preset.describe().splitlines() if r.startswith("dataloader"))
+    assert "num_workers=" in row and "prefetch_factor" in row
+    DataLoader(TensorDataset(torch.zeros(16, 2)), **kwargs)  # the settings are valid DataLoader arguments
