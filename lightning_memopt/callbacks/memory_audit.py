@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -558,7 +559,13 @@ def _where_held(pl_module: pl.LightningModule, dup: Duplicates) -> str:
         return ("Where: not in an attribute of the LightningModule (a variable, a closure or another object holds"
                 " them).")
     text = "Held at " + ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "") + "."
-    if any("hparams" in p for p in paths):
+    names = sorted({m.group(1) for p in paths if (m := re.search(r"_hparams(?:_initial)?\[['\"](\w+)['\"]\]", p))})
+    if names:
+        ignore = ", ".join(f'"{n}"' for n in names)
+        text += (" That is a copy kept by `save_hyperparameters()`: call"
+                 f" `self.save_hyperparameters(ignore=[{ignore}])` (the weights are in the checkpoint's `state_dict`"
+                 " already), or save only its configuration.")
+    elif any("hparams" in p for p in paths):
         text += (" That is a copy kept by `save_hyperparameters()`: pass `ignore=[...]` with the module's argument"
                  " name, or save only its configuration.")
     return text

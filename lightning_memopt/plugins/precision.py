@@ -109,7 +109,9 @@ class MemoryPrecision(Precision):
     * ``"32-true"``: plain fp32; ``"64-true"``: fp64; ``"transformer-engine"`` (``-float16``): Lightning's
       Transformer Engine plugin (needs ``transformer_engine``).
     * Lightning's short names are accepted and mapped as the Trainer maps them: ``16`` / ``"16"`` is ``"16-mixed"``,
-      ``"bf16"`` is ``"bf16-mixed"``, ``32`` is ``"32-true"``, ``64`` is ``"64-true"``.
+      ``"bf16"`` is ``"bf16-mixed"``, ``32`` is ``"32-true"``, ``64`` is ``"64-true"``. One difference: on a CPU,
+      Lightning's Trainer replaces ``"16-mixed"`` by ``"bf16-mixed"``; this plugin runs the fp16 autocast asked for
+      (torch supports it on CPUs).
 
     ``float32_matmul_precision`` (``"high"`` allows TF32 on Ampere+) is set only through
     ``torch.set_float32_matmul_precision`` at setup. The previous state, including what that call writes into

@@ -421,7 +421,7 @@ def test_duplicate_warning_says_where_the_copy_is_held(tmp_path):
     messages = _audit_warnings(caught, "not owned")
     assert messages, "the copy in hparams was not reported"
     assert "Held at self._hparams['backbone'], self._hparams_initial['backbone']." in messages[0], messages[0]
-    assert "save_hyperparameters()" in messages[0]
+    assert 'self.save_hyperparameters(ignore=["backbone"])' in messages[0]
 
 
 def test_duplicate_warning_says_when_the_holder_is_not_an_attribute(tmp_path):
