@@ -105,7 +105,7 @@ def package_trainer(devices: int, **trainer_kwargs: Any) -> tuple[pl.Trainer, in
     from lightning_memopt import MemoryAudit, MemoryPreset
 
     preset = MemoryPreset("max-savings", effective_batch_size=2 * devices, micro_batch_size=1, devices=devices,
-                          precision=16, gc_every_n_steps=25, float32_matmul_precision="")
+                          precision=16, gc_every_n_steps=25)
     trainer = pl.Trainer(strategy=DDPStrategy(find_unused_parameters=True), limit_val_batches=4,
                          **preset.trainer_kwargs(callbacks=[MemoryAudit()], **trainer_kwargs))
     return trainer, preset.batch_size
