@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from lightning_memopt.utilities.checks import check_choice, check_positive_int, check_positive_number
 
@@ -22,6 +22,7 @@ __all__ = [
     "AccumulationPlan",
     "PrecisionChoice",
     "PrecisionInput",
+    "PrecisionMode",
     "choose_precision",
     "has_native_bf16",
     "normalize_precision",
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 #: Modes of ``MemoryPrecision`` and ``MemoryPreset(precision=...)``: Lightning's precision strings plus ``"auto"``.
-PRECISION_MODES = (
+PrecisionMode = Literal[
     "auto",
     "32-true",
     "16-mixed",
@@ -41,30 +42,14 @@ PRECISION_MODES = (
     "64-true",
     "transformer-engine",
     "transformer-engine-float16",
-)
+]
+PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
 
 #: The short names Lightning's Trainer also accepts (as str or int), mapped as Lightning maps them.
 PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 #: Every precision value Lightning's Trainer accepts, and ``"auto"``.
-PrecisionInput = Literal[
-    "auto",
-    "32-true",
-    "16-mixed",
-    "bf16-mixed",
-    "16-true",
-    "bf16-true",
-    "64-true",
-    "transformer-engine",
-    "transformer-engine-float16",
-    "16",
-    "bf16",
-    "32",
-    "64",
-    16,
-    32,
-    64,
-]
+PrecisionInput = Literal[PrecisionMode, "16", "bf16", "32", "64", 16, 32, 64]
 
 
 def normalize_precision(value: Any, name: str = "precision") -> str:
