@@ -89,9 +89,10 @@ class MemoryMonitor(RunIdCallback):
         log_every_n_steps: Reading interval. Default: the trainer's ``log_every_n_steps``.
         warn_threshold: Fraction of the device total in (0, 1] above which a warning is emitted.
         log_to_loggers: Whether to send readings to the trainer's loggers.
-        cross_rank_every_n_steps: When set and training runs on several ranks, every this many optimizer
-            steps the ranks exchange their readings (one ``all_gather`` of three numbers) and rank zero
-            logs their min, max and mean. ``None`` (default) never communicates.
+        cross_rank_every_n_steps: When set and training runs on several ranks, the ranks exchange their readings
+            (one ``all_gather`` of three numbers) and rank zero logs their min, max and mean, on the logged steps
+            (every ``log_every_n_steps``) that are also a multiple of this: with 5 and 2, at steps 10, 20, 30...
+            ``None`` (default) never communicates.
 
     Logged metrics (bytes unless the name says otherwise; ``<phase>`` is train/validate/test/predict):
         * ``memory/<phase>/allocated_bytes``, ``reserved_bytes``, ``active_bytes``, ``device_free_bytes``,

@@ -1,5 +1,6 @@
 """OOMReporter: reports on CPU from hand-raised out-of-memory errors, 2-process DDP, and a real CUDA OOM."""
 
+import gc
 import json
 import pickle
 import warnings
@@ -77,6 +78,17 @@ def _files(directory):
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
+def test_the_largest_tensors_are_named_by_their_owner(tmp_path):
+    model = FailingModel("forward", at=1)
+    model.big = torch.nn.Parameter(torch.zeros(2048, 4096))  # 32 MiB: larger than anything else alive here
+    reporter = OOMReporter(dirpath=tmp_path / "reports", top_k_tensors=3)
+    _fit_and_fail(tmp_path, model, reporter, max_steps=5)
+    top = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())["holders"]["top_tensors"]
+    assert (top[0]["name"], top[0]["shape"], top[0]["bytes"]) == ("big", [2048, 4096], 32 * 2**20)
+    del model.big  # the traceback kept by the trainer's error keeps the model alive until a collection
+    gc.collect()
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_training_oom_report_has_every_field(tmp_path, where):
     model = FailingModel(where, at=2)
@@ -109,7 +121,8 @@ def test_training_oom_report_has_every_field(tmp_path, where):
     assert holders["bytes_by_category"]["parameters"] == (32 * 2 + 2) * 4
     assert {r["category"] for r in holders["rows"]} >= {"parameters"}
     assert len(holders["top_tensors"]) == 5 and "unexplained_bytes" in holders
-    assert any(t["name"] == "layer.weight" for t in holders["top_tensors"]) or holders["top_tensors"][0]["bytes"]
+    own = [t for t in holders["top_tensors"] if t["shape"] == [2, 32]]  # the model's weight, when among the largest
+    assert all(t["name"] in ("layer.weight", "layer.weight.grad") for t in own), own
 
     config = report["config"]
     assert config["precision"] == "32-true" and config["accumulate_grad_batches"] == 1

@@ -1,0 +1,100 @@
+"""Break one line of package code at a time and check that the tests notice (hand-picked mutants).
+
+Each mutant replaces one exact snippet of a module, runs the tests that cover it, and puts the file back. A mutant
+the tests still pass on "survives": a behaviour nothing pins down. Prints one line per mutant and the survival rate;
+exits 1 when any survives.
+
+    .venv/bin/python scripts/mutation_check.py            # every mutant (a few minutes)
+    .venv/bin/python scripts/mutation_check.py --list     # what would run
+    .venv/bin/python scripts/mutation_check.py -k oom     # the mutants whose name contains "oom"
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    original: str
+    mutated: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant("oom-report-tensor-names-lost", "lightning_memopt/functional/footprint.py",
+           "name=names.get(key),", "name=None,", ("tests/callbacks/test_oom_reporter.py",)),
+    Mutant("cache-cleaner-seconds-inflated", "lightning_memopt/callbacks/cache_cleaner.py",
+           "self.seconds += time.perf_counter() - start", "self.seconds += time.perf_counter() - start + 1e9",
+           ("tests/callbacks/test_cache_cleaner.py",)),
+    Mutant("proc-rss-without-page-size", "lightning_memopt/functional/memory.py",
+           'return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")', "return int(f.read().split()[1])",
+           ("tests/functional/test_memory.py",)),
+    Mutant("precision-alias-16-to-true", "lightning_memopt/functional/presets.py",
+           'PRECISION_ALIASES = {"16": "16-mixed",', 'PRECISION_ALIASES = {"16": "16-true",',
+           ("tests/plugins/test_precision_names.py",)),
+    Mutant("preset-keeps-its-own-callback", "lightning_memopt/plugins/presets.py",
+           "replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in user_callbacks))",
+           "replaced = ()", ("tests/plugins/test_preset_cli.py",)),
+    Mutant("checkpointing-use-cache-kept", "lightning_memopt/callbacks/gradient_checkpointing.py",
+           "            config.use_cache = False\n", "            pass\n",
+           ("tests/callbacks/test_gradient_checkpointing_hf.py",)),
+    Mutant("checkpointing-old-switch-first", "lightning_memopt/callbacks/gradient_checkpointing.py",
+           "    for api in SWITCH_APIS:", "    for api in reversed(SWITCH_APIS):",
+           ("tests/callbacks/test_gradient_checkpointing_hf.py",)),
+    Mutant("loader-pinned-copies-ignored", "lightning_memopt/functional/loaders.py",
+           "    if host is not None and pinned:\n        host += pinned\n", "",
+           ("tests/callbacks/test_memory_audit_loaders.py",)),
+    Mutant("namespace-of-trainer-ignored", "lightning_memopt/utilities/namespaces.py",
+           "    return _import(_namespace_name(obj) or NAMESPACES[0])", "    return _import(NAMESPACES[0])",
+           ("tests/test_namespaces.py",)),
+)
+
+
+def run(mutant: Mutant) -> tuple[bool, float]:
+    """Apply ``mutant``, run its tests, restore the file; returns (survived, seconds)."""
+    path = ROOT / mutant.path
+    source = path.read_text()
+    if source.count(mutant.original) != 1:
+        raise SystemExit(f"{mutant.name}: the snippet to mutate is not found exactly once in {mutant.path}")
+    start = time.perf_counter()
+    try:
+        path.write_text(source.replace(mutant.original, mutant.mutated))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
+                               "not slow", *mutant.tests], cwd=ROOT, capture_output=True, text=True)
+    finally:
+        path.write_text(source)
+    return proc.returncode == 0, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="only the mutants whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.path}: {m.original.strip()!r} -> {m.mutated.strip()!r}")
+        return 0
+    survivors = []
+    for m in chosen:
+        survived, seconds = run(m)
+        print(f"{'SURVIVED' if survived else 'killed  '} {m.name} ({seconds:.1f} s)", flush=True)
+        if survived:
+            survivors.append(m.name)
+    print(f"{len(survivors)} of {len(chosen)} mutants survived ({len(survivors) / max(1, len(chosen)):.0%})")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
