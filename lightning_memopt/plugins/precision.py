@@ -23,10 +23,26 @@ from lightning_memopt.utilities.warnings import WarnOnce
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES"]
+__all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
 
 #: Strategies that bring their own precision classes; ``MemoryPrecision`` refuses them instead of misbehaving.
 UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+
+
+def has_own_precision(strategy: Any) -> bool:
+    """Whether ``strategy`` (a Trainer's ``strategy=``: a name such as ``"deepspeed_stage_2"``, or an object) is
+    one of :data:`UNSUPPORTED_STRATEGIES`, which bring their own precision classes.
+
+    Example:
+        >>> [has_own_precision(s) for s in ("fsdp", "deepspeed_stage_3", "xla_fsdp", "ddp", "auto", None)]
+        [True, True, True, False, False, False]
+    """
+    if strategy is None:
+        return False
+    if isinstance(strategy, str):
+        key = strategy.lower().replace("_", "")
+        return any(name.lower().removesuffix("strategy") in key for name in UNSUPPORTED_STRATEGIES)
+    return bool({cls.__name__ for cls in type(strategy).__mro__}.intersection(UNSUPPORTED_STRATEGIES))
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
@@ -241,11 +257,8 @@ class MemoryPrecision(Precision):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer | None) -> None:
         strategy = getattr(trainer, "strategy", None)
-        if strategy is None:
-            return
-        names = {cls.__name__ for cls in type(strategy).__mro__}
-        bad = names.intersection(UNSUPPORTED_STRATEGIES)
-        if bad:
+        if has_own_precision(strategy):
+            bad = {cls.__name__ for cls in type(strategy).__mro__}.intersection(UNSUPPORTED_STRATEGIES)
             raise TypeError(
                 f"`MemoryPrecision` cannot serve `strategy={type(strategy).__name__}`: {sorted(bad)[0]} needs its own"
                 " precision class. Drop `MemoryPrecision` from `plugins` and pass `precision='bf16-mixed'` (or"

@@ -52,7 +52,6 @@ _KNOBS = (
     "gc_every_n_steps",
     "monitor",
 )
-_OWN_PRECISION_STRATEGIES = ("fsdp", "deepspeed", "model_parallel", "xla_fsdp")
 #: Trainer arguments that ``trainer_kwargs`` decides.
 _PRESET_TRAINER_KEYS = (
     "precision",
@@ -539,11 +538,9 @@ class MemoryPreset:
             ValueError: Both `precision='16-mixed'` and the preset's MemoryPrecision plugin were given. Drop ...
         """
         out: dict[str, Any] = dict(trainer_kwargs)
-        strategy = trainer_kwargs.get("strategy")
-        strategy_name = (strategy if isinstance(strategy, str) else type(strategy).__name__).lower()
-        own_precision = strategy is not None and any(s.replace("_", "") in strategy_name.replace("_", "")
-                                                     for s in _OWN_PRECISION_STRATEGIES)
-        if own_precision:
+        from lightning_memopt.plugins.precision import has_own_precision
+
+        if has_own_precision(trainer_kwargs.get("strategy")):
             if "precision" in trainer_kwargs:
                 pass  # the user chose for their strategy
             else:
