@@ -1,6 +1,8 @@
 """One contract over every exported callback: what any Lightning user may do with a callback."""
 
 import copy
+import gc
+import json
 import pickle
 
 import pytest
@@ -23,13 +25,52 @@ def test_every_export_is_a_callback():
     assert list(callbacks_pkg.__all__) == sorted(callbacks_pkg.__all__)
 
 
+class _During(pl.Callback):
+    """What the process and the Trainer looked like in the middle of the fit."""
+
+    def __init__(self):
+        self.seen = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.seen is None:
+            loop = trainer.fit_loop.epoch_loop.automatic_optimization
+            self.seen = {"gc_enabled": gc.isenabled(), "loop": type(loop).__name__}
+
+
+def _did_its_job(callback, trainer, during, tmp_path):
+    """Each callback's own observable effect of a 3-step CPU fit at its defaults (not only "it did not raise")."""
+    name = type(callback).__name__
+    loop = type(trainer.fit_loop.epoch_loop.automatic_optimization).__name__
+    if name == "MemoryMonitor":  # readings written for this run
+        records = [json.loads(line) for line in callback.path.read_text().splitlines()]
+        assert {r["phase"] for r in records} >= {"train"} and records[-1]["run_id"]
+    elif name == "MemoryAudit":  # the footprint taken and the loaders looked at
+        assert callback.last_audit["footprint"]["bytes_by_category"]["parameters"] == (32 * 2 + 2) * 4
+        assert [i.name for i in callback.loaders] == ["train"]
+    elif name == "OOMReporter":  # no out-of-memory: no report and not even its directory
+        assert not (tmp_path / "oom").exists()
+    elif name == "CacheCleaner":  # a CPU has no allocator cache: nothing emptied, nothing counted
+        assert (callback.calls, callback.seconds) == (0, 0.0)
+    elif name == "GarbageCollector":  # automatic collection off during the fit, given back after it
+        assert during["gc_enabled"] is False and gc.isenabled()
+    elif name == "GradientCheckpointing":  # TinyModel has no transformer layer: nothing wrapped, nothing patched
+        modules = trainer.lightning_module.modules()
+        assert callback.wrapped_names == [] and all("forward" not in vars(m) for m in modules)
+    elif name == "AutoMicroBatch":  # the whole batch fit; its loop was in place during the fit and is gone after
+        assert callback.micro_batch_size == 4 and during["loop"] == "_MicroBatchOptimization" and loop != during["loop"]
+    else:
+        raise AssertionError(f"no behaviour check for {name}: add one here")
+
+
 @pytest.mark.parametrize("cls", CONTRACT, ids=lambda c: c.__name__)
 def test_callback_contract(cls, tmp_path):
     callback = cls()  # defaults only
     model = TinyModel()
-    trainer = make_trainer(tmp_path, callbacks=[callback], max_steps=3, logger=False)
+    during = _During()
+    trainer = make_trainer(tmp_path, callbacks=[callback, during], max_steps=3, logger=False, limit_val_batches=0)
     trainer.fit(model)
     assert trainer.global_step == 3
+    _did_its_job(callback, trainer, during.seen, tmp_path)
 
     # pickle after a fit (e.g. for spawn launchers and checkpoint-time deep copies)
     clone = pickle.loads(pickle.dumps(callback))
