@@ -34,7 +34,7 @@ from lightning_memopt.functional.leaks import (
     metric_states_requiring_grad,
     tensors_with_grad_fn,
 )
-from lightning_memopt.functional.loaders import LoaderMemory, loader_memory
+from lightning_memopt.functional.loaders import LoaderMemory, batch_bytes, loader_memory
 from lightning_memopt.functional.memory import MemoryReading, memory_record, read_memory, supports_device_memory
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
@@ -83,10 +83,11 @@ class MemoryAudit(RunIdCallback):
       that hold tensors with a ``grad_fn``.
     * **Grad tracking**: one warning when ``validation_step`` returns tensors with autograd history or
       leaves grad enabled, and one when metric states (torchmetrics) hold tensors that require grad.
-    * **DataLoaders** (at train start, when the train and validation loaders exist): the host memory each holds
-      or will hold, ``num_workers x prefetch_factor`` batches prepared ahead (a batch estimated as ``batch_size``
-      times the first sample's bytes) plus their page-locked copies with ``pin_memory`` on CUDA; printed by rank
-      zero and written as an ``event="dataloaders"`` record. Settings that waste memory get one warning each,
+    * **DataLoaders** (their settings at train start, before workers start; their bytes at each loader's first
+      batch): the host memory each holds or will hold, ``num_workers x prefetch_factor`` batches prepared ahead
+      plus their page-locked copies with ``pin_memory`` on CUDA; printed by rank zero and written as one
+      ``event="dataloaders"`` record per loader. The dataset itself is never read. Settings that waste memory get
+      one warning each,
       with the fix: more workers than CPU cores, batches prepared ahead over a quarter of the host's memory,
       ``pin_memory`` without a CUDA device to copy to, ``persistent_workers`` on a validation loader, and a
       dataset holding a Python container of 100,000+ objects under workers (copied page by page per worker).
@@ -192,6 +193,8 @@ class MemoryAudit(RunIdCallback):
         self.audit_dataloaders = audit_dataloaders
         #: The DataLoader audit of the last fit (one :class:`~lightning_memopt.functional.loaders.LoaderMemory` each).
         self.loaders: list[LoaderMemory] = []
+        self._unmeasured: dict[str, Any] = {}  # loaders whose first batch has not been seen yet
+        self._host_total = 0
 
         self._warn = WarnOnce()  # failures of the audit itself: once per instance
         self._findings = WarnOnce(every_time=True)  # what the audit found: once per fit, every fit
@@ -264,39 +267,60 @@ class MemoryAudit(RunIdCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.loaders = []
+        self._unmeasured = {}
         if self.audit_dataloaders:
             self._guarded("dataloaders", self._audit_loaders, trainer)
 
     def _audit_loaders(self, trainer: pl.Trainer) -> None:
+        """The settings of every loader now (before its workers start); the bytes once a batch of it is seen."""
         import psutil
 
-        total = int(psutil.virtual_memory().total)
-        named = [*_named_loaders("train", trainer.train_dataloader)]
+        self._host_total = int(psutil.virtual_memory().total)
+        named = _named_loaders("train", trainer.train_dataloader)
         if trainer.val_dataloaders is not None and getattr(trainer, "limit_val_batches", 1) != 0:
             named += _named_loaders("val", trainer.val_dataloaders)
-        infos = []
+        self._unmeasured = dict(named)
         for name, loader in named:
-            info = loader_memory(loader, name, self._device.type, host_total_bytes=total,
-                                 evaluation=name.startswith("val"))
-            if info is not None:
-                infos.append(info)
-        self.loaders = infos
-        if not infos:
+            self._audit_loader(trainer, name, loader, None)
+
+    def _audit_loader(self, trainer: pl.Trainer, name: str, loader: Any, nbytes: int | None) -> None:
+        info = loader_memory(loader, name, self._device.type, host_total_bytes=self._host_total,
+                             evaluation=name.startswith("val"), batch_bytes=nbytes)
+        if info is None:
             return
-        known = [i.host_bytes for i in infos if i.host_bytes is not None]
+        self.loaders = [*(i for i in self.loaders if i.name != name), info]
         reading = read_memory(self._device)
-        self._write(self._record(trainer, reading, "dataloaders", None, loaders=[i.as_dict() for i in infos],
-                                 loaders_host_bytes=sum(known) if known else None, host_total_bytes=total))
+        if nbytes is not None:
+            self._write(self._record(trainer, reading, "dataloaders", None, loader=info.as_dict(),
+                                     host_total_bytes=self._host_total))
         if self._rank != 0:
             return  # the loaders are the same on every rank: rank zero speaks for them
-        rank_zero_info("MemoryAudit: DataLoaders (host memory held by batches prepared ahead):\n  "
-                       + "\n  ".join(i.summary() for i in infos))
-        for info in infos:
-            for finding in info.findings:
-                message = f"MemoryAudit: {finding}"
-                if self._findings.warn(f"loader-{finding}", message):
-                    self._write(self._record(trainer, reading, "warning", None, check="dataloaders",
-                                             message=message, loader=info.name))
+        if nbytes is not None:
+            rank_zero_info(f"MemoryAudit: DataLoader {info.summary()}")
+        for finding in info.findings:
+            message = f"MemoryAudit: {finding}"
+            if self._findings.warn(f"loader-{finding}", message):
+                self._write(self._record(trainer, reading, "warning", None, check="dataloaders", message=message,
+                                         loader=info.name))
+
+    def _measure_loader(self, trainer: pl.Trainer, name: str, batch: Any) -> None:
+        loader = self._unmeasured.pop(name, None)
+        if loader is not None:
+            self._audit_loader(trainer, name, loader, batch_bytes(batch))
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if "train" in self._unmeasured:  # the first batch: how big the batches the workers prepare are
+            self._guarded("dataloaders", self._measure_loader, trainer, "train", batch)
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._unmeasured and trainer.state.fn == "fit":
+            val = _named_loaders("val", trainer.val_dataloaders)
+            if dataloader_idx < len(val):
+                self._guarded("dataloaders", self._measure_loader, trainer, val[dataloader_idx][0], batch)
 
     @override
     def on_train_batch_end(

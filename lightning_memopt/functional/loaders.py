@@ -9,11 +9,12 @@ workers touch their reference counts, so a dataset of Python objects grows by on
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memopt.utilities.formatting import format_bytes
 
@@ -25,27 +26,19 @@ PYTHON_OBJECTS_THRESHOLD = 100_000
 HOST_FRACTION = 0.25
 
 
-def batch_bytes(obj: Any, _depth: int = 0) -> int:
-    """Bytes of the tensors and arrays in ``obj`` (nested dicts, lists, tuples, dataclasses).
+def batch_bytes(batch: Any) -> int:
+    """Bytes of the tensors (and NumPy arrays) in ``batch``: nested dicts, lists, tuples, namedtuples, dataclasses.
 
     Example:
         >>> batch_bytes({"x": torch.zeros(4, 8), "y": [torch.zeros(4, dtype=torch.int64), "label"]})
         160
     """
-    if _depth > 8:
-        return 0
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    nbytes = getattr(obj, "nbytes", None)  # numpy arrays
-    if isinstance(nbytes, int) and hasattr(obj, "dtype"):
-        return nbytes
-    if isinstance(obj, Mapping):
-        return sum(batch_bytes(v, _depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(batch_bytes(v, _depth + 1) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        return sum(batch_bytes(getattr(obj, f, None), _depth + 1) for f in obj.__dataclass_fields__)
-    return 0
+    kinds: tuple[type, ...] = (torch.Tensor,)
+    if "numpy" in sys.modules:  # without NumPy imported there can be no arrays
+        kinds += (sys.modules["numpy"].ndarray,)
+    sizes: list[int] = []
+    apply_to_collection(batch, kinds, lambda x: sizes.append(int(x.nbytes)))
+    return sum(sizes)
 
 
 @dataclass(frozen=True)
@@ -58,7 +51,7 @@ class LoaderMemory:
     prefetch_factor: int | None
     pin_memory: bool
     persistent_workers: bool
-    #: Estimated bytes of one batch (``batch_size`` x the bytes of the first sample); ``None`` if unknown.
+    #: Bytes of one batch (measured on a batch the loader yielded); ``None`` until one was seen.
     batch_bytes: int | None
     #: Batches prepared ahead: ``num_workers x prefetch_factor`` (0 without workers).
     in_flight: int
@@ -71,24 +64,13 @@ class LoaderMemory:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def summary(self) -> str:
-        held = "unknown (first sample not readable)" if self.host_bytes is None else format_bytes(self.host_bytes)
+        held = "unknown (no batch seen yet)" if self.host_bytes is None else format_bytes(self.host_bytes)
         pinned = f", {format_bytes(self.pinned_bytes)} of it pinned" if self.pinned_bytes else ""
         batch = "?" if self.batch_bytes is None else format_bytes(self.batch_bytes)
         return (f"{self.name}: batch_size={self.batch_size}, num_workers={self.num_workers},"
                 f" prefetch_factor={self.prefetch_factor}, pin_memory={self.pin_memory},"
                 f" persistent_workers={self.persistent_workers}: {self.in_flight} batch(es) of {batch} prepared"
                 f" ahead = {held}{pinned}")
-
-
-def _first_sample_bytes(dataset: Any) -> int | None:
-    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-        return None  # an iterable dataset: its samples are not reachable without starting it
-    try:
-        if len(dataset) == 0:
-            return None
-        return batch_bytes(dataset[0])
-    except Exception:
-        return None
 
 
 def _python_object_attributes(dataset: Any) -> list[tuple[str, int]]:
@@ -114,17 +96,20 @@ def loader_memory(
     cpu_count: int | None = None,
     host_total_bytes: int | None = None,
     evaluation: bool = False,
+    batch_bytes: int | None = None,
 ) -> LoaderMemory | None:
     """What ``loader`` (a ``torch.utils.data.DataLoader``) holds in host memory and what in its settings wastes it.
 
     ``device_type`` is where training runs (pinning helps only CUDA copies); ``evaluation`` marks a validation
-    loader (persistent workers there stay alive, with their batches, through training). Returns ``None`` for
-    objects that are not DataLoaders.
+    loader (persistent workers there stay alive, with their batches, through training); ``batch_bytes`` is the size
+    of a batch the loader yielded (see :func:`batch_bytes`); without it the bytes stay unknown. The dataset is never
+    read here: a sample read in the main process could leave a file handle open that forked workers then share.
+    Returns ``None`` for objects that are not DataLoaders.
 
     Example:
         >>> from torch.utils.data import DataLoader, TensorDataset
         >>> loader = DataLoader(TensorDataset(torch.zeros(64, 256)), batch_size=8, num_workers=2, prefetch_factor=4)
-        >>> info = loader_memory(loader, "train", "cuda", cpu_count=8, host_total_bytes=2**34)
+        >>> info = loader_memory(loader, "train", "cuda", cpu_count=8, host_total_bytes=2**34, batch_bytes=8192)
         >>> info.in_flight, info.batch_bytes, info.host_bytes, info.findings
         (8, 8192, 65536, [])
     """
@@ -135,8 +120,7 @@ def loader_memory(
     batch_size = loader.batch_size
     if batch_size is None:
         batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    sample = _first_sample_bytes(loader.dataset)
-    one_batch = None if sample is None or batch_size is None else sample * int(batch_size)
+    one_batch = batch_bytes
     in_flight = workers * int(prefetch or 0)
     pin = bool(loader.pin_memory)
     pinned_batches = (in_flight or 1) if pin and device_type == "cuda" else 0
@@ -185,6 +169,6 @@ def loader_memory(
         batch_bytes=one_batch,
         in_flight=in_flight,
         host_bytes=host,
-        pinned_bytes=pinned if pinned else (0 if one_batch is not None else None),
+        pinned_bytes=pinned,
         findings=findings,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -22,14 +23,20 @@ def _loader(**kwargs):
     return DataLoader(TensorDataset(torch.zeros(64, 1024)), batch_size=16, **kwargs)
 
 
+def _measured(loader):
+    """The bytes of a batch the loader yields, as MemoryAudit measures them (on the first batch it sees)."""
+    return batch_bytes(next(iter(DataLoader(loader.dataset, batch_size=loader.batch_size))))
+
+
 def test_batches_prepared_ahead_and_their_pinned_copies_are_counted():
-    info = loader_memory(_loader(num_workers=3, prefetch_factor=4, pin_memory=True), "train", "cuda",
-                         cpu_count=8, host_total_bytes=64 * GIB)
+    loader = _loader(num_workers=3, prefetch_factor=4, pin_memory=True)
+    info = loader_memory(loader, "train", "cuda", cpu_count=8, host_total_bytes=64 * GIB, batch_bytes=_measured(loader))
     one = 16 * 1024 * 4
     assert (info.batch_bytes, info.in_flight) == (one, 12)
     assert info.pinned_bytes == 12 * one and info.host_bytes == 24 * one
     assert info.findings == []
-    plain = loader_memory(_loader(), "train", "cpu", cpu_count=8, host_total_bytes=64 * GIB)
+    plain = loader_memory(_loader(), "train", "cpu", cpu_count=8, host_total_bytes=64 * GIB,
+                          batch_bytes=_measured(_loader()))
     assert (plain.in_flight, plain.host_bytes, plain.pinned_bytes, plain.prefetch_factor) == (0, 0, 0, None)
     assert "12 batch(es) of 64.00 KiB prepared ahead = 1.50 MiB, 768.00 KiB of it pinned" in info.summary()
 
@@ -61,7 +68,9 @@ class PythonObjects(Dataset):
 )
 def test_each_wasteful_setting_is_named_with_its_fix(make, device, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pinning for a CPU run of a GPU machine
-    info = loader_memory(make(), "val", device, cpu_count=8, host_total_bytes=64 * 2**20, evaluation=True)
+    loader = make()
+    info = loader_memory(loader, "val", device, cpu_count=8, host_total_bytes=64 * 2**20, evaluation=True,
+                         batch_bytes=_measured(loader))
     assert len(info.findings) == 1 and expected in info.findings[0], info.findings
 
 
@@ -101,9 +110,9 @@ def test_a_fit_reports_the_loaders_and_warns_about_persistent_validation_workers
     assert [i.name for i in audit.loaders] == ["train", "val"]
     assert audit.loaders[0].batch_bytes == 4 * 32 * 4
     assert len(warned) == 1 and "val: persistent_workers=True keeps 1 validation worker(s)" in warned[0]
-    [report] = [r for r in records if r["event"] == "dataloaders"]
-    assert [loader["name"] for loader in report["loaders"]] == ["train", "val"]
-    assert report["loaders"][1]["in_flight"] == 2 and report["loaders_host_bytes"] == 2 * 4 * 32 * 4
+    reports = [r["loader"] for r in records if r["event"] == "dataloaders"]  # one per loader, at its first batch
+    assert [loader["name"] for loader in reports] == ["train", "val"]
+    assert reports[1]["in_flight"] == 2 and sum(r["host_bytes"] for r in reports) == 2 * 4 * 32 * 4
     [finding] = [r for r in records if r["event"] == "warning" and r["check"] == "dataloaders"]
     assert finding["loader"] == "val"
     text = format_summary(summarize_memory_log(load_memory_log(tmp_path / "memory" / "memory_rank0.jsonl")))
@@ -132,3 +141,35 @@ def test_the_preset_printout_recommends_loader_settings_for_its_tier(name):
     row = next(r for r in preset.describe().splitlines() if r.startswith("dataloader"))
     assert "num_workers=" in row and "prefetch_factor" in row
     DataLoader(TensorDataset(torch.zeros(16, 2)), **kwargs)  # the settings are valid DataLoader arguments
+
+
+_MAIN_PID = os.getpid()
+_READ_IN_MAIN: list[int] = []
+
+
+class CountsMainProcessReads(Dataset):
+    """Lazily opened datasets (h5py, LMDB) must not be touched in the main process before workers fork."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if os.getpid() == _MAIN_PID:
+            _READ_IN_MAIN.append(i)
+        return torch.zeros(32)
+
+
+class WorkerModel(TinyModel):
+    def train_dataloader(self):
+        return DataLoader(CountsMainProcessReads(), batch_size=4, num_workers=1)
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+
+def test_the_audit_measures_batches_without_reading_the_dataset(tmp_path):
+    _READ_IN_MAIN.clear()
+    _, _, records = _fit(tmp_path, WorkerModel())
+    assert _READ_IN_MAIN == []  # every sample was read by the worker
+    [train] = [r["loader"] for r in records if r["event"] == "dataloaders" and r["loader"]["name"] == "train"]
+    assert train["batch_bytes"] == 4 * 32 * 4 and train["in_flight"] == 2  # 1 worker x prefetch_factor 2
