@@ -487,8 +487,8 @@ class _Comm:
         except RuntimeError as err:
             raise RuntimeError(f"{problem} The first collective of compute() failed: {err}") from err
         got = torch.cat(out).cpu()
-        if not (bool((got[:, 0] == _HANDSHAKE).all()) and bool((got[:, 2] == _HANDSHAKE).all())):
-            stray = [r for r in range(self.world) if int(got[r, 0]) != _HANDSHAKE or int(got[r, 2]) != _HANDSHAKE]
+        stray = ((got[:, 0] != _HANDSHAKE) | (got[:, 2] != _HANDSHAKE)).nonzero().flatten().tolist()
+        if stray:
             raise RuntimeError(f"{problem} Process(es) {stray} were in another collective.")
 
     def all_reduce(self, x: Tensor, op: Any) -> Tensor:

@@ -197,7 +197,9 @@ class MemoryPrecision(Precision):
         self._namespace = NAMESPACES[0]
         #: Where the user sets ``mode``, for messages (a ``MemoryPreset`` says its own field).
         self.setting = "MemoryPrecision(mode={!r})"
-        self._delegate: Any = _plain_plugin(self._namespace, mode if mode in ("16-true", "bf16-true") else "32-true")
+        # the true-dtype modes act before setup too (`trainer.init_module()`); the others are chosen in `setup`
+        self._delegate: Any = _plain_plugin(self._namespace, mode if mode in ("16-true", "bf16-true", "64-true")
+                                            else "32-true")
         self._previous_matmul: dict[str, str] | None = None
         self._pending_state: dict[str, Any] | None = None
         self._warn = WarnOnce()

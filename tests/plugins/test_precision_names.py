@@ -131,3 +131,10 @@ trainer:
         warnings.simplefilter("ignore")
         cli = _memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
     assert cli.trainer.precision_plugin.mode == normalize_precision(value)
+
+
+@pytest.mark.parametrize(("value", "dtype"), [(64, torch.float64), ("bf16-true", torch.bfloat16), (32, torch.float32)])
+def test_true_dtype_modes_act_before_setup_as_lightning_s_do(value, dtype):
+    """``trainer.init_module()`` runs before setup: the true-dtype plugins must already be in place."""
+    with MemoryPrecision(value).tensor_init_context():
+        assert torch.zeros(1).dtype == dtype
