@@ -47,8 +47,11 @@ def _events(per_rank: int):
     written, step = 1, 0
     while written < per_rank - 1:
         if step and step % 1000 == 0:
-            yield from [("validate", "phase_start", False), *[("validate", "step", False)] * 5,
-                        ("validate", "phase_end", False)]
+            yield from [
+                ("validate", "phase_start", False),
+                *[("validate", "step", False)] * 5,
+                ("validate", "phase_end", False),
+            ]
             written += 7
         yield "train", "step", True
         step += 1
@@ -69,13 +72,24 @@ def write_log_pair(directory: Path, lines: int, seed: int = 0) -> list[Path]:
                 step += advances
                 alloc = 6 * 1024**3 + 4 * step + rng.randrange(64 * MiB)
                 record = {
-                    "time": round(t, 6), "rank": rank, "phase": phase, "event": event, "epoch": step // 5000,
-                    "global_step": step, "batch_idx": None if event != "step" else step % 5000,
-                    "device": f"cuda:{rank}", "allocated_bytes": alloc, "reserved_bytes": alloc + 2 * 1024**3,
-                    "active_bytes": alloc, "peak_allocated_bytes": alloc + 512 * MiB,
-                    "peak_reserved_bytes": alloc + 3 * 1024**3, "device_total_bytes": 85_029_158_912,
-                    "device_free_bytes": 70_000_000_000 - alloc, "host_rss_bytes": 4 * 1024**3 + rng.randrange(MiB),
-                    "num_alloc_retries": 0, "num_ooms": 0,
+                    "time": round(t, 6),
+                    "rank": rank,
+                    "phase": phase,
+                    "event": event,
+                    "epoch": step // 5000,
+                    "global_step": step,
+                    "batch_idx": None if event != "step" else step % 5000,
+                    "device": f"cuda:{rank}",
+                    "allocated_bytes": alloc,
+                    "reserved_bytes": alloc + 2 * 1024**3,
+                    "active_bytes": alloc,
+                    "peak_allocated_bytes": alloc + 512 * MiB,
+                    "peak_reserved_bytes": alloc + 3 * 1024**3,
+                    "device_total_bytes": 85_029_158_912,
+                    "device_free_bytes": 70_000_000_000 - alloc,
+                    "host_rss_bytes": 4 * 1024**3 + rng.randrange(MiB),
+                    "num_alloc_retries": 0,
+                    "num_ooms": 0,
                 }
                 f.write(json.dumps(record) + "\n")
                 t += 0.05
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         result_line = next((line for line in proc.stderr.splitlines() if line.startswith("RESULT ")), None)
         if result_line is None:
             sys.exit(f"the analysis did not report its memory (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        child = json.loads(result_line[len("RESULT "):])
+        child = json.loads(result_line[len("RESULT ") :])
 
     growth = child["peak_rss_bytes"] - child["baseline_rss_bytes"]
     result = {

@@ -35,8 +35,9 @@ class Model(pl.LightningModule):
     def __init__(self, width: int, batch: int, n: int, budget: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-                                 nn.Linear(width, 1))
+        self.net = nn.Sequential(
+            nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1)
+        )
         g = torch.Generator().manual_seed(0)
         self.data = TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 1, generator=g))
         self.batch, self.budget = batch, budget
@@ -61,10 +62,20 @@ class Model(pl.LightningModule):
 
 
 def fit(model: Model, steps: int, root: Path, accumulate: int = 1, callbacks: list | None = None) -> tuple:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate,
-                         limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
-                         callbacks=callbacks or [])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        callbacks=callbacks or [],
+    )
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.fit(model)
     return time.perf_counter() - wall, time.process_time() - cpu
@@ -93,8 +104,12 @@ def main() -> int:
         order = ("ours", "lightning") if r % 2 == 0 else ("lightning", "ours")
         for name in order:
             if name == "ours":
-                wall, cpu = fit(Model(args.width, args.batch, n), args.steps, root,
-                                callbacks=[AutoMicroBatch(micro_batch_size=args.micro)])
+                wall, cpu = fit(
+                    Model(args.width, args.batch, n),
+                    args.steps,
+                    root,
+                    callbacks=[AutoMicroBatch(micro_batch_size=args.micro)],
+                )
             else:
                 wall, cpu = fit(Model(args.width, args.micro, n), args.steps, root, accumulate)
             totals[name][0] += wall
@@ -103,9 +118,11 @@ def main() -> int:
             print(f"  {name:9s}: {wall:.3f} s wall, {cpu:.3f} s CPU", flush=True)
     wall_ratio = totals["ours"][0] / totals["lightning"][0]
     cpu_ratio = totals["ours"][1] / totals["lightning"][1]
-    print(f"AutoMicroBatch / Lightning accumulation, {args.repeats} x {args.steps} steps of {args.batch} samples in"
-          f" micro-batches of {args.micro}: wall {wall_ratio:.3f}x, CPU {cpu_ratio:.3f}x"
-          f" -> {'PASS' if wall_ratio <= 1.03 and cpu_ratio <= 1.03 else 'FAIL'} (target <= 1.03)")
+    print(
+        f"AutoMicroBatch / Lightning accumulation, {args.repeats} x {args.steps} steps of {args.batch} samples in"
+        f" micro-batches of {args.micro}: wall {wall_ratio:.3f}x, CPU {cpu_ratio:.3f}x"
+        f" -> {'PASS' if wall_ratio <= 1.03 and cpu_ratio <= 1.03 else 'FAIL'} (target <= 1.03)"
+    )
 
     # one recovery: start at the whole batch under a budget of `micro` samples (halvings down to it)
     model = Model(args.width, args.batch, n, budget=args.micro)
@@ -113,10 +130,12 @@ def main() -> int:
     fit(model, 3, root, callbacks=[callback])
     first_oom, first_end = model.oom_at[0], model.step_ends[0]
     recovery = first_end - first_oom
-    normal = (model.step_ends[2] - model.step_ends[1])
-    print(f"one recovery ({len(model.oom_at)} out-of-memory errors, micro-batch {args.batch} -> "
-          f"{callback.micro_batch_size}): {recovery:.3f} s from the first error to the end of that step;"
-          f" a normal step {normal:.3f} s")
+    normal = model.step_ends[2] - model.step_ends[1]
+    print(
+        f"one recovery ({len(model.oom_at)} out-of-memory errors, micro-batch {args.batch} -> "
+        f"{callback.micro_batch_size}): {recovery:.3f} s from the first error to the end of that step;"
+        f" a normal step {normal:.3f} s"
+    )
     result = {
         "command": "python benchmarks/auto_microbatch.py" + (" --quick" if args.quick else ""),
         "machine": machine_info("cpu"),
@@ -125,8 +144,12 @@ def main() -> int:
         "ratio_cpu": cpu_ratio,
         "target": 1.03,
         "runs": runs,
-        "recovery": {"seconds_from_first_oom_to_step_end": recovery, "normal_step_seconds": normal,
-                     "oom_errors": len(model.oom_at), "micro_batch_size": callback.micro_batch_size},
+        "recovery": {
+            "seconds_from_first_oom_to_step_end": recovery,
+            "normal_step_seconds": normal,
+            "oom_errors": len(model.oom_at),
+            "micro_batch_size": callback.micro_batch_size,
+        },
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

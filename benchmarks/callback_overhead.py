@@ -89,8 +89,9 @@ class TokenModel(pl.LightningModule):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, width)
-        self.net = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                                 nn.Linear(width, 1))
+        self.net = nn.Sequential(
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         pred = self.net(self.embed(batch).mean(1)).squeeze(1)
@@ -129,8 +130,16 @@ class GcClock:
         gc.callbacks.remove(self)
 
 
-HOOKS = ("setup", "on_fit_start", "on_train_start", "on_train_batch_end", "on_train_epoch_end", "on_train_end",
-         "on_fit_end", "teardown")
+HOOKS = (
+    "setup",
+    "on_fit_start",
+    "on_train_start",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "teardown",
+)
 
 
 class HookClock:
@@ -187,8 +196,11 @@ PER_STEP = ("MemoryMonitor", "CacheCleaner", "GarbageCollector", "OOMReporter")
 
 def build(config: str) -> list[pl.Callback]:
     makers: dict[str, Callable[[], pl.Callback]] = {
-        "MemoryMonitor": MemoryMonitor, "CacheCleaner": CacheCleaner, "GarbageCollector": GarbageCollector,
-        "OOMReporter": OOMReporter, "MemoryAudit": MemoryAudit,
+        "MemoryMonitor": MemoryMonitor,
+        "CacheCleaner": CacheCleaner,
+        "GarbageCollector": GarbageCollector,
+        "OOMReporter": OOMReporter,
+        "MemoryAudit": MemoryAudit,
         "GarbageCollector(generation=2)": lambda: GarbageCollector(generation=2),
     }
     if config == "none":
@@ -206,9 +218,17 @@ def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps:
         if isinstance(cb, MemoryAudit):
             audit_parts = time_methods(cb, ("_audit", "_holder_sample", "_leak_sample"))
     with tempfile.TemporaryDirectory() as root:
-        trainer = pl.Trainer(accelerator=args.accelerator, devices=1, max_steps=steps, logger=False,
-                             callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=root)
+        trainer = pl.Trainer(
+            accelerator=args.accelerator,
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            callbacks=callbacks,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
         torch.manual_seed(0)
         model = TokenModel(args.width)
         data = loader(rows, args.batch)
@@ -222,10 +242,17 @@ def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps:
         left_behind = gc.collect()  # garbage no collection during the fit freed (untimed)
     assert trainer.global_step == steps, (config, trainer.global_step)
     result: dict[str, Any] = {
-        "config": config, "steps": steps, "wall_s": wall, "cpu_s": cpu, "garbage_left_behind": left_behind,
-        "gc_seconds_by_generation": gc_clock.seconds, "gc_collections_by_generation": gc_clock.counts,
-        "hooks": {c.name: {"seconds": c.seconds, "one_off_s": c.one_off_s,
-                           "batch_end_s": sum(s for _, s in c.batch_end)} for c in clocks},
+        "config": config,
+        "steps": steps,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "garbage_left_behind": left_behind,
+        "gc_seconds_by_generation": gc_clock.seconds,
+        "gc_collections_by_generation": gc_clock.counts,
+        "hooks": {
+            c.name: {"seconds": c.seconds, "one_off_s": c.one_off_s, "batch_end_s": sum(s for _, s in c.batch_end)}
+            for c in clocks
+        },
     }
     for clock in clocks:
         cb = clock.callback
@@ -282,6 +309,7 @@ def per_call_costs(device: torch.device, repeats: int) -> dict[str, float]:
     finally:
         gc.unfreeze()
     if device.type == "cuda":
+
         def release() -> None:
             x = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # something cached to release
             del x
@@ -337,8 +365,11 @@ def summarise(fits: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         wall = statistics.mean(f["wall_s"] for f in runs)
         cpu = statistics.mean(f["cpu_s"] for f in runs)
         summary["configs"][config] = {
-            "fits": len(runs), "mean_wall_s": wall, "mean_cpu_s": cpu,
-            "ratio_wall": wall / base_wall, "ratio_cpu": cpu / base_cpu,
+            "fits": len(runs),
+            "mean_wall_s": wall,
+            "mean_cpu_s": cpu,
+            "ratio_wall": wall / base_wall,
+            "ratio_cpu": cpu / base_cpu,
             "gc_seconds": statistics.mean(sum(f["gc_seconds_by_generation"]) for f in runs),
             "gc_collections_by_generation": runs[0]["gc_collections_by_generation"],
             "garbage_left_behind": statistics.mean(f["garbage_left_behind"] for f in runs),
@@ -355,81 +386,115 @@ def summarise(fits: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     return summary
 
 
-def print_report(summary: dict[str, Any], fits: list[dict[str, Any]], costs: dict[str, float], steps: int,
-                 objects: int) -> None:
+def print_report(
+    summary: dict[str, Any], fits: list[dict[str, Any]], costs: dict[str, float], steps: int, objects: int
+) -> None:
     base = summary["configs"]["none"]
-    print(f"\n{objects:,} token lists held ({costs['tracked_objects']:,.0f} objects tracked by gc);"
-          f" {steps}-step fits; baseline step {summary['baseline_step_ms']:.1f} ms"
-          f" (fit {base['mean_wall_s']:.2f} s wall)")
-    print(f"{'configuration':32s}{'fits':>5s}{'wall s':>9s}{'ratio':>8s}{'cpu s':>9s}{'ratio':>8s}"
-          f"{'in gc s':>9s}{'hooks s':>9s}{'left':>6s}  collections gen0/1/2")
+    print(
+        f"\n{objects:,} token lists held ({costs['tracked_objects']:,.0f} objects tracked by gc);"
+        f" {steps}-step fits; baseline step {summary['baseline_step_ms']:.1f} ms"
+        f" (fit {base['mean_wall_s']:.2f} s wall)"
+    )
+    print(
+        f"{'configuration':32s}{'fits':>5s}{'wall s':>9s}{'ratio':>8s}{'cpu s':>9s}{'ratio':>8s}"
+        f"{'in gc s':>9s}{'hooks s':>9s}{'left':>6s}  collections gen0/1/2"
+    )
     for config, row in summary["configs"].items():
         counts = "/".join(str(c) for c in row["gc_collections_by_generation"])
-        print(f"{config:32s}{row['fits']:5d}{row['mean_wall_s']:9.2f}{row['ratio_wall']:8.3f}{row['mean_cpu_s']:9.2f}"
-              f"{row['ratio_cpu']:8.3f}{row['gc_seconds']:9.3f}{row['hook_seconds']:9.3f}"
-              f"{row['garbage_left_behind']:6.0f}  {counts}")
-    print("('in gc s': seconds in every collection Python ran during the fit, automatic ones included; 'hooks s':"
-          " seconds inside the callbacks' hooks; 'left': unreachable objects a full collection found after the fit)")
+        print(
+            f"{config:32s}{row['fits']:5d}{row['mean_wall_s']:9.2f}{row['ratio_wall']:8.3f}{row['mean_cpu_s']:9.2f}"
+            f"{row['ratio_cpu']:8.3f}{row['gc_seconds']:9.3f}{row['hook_seconds']:9.3f}"
+            f"{row['garbage_left_behind']:6.0f}  {counts}"
+        )
+    print(
+        "('in gc s': seconds in every collection Python ran during the fit, automatic ones included; 'hooks s':"
+        " seconds inside the callbacks' hooks; 'left': unreachable objects a full collection found after the fit)"
+    )
     print("\nshare of each callback in the all-four fits (time inside its hooks / fit time), and alone vs none:")
     for name, share in summary["share_in_all_four"].items():
         alone = summary["configs"].get(name)
-        alone_text = (f"alone: fit {pct(alone['ratio_wall'] - 1)} wall, {pct(alone['ratio_cpu'] - 1)} cpu"
-                      if alone else "")
-        print(f"  {name:18s}{share['hook_seconds']:8.3f} s  {100 * share['share_of_fit']:6.3f}% of the fit"
-              f"  {share['per_step_ms']:7.4f} ms/step   {alone_text}")
+        alone_text = (
+            f"alone: fit {pct(alone['ratio_wall'] - 1)} wall, {pct(alone['ratio_cpu'] - 1)} cpu" if alone else ""
+        )
+        print(
+            f"  {name:18s}{share['hook_seconds']:8.3f} s  {100 * share['share_of_fit']:6.3f}% of the fit"
+            f"  {share['per_step_ms']:7.4f} ms/step   {alone_text}"
+        )
     ratios = ", ".join(f"{r:.3f}" for r in summary["pair_ratios_wall"])
-    print(f"\nall four / none, total fit wall time: {summary['total_ratio_wall']:.3f}"
-          f" (pairs: {ratios}; median {summary['median_pair_ratio_wall']:.3f}),"
-          f" cpu time {summary['total_ratio_cpu']:.3f}")
+    print(
+        f"\nall four / none, total fit wall time: {summary['total_ratio_wall']:.3f}"
+        f" (pairs: {ratios}; median {summary['median_pair_ratio_wall']:.3f}),"
+        f" cpu time {summary['total_ratio_cpu']:.3f}"
+    )
     own = summary["configs"]["all four"]["hook_seconds"]
-    print(f"time inside the four callbacks' hooks: {own:.3f} s per fit, {100 * own / base['mean_wall_s']:.3f}% of"
-          " the baseline fit (the part of the ratio that is not the machine's noise)")
+    print(
+        f"time inside the four callbacks' hooks: {own:.3f} s per fit, {100 * own / base['mean_wall_s']:.3f}% of"
+        " the baseline fit (the part of the ratio that is not the machine's noise)"
+    )
     print(f"target <= {TARGET} over {steps}-step fits: {'PASS' if summary['passed'] else 'FAIL'}")
     gcs = [f for f in fits if f["config"] == "all four"]
     if gcs:
         gc_hook = gcs[0]["hooks"]["GarbageCollector"]
         calls = gc_hook["collect_calls"]
-        print(f"GarbageCollector at its defaults: {calls} gc.collect(1) calls per fit,"
-              f" {1000 * gc_hook['collect_seconds'] / max(calls, 1):.3f} ms per call,"
-              f" {1000 * gc_hook['collect_seconds'] / steps:.5f} ms per step")
+        print(
+            f"GarbageCollector at its defaults: {calls} gc.collect(1) calls per fit,"
+            f" {1000 * gc_hook['collect_seconds'] / max(calls, 1):.3f} ms per call,"
+            f" {1000 * gc_hook['collect_seconds'] / steps:.5f} ms per step"
+        )
     mm = gcs[0]["hooks"]["MemoryMonitor"] if gcs else None
     if mm:
-        print(f"MemoryMonitor at its defaults: {mm['readings']} readings per fit,"
-              f" {1000 * mm['reading_seconds'] / max(mm['readings'], 1):.3f} ms per reading,"
-              f" {1000 * mm['batch_end_s'] / steps:.5f} ms per step; one-off {sum(mm['one_off_s'].values()):.3f} s")
+        print(
+            f"MemoryMonitor at its defaults: {mm['readings']} readings per fit,"
+            f" {1000 * mm['reading_seconds'] / max(mm['readings'], 1):.3f} ms per reading,"
+            f" {1000 * mm['batch_end_s'] / steps:.5f} ms per step; one-off {sum(mm['one_off_s'].values()):.3f} s"
+        )
     for name in ("CacheCleaner", "OOMReporter"):
         hook = gcs[0]["hooks"][name] if gcs else None
         if hook:
-            print(f"{name} at its defaults: {1000 * hook['batch_end_s'] / steps:.5f} ms per step;"
-                  f" one-off {sum(hook['one_off_s'].values()):.3f} s")
+            print(
+                f"{name} at its defaults: {1000 * hook['batch_end_s'] / steps:.5f} ms per step;"
+                f" one-off {sum(hook['one_off_s'].values()):.3f} s"
+            )
     old = summary["configs"].get("GarbageCollector(generation=2)")
     if old:
-        print(f"GarbageCollector(generation=2) (the previous default): fit {pct(old['ratio_wall'] - 1)} wall,"
-              f" {old['gc_seconds']:.2f} s in gc per fit")
+        print(
+            f"GarbageCollector(generation=2) (the previous default): fit {pct(old['ratio_wall'] - 1)} wall,"
+            f" {old['gc_seconds']:.2f} s in gc per fit"
+        )
     audits = [f["hooks"]["MemoryAudit"] for f in fits if f["config"] == "MemoryAudit"]
     if audits:
         a = audits[0]
         ma = summary["configs"]["MemoryAudit"]
         walks = a["leak_walks_s"]
         print(f"\nMemoryAudit at its defaults (reported apart; {objects:,} token lists held):")
-        print(f"  one-off audits: fit start {a['fit_start_audit_s']:.3f} s, first step {a['first_step_audit_s']:.3f} s"
-              f" (target <= {AUDIT_TARGET_S} s each: "
-              f"{'PASS' if max(a['fit_start_audit_s'], a['first_step_audit_s']) <= AUDIT_TARGET_S else 'FAIL'})")
-        print(f"  per step after the first: {1000 * a['batch_end_after_first_step_s'] / steps:.4f} ms"
-              f" ({len(a['holder_samples_s'])} attribute scans, {1000 * sum(a['holder_samples_s']):.1f} ms in all;"
-              f" {len(walks)} object walks, {sum(walks):.3f} s in all"
-              f"{f', {1000 * statistics.mean(walks):.1f} ms each' if walks else ''})")
+        print(
+            f"  one-off audits: fit start {a['fit_start_audit_s']:.3f} s, first step {a['first_step_audit_s']:.3f} s"
+            f" (target <= {AUDIT_TARGET_S} s each: "
+            f"{'PASS' if max(a['fit_start_audit_s'], a['first_step_audit_s']) <= AUDIT_TARGET_S else 'FAIL'})"
+        )
+        print(
+            f"  per step after the first: {1000 * a['batch_end_after_first_step_s'] / steps:.4f} ms"
+            f" ({len(a['holder_samples_s'])} attribute scans, {1000 * sum(a['holder_samples_s']):.1f} ms in all;"
+            f" {len(walks)} object walks, {sum(walks):.3f} s in all"
+            f"{f', {1000 * statistics.mean(walks):.1f} ms each' if walks else ''})"
+        )
         print(f"  fit alone vs none: {pct(ma['ratio_wall'] - 1)} wall, {pct(ma['ratio_cpu'] - 1)} cpu")
         scan = costs["audit_attribute_scan_with_data_on_module_s"]
-        print(f"  had the LightningModule kept the token lists as an attribute: {scan:.2f} s per attribute scan,"
-              f" i.e. {1000 * scan / audits[0]['leak_every_n_steps']:.0f} ms per step at leak_every_n_steps="
-              f"{audits[0]['leak_every_n_steps']}")
-    print("\nper call here: gc.collect(0) {gc_collect_gen0_ms:.3f} ms, gc.collect(1) {gc_collect_gen1_ms:.3f} ms,"
-          " gc.collect(2) {gc_collect_gen2_ms:.1f} ms ({gc_collect_gen2_after_freeze_ms:.3f} ms after gc.freeze()),"
-          " live_tensors walk {live_tensors_walk_ms:.1f} ms, empty_cache {empty_cache_ms:.3f} ms".format(**costs))
+        print(
+            f"  had the LightningModule kept the token lists as an attribute: {scan:.2f} s per attribute scan,"
+            f" i.e. {1000 * scan / audits[0]['leak_every_n_steps']:.0f} ms per step at leak_every_n_steps="
+            f"{audits[0]['leak_every_n_steps']}"
+        )
+    print(
+        "\nper call here: gc.collect(0) {gc_collect_gen0_ms:.3f} ms, gc.collect(1) {gc_collect_gen1_ms:.3f} ms,"
+        " gc.collect(2) {gc_collect_gen2_ms:.1f} ms ({gc_collect_gen2_after_freeze_ms:.3f} ms after gc.freeze()),"
+        " live_tensors walk {live_tensors_walk_ms:.1f} ms, empty_cache {empty_cache_ms:.3f} ms".format(**costs)
+    )
     if "alloc_256MiB_after_empty_cache_ms" in costs:
-        print("          a 256 MiB allocation after empty_cache {alloc_256MiB_after_empty_cache_ms:.3f} ms vs from the"
-              " cache {alloc_256MiB_from_cache_ms:.3f} ms".format(**costs))
+        print(
+            "          a 256 MiB allocation after empty_cache {alloc_256MiB_after_empty_cache_ms:.3f} ms vs from the"
+            " cache {alloc_256MiB_from_cache_ms:.3f} ms".format(**costs)
+        )
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -443,8 +508,9 @@ def main() -> None:
     parser.add_argument("--single-rounds", type=int, default=1, help="fits of each callback alone")
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--batch", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for torch (1 keeps step times steady on a shared machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads for torch (1 keeps step times steady on a shared machine)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each per-call measurement")
     parser.add_argument("--quick", action="store_true", help="smoke run: 100,000 lists, 60-step fits, one round")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -466,8 +532,14 @@ def main() -> None:
     gc.collect()
     run_fit("none", rows, args, min(args.steps, 50))  # warm-up: imports, allocator, first-call costs
 
-    singles = ["MemoryMonitor", "CacheCleaner", "GarbageCollector", "OOMReporter", "GarbageCollector(generation=2)",
-               "MemoryAudit"]
+    singles = [
+        "MemoryMonitor",
+        "CacheCleaner",
+        "GarbageCollector",
+        "OOMReporter",
+        "GarbageCollector(generation=2)",
+        "MemoryAudit",
+    ]
     fits: list[dict[str, Any]] = []
     for r in range(args.rounds):
         pair = ["none", "all four"] if r % 2 == 0 else ["all four", "none"]

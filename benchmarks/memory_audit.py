@@ -89,8 +89,14 @@ def fit_once(args, root: Path, audit: MemoryAudit | None) -> dict:
     model = Net(args.hidden, args.layers)
     timer = HookTimer(audit) if audit is not None else None
     trainer = pl.Trainer(
-        default_root_dir=str(root), accelerator=args.device, devices=1, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(root),
+        accelerator=args.device,
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[timer] if timer else [],
     )
     t = time.perf_counter()
@@ -100,8 +106,11 @@ def fit_once(args, root: Path, audit: MemoryAudit | None) -> dict:
     total = time.perf_counter() - t
     out = {"fit_s": total}
     if timer is not None:
-        out.update(fit_start_hook_s=timer.fit_start_s, first_step_hook_s=timer.first_step_s,
-                   batch_end_hooks_s=timer.batch_end_s)
+        out.update(
+            fit_start_hook_s=timer.fit_start_s,
+            first_step_hook_s=timer.first_step_s,
+            batch_end_hooks_s=timer.batch_end_s,
+        )
     return out
 
 
@@ -170,10 +179,14 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"MemoryAudit cost on {args.device}, {args.steps} steps, median of {args.repeats} alternated runs:")
     print(f"  fit time with / without audit:         {result['fit_time_ratio']:.3f}x")
-    print(f"  one-off audits: fit start {fit_start * 1e3:.1f} ms = {result['fit_start_audit_over_step']:.1f} steps,"
-          f" after the first step {first_step * 1e3:.1f} ms = {result['first_step_audit_over_step']:.1f} steps")
-    print(f"  per-step audit hooks over the other steps (leak samples included): {per_step_hooks * 1e6:.1f} us ="
-          f" {result['per_step_audit_over_step']:.2%} of a step (CPU budget: leak_max_overhead = 1 %)")
+    print(
+        f"  one-off audits: fit start {fit_start * 1e3:.1f} ms = {result['fit_start_audit_over_step']:.1f} steps,"
+        f" after the first step {first_step * 1e3:.1f} ms = {result['first_step_audit_over_step']:.1f} steps"
+    )
+    print(
+        f"  per-step audit hooks over the other steps (leak samples included): {per_step_hooks * 1e6:.1f} us ="
+        f" {result['per_step_audit_over_step']:.2%} of a step (CPU budget: leak_max_overhead = 1 %)"
+    )
     for label, w in walks.items():
         print(f"  live_tensors walk over {w['objects']:,} objects ({label}): {w['live_tensors_s'] * 1e3:.1f} ms")
     print(f"  wrote {out}")

@@ -81,9 +81,17 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
 
     reporter = OOMReporter(dirpath=args.out, record_history=True, max_entries=args.max_entries, top_k_tensors=15)
-    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[reporter],
-                         default_root_dir=args.out)
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[reporter],
+        default_root_dir=args.out,
+    )
     start = time.perf_counter()
     error = None
     try:
@@ -92,8 +100,13 @@ def main() -> int:
         error = err
     elapsed = time.perf_counter() - start
 
-    summary: dict = {"device": torch.cuda.get_device_name(0), "device_total_bytes": total, "long_seq_len": long_len,
-                     "oom_raised": error is not None, "seconds": round(elapsed, 1)}
+    summary: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "device_total_bytes": total,
+        "long_seq_len": long_len,
+        "oom_raised": error is not None,
+        "seconds": round(elapsed, 1),
+    }
     report_path = os.path.join(args.out, "oom_report_rank0.json")
     ok = error is not None and os.path.exists(report_path)
     if os.path.exists(report_path):

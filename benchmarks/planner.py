@@ -98,8 +98,9 @@ RSS_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072", "
 class TokenEncoder(nn.Module):
     """A plain ``nn.TransformerEncoder`` language model: embedding, encoder with a padding mask, tied LM head."""
 
-    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, ff: int, max_len: int,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self, vocab: int, d_model: int, layers: int, heads: int, ff: int, max_len: int, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.zeros(max_len, d_model))
@@ -147,13 +148,20 @@ def _dreams(quick: bool) -> ModelSpec:
         peaks[..., 1] = torch.rand(b, n, generator=gen)
         peaks[:, 0, 1] = 1.1
         peaks = peaks * keep.unsqueeze(-1)
-        return {"peaks": peaks, "substructures": (torch.rand(b, 32, generator=gen) < 0.15).float(),
-                "properties": torch.randn(b, 4, generator=gen)}
+        return {
+            "peaks": peaks,
+            "substructures": (torch.rand(b, 32, generator=gen) < 0.15).float(),
+            "properties": torch.randn(b, 4, generator=gen),
+        }
 
     return ModelSpec(
-        "dreams", f"examples.dreams SpectraFineTuner('{preset}'), {1 + max_peaks} tokens, AdamW from"
+        "dreams",
+        f"examples.dreams SpectraFineTuner('{preset}'), {1 + max_peaks} tokens, AdamW from"
         " configure_optimizers; checkpointing through its own gradient_checkpointing_enable switch",
-        lambda: _example("dreams").SpectraFineTuner(model_preset=preset), batch, (4,) if quick else (4, 8, 16), True,
+        lambda: _example("dreams").SpectraFineTuner(model_preset=preset),
+        batch,
+        (4,) if quick else (4, 8, 16),
+        True,
         () if quick else ((16, "32-true", False), (16, "bf16-mixed", False)),
     )
 
@@ -166,15 +174,21 @@ def _clip(quick: bool) -> ModelSpec:
         frames = torch.randint(1, 9, (b,), generator=gen)
         lengths = torch.randint(4, 17, (b,), generator=gen)
         tokens = torch.randint(1, 1000, (b, 16), generator=gen) * (torch.arange(16) < lengths.unsqueeze(1))
-        return {"frames": torch.randn(b, 8, 48, generator=gen),
-                "frame_mask": torch.arange(8) < frames.unsqueeze(1),
-                "tokens": tokens, "category": torch.randint(0, 10, (b,), generator=gen)}
+        return {
+            "frames": torch.randn(b, 8, 48, generator=gen),
+            "frame_mask": torch.arange(8) < frames.unsqueeze(1),
+            "tokens": tokens,
+            "category": torch.randint(0, 10, (b,), generator=gen),
+        }
 
     return ModelSpec(
-        "clip", f"examples.clip_retrieval ClipRetrievalModule(hidden_dim={hidden}, embed_dim={embed}), 8 frames,"
+        "clip",
+        f"examples.clip_retrieval ClipRetrievalModule(hidden_dim={hidden}, embed_dim={embed}), 8 frames,"
         " 16 tokens; checkpointing the towers' nn.Sequential MLPs (it has no transformer blocks)",
-        lambda: _example("clip_retrieval").ClipRetrievalModule(hidden_dim=hidden, embed_dim=embed), batch,
-        (64,) if quick else (256, 1024, 4096), [nn.Sequential],
+        lambda: _example("clip_retrieval").ClipRetrievalModule(hidden_dim=hidden, embed_dim=embed),
+        batch,
+        (64,) if quick else (256, 1024, 4096),
+        [nn.Sequential],
         () if quick else ((4096, "32-true", False), (4096, "bf16-mixed", True)),
     )
 
@@ -193,35 +207,56 @@ def _encoder(quick: bool) -> ModelSpec:
         return TokenEncoder(vocab, d, layers, heads, ff, seq)
 
     return ModelSpec(
-        "encoder", f"plain nn.Module: nn.TransformerEncoder d={d}, {layers} layers, {heads} heads, FF {ff},"
+        "encoder",
+        f"plain nn.Module: nn.TransformerEncoder d={d}, {layers} layers, {heads} heads, FF {ff},"
         f" vocab {vocab}, {seq} tokens with a padding mask, dropout 0.1, AdamW (estimate_memory's default)",
-        build, batch, (4,) if quick else (2, 4, 8), True,
-        ((4, "32-true", False),) if quick else (
-            (8, "32-true", False), (8, "32-true", True), (8, "bf16-mixed", False), (8, "bf16-mixed", True)),
+        build,
+        batch,
+        (4,) if quick else (2, 4, 8),
+        True,
+        ((4, "32-true", False),)
+        if quick
+        else ((8, "32-true", False), (8, "32-true", True), (8, "bf16-mixed", False), (8, "bf16-mixed", True)),
     )
 
 
 def _t5(quick: bool) -> ModelSpec:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=512, d_model=64 if quick else 256, d_kv=32, d_ff=128 if quick else 1024,
-                      num_layers=2 if quick else 4, num_decoder_layers=2 if quick else 4, num_heads=4 if quick else 8,
-                      decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.1)
+    config = T5Config(
+        vocab_size=512,
+        d_model=64 if quick else 256,
+        d_kv=32,
+        d_ff=128 if quick else 1024,
+        num_layers=2 if quick else 4,
+        num_decoder_layers=2 if quick else 4,
+        num_heads=4 if quick else 8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        dropout_rate=0.1,
+    )
     src, tgt = (32, 16) if quick else (256, 64)
 
     def batch(b: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(b)
-        return {"input_ids": torch.randint(1, 512, (b, src), generator=gen),
-                "attention_mask": torch.ones(b, src, dtype=torch.long),
-                "labels": torch.randint(1, 512, (b, tgt), generator=gen)}
+        return {
+            "input_ids": torch.randint(1, 512, (b, src), generator=gen),
+            "attention_mask": torch.ones(b, src, dtype=torch.long),
+            "labels": torch.randint(1, 512, (b, tgt), generator=gen),
+        }
 
     def build() -> nn.Module:
         return T5ForConditionalGeneration(config)
 
     return ModelSpec(
-        "t5", f"transformers T5ForConditionalGeneration, d_model {config.d_model}, {config.num_layers}+"
+        "t5",
+        f"transformers T5ForConditionalGeneration, d_model {config.d_model}, {config.num_layers}+"
         f"{config.num_decoder_layers} layers, {src}->{tgt} tokens; checkpointing through its own switch",
-        build, batch, (4,) if quick else (4, 16, 32), True, () if quick else ((32, "32-true", False),),
+        build,
+        batch,
+        (4,) if quick else (4, 16, 32),
+        True,
+        () if quick else ((32, "32-true", False),),
     )
 
 
@@ -364,8 +399,15 @@ def rss_worker(name: str, quick: bool, batch_size: int, precision: str, checkpoi
     run(batch_size)
     seconds = time.perf_counter() - started
     peak = peak_rss()
-    return {"rss_before": before, "peak_rss_before": max_before, "peak_rss": peak, "growth": peak - before,
-            "peak_reset": cleared, "seconds": seconds, "threads": torch.get_num_threads()}
+    return {
+        "rss_before": before,
+        "peak_rss_before": max_before,
+        "peak_rss": peak,
+        "growth": peak - before,
+        "peak_reset": cleared,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- 100M estimate
@@ -401,8 +443,15 @@ def scale_worker(quick: bool, build: str) -> dict:
     batch = (tokens, torch.zeros(b, seq, dtype=torch.bool), tokens)
     _trim()
     rss_built = rss_now()
-    out = {"build": build, "config": cfg, "parameters": params, "build_seconds": build_s, "rss_start": rss_start,
-           "rss_after_build": rss_built, "estimates": {}}
+    out = {
+        "build": build,
+        "config": cfg,
+        "parameters": params,
+        "build_seconds": build_s,
+        "rss_start": rss_start,
+        "rss_after_build": rss_built,
+        "estimates": {},
+    }
     process_peak = peak_rss()  # imports and building included
     for device in ("cuda", "cpu"):
         _trim()
@@ -415,10 +464,16 @@ def scale_worker(quick: bool, build: str) -> dict:
         peak = peak_rss()
         process_peak = max(process_peak, peak)
         out["estimates"][device] = {
-            "peak_bytes": est.peak_bytes, "peak_phase": est.peak_phase, "peak_step": est.peak_step,
-            "at_peak": est.at_peak, "seconds": est.seconds, "call_seconds": call_s, "rss_before": before,
+            "peak_bytes": est.peak_bytes,
+            "peak_phase": est.peak_phase,
+            "peak_step": est.peak_step,
+            "at_peak": est.at_peak,
+            "seconds": est.seconds,
+            "call_seconds": call_s,
+            "rss_before": before,
             "peak_rss": peak,
-            "rss_growth": peak - before, "assumptions": list(est.assumptions),
+            "rss_growth": peak - before,
+            "assumptions": list(est.assumptions),
         }
     out["process_peak_rss"] = process_peak  # the whole run of this process: imports, the model, both estimates
     return out
@@ -427,9 +482,13 @@ def scale_worker(quick: bool, build: str) -> dict:
 def quick_worker(rss: bool, scale: bool) -> dict:
     """``--quick``: the RSS case, then the large-model path (small), in one fresh process beside the main one."""
     cases = _rss_case_list(model_specs(True)) if rss else []
-    return {"rss": [(case, rss_worker(case["model"], True, case["batch"], case["precision"], case["checkpointing"]))
-                    for case in cases],
-            "scale": [scale_worker(True, "fake")] if scale else []}
+    return {
+        "rss": [
+            (case, rss_worker(case["model"], True, case["batch"], case["precision"], case["checkpointing"]))
+            for case in cases
+        ],
+        "scale": [scale_worker(True, "fake")] if scale else [],
+    }
 
 
 # ----------------------------------------------------------------------------------------------- the main process
@@ -447,8 +506,9 @@ def _worker_env(malloc: bool) -> dict:
 
 
 def _start(cmd: list[str], malloc: bool) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_worker_env(malloc),
-                            cwd=str(REPO))
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_worker_env(malloc), cwd=str(REPO)
+    )
 
 
 def _collect(proc: subprocess.Popen, timeout: float) -> dict:
@@ -481,39 +541,59 @@ def accuracy_cases(specs: list[ModelSpec], quick: bool) -> list[dict]:
         for b in spec.batches:
             batch = spec.batch(b)
             for precision, ckpt in combos:
-                kwargs = {"device": "cpu", "precision": precision, "checkpointing": spec.checkpointing if ckpt
-                          else None}
+                kwargs = {
+                    "device": "cpu",
+                    "precision": precision,
+                    "checkpointing": spec.checkpointing if ckpt else None,
+                }
                 predicted = estimate_memory(module, batch, **kwargs)
                 measured = estimate_memory(module, batch, fake=False, **kwargs)
                 row = {
-                    "model": spec.name, "batch": b, "precision": precision, "checkpointing": ckpt,
-                    "predicted_bytes": predicted.peak_bytes, "measured_bytes": measured.peak_bytes,
+                    "model": spec.name,
+                    "batch": b,
+                    "precision": precision,
+                    "checkpointing": ckpt,
+                    "predicted_bytes": predicted.peak_bytes,
+                    "measured_bytes": measured.peak_bytes,
                     "ratio": predicted.peak_bytes / measured.peak_bytes,
                     "difference_bytes": predicted.peak_bytes - measured.peak_bytes,
-                    "estimate_seconds": predicted.seconds, "real_step_seconds": measured.seconds,
-                    "peak_phase": predicted.peak_phase, "peak_step": predicted.peak_step,
-                    "measured_peak_phase": measured.peak_phase, "at_peak": predicted.at_peak,
+                    "estimate_seconds": predicted.seconds,
+                    "real_step_seconds": measured.seconds,
+                    "peak_phase": predicted.peak_phase,
+                    "peak_step": predicted.peak_step,
+                    "measured_peak_phase": measured.peak_phase,
+                    "at_peak": predicted.at_peak,
                     "parameter_bytes": predicted.parameter_bytes,
                 }
                 rows.append(row)
-                print(f"  {spec.name:<8} {b:>6} {precision:<10} {_ckpt_text(ckpt):<4}"
-                      f" {_mb(row['predicted_bytes']):>12} {_mb(row['measured_bytes']):>12} {row['ratio']:>9.6f}"
-                      f" {row['estimate_seconds']:>7.2f} s  {row['peak_phase']} (step {row['peak_step']})",
-                      flush=True)
+                print(
+                    f"  {spec.name:<8} {b:>6} {precision:<10} {_ckpt_text(ckpt):<4}"
+                    f" {_mb(row['predicted_bytes']):>12} {_mb(row['measured_bytes']):>12} {row['ratio']:>9.6f}"
+                    f" {row['estimate_seconds']:>7.2f} s  {row['peak_phase']} (step {row['peak_step']})",
+                    flush=True,
+                )
     return rows
 
 
 def _rss_case_list(specs: list[ModelSpec]) -> list[dict]:
-    return [{"model": spec.name, "batch": b, "precision": precision, "checkpointing": ckpt}
-            for spec in specs for b, precision, ckpt in spec.rss]
+    return [
+        {"model": spec.name, "batch": b, "precision": precision, "checkpointing": ckpt}
+        for spec in specs
+        for b, precision, ckpt in spec.rss
+    ]
 
 
 def _start_rss(case: dict, quick: bool, malloc: bool) -> subprocess.Popen:
     return _start(_worker_cmd("--rss-worker", json.dumps(case), *(["--quick"] if quick else [])), malloc)
 
 
-def rss_cases(specs: list[ModelSpec], quick: bool, cases: list[dict], done: list[tuple[dict, dict]] | None = None,
-              default_malloc: bool = True) -> list[dict]:
+def rss_cases(
+    specs: list[ModelSpec],
+    quick: bool,
+    cases: list[dict],
+    done: list[tuple[dict, dict]] | None = None,
+    default_malloc: bool = True,
+) -> list[dict]:
     """Predicted peak vs RSS growth in fresh processes, one at a time (``done``: measured already, in quick mode).
 
     Each case runs with the tuned malloc settings (judged) and, with ``default_malloc``, with glibc's defaults too.
@@ -528,9 +608,13 @@ def rss_cases(specs: list[ModelSpec], quick: bool, cases: list[dict], done: list
         counted = next((c for c in cases if all(c[k] == case[k] for k in case)), None)
         if counted is None:
             spec = next(s for s in specs if s.name == case["model"])
-            predicted = estimate_memory(spec.build(), spec.batch(case["batch"]), device="cpu",
-                                        precision=case["precision"],
-                                        checkpointing=spec.checkpointing if case["checkpointing"] else None).peak_bytes
+            predicted = estimate_memory(
+                spec.build(),
+                spec.batch(case["batch"]),
+                device="cpu",
+                precision=case["precision"],
+                checkpointing=spec.checkpointing if case["checkpointing"] else None,
+            ).peak_bytes
         else:
             predicted = counted["predicted_bytes"]
         row = {**case, "predicted_bytes": predicted, "malloc_env": RSS_MALLOC_ENV, **tuned}
@@ -554,8 +638,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models, seconds: a smoke test of every path")
     parser.add_argument("--no-rss", action="store_true", help="skip the RSS cross-check in fresh processes")
     parser.add_argument("--no-scale", action="store_true", help="skip the ~100M-parameter timing")
-    parser.add_argument("--no-default-malloc", action="store_true",
-                        help="run the RSS cases with the tuned malloc settings only")
+    parser.add_argument(
+        "--no-default-malloc", action="store_true", help="run the RSS cases with the tuned malloc settings only"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of this process (--quick: 1)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
@@ -564,8 +649,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.rss_worker:
         case = json.loads(args.rss_worker)
-        print(json.dumps(rss_worker(case["model"], args.quick, case["batch"], case["precision"],
-                                    case["checkpointing"])))
+        print(
+            json.dumps(rss_worker(case["model"], args.quick, case["batch"], case["precision"], case["checkpointing"]))
+        )
         return 0
     if args.scale_worker:
         print(json.dumps(scale_worker(args.quick, args.scale_worker)))
@@ -591,8 +677,10 @@ def main() -> int:
     quick_proc = _start(_worker_cmd("--quick-worker", *flags), True) if args.quick else None
 
     print("Predicted (fake tensors) vs measured (real tensors, same counter), device='cpu', 2 training steps:")
-    print(f"  {'model':<8} {'batch':>6} {'precision':<10} {'ckpt':<4} {'predicted':>12} {'measured':>12}"
-          f" {'ratio':>9} {'estimate':>9}  peak")
+    print(
+        f"  {'model':<8} {'batch':>6} {'precision':<10} {'ckpt':<4} {'predicted':>12} {'measured':>12}"
+        f" {'ratio':>9} {'estimate':>9}  peak"
+    )
     cases = accuracy_cases(specs, args.quick)
     quick_done: dict = {"rss": [], "scale": []}
     if quick_proc is not None:
@@ -603,26 +691,38 @@ def main() -> int:
 
     rss: list[dict] = []
     if not args.no_rss:
-        rss = rss_cases(specs, args.quick, cases, quick_done["rss"] if args.quick else None,
-                        default_malloc=not args.no_default_malloc)
+        rss = rss_cases(
+            specs,
+            args.quick,
+            cases,
+            quick_done["rss"] if args.quick else None,
+            default_malloc=not args.no_default_malloc,
+        )
         print("\nRSS cross-check (a plain loop in a fresh process, not our counter): peak RSS growth vs predicted")
         defaults = any("default_malloc" in r for r in rss)
-        print(f"  {'model':<8} {'batch':>6} {'precision':<10} {'ckpt':<4} {'predicted':>12} {'RSS growth':>12}"
-              f" {'ratio':>7} {'step s':>7}" + (f"   {'glibc default malloc':>20} {'ratio':>7}" if defaults else ""))
+        print(
+            f"  {'model':<8} {'batch':>6} {'precision':<10} {'ckpt':<4} {'predicted':>12} {'RSS growth':>12}"
+            f" {'ratio':>7} {'step s':>7}" + (f"   {'glibc default malloc':>20} {'ratio':>7}" if defaults else "")
+        )
         for r in rss:
             head = f"  {r['model']:<8} {r['batch']:>6} {r['precision']:<10} {_ckpt_text(r['checkpointing']):<4}"
             if "error" in r:
                 print(f"{head} FAILED: {_error_line(r)}")
                 continue
-            line = (f"{head} {_mb(r['predicted_bytes']):>12} {_mb(r['growth']):>12} {r['ratio']:>7.3f}"
-                    f" {r['seconds']:>7.2f}")
+            line = (
+                f"{head} {_mb(r['predicted_bytes']):>12} {_mb(r['growth']):>12} {r['ratio']:>7.3f} {r['seconds']:>7.2f}"
+            )
             d = r.get("default_malloc")
             if d is not None:
-                line += (f"   {_mb(d['growth']):>20} {d['ratio']:>7.3f}" if "growth" in d
-                         else f"   FAILED: {_error_line(d)}")
+                line += (
+                    f"   {_mb(d['growth']):>20} {d['ratio']:>7.3f}" if "growth" in d else f"   FAILED: {_error_line(d)}"
+                )
             print(line)
-        print("  (RSS growth: " + ", ".join(f"{k}={v}" for k, v in RSS_MALLOC_ENV.items())
-              + "; torch threads 1; a warm-up step at batch 2 before the baseline; VmHWM - VmRSS at the baseline)")
+        print(
+            "  (RSS growth: "
+            + ", ".join(f"{k}={v}" for k, v in RSS_MALLOC_ENV.items())
+            + "; torch threads 1; a warm-up step at batch 2 before the baseline; VmHWM - VmRSS at the baseline)"
+        )
 
     scale: list[dict] = []
     if not args.no_scale:
@@ -632,58 +732,88 @@ def main() -> int:
             for build in ("fake", "real"):
                 scale.append(_collect(_start(_worker_cmd("--scale-worker", build), False), 600))
         cfg = scale_config(args.quick)
-        print(f"\nEstimate of a large transformer (d={cfg['d_model']}, {cfg['layers']} layers, vocab {cfg['vocab']},"
-              f" batch {cfg['batch']} x {cfg['seq']} tokens), fake tensors, "
-              + ("in a fresh process:" if args.quick else "each build in a fresh process:"))
+        print(
+            f"\nEstimate of a large transformer (d={cfg['d_model']}, {cfg['layers']} layers, vocab {cfg['vocab']},"
+            f" batch {cfg['batch']} x {cfg['seq']} tokens), fake tensors, "
+            + ("in a fresh process:" if args.quick else "each build in a fresh process:")
+        )
         for s in scale:
             if "error" in s:
                 print(f"  FAILED: {_error_line(s)}")
                 continue
             built = "inside FakeTensorMode()" if s["build"] == "fake" else "for real, fp32 on the CPU"
-            print(f"  {s['parameters'] / 1e6:.1f}M parameters built {built} in {s['build_seconds']:.1f} s;"
-                  f" process RSS {_mb(s['rss_start'])} after imports, {_mb(s['rss_after_build'])} with the model")
+            print(
+                f"  {s['parameters'] / 1e6:.1f}M parameters built {built} in {s['build_seconds']:.1f} s;"
+                f" process RSS {_mb(s['rss_start'])} after imports, {_mb(s['rss_after_build'])} with the model"
+            )
             for device, e in s["estimates"].items():
-                print(f"    device={device:<4}  predicted {e['peak_bytes'] / 2**30:6.2f} GiB ({e['peak_phase']},"
-                      f" step {e['peak_step']})  in {e['seconds']:5.1f} s ({e['call_seconds']:.1f} s the whole call),"
-                      f" RSS growth {_mb(e['rss_growth'])}")
+                print(
+                    f"    device={device:<4}  predicted {e['peak_bytes'] / 2**30:6.2f} GiB ({e['peak_phase']},"
+                    f" step {e['peak_step']})  in {e['seconds']:5.1f} s ({e['call_seconds']:.1f} s the whole call),"
+                    f" RSS growth {_mb(e['rss_growth'])}"
+                )
             print(f"    process peak RSS {_mb(s['process_peak_rss'])}")
 
     # ------------------------------------------------------------------------------------------- verdicts
     worst = max(abs(c["ratio"] - 1) for c in cases)
-    checks = {"accuracy": {"target": f"|predicted / measured - 1| <= {ACCURACY_TARGET:.0%}", "worst": worst,
-                           "exact_cases": sum(c["difference_bytes"] == 0 for c in cases), "cases": len(cases),
-                           "pass": worst <= ACCURACY_TARGET}}
+    checks = {
+        "accuracy": {
+            "target": f"|predicted / measured - 1| <= {ACCURACY_TARGET:.0%}",
+            "worst": worst,
+            "exact_cases": sum(c["difference_bytes"] == 0 for c in cases),
+            "cases": len(cases),
+            "pass": worst <= ACCURACY_TARGET,
+        }
+    }
     if rss:
         ok = [r for r in rss if "ratio" in r]
         worst_rss = max((abs(r["ratio"] - 1) for r in ok), default=float("inf"))
-        checks["rss"] = {"target": f"|RSS growth / predicted - 1| <= {RSS_TARGET:.0%}", "worst": worst_rss,
-                         "cases": len(rss), "failed_runs": len(rss) - len(ok),
-                         "pass": len(ok) == len(rss) and worst_rss <= RSS_TARGET}
+        checks["rss"] = {
+            "target": f"|RSS growth / predicted - 1| <= {RSS_TARGET:.0%}",
+            "worst": worst_rss,
+            "cases": len(rss),
+            "failed_runs": len(rss) - len(ok),
+            "pass": len(ok) == len(rss) and worst_rss <= RSS_TARGET,
+        }
         if args.quick:  # a step of a few MB is all allocator and library noise: the path runs, the number means nothing
             checks["rss"]["pass"] = None
     if scale:
         ok_scale = [s for s in scale if "estimates" in s]
         slowest = max((e["call_seconds"] for s in ok_scale for e in s["estimates"].values()), default=float("inf"))
-        checks["scale_seconds"] = {"target": f"< {SCALE_SECONDS_TARGET:.0f} s", "worst": slowest,
-                                   "pass": len(ok_scale) == len(scale) and slowest < SCALE_SECONDS_TARGET}
+        checks["scale_seconds"] = {
+            "target": f"< {SCALE_SECONDS_TARGET:.0f} s",
+            "worst": slowest,
+            "pass": len(ok_scale) == len(scale) and slowest < SCALE_SECONDS_TARGET,
+        }
         biggest = max((s["process_peak_rss"] for s in ok_scale), default=float("inf"))
-        checks["scale_rss"] = {"target": "process peak RSS < 1 GB", "worst": biggest,
-                               "pass": len(ok_scale) == len(scale) and biggest < SCALE_RSS_TARGET}
+        checks["scale_rss"] = {
+            "target": "process peak RSS < 1 GB",
+            "worst": biggest,
+            "pass": len(ok_scale) == len(scale) and biggest < SCALE_RSS_TARGET,
+        }
     print()
-    print(f"{'PASS' if checks['accuracy']['pass'] else 'FAIL'}  accuracy: worst |predicted/measured - 1| = {worst:.2e}"
-          f" over {len(cases)} cases ({checks['accuracy']['exact_cases']} exact to the byte; target 1 %)")
+    print(
+        f"{'PASS' if checks['accuracy']['pass'] else 'FAIL'}  accuracy: worst |predicted/measured - 1| = {worst:.2e}"
+        f" over {len(cases)} cases ({checks['accuracy']['exact_cases']} exact to the byte; target 1 %)"
+    )
     if "rss" in checks:
         c = checks["rss"]
         verdict = "n/a " if c["pass"] is None else "PASS" if c["pass"] else "FAIL"
-        print(f"{verdict}  RSS cross-check: worst |RSS growth/predicted - 1| = {c['worst']:.1%} over {c['cases']}"
-              " fresh processes (target 10 %" + ("; --quick steps are too small to judge)" if args.quick else ")"))
+        print(
+            f"{verdict}  RSS cross-check: worst |RSS growth/predicted - 1| = {c['worst']:.1%} over {c['cases']}"
+            " fresh processes (target 10 %" + ("; --quick steps are too small to judge)" if args.quick else ")")
+        )
     if "scale_seconds" in checks:
         c = checks["scale_seconds"]
-        print(f"{'PASS' if c['pass'] else 'FAIL'}  large-model estimate time: slowest {c['worst']:.1f} s"
-              f" (target < {SCALE_SECONDS_TARGET:.0f} s on {os.cpu_count()} cores)")
+        print(
+            f"{'PASS' if c['pass'] else 'FAIL'}  large-model estimate time: slowest {c['worst']:.1f} s"
+            f" (target < {SCALE_SECONDS_TARGET:.0f} s on {os.cpu_count()} cores)"
+        )
         c = checks["scale_rss"]
-        print(f"{'PASS' if c['pass'] else 'FAIL'}  large-model estimate memory: process peak RSS {_mb(c['worst'])}"
-              " (target < 1 GB)")
+        print(
+            f"{'PASS' if c['pass'] else 'FAIL'}  large-model estimate memory: process peak RSS {_mb(c['worst'])}"
+            " (target < 1 GB)"
+        )
 
     result = {
         "benchmark": "planner",
@@ -694,8 +824,12 @@ def main() -> int:
         "machine": machine_info("cpu"),
         "transformers": t5,
         "models": {s.name: s.description for s in specs},
-        "targets": {"accuracy": ACCURACY_TARGET, "rss": RSS_TARGET, "scale_seconds": SCALE_SECONDS_TARGET,
-                    "scale_rss_bytes": SCALE_RSS_TARGET},
+        "targets": {
+            "accuracy": ACCURACY_TARGET,
+            "rss": RSS_TARGET,
+            "scale_seconds": SCALE_SECONDS_TARGET,
+            "scale_rss_bytes": SCALE_RSS_TARGET,
+        },
         "cases": cases,
         "rss": rss,
         "rss_note": RSS_NOTE,

@@ -99,8 +99,15 @@ def worker(config: str, device: str, effective: int, seq: int, steps: int) -> di
     model = LM(micro)
     params = sum(p.numel() for p in model.parameters())
     trainer = pl.Trainer(
-        accelerator=device, devices=1, max_steps=steps + 1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, **kwargs,
+        accelerator=device,
+        devices=1,
+        max_steps=steps + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
     )
     rss_before = psutil.Process().memory_info().rss
     if device == "cuda":
@@ -136,7 +143,7 @@ def run_config(config: str, device: str, repeats: int, env: dict, threads: int |
         if proc.returncode or not lines:
             print(f"{config}: failed\n{proc.stderr[-3000:]}", file=sys.stderr)
             return {"config": config, "error": proc.stderr[-500:]}
-        runs.append(json.loads(lines[-1][len("RESULT"):]))
+        runs.append(json.loads(lines[-1][len("RESULT") :]))
     row = dict(runs[0])
     row["samples_per_s"] = max(r["samples_per_s"] for r in runs)
     row["peak_bytes"] = max(r["peak_bytes"] for r in runs)
@@ -150,8 +157,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per configuration")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads per worker (1 is steadier on a shared machine); default: torch's")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per worker (1 is steadier on a shared machine); default: torch's",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     s = SETTINGS[args.device]
@@ -162,8 +173,9 @@ def main() -> int:
     if args.worker:
         print("RESULT" + json.dumps(worker(args.worker, args.device, s["effective"], s["seq"], s["steps"])))
         return 0
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), PYTHONWARNINGS="ignore"
+    )
     machine = machine_info(args.device)
     if args.threads:
         machine["torch_threads"] = args.threads
@@ -173,10 +185,14 @@ def main() -> int:
         "peak allocated (torch.cuda.max_memory_allocated)" if args.device == "cuda" else "peak RSS - RSS before fit"
     )
     where = machine.get("gpu") or f"{machine['cpu']} ({machine['cpu_count']} cores)"
-    print(f"device={args.device} ({where}) effective_batch={s['effective']} seq={s['seq']} steps={s['steps']}"
-          f" repeats={args.repeats} peak={measure}")
-    print(f"{'config':<12} {'precision':<11} {'micro x acc':<11} {'peak MiB':>9} {'samples/s':>10} "
-          f"{'peak vs fp32':>13} {'speed vs fp32':>14}")
+    print(
+        f"device={args.device} ({where}) effective_batch={s['effective']} seq={s['seq']} steps={s['steps']}"
+        f" repeats={args.repeats} peak={measure}"
+    )
+    print(
+        f"{'config':<12} {'precision':<11} {'micro x acc':<11} {'peak MiB':>9} {'samples/s':>10} "
+        f"{'peak vs fp32':>13} {'speed vs fp32':>14}"
+    )
     for r in rows:
         if "peak_bytes" not in r:
             print(f"{r['config']:<12} FAILED")
@@ -184,25 +200,38 @@ def main() -> int:
         if base:
             r["peak_reduction"] = 1 - r["peak_bytes"] / base["peak_bytes"]
             r["throughput_change"] = r["samples_per_s"] / base["samples_per_s"] - 1
-        print(f"{r['config']:<12} {r['precision']:<11} {r['micro_batch_size']:>3} x {r['accumulate_grad_batches']:<5} "
-              f"{r['peak_bytes'] / 2**20:>9.1f} {r['samples_per_s']:>10.2f} "
-              f"{-100 * r.get('peak_reduction', 0):>+12.1f}% {100 * r.get('throughput_change', 0):>+13.1f}%")
+        print(
+            f"{r['config']:<12} {r['precision']:<11} {r['micro_batch_size']:>3} x {r['accumulate_grad_batches']:<5} "
+            f"{r['peak_bytes'] / 2**20:>9.1f} {r['samples_per_s']:>10.2f} "
+            f"{-100 * r.get('peak_reduction', 0):>+12.1f}% {100 * r.get('throughput_change', 0):>+13.1f}%"
+        )
     target = None
     savings = next((r for r in rows if r.get("config") == "max-savings" and "peak_reduction" in r), None)
     if savings is not None:
-        numbers = (f"{100 * savings['peak_reduction']:.1f} % lower peak,"
-                   f" {100 * savings['throughput_change']:+.1f} % samples/s")
+        numbers = (
+            f"{100 * savings['peak_reduction']:.1f} % lower peak, {100 * savings['throughput_change']:+.1f} % samples/s"
+        )
         if args.device == "cuda":
             target = savings["peak_reduction"] >= 0.60 and savings["throughput_change"] >= -0.30
-            print(f"max-savings target (>= 60 % lower peak, <= 30 % slower): {'met' if target else 'NOT met'}"
-                  f" ({numbers})")
+            print(
+                f"max-savings target (>= 60 % lower peak, <= 30 % slower): {'met' if target else 'NOT met'} ({numbers})"
+            )
         else:  # the target is defined for peak allocated with mixed precision on a GPU
-            print(f"max-savings vs fp32 on CPU: {numbers} (fp32 everywhere; the GPU target is checked with"
-                  " --device cuda)")
+            print(
+                f"max-savings vs fp32 on CPU: {numbers} (fp32 everywhere; the GPU target is checked with --device cuda)"
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {"benchmark": "presets", "device": args.device, "machine": machine, "settings": s,
-                  "repeats": args.repeats, "peak_measure": measure, "rows": rows, "max_savings_target_met": target}
+        result = {
+            "benchmark": "presets",
+            "device": args.device,
+            "machine": machine,
+            "settings": s,
+            "repeats": args.repeats,
+            "peak_measure": measure,
+            "rows": rows,
+            "max_savings_target_met": target,
+        }
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if all("peak_bytes" in r for r in rows) else 1
 

@@ -61,8 +61,9 @@ def video_batch(start: int, stop: int, ids: torch.Tensor, captions: torch.Tensor
     """Videos correlated with their caption (so ranks are spread out), generated batch by batch."""
     gen = torch.Generator().manual_seed(1000 + start)
     noise = torch.randn(stop - start, captions.shape[1], generator=gen)
-    return torch.nn.functional.normalize(captions[ids[start:stop]] + 1.5 * noise / math.sqrt(captions.shape[1]) * 8,
-                                         dim=1)
+    return torch.nn.functional.normalize(
+        captions[ids[start:stop]] + 1.5 * noise / math.sqrt(captions.shape[1]) * 8, dim=1
+    )
 
 
 def filled_metric(size: str, device: str) -> tuple[StreamingRetrievalMetric, float]:
@@ -72,8 +73,12 @@ def filled_metric(size: str, device: str) -> tuple[StreamingRetrievalMetric, flo
     start_t = time.perf_counter()
     for start in range(0, n, BATCH):
         stop = min(n, start + BATCH)
-        metric.update(video_batch(start, stop, ids, captions).to(device), captions[ids[start:stop]].to(device),
-                      ids[start:stop], sample_ids=torch.arange(start, stop))
+        metric.update(
+            video_batch(start, stop, ids, captions).to(device),
+            captions[ids[start:stop]].to(device),
+            ids[start:stop],
+            sample_ids=torch.arange(start, stop),
+        )
     return metric, time.perf_counter() - start_t
 
 
@@ -187,8 +192,17 @@ def worker(size: str, config: str, device: str) -> dict:
     seconds, result = run_config(config, metric, device)
     if config == "naive":
         extra["floor_seconds_same_process"], _ = run_config("floor", metric, device)
-    out = {**extra, "size": size, "config": config, "device": device, "seconds": seconds, "update_seconds": update_s,
-           "peak_rss_bytes": peak_rss_bytes(), "rss_before_compute_bytes": base_rss, "result": result}
+    out = {
+        **extra,
+        "size": size,
+        "config": config,
+        "device": device,
+        "seconds": seconds,
+        "update_seconds": update_s,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rss_before_compute_bytes": base_rss,
+        "result": result,
+    }
     if device.startswith("cuda"):
         out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         out["allocated_before_compute_bytes"] = base_alloc
@@ -206,8 +220,16 @@ def side_by_side(size: str, configs: list[str], repeats: int, device: str) -> di
             print(f"  {size} {config:>12}: {seconds:8.3f} s", flush=True)
     med = {c: statistics.median(t) for c, t in times.items()}
     ratios = {f"{c}/floor": med[c] / med["floor"] for c in configs if c != "floor"}
-    return {"size": size, "device": device, "repeats": repeats, "update_seconds": update_s, "times": times,
-            "median_seconds": med, "ratios": ratios, "results": results}
+    return {
+        "size": size,
+        "device": device,
+        "repeats": repeats,
+        "update_seconds": update_s,
+        "times": times,
+        "median_seconds": med,
+        "ratios": ratios,
+        "results": results,
+    }
 
 
 def in_own_process(size: str, config: str, device: str, timeout: int) -> dict:
@@ -248,8 +270,9 @@ def main() -> int:
         # the naive full matrix is slow (minutes at 20k on 2 cores): it runs once, alone, beside one floor pass
         configs = ["floor", "ours"]
         print(f"== {size}: {SIZES[size]} side by side, {repeats} repeat(s)", flush=True)
-        report["side_by_side"].append(side_by_side(size, configs, repeats if size != "117k" else min(repeats, 2),
-                                                   args.device))
+        report["side_by_side"].append(
+            side_by_side(size, configs, repeats if size != "117k" else min(repeats, 2), args.device)
+        )
         own = ["floor", "ours"] + (["naive"] if n * m <= TORCHMETRICS_MAX_PAIRS else [])
         if not args.no_torchmetrics and n * m <= TORCHMETRICS_MAX_PAIRS:
             own.append("torchmetrics")
@@ -259,8 +282,11 @@ def main() -> int:
             res["isolated"] = not args.quick
             report["own_process"].append(res)
             peak = res.get("peak_allocated_bytes", res.get("peak_rss_bytes", 0))
-            print(f"  {size} {config:>12} alone: {res.get('seconds', float('nan')):8.3f} s, peak "
-                  f"{peak / 2**30:6.2f} GiB {'(allocated)' if 'peak_allocated_bytes' in res else '(RSS)'}", flush=True)
+            print(
+                f"  {size} {config:>12} alone: {res.get('seconds', float('nan')):8.3f} s, peak "
+                f"{peak / 2**30:6.2f} GiB {'(allocated)' if 'peak_allocated_bytes' in res else '(RSS)'}",
+                flush=True,
+            )
     print("== summary")
     for block in report["side_by_side"]:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in block["ratios"].items())

@@ -24,8 +24,9 @@ from lightning_memopt.analysis import analyze_memory_logs
 class Regressor(pl.LightningModule):
     def __init__(self, width: int = 256, lr: float = 1e-3) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-                                 nn.Linear(width, 1))
+        self.net = nn.Sequential(
+            nn.Linear(32, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1)
+        )
         self.lr = lr
 
     def _loss(self, batch):

@@ -57,12 +57,19 @@ with a dotted line.
 
 
 def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("analyze", help="summarise memory JSONL logs and plot a timeline",
-                                   description=_ANALYZE_DESCRIPTION,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "analyze",
+        help="summarise memory JSONL logs and plot a timeline",
+        description=_ANALYZE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("logs", nargs="+", metavar="LOG", help="memory_rank*.jsonl files written by MemoryMonitor")
-    parser.add_argument("--plot", metavar="FILE.png", default=None,
-                        help="write a timeline plot to this file (the extension picks the format: .png, .svg, .pdf)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="write a timeline plot to this file (the extension picks the format: .png, .svg, .pdf)",
+    )
     parser.set_defaults(func=_run_analyze)
 
 
@@ -157,52 +164,121 @@ example (from the repository root):
 
 def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "estimate", help="predict a training step's peak memory and plan micro-batch, precision and checkpointing",
-        description=_ESTIMATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "estimate",
+        help="predict a training step's peak memory and plan micro-batch, precision and checkpointing",
+        description=_ESTIMATE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [--config FILE.yaml] [--model CLASS_PATH] [--model.NAME VALUE ...] [--data CLASS_PATH |"
-              " --batch-shape SPEC ...] [--gpu NAME | --device-memory SIZE] [--effective-batch-size N] [options]")
+        " --batch-shape SPEC ...] [--gpu NAME | --device-memory SIZE] [--effective-batch-size N] [options]",
+    )
     what = parser.add_argument_group("model and batch")
-    what.add_argument("--config", metavar="FILE.yaml", action="append", default=None,
-                      help="a LightningCLI config (model:, data:, optimizer:, trainer:); repeat to merge several")
-    what.add_argument("--model", metavar="CLASS_PATH", default=None,
-                      help="the LightningModule (or nn.Module) class, e.g. examples.dreams.module.SpectraFineTuner;"
-                           " init args from --config and --model.NAME VALUE")
-    what.add_argument("--data", metavar="CLASS_PATH", default=None,
-                      help="the LightningDataModule class whose training set gives the batch; init args from --config"
-                           " and --data.NAME VALUE")
-    what.add_argument("--optimizer", metavar="CLASS_PATH", default=None,
-                      help="an optimizer class (torch.optim.AdamW, or AdamW) instead of configure_optimizers;"
-                           " init args --optimizer.NAME VALUE")
-    what.add_argument("--batch-shape", metavar="SPEC", action="append", default=None,
-                      help="one batch tensor, [name=]DIMS[:dtype] with B for the micro-batch, e.g. B,128,64:float32;"
-                           " repeat per tensor (instead of --data)")
-    what.add_argument("--batch-size", metavar="N", type=int, default=None,
-                      help="the micro-batch to estimate without a budget (default: the datamodule's)")
+    what.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        action="append",
+        default=None,
+        help="a LightningCLI config (model:, data:, optimizer:, trainer:); repeat to merge several",
+    )
+    what.add_argument(
+        "--model",
+        metavar="CLASS_PATH",
+        default=None,
+        help="the LightningModule (or nn.Module) class, e.g. examples.dreams.module.SpectraFineTuner;"
+        " init args from --config and --model.NAME VALUE",
+    )
+    what.add_argument(
+        "--data",
+        metavar="CLASS_PATH",
+        default=None,
+        help="the LightningDataModule class whose training set gives the batch; init args from --config"
+        " and --data.NAME VALUE",
+    )
+    what.add_argument(
+        "--optimizer",
+        metavar="CLASS_PATH",
+        default=None,
+        help="an optimizer class (torch.optim.AdamW, or AdamW) instead of configure_optimizers;"
+        " init args --optimizer.NAME VALUE",
+    )
+    what.add_argument(
+        "--batch-shape",
+        metavar="SPEC",
+        action="append",
+        default=None,
+        help="one batch tensor, [name=]DIMS[:dtype] with B for the micro-batch, e.g. B,128,64:float32;"
+        " repeat per tensor (instead of --data)",
+    )
+    what.add_argument(
+        "--batch-size",
+        metavar="N",
+        type=int,
+        default=None,
+        help="the micro-batch to estimate without a budget (default: the datamodule's)",
+    )
     budget = parser.add_argument_group("memory budget (one of --gpu, --device-memory)")
-    budget.add_argument("--gpu", metavar="NAME", default=None,
-                        help="a GPU by name: T4, V100-16GB, A10G, L4, RTX4090, A100-40GB, A100-80GB, L40S, H100-80GB,"
-                             " H200, ...")
-    budget.add_argument("--device-memory", metavar="SIZE", default=None,
-                        help="the device's memory: 40GB (10^9 bytes), 24GiB (2^30) or bytes")
-    budget.add_argument("--effective-batch-size", metavar="N", type=int, default=None,
-                        help="samples per optimizer step over all devices, kept exactly by the plan")
-    budget.add_argument("--devices", metavar="N", type=int, default=None,
-                        help="data-parallel devices per node (default: trainer.devices of the config, else 1)")
-    budget.add_argument("--num-nodes", metavar="N", type=int, default=None,
-                        help="nodes (default: trainer.num_nodes of the config, else 1)")
-    budget.add_argument("--margin", metavar="FRACTION", type=float, default=0.1,
-                        help="fraction of the usable memory left free for what is not modelled (default 0.1)")
+    budget.add_argument(
+        "--gpu",
+        metavar="NAME",
+        default=None,
+        help="a GPU by name: T4, V100-16GB, A10G, L4, RTX4090, A100-40GB, A100-80GB, L40S, H100-80GB, H200, ...",
+    )
+    budget.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        default=None,
+        help="the device's memory: 40GB (10^9 bytes), 24GiB (2^30) or bytes",
+    )
+    budget.add_argument(
+        "--effective-batch-size",
+        metavar="N",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all devices, kept exactly by the plan",
+    )
+    budget.add_argument(
+        "--devices",
+        metavar="N",
+        type=int,
+        default=None,
+        help="data-parallel devices per node (default: trainer.devices of the config, else 1)",
+    )
+    budget.add_argument(
+        "--num-nodes",
+        metavar="N",
+        type=int,
+        default=None,
+        help="nodes (default: trainer.num_nodes of the config, else 1)",
+    )
+    budget.add_argument(
+        "--margin",
+        metavar="FRACTION",
+        type=float,
+        default=0.1,
+        help="fraction of the usable memory left free for what is not modelled (default 0.1)",
+    )
     how = parser.add_argument_group("settings")
-    how.add_argument("--precision", metavar="PRECISION", default=None,
-                     help="auto, 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (or 32, 16, bf16); default:"
-                          " trainer.precision of the config, else auto")
-    how.add_argument("--checkpointing", metavar="auto|on|off|BLOCKS", default="auto",
-                     help="activation checkpointing: auto (the plan tries without and with; no budget: the model as"
-                          " it is), on (the model's own switch, activation_checkpointing_enable() or the older"
-                          " gradient_checkpointing_enable(), where it has one, else"
-                          " PyTorch transformer layers), off, or block class names / name patterns, comma-separated")
-    how.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                     help="the target modelled (default cuda; the estimate itself runs on the CPU)")
+    how.add_argument(
+        "--precision",
+        metavar="PRECISION",
+        default=None,
+        help="auto, 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (or 32, 16, bf16); default:"
+        " trainer.precision of the config, else auto",
+    )
+    how.add_argument(
+        "--checkpointing",
+        metavar="auto|on|off|BLOCKS",
+        default="auto",
+        help="activation checkpointing: auto (the plan tries without and with; no budget: the model as"
+        " it is), on (the model's own switch, activation_checkpointing_enable() or the older"
+        " gradient_checkpointing_enable(), where it has one, else"
+        " PyTorch transformer layers), off, or block class names / name patterns, comma-separated",
+    )
+    how.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="the target modelled (default cuda; the estimate itself runs on the CPU)",
+    )
     parser.set_defaults(func=_run_estimate, takes_overrides=True)
 
 

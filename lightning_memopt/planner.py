@@ -125,8 +125,10 @@ class MemoryEstimate(StepCount):
 
     def __str__(self) -> str:
         how = "fake tensors" if self.fake else "a real CPU step"
-        head = (f"Estimated peak memory of a training step on {self.device} at {self.precision}:"
-                f" {format_bytes(self.peak_bytes)} ({how}, {self.seconds:.1f} s)")
+        head = (
+            f"Estimated peak memory of a training step on {self.device} at {self.precision}:"
+            f" {format_bytes(self.peak_bytes)} ({how}, {self.seconds:.1f} s)"
+        )
         notes = [f"  - {a}" for a in self.assumptions]
         return "\n".join([head, self.table(), *(["assumed:", *notes] if notes else [])])
 
@@ -308,12 +310,15 @@ def estimate_memory(
     dtype = _DTYPES.get(kind)
 
     if loss_fn is not None:
+
         def step_fn(model: nn.Module, b: Any, i: int) -> Tensor:
             return _loss_of(loss_fn(model, b))
     elif lightning:
+
         def step_fn(model: nn.Module, b: Any, i: int) -> Tensor:
             return _loss_of(model.training_step(b, i))
     else:
+
         def step_fn(model: nn.Module, b: Any, i: int) -> Tensor:
             return _loss_of(_call_module(model, b))
 
@@ -353,10 +358,18 @@ def estimate_memory(
         warnings.filterwarnings("ignore", message=".*reference is not registered.*")
         try:
             counted = count_training_steps(
-                module, batch, step_fn, _make_optimizers(optimizer, lightning), fake=fake, steps=steps,
-                block_bytes=CUDA_BLOCK_BYTES if cuda else 1, scratch=kernel_scratch,
-                prepare=prepare, step_context=step_context,
-                prepare_optimizers=prepare_optimizers, batch_fn=batch_fn,
+                module,
+                batch,
+                step_fn,
+                _make_optimizers(optimizer, lightning),
+                fake=fake,
+                steps=steps,
+                block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
+                scratch=kernel_scratch,
+                prepare=prepare,
+                step_context=step_context,
+                prepare_optimizers=prepare_optimizers,
+                batch_fn=batch_fn,
                 dtype=dtype if mode == "true" else None,
             )
         except FakeStepError as err:
@@ -396,7 +409,6 @@ def estimate_memory(
     )
 
 
-
 # ------------------------------------------------------------------------------------------------------------ plans
 
 #: Memory torch reports for common GPUs (``total_memory`` of ``torch.cuda.get_device_properties``, GiB) and whether
@@ -417,8 +429,18 @@ GPU_MEMORY: dict[str, tuple[float, bool]] = {
 }
 #: Memory the CUDA context and the kernels' code take on the device before any tensor (assumed; 0.3-1 GiB in practice).
 CUDA_CONTEXT_BYTES = 512 * 1024**2
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
 
 
 def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | None]:
@@ -451,7 +473,7 @@ def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | Non
         gib, bf16 = GPU_MEMORY[names[key]]
         return int(gib * 1024**3), names[key], bf16
     number = key.rstrip("KMGTIB")
-    unit = key[len(number):]
+    unit = key[len(number) :]
     try:
         value = float(number)
     except ValueError:
@@ -518,17 +540,26 @@ class MemoryPlan:
         """What was tried, one row per estimate."""
         rows = [("micro-batch", "precision", "checkpointing", "needs", "fits")]
         for t in self.trials:
-            rows.append((str(t.micro_batch_size), t.precision, "yes" if t.checkpointing else "no",
-                         format_bytes(t.needed_bytes), "yes" if t.fits else "no"))
+            rows.append(
+                (
+                    str(t.micro_batch_size),
+                    t.precision,
+                    "yes" if t.checkpointing else "no",
+                    format_bytes(t.needed_bytes),
+                    "yes" if t.fits else "no",
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(f"{c:>{w}}" for c, w in zip(r, widths)) for r in rows]
         lines.insert(1, "-" * len(lines[0]))
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        head = (f"Budget {self.budget_label}: {format_bytes(self.budget_bytes)},"
-                f" usable {format_bytes(self.usable_bytes)} ("
-                f"{'the CUDA context and ' if self.device == 'cuda' else ''}a {self.margin:.0%} margin left free)")
+        head = (
+            f"Budget {self.budget_label}: {format_bytes(self.budget_bytes)},"
+            f" usable {format_bytes(self.usable_bytes)} ("
+            f"{'the CUDA context and ' if self.device == 'cuda' else ''}a {self.margin:.0%} margin left free)"
+        )
         if self.feasible:
             assert self.estimate is not None
             world = self.devices * self.num_nodes
@@ -562,21 +593,31 @@ def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bo
     states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
     rest = needed - states
     how = " and activation checkpointing" if checkpointing else ""
-    text = (f"even micro-batch 1 with {estimate.precision}{how} needs {format_bytes(needed)};"
-            f" the model states (parameters, gradients, optimizer states) alone take {format_bytes(states)}.")
+    text = (
+        f"even micro-batch 1 with {estimate.precision}{how} needs {format_bytes(needed)};"
+        f" the model states (parameters, gradients, optimizer states) alone take {format_bytes(states)}."
+    )
     optimizer = estimate.at_peak.get("optimizer_states", 0)
     if optimizer and needed - 0.75 * optimizer <= usable:
         if importlib.util.find_spec("bitsandbytes") is not None:
-            return (f"{text} 8-bit optimizer states (bitsandbytes, e.g. `bnb.optim.AdamW8bit`) would need about"
-                    f" {format_bytes(int(needed - 0.75 * optimizer))}: that fits.")
-        text += (f" 8-bit optimizer states would need about {format_bytes(int(needed - 0.75 * optimizer))} and fit"
-                 " (install bitsandbytes);")
+            return (
+                f"{text} 8-bit optimizer states (bitsandbytes, e.g. `bnb.optim.AdamW8bit`) would need about"
+                f" {format_bytes(int(needed - 0.75 * optimizer))}: that fits."
+            )
+        text += (
+            f" 8-bit optimizer states would need about {format_bytes(int(needed - 0.75 * optimizer))} and fit"
+            " (install bitsandbytes);"
+        )
     if usable > rest:
         shards = max(2, math.ceil(states / (usable - rest)))
-        return (f"{text} Needs sharding: {shards} GPUs with FSDP (model states split {shards} ways, plus"
-                f" {format_bytes(rest)} of activations and temporaries per GPU).")
-    return (f"{text} Even sharded, the activations and temporaries of one sample ({format_bytes(rest)}) exceed the"
-            " usable memory: shorten the sequences or use a larger device.")
+        return (
+            f"{text} Needs sharding: {shards} GPUs with FSDP (model states split {shards} ways, plus"
+            f" {format_bytes(rest)} of activations and temporaries per GPU)."
+        )
+    return (
+        f"{text} Even sharded, the activations and temporaries of one sample ({format_bytes(rest)}) exceed the"
+        " usable memory: shorten the sequences or use a larger device."
+    )
 
 
 def plan_memory(
@@ -678,15 +719,24 @@ def plan_memory(
     estimates: dict[tuple[int, bool], MemoryEstimate] = {}
 
     def fits(size: int, option: Any) -> bool:
-        est = estimate_memory(module, batch_fn(size), precision=precision, optimizer=optimizer, device=device,
-                              checkpointing=option or None, loss_fn=loss_fn)
+        est = estimate_memory(
+            module,
+            batch_fn(size),
+            precision=precision,
+            optimizer=optimizer,
+            device=device,
+            checkpointing=option or None,
+            loss_fn=loss_fn,
+        )
         needed = _needed_bytes(est, world)
         ok = needed <= usable
         trials.append(PlanTrial(size, precision, bool(option), needed, ok, est.seconds))
         estimates[(size, bool(option))] = est
         if progress is not None:
-            progress(f"micro-batch {size:>5}, {precision}, checkpointing {'on' if option else 'off'}:"
-                     f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)")
+            progress(
+                f"micro-batch {size:>5}, {precision}, checkpointing {'on' if option else 'off'}:"
+                f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)"
+            )
         return ok
 
     def search(option: Any, candidates: list[int]) -> int | None:
@@ -726,14 +776,29 @@ def plan_memory(
         chosen, option = plain, False
     else:
         chosen, option = None, bool(last_option)
-    common = dict(effective_batch_size=effective_batch_size, precision=precision, budget_bytes=total,
-                  budget_label=label, usable_bytes=usable, margin=margin, devices=devices, num_nodes=num_nodes,
-                  device=device, trials=tuple(trials))
+    common = dict(
+        effective_batch_size=effective_batch_size,
+        precision=precision,
+        budget_bytes=total,
+        budget_label=label,
+        usable_bytes=usable,
+        margin=margin,
+        devices=devices,
+        num_nodes=num_nodes,
+        device=device,
+        trials=tuple(trials),
+    )
     if chosen is None:
         smallest = estimates.get((1, bool(last_option))) or estimates[min(estimates)]
-        return MemoryPlan(feasible=False, micro_batch_size=None, accumulate_grad_batches=None,
-                          gradient_checkpointing=bool(last_option), estimate=smallest,
-                          advice=_advice(smallest, usable, world, bool(last_option)), **common)
+        return MemoryPlan(
+            feasible=False,
+            micro_batch_size=None,
+            accumulate_grad_batches=None,
+            gradient_checkpointing=bool(last_option),
+            estimate=smallest,
+            advice=_advice(smallest, usable, world, bool(last_option)),
+            **common,
+        )
     blocks = checkpointing if isinstance(checkpointing, (list, tuple)) else None
     preset = MemoryPreset.from_name(
         tier_for_memory(total / 1024**3)[1],
@@ -746,5 +811,12 @@ def plan_memory(
         checkpoint_modules=tuple(blocks) if option and blocks and all(isinstance(b, str) for b in blocks) else None,
         tier=label,
     )
-    return MemoryPlan(feasible=True, micro_batch_size=chosen, accumulate_grad_batches=preset.accumulate_grad_batches,
-                      gradient_checkpointing=option, estimate=estimates[(chosen, option)], preset=preset, **common)
+    return MemoryPlan(
+        feasible=True,
+        micro_batch_size=chosen,
+        accumulate_grad_batches=preset.accumulate_grad_batches,
+        gradient_checkpointing=option,
+        estimate=estimates[(chosen, option)],
+        preset=preset,
+        **common,
+    )

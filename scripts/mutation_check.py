@@ -31,32 +31,69 @@ class Mutant:
 
 
 MUTANTS = (
-    Mutant("oom-report-tensor-names-lost", "lightning_memopt/functional/footprint.py",
-           "name=names.get(key),", "name=None,", ("tests/callbacks/test_oom_reporter.py",)),
-    Mutant("cache-cleaner-seconds-inflated", "lightning_memopt/callbacks/cache_cleaner.py",
-           "self.seconds += time.perf_counter() - start", "self.seconds += time.perf_counter() - start + 1e9",
-           ("tests/callbacks/test_cache_cleaner.py",)),
-    Mutant("proc-rss-without-page-size", "lightning_memopt/functional/memory.py",
-           'return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")', "return int(f.read().split()[1])",
-           ("tests/functional/test_memory.py",)),
-    Mutant("precision-alias-16-to-true", "lightning_memopt/functional/presets.py",
-           'PRECISION_ALIASES = {"16": "16-mixed",', 'PRECISION_ALIASES = {"16": "16-true",',
-           ("tests/plugins/test_precision_names.py",)),
-    Mutant("preset-keeps-its-own-callback", "lightning_memopt/plugins/presets.py",
-           "replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in user_callbacks))",
-           "replaced = ()", ("tests/plugins/test_preset_cli.py",)),
-    Mutant("checkpointing-use-cache-kept", "lightning_memopt/callbacks/gradient_checkpointing.py",
-           "            config.use_cache = False\n", "            pass\n",
-           ("tests/callbacks/test_gradient_checkpointing_hf.py",)),
-    Mutant("checkpointing-old-switch-first", "lightning_memopt/callbacks/gradient_checkpointing.py",
-           "    for api in SWITCH_APIS:", "    for api in reversed(SWITCH_APIS):",
-           ("tests/callbacks/test_gradient_checkpointing_hf.py",)),
-    Mutant("loader-pinned-copies-ignored", "lightning_memopt/functional/loaders.py",
-           "    if host is not None and pinned:\n        host += pinned\n", "",
-           ("tests/callbacks/test_memory_audit_loaders.py",)),
-    Mutant("namespace-of-trainer-ignored", "lightning_memopt/utilities/namespaces.py",
-           "    return _import(_namespace_name(obj) or NAMESPACES[0])", "    return _import(NAMESPACES[0])",
-           ("tests/test_namespaces.py",)),
+    Mutant(
+        "oom-report-tensor-names-lost",
+        "lightning_memopt/functional/footprint.py",
+        "name=names.get(key),",
+        "name=None,",
+        ("tests/callbacks/test_oom_reporter.py",),
+    ),
+    Mutant(
+        "cache-cleaner-seconds-inflated",
+        "lightning_memopt/callbacks/cache_cleaner.py",
+        "self.seconds += time.perf_counter() - start",
+        "self.seconds += time.perf_counter() - start + 1e9",
+        ("tests/callbacks/test_cache_cleaner.py",),
+    ),
+    Mutant(
+        "proc-rss-without-page-size",
+        "lightning_memopt/functional/memory.py",
+        'return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")',
+        "return int(f.read().split()[1])",
+        ("tests/functional/test_memory.py",),
+    ),
+    Mutant(
+        "precision-alias-16-to-true",
+        "lightning_memopt/functional/presets.py",
+        'PRECISION_ALIASES = {"16": "16-mixed",',
+        'PRECISION_ALIASES = {"16": "16-true",',
+        ("tests/plugins/test_precision_names.py",),
+    ),
+    Mutant(
+        "preset-keeps-its-own-callback",
+        "lightning_memopt/plugins/presets.py",
+        "replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in user_callbacks))",
+        "replaced = ()",
+        ("tests/plugins/test_preset_cli.py",),
+    ),
+    Mutant(
+        "checkpointing-use-cache-kept",
+        "lightning_memopt/callbacks/gradient_checkpointing.py",
+        "            config.use_cache = False\n",
+        "            pass\n",
+        ("tests/callbacks/test_gradient_checkpointing_hf.py",),
+    ),
+    Mutant(
+        "checkpointing-old-switch-first",
+        "lightning_memopt/callbacks/gradient_checkpointing.py",
+        "    for api in SWITCH_APIS:",
+        "    for api in reversed(SWITCH_APIS):",
+        ("tests/callbacks/test_gradient_checkpointing_hf.py",),
+    ),
+    Mutant(
+        "loader-pinned-copies-ignored",
+        "lightning_memopt/functional/loaders.py",
+        "    if host is not None and pinned:\n        host += pinned\n",
+        "",
+        ("tests/callbacks/test_memory_audit_loaders.py",),
+    ),
+    Mutant(
+        "namespace-of-trainer-ignored",
+        "lightning_memopt/utilities/namespaces.py",
+        "    return _import(_namespace_name(obj) or NAMESPACES[0])",
+        "    return _import(NAMESPACES[0])",
+        ("tests/test_namespaces.py",),
+    ),
 )
 
 
@@ -69,8 +106,12 @@ def run(mutant: Mutant) -> tuple[bool, float]:
     start = time.perf_counter()
     try:
         path.write_text(source.replace(mutant.original, mutant.mutated))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
-                               "not slow", *mutant.tests], cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *mutant.tests],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
     finally:
         path.write_text(source)
     return proc.returncode == 0, time.perf_counter() - start

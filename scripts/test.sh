@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/python -m pytest "$@"

@@ -46,10 +46,14 @@ def _one_error_line(err, name):
         ({"memory": {"allocated_bytes": "lots", "summary": 5}}, "lots"),
         ({"holders": 5}, "`holders`"),
         ({"holders": {"bytes_by_category": [1], "rows": "x", "top_tensors": [3]}}, "## Who holds memory"),
-        ({"batch": "x", "config": 3, "snapshot": [], "environment": "NCCL_DEBUG=INFO", "report_errors": "boom"},
-         "`config`"),
-        ({"batch": {"tensors": [{"path": "x"}, 4]}, "config": {"versions": "2.0", "allocator": [1]}},
-         "## Failing batch"),
+        (
+            {"batch": "x", "config": 3, "snapshot": [], "environment": "NCCL_DEBUG=INFO", "report_errors": "boom"},
+            "`config`",
+        ),
+        (
+            {"batch": {"tensors": [{"path": "x"}, 4]}, "config": {"versions": "2.0", "allocator": [1]}},
+            "## Failing batch",
+        ),
     ],
 )
 def test_report_with_fields_of_the_wrong_type_still_renders(tmp_path, capsys, overrides, expected):
@@ -119,9 +123,11 @@ def test_report_catches_any_rendering_error(tmp_path, capsys, monkeypatch):
 
 
 def test_report_redacts_credentials(tmp_path, capsys):
-    report = _report(environment={"LIGHTNING_CLOUD_URL": "https://alice:hunter2@cloud.example/api?token=t0k3n"},
-                     config={"logger_uri": "https://example.com/x?api_key=k3y&x=1", "precision": "32-true"},
-                     hparams={"lr": 0.1, "wandb_api_key": "abc123", "data": {"url": "s3://u:pw@bucket/data"}})
+    report = _report(
+        environment={"LIGHTNING_CLOUD_URL": "https://alice:hunter2@cloud.example/api?token=t0k3n"},
+        config={"logger_uri": "https://example.com/x?api_key=k3y&x=1", "precision": "32-true"},
+        hparams={"lr": 0.1, "wandb_api_key": "abc123", "data": {"url": "s3://u:pw@bucket/data"}},
+    )
     path = _write(tmp_path, "r.json", json.dumps(report))
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
@@ -153,8 +159,19 @@ def test_module_exports_only_main():
 
 
 def _cpu_step(t, step, rss, phase="train", **extra):
-    return {"time": t, "rank": 0, "phase": phase, "event": "step", "epoch": 0, "global_step": step, "batch_idx": 0,
-            "device": "cpu", "allocated_bytes": None, "host_rss_bytes": rss, **extra}
+    return {
+        "time": t,
+        "rank": 0,
+        "phase": phase,
+        "event": "step",
+        "epoch": 0,
+        "global_step": step,
+        "batch_idx": 0,
+        "device": "cpu",
+        "allocated_bytes": None,
+        "host_rss_bytes": rss,
+        **extra,
+    }
 
 
 def test_analyze_help_explains_growth_and_warnings(capsys):
@@ -162,10 +179,15 @@ def test_analyze_help_explains_growth_and_warnings(capsys):
         main(["analyze", "--help"])
     assert exit_info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for words in ("leaving out the first third of the steps (warm-up)", "at least 4 standard errors from zero",
-                  "at least twice the readings' scatter", '"too short to tell" when fewer than 10 readings spanning'
-                  " 100 steps", '"flat over steps A-B"', "each is listed with its text under the table",
-                  "marked on the plot with a labelled line"):
+    for words in (
+        "leaving out the first third of the steps (warm-up)",
+        "at least 4 standard errors from zero",
+        "at least twice the readings' scatter",
+        '"too short to tell" when fewer than 10 readings spanning 100 steps',
+        '"flat over steps A-B"',
+        "each is listed with its text under the table",
+        "marked on the plot with a labelled line",
+    ):
         assert words in out
 
 
@@ -173,8 +195,10 @@ def test_analyze_prints_growth_verdicts_and_audit_findings(tmp_path, capsys):
     MiB = 1024**2
     records = [_cpu_step(float(s), s, 400 * MiB + s * MiB) for s in range(0, 401, 10)]  # a leak: 1 MiB per step
     records += [_cpu_step(500.0 + i, 400, 300 * MiB, phase="validate") for i in range(3)]  # 3 readings: no verdict
-    message = ("MemoryAudit [rank 0]: Live tensor memory on cpu grows by 1.00 MiB per optimizer step (1048576"
-               " bytes/step, 100.00 MiB over steps 200-300), first seen at step 210. Usual causes: a list of losses.")
+    message = (
+        "MemoryAudit [rank 0]: Live tensor memory on cpu grows by 1.00 MiB per optimizer step (1048576"
+        " bytes/step, 100.00 MiB over steps 200-300), first seen at step 210. Usual causes: a list of losses."
+    )
     records.append(dict(_cpu_step(300.5, 300, 700 * MiB), event="warning", check="leak", message=message))
     path = _write(tmp_path, "memory_rank0.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     assert main(["analyze", str(path)]) == 0
@@ -191,8 +215,15 @@ def test_analyze_prints_growth_verdicts_and_audit_findings(tmp_path, capsys):
 def test_analyze_keeps_the_findings_of_runs_appended_to_one_file_apart(tmp_path, capsys):
     first = [dict(_cpu_step(float(s), s, 1000), run_id="a1") for s in range(1, 4)]
     second = [dict(_cpu_step(100.0 + s, s, 2000), run_id="b2") for s in range(1, 4)]
-    second.append(dict(_cpu_step(102.5, 2, 2000), run_id="b2", event="warning", check="duplicates",
-                       message="MemoryAudit [rank 0] (fit start): 3 tensors on cpu mirror the parameters."))
+    second.append(
+        dict(
+            _cpu_step(102.5, 2, 2000),
+            run_id="b2",
+            event="warning",
+            check="duplicates",
+            message="MemoryAudit [rank 0] (fit start): 3 tensors on cpu mirror the parameters.",
+        )
+    )
     path = _write(tmp_path, "memory_rank0.jsonl", "".join(json.dumps(r) + "\n" for r in first + second))
     assert main(["analyze", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -201,5 +232,7 @@ def test_analyze_keeps_the_findings_of_runs_appended_to_one_file_apart(tmp_path,
     start, end = lines[0].index("warnings"), lines[0].index("peak at")
     assert [line[start:end].strip() for line in lines[2:4]] == ["0", "1 duplicates"]
     # listed under its own run, its time counted from that run's first record
-    assert lines[-1] == ("  rank 0, run b2, train, step 2, 1.5 s: duplicates: MemoryAudit [rank 0] (fit start): 3"
-                         " tensors on cpu mirror the parameters.")
+    assert lines[-1] == (
+        "  rank 0, run b2, train, step 2, 1.5 s: duplicates: MemoryAudit [rank 0] (fit start): 3"
+        " tensors on cpu mirror the parameters."
+    )

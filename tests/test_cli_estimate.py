@@ -59,8 +59,10 @@ class TinyDataModule(pl.LightningDataModule):
     def setup(self, stage):
         TinyDataModule.calls.append(f"setup:{stage}")
         g = torch.Generator().manual_seed(0)
-        self.train_set = TensorDataset(torch.randn(self.num_samples, self.width, generator=g),
-                                       torch.randn(self.num_samples, self.width, generator=g))
+        self.train_set = TensorDataset(
+            torch.randn(self.num_samples, self.width, generator=g),
+            torch.randn(self.num_samples, self.width, generator=g),
+        )
 
     def train_dataloader(self):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
@@ -91,8 +93,21 @@ def _progress_lines(err):
 
 
 def test_shape_spec_estimate_prints_the_same_breakdown_as_estimate_memory(capsys):
-    code, out, err = _run(capsys, "--model", TINY, "--model.width", "32", "--batch-shape", "B,32",
-                          "--batch-shape", "B,32:float32", "--batch-size", "8", "--device", "cpu")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        TINY,
+        "--model.width",
+        "32",
+        "--batch-shape",
+        "B,32",
+        "--batch-shape",
+        "B,32:float32",
+        "--batch-size",
+        "8",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     expected = estimate_memory(TinyModule(width=32), (torch.empty(8, 32), torch.empty(8, 32)), device="cpu")
     assert expected.table() in out
@@ -111,9 +126,14 @@ def test_named_shape_specs_make_a_dict_and_integer_tensors_are_zeros():
     assert batch["ids"].shape == (5, 7) and batch["ids"].dtype == torch.int64 and not batch["ids"].any()
     assert batch["mask"].dtype == torch.bool and batch["x"].shape == (5, 3, 2) and batch["x"].dtype == torch.float32
     assert isinstance(parse_batch_shape(["B,4"])(2), torch.Tensor)
-    for specs, words in ((["a=B,3", "B,3"], "name all tensors"), (["3,4"], "no tensor has the micro-batch"),
-                         (["B,x"], "dimension 'x'"), (["B:float33"], "'float33' is not a torch dtype"),
-                         (["a=B", "a=B,2"], "a name given twice"), (["B,-2"], "dimension '-2'")):
+    for specs, words in (
+        (["a=B,3", "B,3"], "name all tensors"),
+        (["3,4"], "no tensor has the micro-batch"),
+        (["B,x"], "dimension 'x'"),
+        (["B:float33"], "'float33' is not a torch dtype"),
+        (["a=B", "a=B,2"], "a name given twice"),
+        (["B,-2"], "dimension '-2'"),
+    ):
         with pytest.raises(EstimateInputError, match=re.escape(words)):
             parse_batch_shape(specs)
 
@@ -128,8 +148,18 @@ def test_datamodule_from_a_config_with_overrides_and_the_trainer_precision(tmp_p
         f"data:\n  class_path: {TINY_DATA}\n  init_args: {{width: 24, batch_size: 8}}\n"
     )
     TinyDataModule.calls.clear()
-    code, out, err = _run(capsys, "--config", str(config), "--model.init_args.depth", "3", "--data.batch_size=4",
-                          "--memory.preset", "none", "--device", "cpu")
+    code, out, err = _run(
+        capsys,
+        "--config",
+        str(config),
+        "--model.init_args.depth",
+        "3",
+        "--data.batch_size=4",
+        "--memory.preset",
+        "none",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     assert TinyDataModule.calls == ["prepare_data", "setup:fit"]
     lines = out.splitlines()
@@ -137,8 +167,9 @@ def test_datamodule_from_a_config_with_overrides_and_the_trainer_precision(tmp_p
     assert lines[1].startswith("Batch 4: the first samples of TinyDataModule.train_dataloader()'s dataset, in order")
     assert lines[1].endswith(": [0] float32[4, 24], [1] float32[4, 24]")
     assert "on cpu at bf16-mixed:" in lines[2]
-    expected = estimate_memory(TinyModule(width=24, depth=3), (torch.empty(4, 24), torch.empty(4, 24)),
-                               precision="bf16-mixed", device="cpu")
+    expected = estimate_memory(
+        TinyModule(width=24, depth=3), (torch.empty(4, 24), torch.empty(4, 24)), precision="bf16-mixed", device="cpu"
+    )
     assert expected.table() in out
     # --precision wins over the config's trainer.precision
     code, out, _ = _run(capsys, "--config", str(config), "--precision", "32", "--device", "cpu")
@@ -166,11 +197,26 @@ def test_a_module_with_its_own_train_dataloader_needs_no_datamodule(capsys):
 
 
 def test_a_plan_from_shape_specs_matches_plan_memory_and_reports_progress_on_stderr(capsys):
-    code, out, err = _run(capsys, "--model", TINY, "--model.width", "64", "--batch-shape", "B,64",
-                          "--batch-shape", "B,64", "--device-memory", "200KB", "--effective-batch-size", "64",
-                          "--device", "cpu")
-    plan = plan_memory(TinyModule(width=64), _tiny_batch_fn(64), effective_batch_size=64, budget_bytes="200KB",
-                       device="cpu")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        TINY,
+        "--model.width",
+        "64",
+        "--batch-shape",
+        "B,64",
+        "--batch-shape",
+        "B,64",
+        "--device-memory",
+        "200KB",
+        "--effective-batch-size",
+        "64",
+        "--device",
+        "cpu",
+    )
+    plan = plan_memory(
+        TinyModule(width=64), _tiny_batch_fn(64), effective_batch_size=64, budget_bytes="200KB", device="cpu"
+    )
     assert code == 0, err
     assert plan.feasible and 1 < plan.micro_batch_size < 64  # the search had something to do
     assert str(plan) in out
@@ -186,11 +232,33 @@ def test_a_plan_from_shape_specs_matches_plan_memory_and_reports_progress_on_std
 
 
 def test_a_budget_too_small_exits_1_with_the_advice(capsys):
-    code, out, err = _run(capsys, "--model", TINY, "--model.width", "64", "--batch-shape", "B,64",
-                          "--batch-shape", "B,64", "--device-memory", "60KB", "--effective-batch-size", "8",
-                          "--device", "cpu", "--checkpointing", "off")
-    plan = plan_memory(TinyModule(width=64), _tiny_batch_fn(64), effective_batch_size=8, budget_bytes="60KB",
-                       device="cpu", checkpointing=False)
+    code, out, err = _run(
+        capsys,
+        "--model",
+        TINY,
+        "--model.width",
+        "64",
+        "--batch-shape",
+        "B,64",
+        "--batch-shape",
+        "B,64",
+        "--device-memory",
+        "60KB",
+        "--effective-batch-size",
+        "8",
+        "--device",
+        "cpu",
+        "--checkpointing",
+        "off",
+    )
+    plan = plan_memory(
+        TinyModule(width=64),
+        _tiny_batch_fn(64),
+        effective_batch_size=8,
+        budget_bytes="60KB",
+        device="cpu",
+        checkpointing=False,
+    )
     assert not plan.feasible and "Needs sharding" in plan.advice
     assert code == 1, err
     assert f"Nothing fits: {plan.advice}" in out
@@ -200,8 +268,23 @@ def test_a_budget_too_small_exits_1_with_the_advice(capsys):
 
 
 def test_a_budget_without_an_effective_batch_plans_the_datamodule_s_batch(capsys):
-    code, out, err = _run(capsys, "--model", TINY, "--data", TINY_DATA, "--data.num_samples", "10",
-                          "--data.batch_size", "32", "--device-memory", "1GB", "--devices", "2", "--device", "cpu")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        TINY,
+        "--data",
+        TINY_DATA,
+        "--data.num_samples",
+        "10",
+        "--data.batch_size",
+        "32",
+        "--device-memory",
+        "1GB",
+        "--devices",
+        "2",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     assert "Effective batch: 64 (batch size 32 x 2 devices; --effective-batch-size sets it)" in out
     # 10 samples, cycled to fill the micro-batch of 32
@@ -221,9 +304,21 @@ def test_the_dreams_example_from_its_lightningcli_config(tmp_path, capsys, monke
     monkeypatch.chdir(REPO_ROOT)
     data = tmp_path / "spectra.hdf5"
     code, out, err = _run(
-        capsys, "--config", "examples/dreams/config.yaml", "--model", "examples.dreams.module.SpectraFineTuner",
-        "--data", "examples.dreams.module.SpectraDataModule", "--data.data_path", str(data),
-        "--data.num_spectra", "300", *budget, "--effective-batch-size", "64")
+        capsys,
+        "--config",
+        "examples/dreams/config.yaml",
+        "--model",
+        "examples.dreams.module.SpectraFineTuner",
+        "--data",
+        "examples.dreams.module.SpectraDataModule",
+        "--data.data_path",
+        str(data),
+        "--data.num_spectra",
+        "300",
+        *budget,
+        "--effective-batch-size",
+        "64",
+    )
     assert data.exists()
     # the same module and datamodule as the config (model_preset tiny, dynamic_padding), planned directly
     module = SpectraFineTuner(model_preset="tiny", lr=0.003, head_lr_scale=10.0)
@@ -276,43 +371,72 @@ SHAPES = ["--batch-shape", "B,16", "--batch-shape", "B,16"]
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (lambda tmp: ["--model", "tests.test_cli_estimate.Nope", *SHAPES],
-         "--model: cannot import 'tests.test_cli_estimate.Nope': tests.test_cli_estimate has no attribute 'Nope'"),
+        (
+            lambda tmp: ["--model", "tests.test_cli_estimate.Nope", *SHAPES],
+            "--model: cannot import 'tests.test_cli_estimate.Nope': tests.test_cli_estimate has no attribute 'Nope'",
+        ),
         (lambda tmp: ["--model", "no_such_package.Model", *SHAPES], "--model: cannot import 'no_such_package.Model'"),
         (lambda tmp: ["--model", "TinyModule", *SHAPES], "--model: 'TinyModule' is not a full import path"),
         (lambda tmp: ["--model", "json.dumps", *SHAPES, "--batch-size", "2"], "--model: json.dumps(...) failed"),
         (lambda tmp: ["--model", "json.JSONDecoder", *SHAPES, "--batch-size", "2"], "not a LightningModule"),
         (lambda tmp: ["--model", TINY, "--model.widht", "3", *SHAPES], "unexpected keyword argument 'widht'"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "40XB", "--effective-batch-size", "8"],
-         "--device-memory: '40XB' is neither a size"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "nan", "--effective-batch-size", "8"],
-         "--device-memory: 'nan' is neither a size"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "inf", "--effective-batch-size", "8"],
-         "--device-memory: 'inf' is neither a size"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "300MB", "--effective-batch-size", "8"],
-         "--device-memory: 300MB (286.10 MiB) leaves nothing once the CUDA context"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--gpu", "A100-41GB", "--effective-batch-size", "8"],
-         "--gpu: unknown GPU 'A100-41GB'; known: T4,"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--gpu", "A100-40GB", "--device-memory", "40GB"],
-         "--gpu and --device-memory: give one of them"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--effective-batch-size", "8"],
-         "--effective-batch-size: planning needs a memory budget; pass --gpu NAME (e.g. A100-40GB) or --device-memory"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--gpu", "T4", "--effective-batch-size", "9", "--devices", "2"],
-         "--effective-batch-size: 9 must divide by devices x num nodes = 2"),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "40XB", "--effective-batch-size", "8"],
+            "--device-memory: '40XB' is neither a size",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "nan", "--effective-batch-size", "8"],
+            "--device-memory: 'nan' is neither a size",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "inf", "--effective-batch-size", "8"],
+            "--device-memory: 'inf' is neither a size",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--device-memory", "300MB", "--effective-batch-size", "8"],
+            "--device-memory: 300MB (286.10 MiB) leaves nothing once the CUDA context",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--gpu", "A100-41GB", "--effective-batch-size", "8"],
+            "--gpu: unknown GPU 'A100-41GB'; known: T4,",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--gpu", "A100-40GB", "--device-memory", "40GB"],
+            "--gpu and --device-memory: give one of them",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--effective-batch-size", "8"],
+            "--effective-batch-size: planning needs a memory budget; "
+            "pass --gpu NAME (e.g. A100-40GB) or --device-memory",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--gpu", "T4", "--effective-batch-size", "9", "--devices", "2"],
+            "--effective-batch-size: 9 must divide by devices x num nodes = 2",
+        ),
         (lambda tmp: ["--model", TINY, *SHAPES], "--batch-size: needed for the estimate"),
         (lambda tmp: ["--model", TINY, *SHAPES, "--batch-size", "0"], "--batch-size: must be a positive int, got 0"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--batch-size", "2", "--margin", "1.5"],
-         "--margin: must be a fraction"),
-        (lambda tmp: ["--model", TINY, *SHAPES, "--batch-size", "2", "--precision", "64-true"],
-         "--precision: '64-true' is not a precision the estimate models"),
-        (lambda tmp: ["--model", TINY, "--batch-shape", "B,7", "--batch-size", "3"],
-         "the training step of TinyModule failed on the batch from --batch-shape B,7 (ValueError: too many values"),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--batch-size", "2", "--margin", "1.5"],
+            "--margin: must be a fraction",
+        ),
+        (
+            lambda tmp: ["--model", TINY, *SHAPES, "--batch-size", "2", "--precision", "64-true"],
+            "--precision: '64-true' is not a precision the estimate models",
+        ),
+        (
+            lambda tmp: ["--model", TINY, "--batch-shape", "B,7", "--batch-size", "3"],
+            "the training step of TinyModule failed on the batch from --batch-shape B,7 (ValueError: too many values",
+        ),
         (lambda tmp: ["--model", TINY, "--batch-size", "2"], "no batch: pass --data CLASS_PATH"),
         (lambda tmp: ["--model", TINY, "--data", TINY_DATA, *SHAPES], "--batch-shape and --data: give one"),
-        (lambda tmp: ["--model", TINY, "--data", TINY_DATA, "--data.num_samples", "0"],
-         "--data: TinyDataModule.train_dataloader() failed outside a Trainer (ValueError: num_samples"),
-        (lambda tmp: ["--model", TINY, "--data", "tests.test_cli_estimate.TinyModule", "--batch-size", "2"],
-         "--data: TinyModule.train_dataloader() failed outside a Trainer"),
+        (
+            lambda tmp: ["--model", TINY, "--data", TINY_DATA, "--data.num_samples", "0"],
+            "--data: TinyDataModule.train_dataloader() failed outside a Trainer (ValueError: num_samples",
+        ),
+        (
+            lambda tmp: ["--model", TINY, "--data", "tests.test_cli_estimate.TinyModule", "--batch-size", "2"],
+            "--data: TinyModule.train_dataloader() failed outside a Trainer",
+        ),
         (lambda tmp: ["--model", TINY, *SHAPES, "--bogus", "1"], "unrecognized argument '--bogus'"),
         (lambda tmp: ["--model", TINY, *SHAPES, "--model.width"], "--model.width: expected a value after it"),
         (lambda tmp: [*SHAPES, "--batch-size", "2"], "--model: pass --model CLASS_PATH"),
@@ -332,8 +456,17 @@ def test_bad_input_exits_2_with_one_line_naming_the_argument(tmp_path, capsys, a
 
 
 def test_a_training_step_that_cannot_run_on_fake_tensors_is_one_line(capsys):
-    code, out, err = _run(capsys, "--model", "tests.test_cli_estimate.DataDependent", "--batch-shape", "B,4",
-                          "--batch-size", "2", "--device", "cpu")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        "tests.test_cli_estimate.DataDependent",
+        "--batch-shape",
+        "B,4",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+    )
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(ERROR) and "cannot be estimated on fake tensors" in err
 
@@ -359,9 +492,18 @@ def test_help_lists_estimate_and_its_options(capsys):
     with pytest.raises(SystemExit):
         main(["estimate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for words in ("--gpu NAME", "--device-memory SIZE", "--effective-batch-size N", "--batch-shape SPEC",
-                  "--config FILE.yaml", "--model.NAME VALUE", "1 nothing fits the budget", "2 bad input",
-                  "a progress line per estimate goes to stderr", *ESTIMATE_PRECISIONS):
+    for words in (
+        "--gpu NAME",
+        "--device-memory SIZE",
+        "--effective-batch-size N",
+        "--batch-shape SPEC",
+        "--config FILE.yaml",
+        "--model.NAME VALUE",
+        "1 nothing fits the budget",
+        "2 bad input",
+        "a progress line per estimate goes to stderr",
+        *ESTIMATE_PRECISIONS,
+    ):
         assert words.lower() in text.lower(), words
 
 
@@ -374,8 +516,18 @@ def test_other_subcommands_still_refuse_unknown_arguments(capsys, tmp_path):
 
 def test_analyze_report_and_estimate_help_start_without_importing_torch(tmp_path):
     log = tmp_path / "memory_rank0.jsonl"
-    record = {"time": 1.0, "rank": 0, "phase": "train", "event": "step", "epoch": 0, "global_step": 1, "batch_idx": 0,
-              "device": "cpu", "allocated_bytes": None, "host_rss_bytes": 1000}
+    record = {
+        "time": 1.0,
+        "rank": 0,
+        "phase": "train",
+        "event": "step",
+        "epoch": 0,
+        "global_step": 1,
+        "batch_idx": 0,
+        "device": "cpu",
+        "allocated_bytes": None,
+        "host_rss_bytes": 1000,
+    }
     log.write_text(json.dumps(record) + "\n")
     code = (
         "import sys\n"
@@ -385,7 +537,8 @@ def test_analyze_report_and_estimate_help_start_without_importing_torch(tmp_path
         "heavy = sorted(m for m in ('torch', 'lightning', 'pytorch_lightning', 'yaml') if m in sys.modules)\n"
         "print('HEAVY', heavy)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=120,
-                          cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout

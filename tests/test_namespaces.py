@@ -39,10 +39,22 @@ CONTRACT_TESTS = [
     "tests/callbacks/test_auto_micro_batch.py",
     "tests/callbacks/test_auto_micro_batch_exact.py",
 ]
-OLDEST_TESTS = ["tests/callbacks/test_contract.py", "tests/plugins/test_precision.py", "tests/plugins/test_presets.py",
-                "tests/plugins/test_precision_names.py", "tests/plugins/test_preset_cli.py"]
-CALLBACKS = [AutoMicroBatch, CacheCleaner, GarbageCollector, GradientCheckpointing, MemoryAudit, MemoryMonitor,
-             OOMReporter]
+OLDEST_TESTS = [
+    "tests/callbacks/test_contract.py",
+    "tests/plugins/test_precision.py",
+    "tests/plugins/test_presets.py",
+    "tests/plugins/test_precision_names.py",
+    "tests/plugins/test_preset_cli.py",
+]
+CALLBACKS = [
+    AutoMicroBatch,
+    CacheCleaner,
+    GarbageCollector,
+    GradientCheckpointing,
+    MemoryAudit,
+    MemoryMonitor,
+    OOMReporter,
+]
 
 
 def test_both_namespaces_are_found_installed():
@@ -59,8 +71,13 @@ def test_every_callback_is_a_callback_of_both_namespaces(cls):
 @pytest.mark.parametrize("pl", [lightning_pytorch, pytorch_lightning], ids=lambda m: m.__name__)
 def test_either_trainer_takes_the_plugin_and_the_preset(pl, tmp_path):
     """``pytorch_lightning.Trainer`` used to refuse MemoryPrecision: "Found invalid type for plugin"."""
-    trainer = pl.Trainer(accelerator="cpu", plugins=[MemoryPrecision("bf16-mixed")], logger=False,
-                         default_root_dir=str(tmp_path), enable_progress_bar=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        plugins=[MemoryPrecision("bf16-mixed")],
+        logger=False,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+    )
     assert isinstance(trainer.precision_plugin, MemoryPrecision)
     preset = MemoryPreset("max-savings", effective_batch_size=8)
     trainer = pl.Trainer(**preset.trainer_kwargs(accelerator="cpu", logger=False, default_root_dir=str(tmp_path)))
@@ -85,8 +102,16 @@ def test_the_plugin_works_through_the_trainer_s_own_namespace(pl, tmp_path):
             return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
 
     plugin = MemoryPrecision("bf16-mixed")
-    trainer = pl.Trainer(accelerator="cpu", plugins=[plugin], max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        plugins=[plugin],
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(Model())
     assert trainer.global_step == 2
     assert namespaces.namespace_of(trainer) is pl
@@ -110,13 +135,26 @@ def _run_contract_tests(
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join([extra_path, str(REPO_ROOT), env.get("PYTHONPATH", "")])
     version = subprocess.run(
-        [sys.executable, "-c", "import pytorch_lightning as p, lightning_memopt.utilities.namespaces as n;"
-         " print(p.__version__, ','.join(n.NAMESPACES))"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import pytorch_lightning as p, lightning_memopt.utilities.namespaces as n;"
+            " print(p.__version__, ','.join(n.NAMESPACES))",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout.split()
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", *options, *tests],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
@@ -183,8 +221,9 @@ print("NAMESPACES", ",".join(NAMESPACES), "STEPS", trainer.global_step,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("used", "hidden"), [("pytorch_lightning", "lightning"), ("lightning.pytorch",
-                                                                                    "pytorch_lightning")])
+@pytest.mark.parametrize(
+    ("used", "hidden"), [("pytorch_lightning", "lightning"), ("lightning.pytorch", "pytorch_lightning")]
+)
 def test_one_namespace_installed_is_enough_and_the_other_is_never_imported(used, hidden, tmp_path):
     proc = run_script(ONE_NAMESPACE_SCRIPT.format(used=used, hidden=hidden), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

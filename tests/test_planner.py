@@ -41,9 +41,7 @@ ELEMENTS, TENSORS = FIRST + SECOND, 4
 # ------------------------------------------------------------------------------------------------ exact bytes
 
 
-@pytest.mark.parametrize(
-    ("precision", "size"), [("32-true", 4), ("bf16-true", 2)], ids=["fp32", "bf16"]
-)
+@pytest.mark.parametrize(("precision", "size"), [("32-true", 4), ("bf16-true", 2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("optimizer", "state_bytes"),
     [
@@ -88,8 +86,15 @@ def test_a_hand_counted_peak():
     est = estimate_memory(model, torch.randn(b, d), optimizer=SGD, device="cpu")
     assert est.peak_bytes == 4 * (2 * d * d + 2 * b * d) + 4
     assert (est.peak_phase, est.peak_step) == ("forward", 1)
-    assert est.at_peak == {"parameters": 4 * d * d, "buffers": 0, "batch": 4 * b * d, "gradients": 4 * d * d,
-                           "optimizer_states": 0, "activations": 4 * b * d + 4, "temporaries": 0}
+    assert est.at_peak == {
+        "parameters": 4 * d * d,
+        "buffers": 0,
+        "batch": 4 * b * d,
+        "gradients": 4 * d * d,
+        "optimizer_states": 0,
+        "activations": 4 * b * d + 4,
+        "temporaries": 0,
+    }
     # with momentum the buffer made at step 0 is alive too, and counted as an optimizer state
     momentum = estimate_memory(model, torch.randn(b, d), optimizer=SGD_MOMENTUM, device="cpu")
     assert momentum.peak_bytes == est.peak_bytes + 4 * d * d
@@ -132,8 +137,11 @@ CASES = {
     "encoder-bf16-mixed": (encoder, lambda: torch.randn(4, 16, 32), {"precision": "bf16-mixed"}),
     "encoder-16-mixed": (functools.partial(encoder, 0.0), lambda: torch.randn(4, 16, 32), {"precision": "16-mixed"}),
     "encoder-checkpointing": (encoder, lambda: torch.randn(4, 16, 32), {"checkpointing": True}),
-    "encoder-bf16-checkpointing": (encoder, lambda: torch.randn(4, 16, 32),
-                                   {"checkpointing": [nn.TransformerEncoderLayer], "precision": "bf16-mixed"}),
+    "encoder-bf16-checkpointing": (
+        encoder,
+        lambda: torch.randn(4, 16, 32),
+        {"checkpointing": [nn.TransformerEncoderLayer], "precision": "bf16-mixed"},
+    ),
     "lightning-module": (Lit, lambda: (torch.randn(4, 16, 32), torch.randn(4, 16)), {}),
 }
 
@@ -266,8 +274,17 @@ def test_the_plan_keeps_the_effective_batch_with_the_largest_micro_batch_that_fi
     need = {b: estimate_memory(model, batch_of(b), device="cpu").peak_bytes for b in (6, 8)}
     budget = (need[6] + need[8]) // 2  # 6 fits, 8 does not (margin 0); both divide 48
     lines = []
-    plan = plan_memory(model, batch_of, effective_batch_size=48, budget_bytes=budget, margin=0.0, device="cpu",
-                       checkpointing=False, precision="32-true", progress=lines.append)
+    plan = plan_memory(
+        model,
+        batch_of,
+        effective_batch_size=48,
+        budget_bytes=budget,
+        margin=0.0,
+        device="cpu",
+        checkpointing=False,
+        precision="32-true",
+        progress=lines.append,
+    )
     assert plan.feasible and plan.micro_batch_size == 6 and plan.accumulate_grad_batches == 8
     assert len(lines) == len(plan.trials) and "micro-batch" in lines[0]
     tried = {t.micro_batch_size: t.fits for t in plan.trials}
@@ -279,10 +296,19 @@ def test_the_plan_keeps_the_effective_batch_with_the_largest_micro_batch_that_fi
 
 def test_the_plan_splits_the_effective_batch_over_devices_and_counts_ddp_buckets():
     model = encoder()
-    single = plan_memory(model, batch_of, effective_batch_size=16, budget_bytes=10**9, device="cpu", margin=0.0,
-                         checkpointing=False)
-    ddp = plan_memory(model, batch_of, effective_batch_size=16, budget_bytes=10**9, device="cpu", margin=0.0,
-                      checkpointing=False, devices=2)
+    single = plan_memory(
+        model, batch_of, effective_batch_size=16, budget_bytes=10**9, device="cpu", margin=0.0, checkpointing=False
+    )
+    ddp = plan_memory(
+        model,
+        batch_of,
+        effective_batch_size=16,
+        budget_bytes=10**9,
+        device="cpu",
+        margin=0.0,
+        checkpointing=False,
+        devices=2,
+    )
     assert (single.micro_batch_size, ddp.micro_batch_size) == (16, 8)
     assert ddp.trials[0].needed_bytes == ddp.estimate.peak_bytes + ddp.estimate.gradient_bytes
     with pytest.raises(ValueError, match=r"`effective_batch_size`=15 must divide by devices x num_nodes = 2"):
@@ -319,8 +345,10 @@ def test_a_budget_too_small_for_micro_batch_1_gets_the_smallest_option_instead_o
     if blocks:
         model, batch_fn = encoder(width=512, layers=2), (lambda b: torch.randn(b, 4, 512))
     else:
-        model, batch_fn = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)), (
-            lambda b: torch.randn(b, 1024))
+        model, batch_fn = (
+            nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)),
+            (lambda b: torch.randn(b, 1024)),
+        )
     one = estimate_memory(model, batch_fn(1), precision="bf16-mixed", checkpointing=blocks or None)
     plan = plan_memory(model, batch_fn, effective_batch_size=8, budget_bytes=CUDA_CONTEXT_BYTES + one.peak_bytes // 2)
     assert not plan.feasible and plan.micro_batch_size is None
@@ -337,9 +365,13 @@ def test_a_budget_too_small_for_micro_batch_1_gets_the_smallest_option_instead_o
 
 @pytest.mark.parametrize(
     ("budget", "expected"),
-    [("A100-40GB", (int(39.4 * 1024**3), "A100-40GB", True)), ("t4", (int(14.7 * 1024**3), "T4", False)),
-     ("40GB", (40 * 10**9, "40GB", None)), ("24GiB", (24 * 1024**3, "24GiB", None)),
-     (8e9, (8 * 10**9, "7.45 GiB", None))],
+    [
+        ("A100-40GB", (int(39.4 * 1024**3), "A100-40GB", True)),
+        ("t4", (int(14.7 * 1024**3), "T4", False)),
+        ("40GB", (40 * 10**9, "40GB", None)),
+        ("24GiB", (24 * 1024**3, "24GiB", None)),
+        (8e9, (8 * 10**9, "7.45 GiB", None)),
+    ],
 )
 def test_budgets_by_gpu_name_or_size(budget, expected):
     assert parse_budget(budget) == expected
@@ -450,8 +482,15 @@ def test_cuda_autocast_runs_cuda_s_float32_functions_in_float32():
 
     def dtypes():
         h = nn.functional.linear(x, weight)
-        return (h.dtype, ln(h).dtype, torch.softmax(h, -1).dtype, h.sum().dtype, (h ** 2).dtype, h.exp().dtype,
-                h.sum(dtype=torch.bfloat16).dtype)
+        return (
+            h.dtype,
+            ln(h).dtype,
+            torch.softmax(h, -1).dtype,
+            h.sum().dtype,
+            (h**2).dtype,
+            h.exp().dtype,
+            h.sum(dtype=torch.bfloat16).dtype,
+        )
 
     bf16, fp32 = torch.bfloat16, torch.float32
     with torch.autocast("cpu", dtype=bf16):

@@ -241,8 +241,7 @@ class ClipRetrievalModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         losses, video, text = self._losses(batch)
         n = batch["frames"].shape[0]
-        self.log_dict({f"val/{k}": v for k, v in losses.items() if k != "category_loss"}, batch_size=n,
-                      sync_dist=True)
+        self.log_dict({f"val/{k}": v for k, v in losses.items() if k != "category_loss"}, batch_size=n, sync_dist=True)
         self.val_retrieval.update(video, text, text_ids=batch["text_id"], sample_ids=batch["sample_id"])
 
     @override
@@ -299,8 +298,10 @@ def _global_unique_counts(metric: StreamingRetrievalMetric, rows: int, texts: in
     )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    return (int(np.unique(np.concatenate([g[0] for g in gathered])).size),
-            int(np.unique(np.concatenate([g[1] for g in gathered])).size))
+    return (
+        int(np.unique(np.concatenate([g[0] for g in gathered])).size),
+        int(np.unique(np.concatenate([g[1] for g in gathered])).size),
+    )
 
 
 class ClipRetrievalDataModule(pl.LightningDataModule):
@@ -347,15 +348,23 @@ class ClipRetrievalDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.bank is None:
             self.bank = CaptionBank(self.spec)
-            self.train_set = SyntheticVideoTextDataset(self.bank, self.hparams.num_train_samples
-                                                       or self.hparams.num_samples, "train")
+            self.train_set = SyntheticVideoTextDataset(
+                self.bank, self.hparams.num_train_samples or self.hparams.num_samples, "train"
+            )
             self.val_set = SyntheticVideoTextDataset(self.bank, self.hparams.num_samples, "val")
 
     def _loader(self, dataset: Any, batch_size: int, shuffle: bool) -> DataLoader:
         workers = self.hparams.num_workers
         drop_last = shuffle and len(dataset) > batch_size  # full contrastive batches when training
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, num_workers=workers,
-                          persistent_workers=workers > 0, collate_fn=collate_batch)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            collate_fn=collate_batch,
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -57,8 +57,9 @@ _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: data, model, training and memory flags."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     g = p.add_argument_group("data")
     g.add_argument("--num_samples", type=int, default=10_000, help="validation clips (rows); all are evaluated")
     g.add_argument("--num_unique_texts", type=int, default=2000, help="distinct captions shared by the rows")
@@ -85,40 +86,77 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_epochs", type=int, default=3)
     g.add_argument("--max_steps", type=int, default=-1, help="stop after this many optimizer steps (-1: no limit)")
     g.add_argument("--limit_train_batches", type=float, default=None, help="fraction or number of train batches")
-    g.add_argument("--limit_val_batches", type=float, default=None,
-                   help="fraction or number of val batches (default: all, i.e. the full retrieval problem)")
+    g.add_argument(
+        "--limit_val_batches",
+        type=float,
+        default=None,
+        help="fraction or number of val batches (default: all, i.e. the full retrieval problem)",
+    )
     g.add_argument("--eval_only", action="store_true", help="skip training: validate the freshly built model")
     g.add_argument("--num_devices", type=int, default=1, help="devices (DDP when > 1; CPU processes without a GPU)")
     g.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
-    g.add_argument("--cpu_threads", type=int, default=None,
-                   help="torch intra-op threads when running on CPU (default 1: these tiny towers gain nothing from"
-                        " more and lose a lot when cores are shared); restored at the end")
+    g.add_argument(
+        "--cpu_threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads when running on CPU (default 1: these tiny towers gain nothing from"
+        " more and lose a lot when cores are shared); restored at the end",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the data and of the model")
     g.add_argument("--root", default="runs/clip_retrieval", help="logs and memory logs go here")
     g = p.add_argument_group("memory")
-    g.add_argument("--preset", choices=MEMORY_PRESETS, default="balanced",
-                   help="memory preset: decides precision and gradient accumulation ('none': plain fp32)")
+    g.add_argument(
+        "--preset",
+        choices=MEMORY_PRESETS,
+        default="balanced",
+        help="memory preset: decides precision and gradient accumulation ('none': plain fp32)",
+    )
     g.add_argument("--precision", default=None, help="32, 16-mixed, bf16-mixed, ...; overrides the preset's choice")
-    g.add_argument("--effective_batch_size", type=int, default=None,
-                   help="samples per optimizer step over all devices; accumulation is derived from it")
-    g.add_argument("--metric_budget_bytes", type=int, default=2**31,
-                   help="working-set budget of one block of the retrieval metric (its `memory_budget_bytes`)")
+    g.add_argument(
+        "--effective_batch_size",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all devices; accumulation is derived from it",
+    )
+    g.add_argument(
+        "--metric_budget_bytes",
+        type=int,
+        default=2**31,
+        help="working-set budget of one block of the retrieval metric (its `memory_budget_bytes`)",
+    )
     g.add_argument("--memory_log_every_n_steps", type=int, default=10, help="memory reading interval")
     g.add_argument("--no_memory_callbacks", action="store_true", help="run without the package's callbacks")
-    g.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
-                   help="draw the memory timeline (needs matplotlib)")
+    g.add_argument(
+        "--plot",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draw the memory timeline (needs matplotlib)",
+    )
     g.add_argument("--progress_bar", action=argparse.BooleanOptionalAction, default=True, help="show progress bars")
     return p
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("num_samples", "num_unique_texts", "batch_size", "num_devices", "max_frames", "frame_dim",
-                 "max_tokens", "embed_dim", "hidden_dim", "metric_budget_bytes", "memory_log_every_n_steps"):
+    for name in (
+        "num_samples",
+        "num_unique_texts",
+        "batch_size",
+        "num_devices",
+        "max_frames",
+        "frame_dim",
+        "max_tokens",
+        "embed_dim",
+        "hidden_dim",
+        "metric_budget_bytes",
+        "memory_log_every_n_steps",
+    ):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: `--{name}` must be a positive int, got {getattr(args, name)}.")
     if args.num_samples < args.num_unique_texts:
-        raise SystemExit(f"error: `--num_samples` {args.num_samples} is smaller than `--num_unique_texts` "
-                         f"{args.num_unique_texts}; every caption needs at least one clip.")
+        raise SystemExit(
+            f"error: `--num_samples` {args.num_samples} is smaller than `--num_unique_texts` "
+            f"{args.num_unique_texts}; every caption needs at least one clip."
+        )
     if args.num_workers < 0:
         raise SystemExit(f"error: `--num_workers` must be >= 0, got {args.num_workers}.")
 
@@ -130,7 +168,8 @@ def _accumulation(args: argparse.Namespace) -> int:
     if args.effective_batch_size % per_step:
         raise SystemExit(
             f"error: `--effective_batch_size` {args.effective_batch_size} is not a multiple of --batch_size x "
-            f"--num_devices = {per_step}. Pick an effective batch that is, or change --batch_size.")
+            f"--num_devices = {per_step}. Pick an effective batch that is, or change --batch_size."
+        )
     return args.effective_batch_size // per_step
 
 
@@ -148,14 +187,23 @@ def memory_trainer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     precision = None if args.precision is None else _PRECISION_ALIASES.get(str(args.precision), str(args.precision))
     if args.preset == "none":
         return {"accumulate_grad_batches": accumulate, "precision": precision or "32-true"}
-    overrides: dict[str, Any] = {"monitor": False, "cache_clean_on_phase_end": False, "gc_every_n_steps": 0,
-                                 "checkpoint_modules": CHECKPOINT_MODULES}
+    overrides: dict[str, Any] = {
+        "monitor": False,
+        "cache_clean_on_phase_end": False,
+        "gc_every_n_steps": 0,
+        "checkpoint_modules": CHECKPOINT_MODULES,
+    }
     if precision is not None:
         overrides["precision"] = precision
     try:
         effective = args.batch_size * args.num_devices * accumulate
-        preset = MemoryPreset.from_name(args.preset, effective_batch_size=effective, micro_batch_size=args.batch_size,
-                                        devices=args.num_devices, **overrides)
+        preset = MemoryPreset.from_name(
+            args.preset,
+            effective_batch_size=effective,
+            micro_batch_size=args.batch_size,
+            devices=args.num_devices,
+            **overrides,
+        )
     except ValueError as err:
         raise SystemExit(f"error: {err}") from err
     kwargs = preset.trainer_kwargs()
@@ -221,10 +269,15 @@ def report(summary: dict[str, Any]) -> str:
     if cost:
         lines.append(f"retrieval on {cost['num_videos']:,} clips x {cost['num_unique_texts']:,} distinct captions:")
     for direction in ("v2t", "t2v"):
-        parts = [f"R@{k} {metrics.get(f'val/{direction}/R@{k}', float('nan')):.4f} "
-                 f"(chance {_fraction(chance.get(f'{direction}/R@{k}', float('nan')))})" for k in TOP_K]
-        parts += [f"MedR {metrics.get(f'val/{direction}/MedR', float('nan')):.0f}",
-                  f"MeanR {metrics.get(f'val/{direction}/MeanR', float('nan')):.1f}"]
+        parts = [
+            f"R@{k} {metrics.get(f'val/{direction}/R@{k}', float('nan')):.4f} "
+            f"(chance {_fraction(chance.get(f'{direction}/R@{k}', float('nan')))})"
+            for k in TOP_K
+        ]
+        parts += [
+            f"MedR {metrics.get(f'val/{direction}/MedR', float('nan')):.0f}",
+            f"MeanR {metrics.get(f'val/{direction}/MeanR', float('nan')):.1f}",
+        ]
         lines.append(f"  {direction}: " + ", ".join(parts))
     if "val/category_acc" in metrics:
         lines.append(f"  category accuracy (second task): {metrics['val/category_acc']:.4f}")
@@ -234,14 +287,21 @@ def report(summary: dict[str, Any]) -> str:
         lines.append(f"  {n:,} x {n:,} (captions not deduplicated): {_size(summary['naive_matrix_bytes'])}")
         lines.append(f"  {n:,} x {u:,} (deduplicated captions):     {_size(summary['naive_dedup_matrix_bytes'])}")
         bv, bt = cost["block_sizes"]
-        lines.append(f"StreamingRetrievalMetric.compute(): {cost['seconds']:.1f} s, blocks of {bv} x {bt}, budget "
-                     f"{_size(cost['budget_bytes'])} (planned working set {_size(cost['planned_working_set_bytes'])})")
+        lines.append(
+            f"StreamingRetrievalMetric.compute(): {cost['seconds']:.1f} s, blocks of {bv} x {bt}, budget "
+            f"{_size(cost['budget_bytes'])} (planned working set {_size(cost['planned_working_set_bytes'])})"
+        )
         growth = cost["rss_growth_bytes"]
-        ratio = (f"; {summary['naive_dedup_matrix_bytes'] / growth:.0f}x less than the deduplicated matrix"
-                 if growth >= 2**20 else "")
-        lines.append(f"  features held on CPU: {_size(cost['stored_feature_bytes_this_rank'])}; peak RSS growth during "
-                     f"compute: {_size(growth)} (RSS {_size(cost['rss_start_bytes'])} -> peak "
-                     f"{_size(cost['rss_peak_bytes'])}){ratio}")
+        ratio = (
+            f"; {summary['naive_dedup_matrix_bytes'] / growth:.0f}x less than the deduplicated matrix"
+            if growth >= 2**20
+            else ""
+        )
+        lines.append(
+            f"  features held on CPU: {_size(cost['stored_feature_bytes_this_rank'])}; peak RSS growth during "
+            f"compute: {_size(growth)} (RSS {_size(cost['rss_start_bytes'])} -> peak "
+            f"{_size(cost['rss_peak_bytes'])}){ratio}"
+        )
     lines.append(f"logs:         {summary['log_dir']}")
     logs = [Path(p) for p in summary["memory_logs"]]
     if logs:
@@ -287,37 +347,72 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root)
     memory_dir = root / "memory"
     datamodule = ClipRetrievalDataModule(
-        num_samples=args.num_samples, num_unique_texts=args.num_unique_texts, num_train_samples=args.num_train_samples,
-        batch_size=args.batch_size, val_batch_size=args.val_batch_size, num_workers=args.num_workers,
-        max_frames=args.max_frames, frame_dim=args.frame_dim, max_tokens=args.max_tokens, vocab_size=args.vocab_size,
-        latent_dim=args.latent_dim, num_categories=args.num_categories, noise_std=args.noise_std,
-        distractor_prob=args.distractor_prob, seed=args.seed,
+        num_samples=args.num_samples,
+        num_unique_texts=args.num_unique_texts,
+        num_train_samples=args.num_train_samples,
+        batch_size=args.batch_size,
+        val_batch_size=args.val_batch_size,
+        num_workers=args.num_workers,
+        max_frames=args.max_frames,
+        frame_dim=args.frame_dim,
+        max_tokens=args.max_tokens,
+        vocab_size=args.vocab_size,
+        latent_dim=args.latent_dim,
+        num_categories=args.num_categories,
+        noise_std=args.noise_std,
+        distractor_prob=args.distractor_prob,
+        seed=args.seed,
     )
     model = ClipRetrievalModule(
-        frame_dim=args.frame_dim, vocab_size=args.vocab_size, num_categories=args.num_categories,
-        hidden_dim=args.hidden_dim, embed_dim=args.embed_dim, pooling=args.pooling, lr=args.lr,
-        category_weight=args.category_weight, init_temperature=args.temperature,
-        metric_budget_bytes=args.metric_budget_bytes, top_k=TOP_K,
+        frame_dim=args.frame_dim,
+        vocab_size=args.vocab_size,
+        num_categories=args.num_categories,
+        hidden_dim=args.hidden_dim,
+        embed_dim=args.embed_dim,
+        pooling=args.pooling,
+        lr=args.lr,
+        category_weight=args.category_weight,
+        init_temperature=args.temperature,
+        metric_budget_bytes=args.metric_budget_bytes,
+        top_k=TOP_K,
     )
     trainer_kwargs = memory_trainer_kwargs(args)
     extra_callbacks = trainer_kwargs.pop("callbacks", [])
-    optional = {k: v for k, v in {"limit_train_batches": args.limit_train_batches,
-                                  "limit_val_batches": args.limit_val_batches}.items() if v is not None}
+    optional = {
+        k: v
+        for k, v in {
+            "limit_train_batches": args.limit_train_batches,
+            "limit_val_batches": args.limit_val_batches,
+        }.items()
+        if v is not None
+    }
     for k, v in optional.items():
         optional[k] = int(v) if float(v).is_integer() and v >= 1 else float(v)
     logger = CSVLogger(str(root), name="logs")
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=args.num_devices, strategy="ddp" if args.num_devices > 1 else "auto",
-        max_epochs=args.max_epochs, max_steps=args.max_steps, default_root_dir=str(root), logger=logger,
-        callbacks=[*memory_callbacks(args, memory_dir), *extra_callbacks], log_every_n_steps=10,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=args.progress_bar, **optional,
+        accelerator=args.accelerator,
+        devices=args.num_devices,
+        strategy="ddp" if args.num_devices > 1 else "auto",
+        max_epochs=args.max_epochs,
+        max_steps=args.max_steps,
+        default_root_dir=str(root),
+        logger=logger,
+        callbacks=[*memory_callbacks(args, memory_dir), *extra_callbacks],
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=args.progress_bar,
+        **optional,
         **trainer_kwargs,
     )
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"{n_params / 1e6:.2f}M parameters; precision {trainer.precision}; micro-batch {args.batch_size} x "
-              f"{trainer.accumulate_grad_batches} accumulation x {trainer.world_size} devices; "
-              f"{args.num_samples:,} validation clips over {args.num_unique_texts:,} captions", flush=True)
+        print(
+            f"{n_params / 1e6:.2f}M parameters; precision {trainer.precision}; micro-batch {args.batch_size} x "
+            f"{trainer.accumulate_grad_batches} accumulation x {trainer.world_size} devices; "
+            f"{args.num_samples:,} validation clips over {args.num_unique_texts:,} captions",
+            flush=True,
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         if not args.eval_only:

@@ -60,8 +60,7 @@ class FineTuningHead(pl.LightningModule):
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         out = self.head(self.backbone(batch["peaks"])[:, 0]).float()
         bits, props = out[:, : self.num_substructures], out[:, self.num_substructures :]
-        return (F.binary_cross_entropy_with_logits(bits, batch["substructures"])
-                + F.mse_loss(props, batch["properties"]))
+        return F.binary_cross_entropy_with_logits(bits, batch["substructures"]) + F.mse_loss(props, batch["properties"])
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -93,9 +92,15 @@ class CollectGarbage(pl.Callback):
 
 def hand_written_trainer(devices: int, **trainer_kwargs: Any) -> tuple[pl.Trainer, int]:
     """The Trainer and the DataLoader batch size of the hand-written fixes."""
-    trainer = pl.Trainer(devices=devices, strategy=DDPStrategy(find_unused_parameters=True), precision=16,
-                         accumulate_grad_batches=2, limit_val_batches=4,
-                         callbacks=[EmptyCacheEveryBatch(), CollectGarbage(every_n_steps=25)], **trainer_kwargs)
+    trainer = pl.Trainer(
+        devices=devices,
+        strategy=DDPStrategy(find_unused_parameters=True),
+        precision=16,
+        accumulate_grad_batches=2,
+        limit_val_batches=4,
+        callbacks=[EmptyCacheEveryBatch(), CollectGarbage(every_n_steps=25)],
+        **trainer_kwargs,
+    )
     return trainer, 1
 
 
@@ -104,10 +109,19 @@ def package_trainer(devices: int, **trainer_kwargs: Any) -> tuple[pl.Trainer, in
     """The Trainer and the DataLoader batch size with ``MemoryPreset`` and ``MemoryAudit``."""
     from lightning_memopt import MemoryAudit, MemoryPreset
 
-    preset = MemoryPreset("max-savings", effective_batch_size=2 * devices, micro_batch_size=1, devices=devices,
-                          precision=16, gc_every_n_steps=25)
-    trainer = pl.Trainer(strategy=DDPStrategy(find_unused_parameters=True), limit_val_batches=4,
-                         **preset.trainer_kwargs(callbacks=[MemoryAudit()], **trainer_kwargs))
+    preset = MemoryPreset(
+        "max-savings",
+        effective_batch_size=2 * devices,
+        micro_batch_size=1,
+        devices=devices,
+        precision=16,
+        gc_every_n_steps=25,
+    )
+    trainer = pl.Trainer(
+        strategy=DDPStrategy(find_unused_parameters=True),
+        limit_val_batches=4,
+        **preset.trainer_kwargs(callbacks=[MemoryAudit()], **trainer_kwargs),
+    )
     return trainer, preset.batch_size
 
 
@@ -127,14 +141,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = FineTuningHead(SpectrumEncoder(model_config("tiny", dropout=0.0)))
     build = package_trainer if args.variant == "package" else hand_written_trainer
-    common = dict(accelerator="cpu", max_steps=args.max_steps, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
-                  num_sanity_val_steps=0)
+    common = dict(
+        accelerator="cpu",
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        num_sanity_val_steps=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer, batch_size = build(args.devices, **common)
-        loader = {fold: DataLoader(SpectraDataset(data_path, fold, max_peaks_n=32), batch_size=batch_size,
-                                   shuffle=False, collate_fn=collate_spectra) for fold in ("train", "val")}
+        loader = {
+            fold: DataLoader(
+                SpectraDataset(data_path, fold, max_peaks_n=32),
+                batch_size=batch_size,
+                shuffle=False,
+                collate_fn=collate_spectra,
+            )
+            for fold in ("train", "val")
+        }
         trainer.validate(model, loader["val"], verbose=False)  # as DreaMS: a validation before training
         trainer.fit(model, loader["train"], loader["val"])
     summary = {
@@ -145,15 +173,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch_size": batch_size,
         "precision": trainer.precision,
         "callbacks": sorted(type(c).__name__ for c in trainer.callbacks),
-        "warnings": sorted({str(w.message) for w in caught if "lightning_memopt" in (w.filename or "")
-                            or str(w.message).startswith("MemoryAudit")}),
+        "warnings": sorted(
+            {
+                str(w.message)
+                for w in caught
+                if "lightning_memopt" in (w.filename or "") or str(w.message).startswith("MemoryAudit")
+            }
+        ),
         "weights": {k: v.double().sum().item() for k, v in model.state_dict().items()},
     }
     if args.result:
         Path(f"{args.result}{trainer.global_rank}.json").write_text(json.dumps(summary))
     if trainer.is_global_zero:
-        print(f"{args.variant}: {trainer.global_step} optimizer steps, accumulate {trainer.accumulate_grad_batches}"
-              f" x batch {batch_size} x {args.devices} devices, precision {trainer.precision}")
+        print(
+            f"{args.variant}: {trainer.global_step} optimizer steps, accumulate {trainer.accumulate_grad_batches}"
+            f" x batch {batch_size} x {args.devices} devices, precision {trainer.precision}"
+        )
         for message in summary["warnings"]:
             print(f"  {message}")
     if torch.distributed.is_initialized():

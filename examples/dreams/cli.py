@@ -48,17 +48,37 @@ class DreamsCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument("--memory.preset", type=Literal["auto", "max-savings", "balanced", "max-speed", "none"],
-                            default="auto", help="memory preset: decides precision and gradient accumulation")
-        parser.add_argument("--memory.effective_batch_size", type=int | None, default=None,
-                            help="samples per optimizer step over all devices; accumulation is derived from it")
-        parser.add_argument("--memory.train_precision", type=str | None, default=None,
-                            help="precision (32, 64, 16-mixed, bf16-mixed, ...); overrides the preset's choice")
-        parser.add_argument("--memory.gradient_checkpointing", type=bool, default=False,
-                            help="recompute encoder activations in backward")
-        parser.add_argument("--memory.auto_micro_batch", type=bool, default=False,
-                            help="the DataLoader yields the whole per-device batch and AutoMicroBatch splits it,"
-                                 " halving on out-of-memory with the same effective batch")
+        parser.add_argument(
+            "--memory.preset",
+            type=Literal["auto", "max-savings", "balanced", "max-speed", "none"],
+            default="auto",
+            help="memory preset: decides precision and gradient accumulation",
+        )
+        parser.add_argument(
+            "--memory.effective_batch_size",
+            type=int | None,
+            default=None,
+            help="samples per optimizer step over all devices; accumulation is derived from it",
+        )
+        parser.add_argument(
+            "--memory.train_precision",
+            type=str | None,
+            default=None,
+            help="precision (32, 64, 16-mixed, bf16-mixed, ...); overrides the preset's choice",
+        )
+        parser.add_argument(
+            "--memory.gradient_checkpointing",
+            type=bool,
+            default=False,
+            help="recompute encoder activations in backward",
+        )
+        parser.add_argument(
+            "--memory.auto_micro_batch",
+            type=bool,
+            default=False,
+            help="the DataLoader yields the whole per-device batch and AutoMicroBatch splits it,"
+            " halving on out-of-memory with the same effective batch",
+        )
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -96,8 +116,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> DreamsCLI:
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     try:
-        cli = DreamsCLI(SpectraFineTuner, SpectraDataModule, args=args, run=run,
-                        save_config_kwargs={"overwrite": True})
+        cli = DreamsCLI(SpectraFineTuner, SpectraDataModule, args=args, run=run, save_config_kwargs={"overwrite": True})
         trainer = cli.trainer
         if run and cli.subcommand == "fit":
             if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -55,10 +55,28 @@ class SpectrumEncoderConfig:
 #: ``dreams-base`` has DreaMS's published sizes (1024-d, 7 layers, 8 heads, 5,997 frequencies; ~95M).
 MODEL_PRESETS: dict[str, SpectrumEncoderConfig] = {
     "tiny": SpectrumEncoderConfig(),
-    "small": SpectrumEncoderConfig(d_fourier=224, d_peak=32, n_layers=4, n_heads=8, n_freq_low=256, n_freq_high=256,
-                                   fourier_mlp_layers=3, fourier_mlp_width=256, dropout=0.05),
-    "dreams-base": SpectrumEncoderConfig(d_fourier=980, d_peak=44, n_layers=7, n_heads=8, n_freq_low=4999,
-                                         n_freq_high=998, fourier_mlp_layers=5, fourier_mlp_width=512, dropout=0.1),
+    "small": SpectrumEncoderConfig(
+        d_fourier=224,
+        d_peak=32,
+        n_layers=4,
+        n_heads=8,
+        n_freq_low=256,
+        n_freq_high=256,
+        fourier_mlp_layers=3,
+        fourier_mlp_width=256,
+        dropout=0.05,
+    ),
+    "dreams-base": SpectrumEncoderConfig(
+        d_fourier=980,
+        d_peak=44,
+        n_layers=7,
+        n_heads=8,
+        n_freq_low=4999,
+        n_freq_high=998,
+        fourier_mlp_layers=5,
+        fourier_mlp_width=512,
+        dropout=0.1,
+    ),
 }
 
 
@@ -132,12 +150,21 @@ class SpectrumEncoder(nn.Module):
         super().__init__()
         self.config = config
         d = config.d_model
-        self.fourier = FourierFeatures(config.n_freq_low, config.n_freq_high, config.fourier_mlp_layers,
-                                       config.fourier_mlp_width, config.d_fourier)
+        self.fourier = FourierFeatures(
+            config.n_freq_low, config.n_freq_high, config.fourier_mlp_layers, config.fourier_mlp_width, config.d_fourier
+        )
         self.peak_mlp = nn.Sequential(nn.Linear(2, config.d_peak), nn.ReLU(), nn.Linear(config.d_peak, config.d_peak))
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(d, config.n_heads, dim_feedforward=4 * d, dropout=config.dropout,
-                                       activation="gelu", batch_first=True, norm_first=True, bias=False)
+            nn.TransformerEncoderLayer(
+                d,
+                config.n_heads,
+                dim_feedforward=4 * d,
+                dropout=config.dropout,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+                bias=False,
+            )
             for _ in range(config.n_layers)
         )
         self.norm = nn.LayerNorm(d)
@@ -164,5 +191,8 @@ class SpectrumEncoder(nn.Module):
         return self.norm(x)
 
     def describe(self) -> dict[str, Any]:
-        return {**asdict(self.config), "d_model": self.config.d_model,
-                "parameters": sum(p.numel() for p in self.parameters())}
+        return {
+            **asdict(self.config),
+            "d_model": self.config.d_model,
+            "parameters": sum(p.numel() for p in self.parameters()),
+        }

@@ -31,7 +31,7 @@ def load_backbone_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]
     obj = torch.load(path, map_location="cpu", weights_only=True)
     state = obj.get("state_dict", obj)
     if any(k.startswith("backbone.") for k in state):
-        state = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
+        state = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
     if not state:
         raise ValueError(f"`pre_trained_pth` {str(path)!r} holds no backbone weights (no `backbone.*` keys).")
     return state
@@ -83,8 +83,9 @@ class SpectraFineTuner(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        cfg = model_config(model_preset, d_fourier=d_fourier, d_peak=d_peak, n_layers=n_layers, n_heads=n_heads,
-                           dropout=dropout)
+        cfg = model_config(
+            model_preset, d_fourier=d_fourier, d_peak=d_peak, n_layers=n_layers, n_heads=n_heads, dropout=dropout
+        )
         self.backbone = SpectrumEncoder(cfg)
         self.head = nn.Linear(cfg.d_model, num_substructures + NUM_PROPERTIES)
         with torch.no_grad():  # start from the usual substructure rate instead of p = 0.5
@@ -93,15 +94,18 @@ class SpectraFineTuner(pl.LightningModule):
         if not head_lr_scale > 0:
             raise ValueError(f"`head_lr_scale` must be a positive number, got {head_lr_scale!r}.")
         if unfreeze_backbone_at_epoch < 0:
-            raise ValueError(f"`unfreeze_backbone_at_epoch` must be >= 0 (0 = never frozen), got "
-                             f"{unfreeze_backbone_at_epoch}.")
+            raise ValueError(
+                f"`unfreeze_backbone_at_epoch` must be >= 0 (0 = never frozen), got {unfreeze_backbone_at_epoch}."
+            )
         if gradient_checkpointing:
             self.backbone.gradient_checkpointing_enable()
         if pre_trained_pth:
             self.load_backbone(pre_trained_pth)
         elif unfreeze_backbone_at_epoch > 0:
-            rank_zero_warn("`unfreeze_backbone_at_epoch` > 0 without `pre_trained_pth`: the frozen backbone is"
-                           " randomly initialised, so only the head learns until it is unfrozen.")
+            rank_zero_warn(
+                "`unfreeze_backbone_at_epoch` > 0 without `pre_trained_pth`: the frozen backbone is"
+                " randomly initialised, so only the head learns until it is unfrozen."
+            )
         self.register_buffer("prior_bits", torch.full((num_substructures,), 0.15), persistent=False)
         self.register_buffer("prior_properties", torch.zeros(NUM_PROPERTIES), persistent=False)
 
@@ -116,10 +120,14 @@ class SpectraFineTuner(pl.LightningModule):
                 f" `model_preset` and size overrides it was trained with. Details: {err}"
             ) from err
         if missing:
-            raise ValueError(f"`pre_trained_pth` {str(path)!r} lacks {len(missing)} backbone weights, e.g. "
-                             f"{missing[:3]}. Pass the `model_preset` and size overrides it was trained with.")
-        rank_zero_info(f"Loaded the backbone from {path} ({len(state)} tensors"
-                       + (f"; ignored {len(unexpected)} unexpected keys)" if unexpected else ")"))
+            raise ValueError(
+                f"`pre_trained_pth` {str(path)!r} lacks {len(missing)} backbone weights, e.g. "
+                f"{missing[:3]}. Pass the `model_preset` and size overrides it was trained with."
+            )
+        rank_zero_info(
+            f"Loaded the backbone from {path} ({len(state)} tensors"
+            + (f"; ignored {len(unexpected)} unexpected keys)" if unexpected else ")")
+        )
 
     def gradient_checkpointing_enable(self) -> None:
         """Hugging Face-style switch, so ``GradientCheckpointing`` callbacks can turn it on."""
@@ -180,7 +188,8 @@ class SpectraFineTuner(pl.LightningModule):
         n = len(batch["peaks"])
         p = self.prior_bits.clamp(1e-6, 1 - 1e-6).expand_as(batch["substructures"])
         baseline = F.binary_cross_entropy(p, batch["substructures"]) + F.mse_loss(
-            self.prior_properties.expand_as(batch["properties"]), batch["properties"])
+            self.prior_properties.expand_as(batch["properties"]), batch["properties"]
+        )
         self.log_dict({f"val_{k}": v for k, v in losses.items()}, prog_bar=True, batch_size=n, sync_dist=True)
         self.log("val_baseline_loss", baseline, batch_size=n, sync_dist=True)
 
@@ -189,8 +198,10 @@ class SpectraFineTuner(pl.LightningModule):
         lr = self.hparams.lr
         fast = [*self.head.parameters(), *self.backbone.norm.parameters()]
         fast_ids = {id(p) for p in fast}
-        groups = [{"params": [p for p in self.parameters() if id(p) not in fast_ids], "lr": lr},
-                  {"params": fast, "lr": lr * self.hparams.head_lr_scale}]
+        groups = [
+            {"params": [p for p in self.parameters() if id(p) not in fast_ids], "lr": lr},
+            {"params": fast, "lr": lr * self.hparams.head_lr_scale},
+        ]
         opt = torch.optim.AdamW(groups, lr=lr, weight_decay=self.hparams.weight_decay)
         warmup = max(1, int(self.hparams.warmup_steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
@@ -262,9 +273,14 @@ class SpectraDataModule(pl.LightningDataModule):
 
     def _loader(self, fold: str, shuffle: bool) -> DataLoader:
         workers = self.hparams.num_workers_data
-        return DataLoader(self._sets[fold], batch_size=self.hparams.batch_size, shuffle=shuffle,
-                          num_workers=workers, persistent_workers=workers > 0,
-                          collate_fn=partial(collate_spectra, dynamic_padding=self.hparams.dynamic_padding))
+        return DataLoader(
+            self._sets[fold],
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            collate_fn=partial(collate_spectra, dynamic_padding=self.hparams.dynamic_padding),
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:

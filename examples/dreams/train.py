@@ -90,74 +90,139 @@ def _int_or_float(text: str) -> int | float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: DreaMS-style flags plus the memory flags of this package."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     g = p.add_argument_group("data")
-    g.add_argument("--data_path", default="outputs/data/dreams_synthetic.hdf5",
-                   help="HDF5 spectra file (generated if missing)")
+    g.add_argument(
+        "--data_path", default="outputs/data/dreams_synthetic.hdf5", help="HDF5 spectra file (generated if missing)"
+    )
     g.add_argument("--num_spectra", type=int, default=4000, help="spectra to generate when --data_path is missing")
     g.add_argument("--max_peaks_n", type=int, default=100, help="most intense peaks kept per spectrum")
     g.add_argument("--num_workers_data", type=int, default=0, help="DataLoader workers (each opens the HDF5 lazily)")
     g.add_argument("--in_mem", action="store_true", help="read the data into RAM instead of lazily")
-    g.add_argument("--dynamic_padding", action=argparse.BooleanOptionalAction, default=True,
-                   help="pad each batch to its longest spectrum (--no-dynamic_padding: always to max_peaks_n)")
+    g.add_argument(
+        "--dynamic_padding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pad each batch to its longest spectrum (--no-dynamic_padding: always to max_peaks_n)",
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--model_preset", choices=tuple(MODEL_PRESETS), default="tiny",
-                   help="model size: tiny (~0.2M parameters, CPU), small (~3.5M), dreams-base (~95M, DreaMS's size)")
+    g.add_argument(
+        "--model_preset",
+        choices=tuple(MODEL_PRESETS),
+        default="tiny",
+        help="model size: tiny (~0.2M parameters, CPU), small (~3.5M), dreams-base (~95M, DreaMS's size)",
+    )
     g.add_argument("--d_fourier", type=int, default=None, help="override the preset's Fourier width")
     g.add_argument("--d_peak", type=int, default=None, help="override the preset's peak-MLP width")
     g.add_argument("--n_layers", type=int, default=None, help="override the preset's encoder layers")
     g.add_argument("--n_heads", type=int, default=None, help="override the preset's attention heads")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
-    g.add_argument("--pre_trained_pth", default=None,
-                   help="checkpoint to load the backbone from (a checkpoint of this script or a backbone state_dict)")
-    g.add_argument("--unfreeze_backbone_at_epoch", type=int, default=0,
-                   help="train only the head before this epoch (0: never frozen)")
+    g.add_argument(
+        "--pre_trained_pth",
+        default=None,
+        help="checkpoint to load the backbone from (a checkpoint of this script or a backbone state_dict)",
+    )
+    g.add_argument(
+        "--unfreeze_backbone_at_epoch",
+        type=int,
+        default=0,
+        help="train only the head before this epoch (0: never frozen)",
+    )
     g = p.add_argument_group("training")
-    g.add_argument("--batch_size", type=int, default=None,
-                   help=f"micro-batch size per device (default {DEFAULT_BATCH_SIZE}; with --effective_batch_size and"
-                        " no --batch_size the memory preset picks it)")
+    g.add_argument(
+        "--batch_size",
+        type=int,
+        default=None,
+        help=f"micro-batch size per device (default {DEFAULT_BATCH_SIZE}; with --effective_batch_size and"
+        " no --batch_size the memory preset picks it)",
+    )
     g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (after a 20-step warm-up)")
     g.add_argument("--head_lr_scale", type=float, default=10.0, help="the fresh head learns at lr x this")
     g.add_argument("--max_epochs", type=int, default=3)
     g.add_argument("--max_steps", type=int, default=-1, help="stop after this many optimizer steps (-1: no limit)")
-    g.add_argument("--limit_train_batches", type=_int_or_float, default=None,
-                   help="train batches per epoch: a number (10) or a fraction (0.5)")
-    g.add_argument("--val_check_interval", type=_int_or_float, default=None,
-                   help="validate every N train batches (or a fraction of the epoch)")
-    g.add_argument("--limit_val_batches", type=_int_or_float, default=None,
-                   help="validation batches: a number (10) or a fraction (0.5)")
+    g.add_argument(
+        "--limit_train_batches",
+        type=_int_or_float,
+        default=None,
+        help="train batches per epoch: a number (10) or a fraction (0.5)",
+    )
+    g.add_argument(
+        "--val_check_interval",
+        type=_int_or_float,
+        default=None,
+        help="validate every N train batches (or a fraction of the epoch)",
+    )
+    g.add_argument(
+        "--limit_val_batches",
+        type=_int_or_float,
+        default=None,
+        help="validation batches: a number (10) or a fraction (0.5)",
+    )
     g.add_argument("--num_sanity_val_steps", type=int, default=None, help="validation batches run before training")
     g.add_argument("--save_top_k", type=int, default=1, help="best checkpoints kept (by val_loss)")
-    g.add_argument("--every_n_train_steps", type=int, default=None,
-                   help="also keep a checkpoint every N optimizer steps (step=<n>.ckpt), next to the best and last")
-    g.add_argument("--num_devices", type=int, default=1,
-                   help="devices; DDP when > 1 (CPU processes with gloo without a GPU; run it as a script)")
+    g.add_argument(
+        "--every_n_train_steps",
+        type=int,
+        default=None,
+        help="also keep a checkpoint every N optimizer steps (step=<n>.ckpt), next to the best and last",
+    )
+    g.add_argument(
+        "--num_devices",
+        type=int,
+        default=1,
+        help="devices; DDP when > 1 (CPU processes with gloo without a GPU; run it as a script)",
+    )
     g.add_argument("--accelerator", default="auto", help="cpu, gpu or auto")
-    g.add_argument("--cpu_threads", type=int, default=None,
-                   help="torch intra-op threads when training on CPU (default 1: tiny models gain nothing from more"
-                        " and lose a lot when cores are shared); restored at the end")
+    g.add_argument(
+        "--cpu_threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads when training on CPU (default 1: tiny models gain nothing from more"
+        " and lose a lot when cores are shared); restored at the end",
+    )
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--output_dir", default="outputs/dreams",
-                   help="each run writes to <output_dir>/version_<n>: checkpoints, metrics.csv, memory logs and plot")
-    g.add_argument("--progress_bar", action=argparse.BooleanOptionalAction, default=None,
-                   help="show Lightning's progress bar (default: only on a terminal; otherwise one line per"
-                        " validation)")
+    g.add_argument(
+        "--output_dir",
+        default="outputs/dreams",
+        help="each run writes to <output_dir>/version_<n>: checkpoints, metrics.csv, memory logs and plot",
+    )
+    g.add_argument(
+        "--progress_bar",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show Lightning's progress bar (default: only on a terminal; otherwise one line per validation)",
+    )
     g.add_argument("--no_wandb", action="store_true", help="accepted for DreaMS compatibility; logs go to CSV")
     g = p.add_argument_group("memory")
-    g.add_argument("--preset", choices=MEMORY_PRESETS, default="auto",
-                   help="memory preset: decides precision and gradient accumulation ('auto': by GPU size, 'balanced'"
-                        " without a GPU; 'none': only the explicit flags)")
-    g.add_argument("--train_precision", default=None,
-                   help="precision (32, 64, 16-mixed, bf16-mixed, ...); overrides the preset's choice")
-    g.add_argument("--effective_batch_size", type=int, default=None,
-                   help="samples per optimizer step over all devices; accumulation is derived from it")
+    g.add_argument(
+        "--preset",
+        choices=MEMORY_PRESETS,
+        default="auto",
+        help="memory preset: decides precision and gradient accumulation ('auto': by GPU size, 'balanced'"
+        " without a GPU; 'none': only the explicit flags)",
+    )
+    g.add_argument(
+        "--train_precision",
+        default=None,
+        help="precision (32, 64, 16-mixed, bf16-mixed, ...); overrides the preset's choice",
+    )
+    g.add_argument(
+        "--effective_batch_size",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all devices; accumulation is derived from it",
+    )
     g.add_argument("--accumulate_grad_batches", type=int, default=None, help="micro-batches per optimizer step")
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute encoder activations in backward")
-    g.add_argument("--auto_micro_batch", action="store_true",
-                   help="the DataLoader yields the whole per-device batch and AutoMicroBatch splits it into"
-                        " micro-batches (from --batch_size), halving them on out-of-memory with the same effective"
-                        " batch; no Lightning accumulation")
+    g.add_argument(
+        "--auto_micro_batch",
+        action="store_true",
+        help="the DataLoader yields the whole per-device batch and AutoMicroBatch splits it into"
+        " micro-batches (from --batch_size), halving them on out-of-memory with the same effective"
+        " batch; no Lightning accumulation",
+    )
     g.add_argument("--memory_log_every_n_steps", type=int, default=5, help="memory reading interval")
     g.add_argument("--no_memory_callbacks", action="store_true", help="run without the package's callbacks")
     return p
@@ -230,12 +295,14 @@ def preset_trainer_kwargs(
                 raise SystemExit(
                     f"error: `--accumulate_grad_batches` {accumulate_grad_batches} x --batch_size {batch_size} x"
                     f" --num_devices {num_devices} = {implied} contradicts --effective_batch_size"
-                    f" {effective_batch_size}. Pass one of them.")
+                    f" {effective_batch_size}. Pass one of them."
+                )
         elif accumulate_grad_batches is not None:
             if effective_batch_size % (num_devices * accumulate_grad_batches):
                 raise SystemExit(
                     f"error: `--effective_batch_size` {effective_batch_size} is not a multiple of --num_devices x"
-                    f" --accumulate_grad_batches = {num_devices * accumulate_grad_batches}.")
+                    f" --accumulate_grad_batches = {num_devices * accumulate_grad_batches}."
+                )
             batch_size = effective_batch_size // (num_devices * accumulate_grad_batches)
     if preset == "none":
         batch_size = batch_size or (effective_batch_size // num_devices if effective_batch_size else DEFAULT_BATCH_SIZE)
@@ -245,20 +312,30 @@ def preset_trainer_kwargs(
                 raise SystemExit(
                     f"error: `--effective_batch_size` {effective_batch_size} is not a multiple of --batch_size x"
                     f" --num_devices = {batch_size * num_devices}. Pick an effective batch that is, or change"
-                    " --batch_size.")
+                    " --batch_size."
+                )
             accumulate = effective_batch_size // (batch_size * num_devices)
         callbacks: list[Callback] = [GradientCheckpointing()] if gradient_checkpointing else []
         if auto_micro_batch:  # no preset: AutoMicroBatch directly, with the same effective batch
             callbacks.append(AutoMicroBatch(micro_batch_size=batch_size))
             batch_size, accumulate = batch_size * accumulate, 1
-        return {"accumulate_grad_batches": accumulate, "precision": precision or "32-true",
-                "callbacks": callbacks}, batch_size, "none"
+        return (
+            {"accumulate_grad_batches": accumulate, "precision": precision or "32-true", "callbacks": callbacks},
+            batch_size,
+            "none",
+        )
     if effective_batch_size is None:
         batch_size = batch_size or DEFAULT_BATCH_SIZE
         effective_batch_size = batch_size * num_devices * (accumulate_grad_batches or 1)
-    overrides: dict[str, Any] = {"monitor": False, "cache_clean_on_phase_end": False, "gc_every_n_steps": 0,
-                                 "effective_batch_size": effective_batch_size, "micro_batch_size": batch_size,
-                                 "devices": num_devices, "auto_micro_batch": auto_micro_batch}
+    overrides: dict[str, Any] = {
+        "monitor": False,
+        "cache_clean_on_phase_end": False,
+        "gc_every_n_steps": 0,
+        "effective_batch_size": effective_batch_size,
+        "micro_batch_size": batch_size,
+        "devices": num_devices,
+        "auto_micro_batch": auto_micro_batch,
+    }
     if gradient_checkpointing:
         overrides["gradient_checkpointing"] = True
     if precision is not None and precision != "64-true":
@@ -284,8 +361,16 @@ def preset_trainer_kwargs(
 def memory_trainer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`preset_trainer_kwargs` from the command line; sets ``args.batch_size`` to the DataLoader's batch."""
     kwargs, batch_size, name = preset_trainer_kwargs(
-        args.preset, args.batch_size, args.num_devices, args.effective_batch_size, args.accumulate_grad_batches,
-        args.train_precision, args.gradient_checkpointing, args.accelerator, args.auto_micro_batch)
+        args.preset,
+        args.batch_size,
+        args.num_devices,
+        args.effective_batch_size,
+        args.accumulate_grad_batches,
+        args.train_precision,
+        args.gradient_checkpointing,
+        args.accelerator,
+        args.auto_micro_batch,
+    )
     args.batch_size = batch_size
     args.preset_name = name
     return kwargs
@@ -319,8 +404,11 @@ class ValidationPrinter(Callback):
         m = trainer.callback_metrics
         if "val_loss" in m and "val_baseline_loss" in m:
             val, base = float(m["val_loss"]), float(m["val_baseline_loss"])
-            print(f"epoch {trainer.current_epoch} step {trainer.global_step}: val_loss {val:.4f}"
-                  f" (mean-prediction baseline {base:.4f}, ratio {val / base:.2f})", flush=True)
+            print(
+                f"epoch {trainer.current_epoch} step {trainer.global_step}: val_loss {val:.4f}"
+                f" (mean-prediction baseline {base:.4f}, ratio {val / base:.2f})",
+                flush=True,
+            )
 
 
 def _auto_micro_batch(trainer: pl.Trainer) -> Any:
@@ -340,12 +428,16 @@ def _memory_dir(trainer: pl.Trainer) -> Path | None:
 
 def _plot_hint(device: str) -> str:
     if device.startswith("cpu"):
-        what = ("the process's host memory (RSS) over time: a CPU gives no allocator figures. The climb in the first"
-                " seconds is the data, model, optimizer state and first batches arriving; a flat line afterwards means"
-                " nothing accumulates from step to step")
+        what = (
+            "the process's host memory (RSS) over time: a CPU gives no allocator figures. The climb in the first"
+            " seconds is the data, model, optimizer state and first batches arriving; a flat line afterwards means"
+            " nothing accumulates from step to step"
+        )
     else:
-        what = ("allocated, reserved and peak device memory over time per rank (device total dashed or noted in the"
-                " title); allocated is what tensors use, reserved what the caching allocator holds")
+        what = (
+            "allocated, reserved and peak device memory over time per rank (device total dashed or noted in the"
+            " title); allocated is what tensors use, reserved what the caching allocator holds"
+        )
     return f"the plot shows {what}. Shaded spans are the train and validation phases."
 
 
@@ -371,16 +463,18 @@ def report(trainer: pl.Trainer, checkpoint: ModelCheckpoint | None = None) -> st
     if "val_loss" in metrics and "val_baseline_loss" in metrics:
         val, base = float(metrics["val_loss"]), float(metrics["val_baseline_loss"])
         verdict = "it learned" if val <= 0.5 * base else "not yet at half the baseline"
-        lines.append(f"validation loss {val:.4f} vs mean-prediction baseline {base:.4f} (ratio {val / base:.2f}: "
-                     f"{verdict})")
+        lines.append(
+            f"validation loss {val:.4f} vs mean-prediction baseline {base:.4f} (ratio {val / base:.2f}: {verdict})"
+        )
     if checkpoint is not None and checkpoint.dirpath:
         lines.append(f"checkpoints:   {checkpoint.dirpath} (best: {Path(checkpoint.best_model_path).name or 'none'})")
     if trainer.logger is not None and trainer.logger.log_dir:
         lines.append(f"metrics:       {Path(trainer.logger.log_dir) / 'metrics.csv'}")
     auto = _auto_micro_batch(trainer)
     if auto is not None and auto.micro_batch_size is not None:
-        lines.append(f"micro-batch:   {auto.micro_batch_size} at the end ({auto.retries} halving(s) after"
-                     " out-of-memory)")
+        lines.append(
+            f"micro-batch:   {auto.micro_batch_size} at the end ({auto.retries} halving(s) after out-of-memory)"
+        )
     memory_dir = _memory_dir(trainer)
     logs = sorted(memory_dir.glob("memory_rank*.jsonl")) if memory_dir is not None else []
     if logs:
@@ -399,8 +493,10 @@ def report(trainer: pl.Trainer, checkpoint: ModelCheckpoint | None = None) -> st
         text = text.split("\nplot: ")[0]
         lines.append("memory summary:")
         lines.append(text)
-        lines.append(f"re-run the analysis: {_python()} -m lightning_memopt.cli analyze {memory_dir}/memory_rank*.jsonl"
-                     f" --plot {plot}")
+        lines.append(
+            f"re-run the analysis: {_python()} -m lightning_memopt.cli analyze {memory_dir}/memory_rank*.jsonl"
+            f" --plot {plot}"
+        )
     return "\n".join(lines)
 
 
@@ -429,46 +525,94 @@ def _run(args: argparse.Namespace) -> pl.Trainer:
     pl.seed_everything(args.seed, workers=True, verbose=False)
     out = Path(args.output_dir)
     trainer_kwargs = memory_trainer_kwargs(args)
-    datamodule = SpectraDataModule(data_path=args.data_path, num_spectra=args.num_spectra, batch_size=args.batch_size,
-                                   max_peaks_n=args.max_peaks_n, num_workers_data=args.num_workers_data,
-                                   in_mem=args.in_mem, dynamic_padding=args.dynamic_padding, seed=args.seed)
-    model = SpectraFineTuner(model_preset=args.model_preset, d_fourier=args.d_fourier, d_peak=args.d_peak,
-                             n_layers=args.n_layers, n_heads=args.n_heads, dropout=args.dropout, lr=args.lr,
-                             head_lr_scale=args.head_lr_scale,
-                             pre_trained_pth=args.pre_trained_pth,
-                             unfreeze_backbone_at_epoch=args.unfreeze_backbone_at_epoch)
+    datamodule = SpectraDataModule(
+        data_path=args.data_path,
+        num_spectra=args.num_spectra,
+        batch_size=args.batch_size,
+        max_peaks_n=args.max_peaks_n,
+        num_workers_data=args.num_workers_data,
+        in_mem=args.in_mem,
+        dynamic_padding=args.dynamic_padding,
+        seed=args.seed,
+    )
+    model = SpectraFineTuner(
+        model_preset=args.model_preset,
+        d_fourier=args.d_fourier,
+        d_peak=args.d_peak,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        dropout=args.dropout,
+        lr=args.lr,
+        head_lr_scale=args.head_lr_scale,
+        pre_trained_pth=args.pre_trained_pth,
+        unfreeze_backbone_at_epoch=args.unfreeze_backbone_at_epoch,
+    )
     # dirpath=None: <run directory>/checkpoints, the same directory on every rank.
     checkpoint = ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=args.save_top_k, save_last=True)
-    periodic = [] if not args.every_n_train_steps else [
-        ModelCheckpoint(every_n_train_steps=args.every_n_train_steps, save_top_k=-1, filename="step={step}",
-                        auto_insert_metric_name=False)]
+    periodic = (
+        []
+        if not args.every_n_train_steps
+        else [
+            ModelCheckpoint(
+                every_n_train_steps=args.every_n_train_steps,
+                save_top_k=-1,
+                filename="step={step}",
+                auto_insert_metric_name=False,
+            )
+        ]
+    )
     progress_bar = sys.stdout.isatty() if args.progress_bar is None else args.progress_bar
     extra_callbacks = trainer_kwargs.pop("callbacks", [])
-    optional = {k: v for k, v in {"limit_train_batches": args.limit_train_batches,
-                                  "limit_val_batches": args.limit_val_batches,
-                                  "val_check_interval": args.val_check_interval,
-                                  "num_sanity_val_steps": args.num_sanity_val_steps}.items() if v is not None}
+    optional = {
+        k: v
+        for k, v in {
+            "limit_train_batches": args.limit_train_batches,
+            "limit_val_batches": args.limit_val_batches,
+            "val_check_interval": args.val_check_interval,
+            "num_sanity_val_steps": args.num_sanity_val_steps,
+        }.items()
+        if v is not None
+    }
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=args.num_devices, strategy=_strategy(args), max_epochs=args.max_epochs,
-        max_steps=args.max_steps, default_root_dir=str(out), logger=CSVLogger(str(out), name=""),
-        callbacks=[checkpoint, *periodic, *memory_callbacks(args), *extra_callbacks,
-                   *([] if progress_bar else [ValidationPrinter()])],
-        log_every_n_steps=10, enable_model_summary=False, enable_progress_bar=progress_bar,
-        **optional, **trainer_kwargs,
+        accelerator=args.accelerator,
+        devices=args.num_devices,
+        strategy=_strategy(args),
+        max_epochs=args.max_epochs,
+        max_steps=args.max_steps,
+        default_root_dir=str(out),
+        logger=CSVLogger(str(out), name=""),
+        callbacks=[
+            checkpoint,
+            *periodic,
+            *memory_callbacks(args),
+            *extra_callbacks,
+            *([] if progress_bar else [ValidationPrinter()]),
+        ],
+        log_every_n_steps=10,
+        enable_model_summary=False,
+        enable_progress_bar=progress_bar,
+        **optional,
+        **trainer_kwargs,
     )
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in model.parameters())
         auto = _auto_micro_batch(trainer)
-        print(f"model {args.model_preset}: {n_params / 1e6:.2f}M parameters; memory preset {args.preset_name}:"
-              f" precision {trainer.precision}, {'batch' if auto else 'micro-batch'} {args.batch_size}"
-              f"{' per device' if auto else ''} x {trainer.accumulate_grad_batches}"
-              f" accumulation x {trainer.world_size} device(s) = effective batch"
-              f" {args.batch_size * trainer.accumulate_grad_batches * trainer.world_size}", flush=True)
+        print(
+            f"model {args.model_preset}: {n_params / 1e6:.2f}M parameters; memory preset {args.preset_name}:"
+            f" precision {trainer.precision}, {'batch' if auto else 'micro-batch'} {args.batch_size}"
+            f"{' per device' if auto else ''} x {trainer.accumulate_grad_batches}"
+            f" accumulation x {trainer.world_size} device(s) = effective batch"
+            f" {args.batch_size * trainer.accumulate_grad_batches * trainer.world_size}",
+            flush=True,
+        )
         if auto is not None:
             start = "the whole batch" if auto.start_micro_batch_size == "auto" else auto.start_micro_batch_size
-            print(f"auto micro-batch: the DataLoader yields the whole per-device batch ({args.batch_size}) and"
-                  f" AutoMicroBatch splits it into micro-batches (from {start}), halving on out-of-memory with the"
-                  " same effective batch", flush=True)
+            print(
+                f"auto micro-batch: the DataLoader yields the whole per-device batch ({args.batch_size}) and"
+                f" AutoMicroBatch splits it into micro-batches (from {start}), halving on out-of-memory with the"
+                " same effective batch",
+                flush=True,
+            )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")

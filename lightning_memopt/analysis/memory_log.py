@@ -59,8 +59,11 @@ _BYTE_KEYS = (*_ALLOC_KEYS, *_RESERVED_KEYS, "host_rss_bytes", "device_total_byt
 _OPTIONAL_INT_KEYS = ("epoch", "global_step", "batch_idx")
 _OPTIONAL_STR_KEYS = ("device", "run_id")
 #: Plotted series: (field, label, line style) with device figures, and the host's without.
-_DEVICE_SERIES = (("allocated_bytes", "allocated", "-"), ("reserved_bytes", "reserved", "-"),
-                  ("peak_allocated_bytes", "peak allocated (since phase start)", ":"))
+_DEVICE_SERIES = (
+    ("allocated_bytes", "allocated", "-"),
+    ("reserved_bytes", "reserved", "-"),
+    ("peak_allocated_bytes", "peak allocated (since phase start)", ":"),
+)
 _HOST_SERIES = (("host_rss_bytes", "host RSS (no device readings)", "-"),)
 _MAX_LINE_BYTES = 1 << 20
 _LISTED_LINES = 10
@@ -245,8 +248,9 @@ def load_memory_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if line.record is not None:
             records.append(line.record)
         elif line.truncated and records:
-            warnings.warn(f"{path}: line {line.number} is truncated (the run stopped mid-write); skipped it.",
-                          stacklevel=2)
+            warnings.warn(
+                f"{path}: line {line.number} is truncated (the run stopped mid-write); skipped it.", stacklevel=2
+            )
         elif line.truncated or line.problem == "is not JSON":
             raise MemoryLogError(f"{path}: line {line.number} is not JSON; is this a memory JSONL log?")
         else:
@@ -344,8 +348,16 @@ def _merge(a: list[float], b: list[float]) -> list[float]:
     n = a[0] + b[0]
     dx, dy = b[3] - a[3], b[4] - a[4]
     w = a[0] * b[0] / n
-    return [n, min(a[1], b[1]), max(a[2], b[2]), a[3] + dx * b[0] / n, a[4] + dy * b[0] / n,
-            a[5] + b[5] + dx * dx * w, a[6] + b[6] + dy * dy * w, a[7] + b[7] + dx * dy * w]
+    return [
+        n,
+        min(a[1], b[1]),
+        max(a[2], b[2]),
+        a[3] + dx * b[0] / n,
+        a[4] + dy * b[0] / n,
+        a[5] + b[5] + dx * dx * w,
+        a[6] + b[6] + dy * dy * w,
+        a[7] + b[7] + dx * dy * w,
+    ]
 
 
 @dataclass(frozen=True)
@@ -429,8 +441,11 @@ class _StepFit:
         wander = sum(b[0] * (b[4] - my - slope * (b[3] - mx)) ** 2 for b in blocks) / (len(blocks) - 2)
         error = math.sqrt(max(scatter, wander) / sxx)
         change = slope * (hi - lo)
-        significant = slope != 0 and abs(slope) >= _GROWTH_MIN_T * error and (
-            abs(change) >= _GROWTH_MIN_CHANGE_OVER_NOISE * math.sqrt(scatter))
+        significant = (
+            slope != 0
+            and abs(slope) >= _GROWTH_MIN_T * error
+            and (abs(change) >= _GROWTH_MIN_CHANGE_OVER_NOISE * math.sqrt(scatter))
+        )
         if not significant:
             return _Growth("flat", None, int(n), int(lo), int(hi))
         return _Growth("growing" if slope > 0 else "shrinking", 1000.0 * slope, int(n), int(lo), int(hi))
@@ -594,10 +609,14 @@ class _PhaseStats:
             growth_first_step=None if growth is None else growth.first_step,
             growth_last_step=None if growth is None else growth.last_step,
             warnings_by_check=dict(sorted(self.checks.items())),
-            findings=tuple(MemoryFinding(check, text, step, epoch, round(t - t0, 3))
-                           for check, text, step, epoch, t in self.findings),
-            micro_batch_changes=tuple(MemoryFinding(check, text, step, epoch, round(t - t0, 3))
-                                      for check, text, step, epoch, t in self.changes),
+            findings=tuple(
+                MemoryFinding(check, text, step, epoch, round(t - t0, 3))
+                for check, text, step, epoch, t in self.findings
+            ),
+            micro_batch_changes=tuple(
+                MemoryFinding(check, text, step, epoch, round(t - t0, 3))
+                for check, text, step, epoch, t in self.changes
+            ),
             num_micro_batch_changes=self.num_changes,
             micro_batch_size=self.micro_batch_size,
         )
@@ -746,8 +765,10 @@ class _FileReport:
             return None
         if not self.usable:
             return f"{self.path}: holds no usable memory records ({self.why()}); left it out"
-        return (f"{self.path}: skipped {self.skipped} of {self.skipped + self.usable} records"
-                f" ({_lines_text(self.lines, self.skipped)}): {self.why()}")
+        return (
+            f"{self.path}: skipped {self.skipped} of {self.skipped + self.usable} records"
+            f" ({_lines_text(self.lines, self.skipped)}): {self.why()}"
+        )
 
     def error(self) -> str:
         if not self.skipped:
@@ -829,8 +850,11 @@ def _add_checked(summarizer: _LogSummarizer, records: Iterable[Any], label: str)
     if count:
         where = ", ".join(str(i) for i, _ in skipped)
         more = f" and {count - len(skipped)} more" if count > len(skipped) else ""
-        warnings.warn(f"{label}: skipped {count} of {total} records (index {where}{more}):"
-                      f" record {skipped[0][0]} {skipped[0][1]}", stacklevel=3)
+        warnings.warn(
+            f"{label}: skipped {count} of {total} records (index {where}{more}):"
+            f" record {skipped[0][0]} {skipped[0][1]}",
+            stacklevel=3,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -874,29 +898,57 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     """
     several_runs = len({s.run_id for s in summaries}) > 1
     with_changes = any(s.num_micro_batch_changes for s in summaries)
-    header = ("rank", *(("run",) if several_runs else ()), "phase", "readings", "peak alloc", "peak reserved",
-              "mean alloc", "peak host RSS", "growth", "warnings", *(("micro-batch",) if with_changes else ()),
-              "peak at")
+    header = (
+        "rank",
+        *(("run",) if several_runs else ()),
+        "phase",
+        "readings",
+        "peak alloc",
+        "peak reserved",
+        "mean alloc",
+        "peak host RSS",
+        "growth",
+        "warnings",
+        *(("micro-batch",) if with_changes else ()),
+        "peak at",
+    )
     rows = [header]
     findings: list[str] = []
     changes: list[str] = []
     for s in summaries:
         checks = s.warnings_by_check or ({"warning": s.warnings} if s.warnings else {})
         warned = ", ".join(f"{count} {check}" for check, count in checks.items()) or "0"
-        peak_at = "n/a" if s.peak_global_step is None else (
-            f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
+        peak_at = (
+            "n/a"
+            if s.peak_global_step is None
+            else (f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
+        )
         run = ((s.run_id or _NO_RUN),) if several_runs else ()
         micro = (_micro_batch_cell(s),) if with_changes else ()
-        rows.append((str(s.rank), *run, s.phase, str(s.num_readings), format_bytes(s.peak_allocated_bytes),
-                     format_bytes(s.peak_reserved_bytes), format_bytes(s.mean_allocated_bytes),
-                     format_bytes(s.peak_host_rss_bytes), _growth_text(s), warned, *micro, peak_at))
+        rows.append(
+            (
+                str(s.rank),
+                *run,
+                s.phase,
+                str(s.num_readings),
+                format_bytes(s.peak_allocated_bytes),
+                format_bytes(s.peak_reserved_bytes),
+                format_bytes(s.mean_allocated_bytes),
+                format_bytes(s.peak_host_rss_bytes),
+                _growth_text(s),
+                warned,
+                *micro,
+                peak_at,
+            )
+        )
         where = f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}"
         for f in s.micro_batch_changes:
             step = "" if f.global_step is None else f", step {f.global_step}"
             changes.append(f"  {where}{step}, {f.seconds:.1f} s: {f.message}")
         if s.num_micro_batch_changes > len(s.micro_batch_changes):
-            changes.append(f"  {where}: {s.num_micro_batch_changes - len(s.micro_batch_changes)} more changes"
-                           " (not listed)")
+            changes.append(
+                f"  {where}: {s.num_micro_batch_changes - len(s.micro_batch_changes)} more changes (not listed)"
+            )
         for f in s.findings:
             step = "" if f.global_step is None else f", step {f.global_step}"
             findings.append(f"  {where}{step}, {f.seconds:.1f} s: {f.check}: {f.message}")
@@ -1057,8 +1109,13 @@ def _draw_panel(ax: Any, run: str | None, rank: int, t0: float, panel: _Panel, s
             open_phases[phase] = float(t)
         elif phase in open_phases:
             begin = open_phases.pop(phase)
-            ax.axvspan(begin, float(t), color=_PHASE_COLORS.get(phase, "grey"), alpha=0.12,
-                       label=None if phase in shaded else f"{phase} phase")
+            ax.axvspan(
+                begin,
+                float(t),
+                color=_PHASE_COLORS.get(phase, "grey"),
+                alpha=0.12,
+                label=None if phase in shaded else f"{phase} phase",
+            )
             shaded.add(phase)
     if len(panel.warn_t):
         times, values = _sorted_by_time(panel.warn_t, panel.warn_v)
@@ -1102,14 +1159,29 @@ def _draw_findings(ax: Any, t0: float, panel: _Panel) -> None:
         x = t - t0
         change = check == _MICRO_BATCH_EVENT
         color = "purple" if change else "darkred" if check in ("leak", "duplicates") else "darkorange"
-        ax.axvline(x, color=color, linestyle=":" if change else "--", linewidth=1.2, zorder=4,
-                   label=None if check in labelled else "micro-batch change" if change else f"{check} warning")
+        ax.axvline(
+            x,
+            color=color,
+            linestyle=":" if change else "--",
+            linewidth=1.2,
+            zorder=4,
+            label=None if check in labelled else "micro-batch change" if change else f"{check} warning",
+        )
         labelled.add(check)
         right = high > low and x > (low + high) / 2
-        ax.annotate(_finding_label(check, text), xy=(x, 1.0), xycoords=ax.get_xaxis_transform(),
-                    xytext=(-4 if right else 4, -4 - 28 * (i % 3)), textcoords="offset points",
-                    ha="right" if right else "left", va="top", fontsize=7, color=color, zorder=6,
-                    bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": color, "alpha": 0.9})
+        ax.annotate(
+            _finding_label(check, text),
+            xy=(x, 1.0),
+            xycoords=ax.get_xaxis_transform(),
+            xytext=(-4 if right else 4, -4 - 28 * (i % 3)),
+            textcoords="offset points",
+            ha="right" if right else "left",
+            va="top",
+            fontsize=7,
+            color=color,
+            zorder=6,
+            bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": color, "alpha": 0.9},
+        )
 
 
 def plot_memory_timeline(

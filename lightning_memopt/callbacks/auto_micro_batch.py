@@ -146,12 +146,10 @@ class AutoMicroBatch(Callback):
             raise ValueError(
                 f"AutoMicroBatch cannot split the batches of strategy {name}: it runs collectives inside forward and"
                 " backward, which a rank that ran out of memory never reaches (the others would hang). It works on"
-                " one device and with DDP (`strategy=\"ddp\"`); remove the callback for this strategy."
+                ' one device and with DDP (`strategy="ddp"`); remove the callback for this strategy.'
             )
         if not self._restored:
-            self.micro_batch_size = (
-                None if self.start_micro_batch_size == "auto" else int(self.start_micro_batch_size)
-            )
+            self.micro_batch_size = None if self.start_micro_batch_size == "auto" else int(self.start_micro_batch_size)
             self.retries = 0
         self._first_size = None
         self._monitors = [c for c in trainer.callbacks if isinstance(c, MemoryMonitor)]
@@ -242,8 +240,16 @@ class AutoMicroBatch(Callback):
             )
         log_to_loggers(trainer, {"memory/micro_batch_size": float(new)}, self._warn, "AutoMicroBatch")
         for monitor in self._monitors:  # each rank writes its own log; no collective
-            monitor.record_event(trainer, "micro_batch", batch_idx, micro_batch_size=new,
-                                 previous_micro_batch_size=size, batch_size=n, retries=self.retries, reason=reason)
+            monitor.record_event(
+                trainer,
+                "micro_batch",
+                batch_idx,
+                micro_batch_size=new,
+                previous_micro_batch_size=size,
+                batch_size=n,
+                retries=self.retries,
+                reason=reason,
+            )
 
 
 class _MicroBatchClosure:
@@ -321,8 +327,9 @@ class _MicroBatchOptimization:
         # logs after the closure (on_before_optimizer_step, on_train_batch_end) are weighted by the whole batch again
         whole = (results.batch, results.batch_size) if results is not None else None
         try:
-            return self._run_micro_batches(kwargs, batch, n, accumulate, params, comm, saved, sync_at_end,
-                                           zero_grad_fn, backward_fn)
+            return self._run_micro_batches(
+                kwargs, batch, n, accumulate, params, comm, saved, sync_at_end, zero_grad_fn, backward_fn
+            )
         finally:
             if whole is not None:
                 results.batch, results.batch_size = whole

@@ -63,10 +63,18 @@ class CacheCleaner(Callback):
         every_n_val_batches: int | None = None,
         on_phase_end: bool = True,
     ) -> None:
-        check_positive_int("every_n_train_batches", every_n_train_batches, allow_none=True,
-                           hint="Pass None to never clear during training batches.")
-        check_positive_int("every_n_val_batches", every_n_val_batches, allow_none=True,
-                           hint="Pass None to never clear during validation batches.")
+        check_positive_int(
+            "every_n_train_batches",
+            every_n_train_batches,
+            allow_none=True,
+            hint="Pass None to never clear during training batches.",
+        )
+        check_positive_int(
+            "every_n_val_batches",
+            every_n_val_batches,
+            allow_none=True,
+            hint="Pass None to never clear during validation batches.",
+        )
         check_bool("on_phase_end", on_phase_end)
         self.every_n_train_batches = every_n_train_batches
         self.every_n_val_batches = every_n_val_batches
@@ -79,8 +87,9 @@ class CacheCleaner(Callback):
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once
-        return self._generate_state_key(every_n_train_batches=self.every_n_train_batches,
-                                        every_n_val_batches=self.every_n_val_batches)
+        return self._generate_state_key(
+            every_n_train_batches=self.every_n_train_batches, every_n_val_batches=self.every_n_val_batches
+        )
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -115,8 +115,12 @@ class GarbageCollector(Callback):
         check_choice("generation", generation, (0, 1, 2))
         check_bool("disable_automatic", disable_automatic)
         check_bool("freeze_after_setup", freeze_after_setup)
-        check_positive_int("full_every_n_steps", full_every_n_steps, allow_none=True,
-                           hint="Pass None to never run a full collection on an interval.")
+        check_positive_int(
+            "full_every_n_steps",
+            full_every_n_steps,
+            allow_none=True,
+            hint="Pass None to never run a full collection on an interval.",
+        )
         self.every_n_steps = every_n_steps
         self.generation = generation
         self.disable_automatic = disable_automatic

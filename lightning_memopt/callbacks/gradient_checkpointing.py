@@ -38,10 +38,18 @@ class _SwitchAPI(NamedTuple):
 #: The switch APIs, newest first: Hugging Face transformers 5 renamed ``gradient_checkpointing_*`` to
 #: ``activation_checkpointing_*`` (the old names still work there, with a FutureWarning on every call).
 SWITCH_APIS = (
-    _SwitchAPI("activation_checkpointing_enable", "activation_checkpointing_disable", "is_activation_checkpointing",
-               "activation_checkpointing_kwargs"),
-    _SwitchAPI("gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing",
-               "gradient_checkpointing_kwargs"),
+    _SwitchAPI(
+        "activation_checkpointing_enable",
+        "activation_checkpointing_disable",
+        "is_activation_checkpointing",
+        "activation_checkpointing_kwargs",
+    ),
+    _SwitchAPI(
+        "gradient_checkpointing_enable",
+        "gradient_checkpointing_disable",
+        "is_gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+    ),
 )
 
 
@@ -298,10 +306,15 @@ class GradientCheckpointing(Callback):
             why = f"`modules={self.modules!r}`" if self.modules is not None else "PyTorch transformer layers"
             own = ", ".join(f"{n or type(m).__name__}.{a.enable}()" for n, m, a in switches)
             over = f", instead of the model's own switch ({own})" if switches else ""
-            cache = (f"; `config.use_cache=False` for the fit on {', '.join(caches)} (a cache filled inside a"
-                     " checkpointed block breaks its recomputation)" if caches else "")
-            rank_zero_info(f"GradientCheckpointing: wrapped {len(names)} module(s) by {why}{over}: {', '.join(names)}"
-                           f"{cache}.")
+            cache = (
+                f"; `config.use_cache=False` for the fit on {', '.join(caches)} (a cache filled inside a"
+                " checkpointed block breaks its recomputation)"
+                if caches
+                else ""
+            )
+            rank_zero_info(
+                f"GradientCheckpointing: wrapped {len(names)} module(s) by {why}{over}: {', '.join(names)}{cache}."
+            )
 
     def restore(self) -> None:
         """Give back everything setup changed: the original forwards, and model switches turned on by this callback."""

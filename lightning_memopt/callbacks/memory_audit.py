@@ -164,8 +164,10 @@ class MemoryAudit(RunIdCallback):
         check_positive_int("leak_window", leak_window)
         if leak_window < 3:
             raise ValueError(f"`leak_window` must be at least 3 samples, got {leak_window}: growth needs a trend.")
-        if isinstance(leak_min_bytes_per_step, bool) or not isinstance(leak_min_bytes_per_step, int) or (
-            leak_min_bytes_per_step < 1
+        if (
+            isinstance(leak_min_bytes_per_step, bool)
+            or not isinstance(leak_min_bytes_per_step, int)
+            or (leak_min_bytes_per_step < 1)
         ):
             raise ValueError(
                 f"`leak_min_bytes_per_step` must be a positive int (bytes per optimizer step), got"
@@ -173,12 +175,20 @@ class MemoryAudit(RunIdCallback):
                 " 16 KiB per step."
             )
         check_positive_int("max_listed", max_listed)
-        for name, flag in (("audit_fit_start", audit_fit_start), ("detect_leaks", detect_leaks),
-                           ("check_grad_tracking", check_grad_tracking), ("collect_garbage", collect_garbage),
-                           ("audit_dataloaders", audit_dataloaders)):
+        for name, flag in (
+            ("audit_fit_start", audit_fit_start),
+            ("detect_leaks", detect_leaks),
+            ("check_grad_tracking", check_grad_tracking),
+            ("collect_garbage", collect_garbage),
+            ("audit_dataloaders", audit_dataloaders),
+        ):
             check_bool(name, flag)
-        check_fraction("leak_max_overhead", leak_max_overhead, allow_none=True,
-                       hint="Use e.g. 0.01 for 1 % of the training time, or None for a fixed interval.")
+        check_fraction(
+            "leak_max_overhead",
+            leak_max_overhead,
+            allow_none=True,
+            hint="Use e.g. 0.01 for 1 % of the training time, or None for a fixed interval.",
+        )
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.duplicate_fraction = float(duplicate_fraction)
         self.leak_every_n_steps = leak_every_n_steps
@@ -284,15 +294,24 @@ class MemoryAudit(RunIdCallback):
             self._audit_loader(trainer, name, loader, None)
 
     def _audit_loader(self, trainer: pl.Trainer, name: str, loader: Any, nbytes: int | None) -> None:
-        info = loader_memory(loader, name, self._device.type, host_total_bytes=self._host_total,
-                             evaluation=name.startswith("val"), batch_bytes=nbytes)
+        info = loader_memory(
+            loader,
+            name,
+            self._device.type,
+            host_total_bytes=self._host_total,
+            evaluation=name.startswith("val"),
+            batch_bytes=nbytes,
+        )
         if info is None:
             return
         self.loaders = [*(i for i in self.loaders if i.name != name), info]
         reading = read_memory(self._device)
         if nbytes is not None:
-            self._write(self._record(trainer, reading, "dataloaders", None, loader=info.as_dict(),
-                                     host_total_bytes=self._host_total))
+            self._write(
+                self._record(
+                    trainer, reading, "dataloaders", None, loader=info.as_dict(), host_total_bytes=self._host_total
+                )
+            )
         if self._rank != 0:
             return  # the loaders are the same on every rank: rank zero speaks for them
         if nbytes is not None:
@@ -300,8 +319,11 @@ class MemoryAudit(RunIdCallback):
         for finding in info.findings:
             message = f"MemoryAudit: {finding}"
             if self._findings.warn(f"loader-{finding}", message):
-                self._write(self._record(trainer, reading, "warning", None, check="dataloaders", message=message,
-                                         loader=info.name))
+                self._write(
+                    self._record(
+                        trainer, reading, "warning", None, check="dataloaders", message=message, loader=info.name
+                    )
+                )
 
     def _measure_loader(self, trainer: pl.Trainer, name: str, batch: Any) -> None:
         loader = self._unmeasured.pop(name, None)
@@ -309,14 +331,16 @@ class MemoryAudit(RunIdCallback):
             self._audit_loader(trainer, name, loader, batch_bytes(batch))
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if "train" in self._unmeasured:  # the first batch: how big the batches the workers prepare are
             self._guarded("dataloaders", self._measure_loader, trainer, "train", batch)
 
     @override
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self._unmeasured and trainer.state.fn == "fit":
             val = _named_loaders("val", trainer.val_dataloaders)
             if dataloader_idx < len(val):
@@ -388,10 +412,20 @@ class MemoryAudit(RunIdCallback):
         if self._writer is not None:
             self._writer.write(record)  # never raises: warns once and carries on
 
-    def _record(self, trainer: pl.Trainer, reading: MemoryReading, event: str, batch_idx: int | None,
-                **extra: Any) -> dict[str, Any]:
-        return memory_record(reading, rank=self._rank, phase="train", event=event, epoch=trainer.current_epoch,
-                             global_step=trainer.global_step, batch_idx=batch_idx, **extra, run_id=run_id(trainer))
+    def _record(
+        self, trainer: pl.Trainer, reading: MemoryReading, event: str, batch_idx: int | None, **extra: Any
+    ) -> dict[str, Any]:
+        return memory_record(
+            reading,
+            rank=self._rank,
+            phase="train",
+            event=event,
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+            batch_idx=batch_idx,
+            **extra,
+            run_id=run_id(trainer),
+        )
 
     def _audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
         if self.collect_garbage:
@@ -409,7 +443,10 @@ class MemoryAudit(RunIdCallback):
         self._duplicates_seen = set(duplicates.signatures)
         warn_duplicates = duplicates.num_tensors > 0 and duplicates.fraction >= self.duplicate_fraction
         record = self._record(
-            trainer, reading, "audit", None,
+            trainer,
+            reading,
+            "audit",
+            None,
             audit=when,
             footprint=footprint.as_dict(),
             footprint_device_bytes=footprint.total_bytes(device),
@@ -429,10 +466,18 @@ class MemoryAudit(RunIdCallback):
         if warn_duplicates:
             self._warn_duplicates(trainer, pl_module, reading, duplicates, device, when)
 
-    def _warn_duplicates(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reading: MemoryReading,
-                         dup: Duplicates, device: str, when: str) -> None:
-        largest = ", ".join(f"{tuple(t.shape)} {t.dtype.replace('torch.', '')} {format_bytes(t.bytes)}"
-                            for t in dup.largest)
+    def _warn_duplicates(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        reading: MemoryReading,
+        dup: Duplicates,
+        device: str,
+        when: str,
+    ) -> None:
+        largest = ", ".join(
+            f"{tuple(t.shape)} {t.dtype.replace('torch.', '')} {format_bytes(t.bytes)}" for t in dup.largest
+        )
         held = _where_held(pl_module, dup)
         message = (
             f"MemoryAudit [rank {self._rank}] ({when.replace('_', ' ')}): {dup.num_tensors} tensors on {device}"
@@ -441,11 +486,22 @@ class MemoryAudit(RunIdCallback):
             f" elements. {held} Likely cause: {dup.cause}. Largest: {largest}."
         )
         if self._findings.warn("duplicates", message):
-            self._write(self._record(trainer, reading, "warning", None, check="duplicates", message=message,
-                                     duplicate_bytes=dup.bytes, num_duplicate_tensors=dup.num_tensors))
+            self._write(
+                self._record(
+                    trainer,
+                    reading,
+                    "warning",
+                    None,
+                    check="duplicates",
+                    message=message,
+                    duplicate_bytes=dup.bytes,
+                    num_duplicate_tensors=dup.num_tensors,
+                )
+            )
 
-    def _log_metrics(self, trainer: pl.Trainer, footprint: Footprint, unexplained: int | None,
-                     dup: Duplicates | None) -> None:
+    def _log_metrics(
+        self, trainer: pl.Trainer, footprint: Footprint, unexplained: int | None, dup: Duplicates | None
+    ) -> None:
         if trainer.global_rank != 0 or not trainer.loggers:
             return
         metrics = {f"memory/audit/{k}_bytes": float(v) for k, v in footprint.bytes_by_category().items()}
@@ -456,8 +512,10 @@ class MemoryAudit(RunIdCallback):
             try:
                 logger.log_metrics(metrics, step=trainer.global_step)
             except Exception as err:
-                self._warn.warn(f"logger-{type(logger).__name__}",
-                                f"MemoryAudit: logging to {type(logger).__name__} failed ({err!r}).")
+                self._warn.warn(
+                    f"logger-{type(logger).__name__}",
+                    f"MemoryAudit: logging to {type(logger).__name__} failed ({err!r}).",
+                )
 
     def _walk_within_budget(self) -> bool:
         """Whether a leak sample may walk the Python objects now (always, where the allocator gives readings).
@@ -498,7 +556,11 @@ class MemoryAudit(RunIdCallback):
             growth = detect_growth(steps, sizes, min_bytes_per_step=0.0)
             per_step = (counts[-1] - counts[0]) / max(steps[-1] - steps[0], 1)
             self._report_leak(
-                trainer, batch_idx, growth, steps, holders,
+                trainer,
+                batch_idx,
+                growth,
+                steps,
+                holders,
                 f"{holder.path} holds more tensors with autograd history at every sample ({counts[0]} at step"
                 f" {steps[0]}, {counts[-1]} at step {steps[-1]}: {per_step:.2g} per optimizer step,"
                 f" {format_bytes(sizes[-1])} of tensors plus the graphs they keep alive).",
@@ -519,29 +581,51 @@ class MemoryAudit(RunIdCallback):
         holders = grad_fn_holders(pl_module)
         kind = "allocated" if self._has_device_memory else "live tensor"
         self._report_leak(
-            trainer, batch_idx, growth, list(steps), holders,
+            trainer,
+            batch_idx,
+            growth,
+            list(steps),
+            holders,
             f"{kind.capitalize()} memory on {self._device} grows by {format_bytes(growth.bytes_per_step)} per"
             f" optimizer step ({int(growth.bytes_per_step)} bytes/step, {format_bytes(growth.total_bytes)} over"
             f" steps {steps[0]}-{steps[-1]}), first seen at step {growth.first_step}.",
         )
 
-    def _report_leak(self, trainer: pl.Trainer, batch_idx: int, growth: Growth, steps: list[int],
-                     holders: list[GradFnHolder], what: str) -> None:
+    def _report_leak(
+        self,
+        trainer: pl.Trainer,
+        batch_idx: int,
+        growth: Growth,
+        steps: list[int],
+        holders: list[GradFnHolder],
+        what: str,
+    ) -> None:
         self._leak_reported = True
         self.leak = growth
         where = (
             "Attributes holding tensors with autograd history: "
-            + "; ".join(f"{h.path} ({h.num_tensors} tensors with grad_fn)" for h in holders[:5]) + "."
-            if holders else "No attribute of the LightningModule holds tensors with autograd history."
+            + "; ".join(f"{h.path} ({h.num_tensors} tensors with grad_fn)" for h in holders[:5])
+            + "."
+            if holders
+            else "No attribute of the LightningModule holds tensors with autograd history."
         )
         message = f"MemoryAudit [rank {self._rank}]: {what} {where} Usual causes: {_LEAK_CAUSES}."
         self._findings.warn("leak", message)
         reading = read_memory(self._device)
-        self._write(self._record(
-            trainer, reading, "warning", batch_idx, check="leak", message=message,
-            bytes_per_step=growth.bytes_per_step, first_step=growth.first_step, samples=list(self._samples),
-            grad_fn_holders=[{"path": h.path, "num_tensors": h.num_tensors, "bytes": h.bytes} for h in holders],
-        ))
+        self._write(
+            self._record(
+                trainer,
+                reading,
+                "warning",
+                batch_idx,
+                check="leak",
+                message=message,
+                bytes_per_step=growth.bytes_per_step,
+                first_step=growth.first_step,
+                samples=list(self._samples),
+                grad_fn_holders=[{"path": h.path, "num_tensors": h.num_tensors, "bytes": h.bytes} for h in holders],
+            )
+        )
 
     def _check_validation_outputs(self, trainer: pl.Trainer, outputs: Any, batch_idx: int) -> None:
         count, nbytes = tensors_with_grad_fn(outputs)
@@ -580,24 +664,33 @@ def _where_held(pl_module: pl.LightningModule, dup: Duplicates) -> str:
         found = {}
     paths = sorted(set(found.values()))
     if not paths:
-        return ("Where: not in an attribute of the LightningModule (a variable, a closure or another object holds"
-                " them).")
+        return "Where: not in an attribute of the LightningModule (a variable, a closure or another object holds them)."
     text = "Held at " + ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "") + "."
     names = sorted({m.group(1) for p in paths if (m := re.search(r"_hparams(?:_initial)?\[['\"](\w+)['\"]\]", p))})
     if names:
         ignore = ", ".join(f'"{n}"' for n in names)
-        text += (" That is a copy kept by `save_hyperparameters()`: call"
-                 f" `self.save_hyperparameters(ignore=[{ignore}])` (the weights are in the checkpoint's `state_dict`"
-                 " already), or save only its configuration.")
+        text += (
+            " That is a copy kept by `save_hyperparameters()`: call"
+            f" `self.save_hyperparameters(ignore=[{ignore}])` (the weights are in the checkpoint's `state_dict`"
+            " already), or save only its configuration."
+        )
     elif any("hparams" in p for p in paths):
-        text += (" That is a copy kept by `save_hyperparameters()`: pass `ignore=[...]` with the module's argument"
-                 " name, or save only its configuration.")
+        text += (
+            " That is a copy kept by `save_hyperparameters()`: pass `ignore=[...]` with the module's argument"
+            " name, or save only its configuration."
+        )
     return text
 
 
 def _tensor_dict(t: LiveTensor) -> dict[str, Any]:
-    return {"shape": list(t.shape), "dtype": t.dtype, "device": t.device, "bytes": t.bytes,
-            "requires_grad": t.requires_grad, "has_grad_fn": t.has_grad_fn}
+    return {
+        "shape": list(t.shape),
+        "dtype": t.dtype,
+        "device": t.device,
+        "bytes": t.bytes,
+        "requires_grad": t.requires_grad,
+        "has_grad_fn": t.has_grad_fn,
+    }
 
 
 def _named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
@@ -609,11 +702,14 @@ def _named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
     return [] if loaders is None else [(name, loaders)]
 
 
-def _footprint_text(footprint: Footprint, device: str, unexplained: int | None, unowned: list[LiveTensor],
-                    when: str) -> str:
+def _footprint_text(
+    footprint: Footprint, device: str, unexplained: int | None, unowned: list[LiveTensor], when: str
+) -> str:
     lines = [f"MemoryAudit ({when.replace('_', ' ')}): model and optimizer footprint", footprint.table()]
     if unexplained is not None:
         lines.append(f"unexplained allocated bytes on {device}: {format_bytes(unexplained)} ({unexplained} bytes)")
-    lines.append(f"live tensors on {device} not owned by the model or optimizer: {len(unowned)},"
-                 f" {format_bytes(sum(t.bytes for t in unowned))}")
+    lines.append(
+        f"live tensors on {device} not owned by the model or optimizer: {len(unowned)},"
+        f" {format_bytes(sum(t.bytes for t in unowned))}"
+    )
     return "\n".join(lines)

@@ -119,12 +119,20 @@ class MemoryMonitor(RunIdCallback):
         cross_rank_every_n_steps: int | None = None,
     ) -> None:
         check_path("dirpath", dirpath)
-        check_positive_int("log_every_n_steps", log_every_n_steps, allow_none=True,
-                           hint="Pass None to use the trainer's `log_every_n_steps`.")
+        check_positive_int(
+            "log_every_n_steps",
+            log_every_n_steps,
+            allow_none=True,
+            hint="Pass None to use the trainer's `log_every_n_steps`.",
+        )
         check_fraction("warn_threshold", warn_threshold)
         check_bool("log_to_loggers", log_to_loggers)
-        check_positive_int("cross_rank_every_n_steps", cross_rank_every_n_steps, allow_none=True,
-                           hint="Pass None to never exchange readings between ranks.")
+        check_positive_int(
+            "cross_rank_every_n_steps",
+            cross_rank_every_n_steps,
+            allow_none=True,
+            hint="Pass None to never exchange readings between ranks.",
+        )
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.log_every_n_steps = log_every_n_steps
         self.warn_threshold = float(warn_threshold)
@@ -308,8 +316,9 @@ class MemoryMonitor(RunIdCallback):
         if self._writer is not None:
             self._writer.write(record)  # never raises: warns once and carries on
 
-    def _record(self, trainer: pl.Trainer, reading: MemoryReading, phase: str, event: str,
-                batch_idx: int | None, **extra: Any) -> dict[str, Any]:
+    def _record(
+        self, trainer: pl.Trainer, reading: MemoryReading, phase: str, event: str, batch_idx: int | None, **extra: Any
+    ) -> dict[str, Any]:
         return memory_record(
             reading,
             rank=self._rank,
@@ -355,8 +364,19 @@ class MemoryMonitor(RunIdCallback):
                 f" {format_bytes(reading.device_total_bytes)}, above `warn_threshold`={self.warn_threshold:g}."
             )
             log.warning(message)
-            self._write(self._record(trainer, reading, phase, "warning", batch_idx, field=field,
-                                     fraction=round(fraction, 6), threshold=self.warn_threshold, message=message))
+            self._write(
+                self._record(
+                    trainer,
+                    reading,
+                    phase,
+                    "warning",
+                    batch_idx,
+                    field=field,
+                    fraction=round(fraction, 6),
+                    threshold=self.warn_threshold,
+                    message=message,
+                )
+            )
 
     def _phase_start(self, trainer: pl.Trainer, phase: str) -> None:
         try:

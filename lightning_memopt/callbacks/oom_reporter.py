@@ -515,8 +515,13 @@ def _checkpointing_state(pl_module: pl.LightningModule) -> dict[str, Any]:
             wrapped.append(name)
         elif module.__dict__.get("gradient_checkpointing") is True:
             switched.append(name)
-    return {"on": bool(wrapped or switched), "wrapped": wrapped[:_MAX_LISTED], "model_switch": switched[:_MAX_LISTED],
-            "num_wrapped": len(wrapped), "num_model_switch": len(switched)}
+    return {
+        "on": bool(wrapped or switched),
+        "wrapped": wrapped[:_MAX_LISTED],
+        "model_switch": switched[:_MAX_LISTED],
+        "num_wrapped": len(wrapped),
+        "num_model_switch": len(switched),
+    }
 
 
 def _hparams(pl_module: pl.LightningModule) -> dict[str, Any]:

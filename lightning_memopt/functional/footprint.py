@@ -160,8 +160,14 @@ class Footprint:
 
         header = ("category", "dtype", "device", "tensors", "bytes", "size")
         lines = [header] + [
-            (r.category, r.dtype.replace("torch.", ""), r.device, str(r.num_tensors), str(r.bytes),
-             format_bytes(r.bytes))
+            (
+                r.category,
+                r.dtype.replace("torch.", ""),
+                r.device,
+                str(r.num_tensors),
+                str(r.bytes),
+                format_bytes(r.bytes),
+            )
             for r in self.rows
         ]
         total = self.total_bytes()
@@ -184,9 +190,7 @@ def _param_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def _owned(
-    module: torch.nn.Module, optimizers: Sequence[Any]
-) -> Iterable[tuple[str, str, torch.Tensor]]:
+def _owned(module: torch.nn.Module, optimizers: Sequence[Any]) -> Iterable[tuple[str, str, torch.Tensor]]:
     """``(category, name, tensor)`` for every tensor the module and optimizers own, in accounting order."""
     names = _param_names(module)
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -266,9 +270,7 @@ def model_footprint(module: torch.nn.Module, optimizers: Sequence[torch.optim.Op
     return Footprint(rows=rows)
 
 
-def tensor_names(
-    module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()
-) -> dict[StorageKey, str]:
+def tensor_names(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[StorageKey, str]:
     """Names of the storages ``module`` and ``optimizers`` own, keyed by :data:`StorageKey`.
 
     Names: ``"layer.weight"`` (parameters), ``"bn.running_mean"`` (buffers), ``"layer.weight.grad"``
@@ -677,7 +679,10 @@ def iter_held_tensors(
 
 
 def find_storage_holders(
-    module: torch.nn.Module, keys: Iterable[StorageKey], prefix: str = "self", max_depth: int = 4,
+    module: torch.nn.Module,
+    keys: Iterable[StorageKey],
+    prefix: str = "self",
+    max_depth: int = 4,
     max_items: int = 100_000,
 ) -> dict[StorageKey, str]:
     """Where in ``module``'s attributes the storages ``keys`` are held: ``{key: "self._hparams_initial['x']"}``.
@@ -711,8 +716,9 @@ def find_storage_holders(
             for attr, value in list(vars(mod).items()):
                 if attr in MODULE_INTERNALS or attr == "_trainer":
                     continue
-                for path, owner, tensor in iter_held_tensors(value, f"{base}.{attr}", max_depth, max_items,
-                                                             into_modules=True, seen=seen):
+                for path, owner, tensor in iter_held_tensors(
+                    value, f"{base}.{attr}", max_depth, max_items, into_modules=True, seen=seen
+                ):
                     key = storage_key(tensor)
                     if key in wanted and key not in found:
                         found[key] = owner or path

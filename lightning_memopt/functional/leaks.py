@@ -93,9 +93,7 @@ def detect_growth(
     rising_fraction = sum(rises) / len(rises)
     first = next((int(steps[i]) for i in range(1, n) if rises[i - 1]), None)
     total = int(ys[-1] - ys[0])
-    growing = (
-        n >= min_samples and total > 0 and rising_fraction >= min_rising_fraction and slope >= min_bytes_per_step
-    )
+    growing = n >= min_samples and total > 0 and rising_fraction >= min_rising_fraction and slope >= min_bytes_per_step
     return Growth(growing, slope, first, total, rising_fraction, n)
 
 
@@ -131,8 +129,21 @@ def tensors_with_grad_fn(obj: Any, max_depth: int = 4, max_items: int = 100_000)
 
 
 #: Attribute types that hold no tensor: skipped by an exact type test, before any slower check.
-_NEVER_HOLD = frozenset({bool, int, float, complex, str, bytes, type(None), types.FunctionType, types.MethodType,
-                         types.BuiltinFunctionType, type})
+_NEVER_HOLD = frozenset(
+    {
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        type(None),
+        types.FunctionType,
+        types.MethodType,
+        types.BuiltinFunctionType,
+        type,
+    }
+)
 #: Containers that :func:`grad_fn_holders` looks into (a ``deque`` is a ``MutableSequence``).
 _WALKED = (list, tuple, set, frozenset, Mapping, MutableSequence)
 

@@ -67,10 +67,12 @@ class LoaderMemory:
         held = "unknown (no batch seen yet)" if self.host_bytes is None else format_bytes(self.host_bytes)
         pinned = f", {format_bytes(self.pinned_bytes)} of it pinned" if self.pinned_bytes else ""
         batch = "?" if self.batch_bytes is None else format_bytes(self.batch_bytes)
-        return (f"{self.name}: batch_size={self.batch_size}, num_workers={self.num_workers},"
-                f" prefetch_factor={self.prefetch_factor}, pin_memory={self.pin_memory},"
-                f" persistent_workers={self.persistent_workers}: {self.in_flight} batch(es) of {batch} prepared"
-                f" ahead = {held}{pinned}")
+        return (
+            f"{self.name}: batch_size={self.batch_size}, num_workers={self.num_workers},"
+            f" prefetch_factor={self.prefetch_factor}, pin_memory={self.pin_memory},"
+            f" persistent_workers={self.persistent_workers}: {self.in_flight} batch(es) of {batch} prepared"
+            f" ahead = {held}{pinned}"
+        )
 
 
 def _python_object_attributes(dataset: Any) -> list[tuple[str, int]]:

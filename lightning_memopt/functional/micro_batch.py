@@ -114,8 +114,7 @@ def _slice(batch: Any, start: int, stop: int, size: int, path: str) -> Any:
         return type(batch)(_slice(v, start, stop, size, f"{path}[{i}]") for i, v in enumerate(batch))
     raise TypeError(
         f"AutoMicroBatch cannot split `{path}` of type {type(batch).__module__}.{type(batch).__qualname__}: the default"
-        " slicer handles tensors, dicts, tuples, lists, namedtuples, dataclasses and lists of plain values."
-        + _OVERRIDE
+        " slicer handles tensors, dicts, tuples, lists, namedtuples, dataclasses and lists of plain values." + _OVERRIDE
     )
 
 

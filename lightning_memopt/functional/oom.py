@@ -473,8 +473,7 @@ def suggest_fixes(
             if world_size > 1
             else "Train fewer parameters (freeze layers, use adapters/LoRA) or keep weights in 16 bits"
             " (`precision='bf16-true'`)",
-            f"Parameters and gradients hold {format_bytes(params + grads)} ({_pct(params + grads, total)} of"
-            f" {basis}).",
+            f"Parameters and gradients hold {format_bytes(params + grads)} ({_pct(params + grads, total)} of {basis}).",
         )
 
     cached = None if reserved_bytes is None or allocated_bytes is None else reserved_bytes - allocated_bytes
@@ -588,8 +587,13 @@ def _raw(value: Any) -> str:
 def _kind(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
-    for types, name in (((Mapping,), "an object"), ((list, tuple), "a list"), ((str,), "a string"),
-                        ((int, float), "a number"), ((type(None),), "null")):
+    for types, name in (
+        ((Mapping,), "an object"),
+        ((list, tuple), "a list"),
+        ((str,), "a string"),
+        ((int, float), "a number"),
+        ((type(None),), "null"),
+    ):
         if isinstance(value, types):
             return name
     return f"a {type(value).__name__}"
@@ -718,8 +722,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         if tensors:
             lines += _table(
                 ["tensor", "shape", "dtype", "device", "size"],
-                [(t.get("path"), _shape(t.get("shape")), t.get("dtype"), t.get("device"), _size(t.get("bytes")))
-                 for t in tensors],
+                [
+                    (t.get("path"), _shape(t.get("shape")), t.get("dtype"), t.get("device"), _size(t.get("bytes")))
+                    for t in tensors
+                ],
             )
         if batch.get("truncated"):
             lines += [f"({batch.get('num_tensors')} tensors in all; the first {len(tensors)} are listed.)", ""]
@@ -754,8 +760,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             lines += ["By dtype and device (all devices):", ""]
             lines += _table(
                 ["category", "dtype", "device", "tensors", "bytes"],
-                [(r.get("category"), r.get("dtype"), r.get("device"), r.get("num_tensors"), _size(r.get("bytes")))
-                 for r in rows],
+                [
+                    (r.get("category"), r.get("dtype"), r.get("device"), r.get("num_tensors"), _size(r.get("bytes")))
+                    for r in rows
+                ],
             )
         top = shape.items(shape.get(holders, "top_tensors", list, "holders."), "holders.top_tensors")
         if top:

@@ -51,8 +51,14 @@ CUBLAS_WORKSPACE_BYTES = 2 * (2 * 4096 + 8 * 16) * 1024
 #: What the bytes alive at the peak are, in the order they are reported.
 PEAK_PARTS = ("parameters", "buffers", "batch", "gradients", "optimizer_states", "activations", "temporaries")
 
-_PHASE_PARTS = {"forward": "activations", "backward": "temporaries", "optimizer step": "temporaries",
-                "zero_grad": "temporaries", "setup": "temporaries", "scratch": "temporaries"}
+_PHASE_PARTS = {
+    "forward": "activations",
+    "backward": "temporaries",
+    "optimizer step": "temporaries",
+    "zero_grad": "temporaries",
+    "setup": "temporaries",
+    "scratch": "temporaries",
+}
 
 
 def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
@@ -241,8 +247,10 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
             continue
         if tensor.device.type == "meta":
             if mode is None:
-                raise FakeStepError("a model on the meta device has no data to run a real step with; estimate it on"
-                                    " fake tensors (fake=True)")
+                raise FakeStepError(
+                    "a model on the meta device has no data to run a real step with; estimate it on"
+                    " fake tensors (fake=True)"
+                )
             with mode:  # a model built on the meta device: the same shapes on fake CPU tensors
                 fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
         elif mode is None:
@@ -269,11 +277,27 @@ def cuda_attention() -> Iterator[None]:
     """
     original = torch.nn.functional.scaled_dot_product_attention
 
-    def fused(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    def fused(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
         if query.dim() != 4 or key.dim() != 4 or (query.size(1) != key.size(1) and not enable_gqa):
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+            return original(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         if query.size(1) != key.size(1):
             repeat = query.size(1) // key.size(1)
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
@@ -291,15 +315,61 @@ def cuda_attention() -> Iterator[None]:
 
 #: Functions CUDA's autocast runs in float32 (torch's autocast op reference); the CPU's autocast leaves most of them in
 #: the lower precision (layer_norm, group_norm, softmax, log_softmax, exp, pow, sum, ... stay bf16 there).
-CUDA_AUTOCAST_FP32 = frozenset({
-    "__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
-    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv",
-    "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax",
-    "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss", "multilabel_margin_loss", "multi_margin_loss",
-    "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh",
-    "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
-    "triplet_margin_loss",
-})
+CUDA_AUTOCAST_FP32 = frozenset(
+    {
+        "__pow__",
+        "__rdiv__",
+        "__rpow__",
+        "__rtruediv__",
+        "acos",
+        "asin",
+        "binary_cross_entropy_with_logits",
+        "cosh",
+        "cosine_embedding_loss",
+        "cdist",
+        "cosine_similarity",
+        "cross_entropy",
+        "cumprod",
+        "cumsum",
+        "dist",
+        "erfinv",
+        "exp",
+        "expm1",
+        "group_norm",
+        "hinge_embedding_loss",
+        "kl_div",
+        "l1_loss",
+        "layer_norm",
+        "log",
+        "log_softmax",
+        "log10",
+        "log1p",
+        "log2",
+        "margin_ranking_loss",
+        "mse_loss",
+        "multilabel_margin_loss",
+        "multi_margin_loss",
+        "nll_loss",
+        "norm",
+        "normalize",
+        "pdist",
+        "poisson_nll_loss",
+        "pow",
+        "prod",
+        "reciprocal",
+        "rsqrt",
+        "sinh",
+        "smooth_l1_loss",
+        "soft_margin_loss",
+        "softmax",
+        "softmin",
+        "softplus",
+        "sum",
+        "renorm",
+        "tan",
+        "triplet_margin_loss",
+    }
+)
 
 
 class _CudaAutocastFloat32(TorchFunctionMode):
@@ -310,6 +380,7 @@ class _CudaAutocastFloat32(TorchFunctionMode):
             and kwargs.get("dtype") is None  # an explicit dtype= is not autocast
             and torch.is_autocast_enabled("cpu")
         ):
+
             def up(value: Any) -> Any:
                 if isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
                     return value.float()
@@ -407,14 +478,20 @@ def count_training_steps(
                 counter.track(b, "buffers")
             for t in _tensors(batch):
                 counter.track(t, "batch")
-            parameter_bytes = sum(counter._bytes(p.untyped_storage().nbytes()) for p in {
-                id(p.untyped_storage()): p for p in params}.values())
+            parameter_bytes = sum(
+                counter._bytes(p.untyped_storage().nbytes())
+                for p in {id(p.untyped_storage()): p for p in params}.values()
+            )
             trainable = [p for p in params if p.requires_grad]
-            trainable_bytes = sum(counter._bytes(p.untyped_storage().nbytes()) for p in {
-                id(p.untyped_storage()): p for p in trainable}.values())
+            trainable_bytes = sum(
+                counter._bytes(p.untyped_storage().nbytes())
+                for p in {id(p.untyped_storage()): p for p in trainable}.values()
+            )
             buffer_bytes = sum(counter._bytes(b.untyped_storage().nbytes()) for b in model.buffers())
-            batch_bytes = sum(counter._bytes(t.untyped_storage().nbytes()) for t in {
-                id(t.untyped_storage()): t for t in _tensors(batch)}.values())
+            batch_bytes = sum(
+                counter._bytes(t.untyped_storage().nbytes())
+                for t in {id(t.untyped_storage()): t for t in _tensors(batch)}.values()
+            )
             for p in trainable:
                 handles.append(p.register_post_accumulate_grad_hook(lambda p: counter.relabel(p.grad, "gradients")))
             with counter:
@@ -438,8 +515,9 @@ def count_training_steps(
                     for state in _optimizer_state_tensors(optimizers):
                         counter.relabel(state, "optimizer_states")
                     counter.phase = "setup"
-            gradient_bytes = sum(counter._bytes(p.grad.untyped_storage().nbytes()) for p in trainable
-                                 if p.grad is not None)
+            gradient_bytes = sum(
+                counter._bytes(p.grad.untyped_storage().nbytes()) for p in trainable if p.grad is not None
+            )
             states = {id(t.untyped_storage()): t for t in _optimizer_state_tensors(optimizers)}
             state_bytes = sum(counter._bytes(t.untyped_storage().nbytes()) for t in states.values())
             totals = dict(counter.peak_totals)

@@ -62,10 +62,15 @@ def normalize_precision(value: Any, name: str = "precision") -> str:
         >>> [normalize_precision(v) for v in (16, "16", "bf16", 32, "64", "bf16-true", "auto")]
         ['16-mixed', '16-mixed', 'bf16-mixed', '32-true', '64-true', 'bf16-true', 'auto']
     """
-    check_choice(name, value, (*PRECISION_MODES, *PRECISION_ALIASES, 16, 32, 64),
-                 hint="These are the values `Trainer(precision=...)` accepts, and 'auto'.")
+    check_choice(
+        name,
+        value,
+        (*PRECISION_MODES, *PRECISION_ALIASES, 16, 32, 64),
+        hint="These are the values `Trainer(precision=...)` accepts, and 'auto'.",
+    )
     key = str(value)
     return PRECISION_ALIASES.get(key, key)
+
 
 #: The knobs of each named preset. ``target_accumulation`` is used only when ``micro_batch_size`` is not given.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -105,8 +105,9 @@ _PAIR_CHUNK_BYTES = 1 << 21
 # them are compared in full before they count as duplicates.
 _KEY_COLUMNS = 32
 # Odd multipliers below 2**26: 32 products of int32 bits and these stay far inside int64 (no overflow anywhere).
-_KEY_MULTIPLIERS = torch.tensor([(2654435761 * (i + 1)) % (1 << 26) | 1 for i in range(_KEY_COLUMNS)],
-                                dtype=torch.int64)
+_KEY_MULTIPLIERS = torch.tensor(
+    [(2654435761 * (i + 1)) % (1 << 26) | 1 for i in range(_KEY_COLUMNS)], dtype=torch.int64
+)
 # Score-block rows compared per pass on CPU: 128 rows of a 4096-text block (2 MiB) stay in cache between passes.
 _CMP_ROWS = 128
 # Tie cells written into a block per chunk (bounds the index memory when a duplicate group is huge).
@@ -299,9 +300,7 @@ def full_fp32_matmul() -> Iterator[None]:
             torch.set_float32_matmul_precision(previous)
 
 
-def pair_scores(
-    video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tensor, chunk: int | None = None
-) -> Tensor:
+def pair_scores(video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tensor, chunk: int | None = None) -> Tensor:
     """Scores of the positive pairs: float64 dot products of the float32 features in a fixed order, rounded to float32.
 
     The products of float32 values are exact in float64, and the sum halves each row repeatedly with elementwise adds,
@@ -393,9 +392,7 @@ def _exact_groups(features: Tensor, keys: Tensor) -> _Groups | None:
     return _Groups(gid, torch.bincount(gid, minlength=uniq.numel()), first[order])
 
 
-def _members_in_range(
-    slot_group: Tensor, codes: Tensor, n: int, lo: int, hi: int
-) -> Iterator[tuple[Tensor, Tensor]]:
+def _members_in_range(slot_group: Tensor, codes: Tensor, n: int, lo: int, hi: int) -> Iterator[tuple[Tensor, Tensor]]:
     """For each slot, the members of its group with index in ``[lo, hi)``: yields ``(slot positions, members)``.
 
     ``codes`` are the sorted ``group * n + member`` of every member. Chunks hold at most ``_TIE_CHUNK`` cells (a slot
@@ -893,8 +890,9 @@ def retrieval_ranks(
     video = video_features.detach().index_select(0, plan.video_rows.to(video_features.device))
     text = text_features.detach().index_select(0, text_rows)
     device = torch.device(device) if device is not None else video.device
-    v2t, t2v = _ranks_single(plan, video, text, v2t_gallery, ties, video_block_size, text_block_size,
-                             memory_budget_bytes, device)
+    v2t, t2v = _ranks_single(
+        plan, video, text, v2t_gallery, ties, video_block_size, text_block_size, memory_budget_bytes, device
+    )
     n_video = plan.video_keys.numel()
     v2t_size = n_video if v2t_gallery == "groups" else plan.text_keys.numel()
     return RetrievalRanks(v2t, t2v, plan.video_keys, plan.text_keys, v2t_size, n_video)

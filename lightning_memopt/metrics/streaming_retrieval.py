@@ -38,6 +38,7 @@ from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__ = ["StreamingRetrievalMetric"]
 
+
 class StreamingRetrievalMetric(Metric):
     r"""Exact video->text and text->video R@K, median and mean rank, computed in blocks from CPU-held features.
 
@@ -191,8 +192,10 @@ class StreamingRetrievalMetric(Metric):
     def _known_text_ids(self) -> set[int]:
         """The caption ids stored so far; rebuilt whenever the state is not the one the cache was built from."""
         token, cached = self._text_ids_token(), self._seen_token
-        same = cached is not None and len(token) == len(cached) and all(
-            a is b if not isinstance(a, int) else a == b for a, b in zip(token, cached)
+        same = (
+            cached is not None
+            and len(token) == len(cached)
+            and all(a is b if not isinstance(a, int) else a == b for a, b in zip(token, cached))
         )
         if not same:  # loaded, merged, synced or reset: rebuild from the state itself
             ids = self.text_ids if isinstance(self.text_ids, list) else [self.text_ids]
@@ -353,9 +356,7 @@ class StreamingRetrievalMetric(Metric):
         # compact the row states into one tensor each (frees the per-batch pieces)
         video = _cat_state(self, "video_features", (0, dim))
         row_text = _cat_state(self, "row_text_ids", (0,))
-        local_row_keys = (
-            _cat_state(self, "sample_ids", (0,)) if use_samples else torch.arange(offset, offset + n_local)
-        )
+        local_row_keys = _cat_state(self, "sample_ids", (0,)) if use_samples else torch.arange(offset, offset + n_local)
         local_video_keys = _cat_state(self, "video_ids", (0,)) if use_videos else local_row_keys
         paired = self.protocol == "paired"
         local_text_keys = local_row_keys if paired else row_text
@@ -480,7 +481,7 @@ class _Comm:
         out = [torch.zeros_like(token) for _ in range(self.world)]
         problem = (
             "Every process must call `StreamingRetrievalMetric.compute()` (it synchronises): call it on all ranks, not"
-            " under `if trainer.is_global_zero`, and log its values with `sync_dist=True, reduce_fx=\"max\"`."
+            ' under `if trainer.is_global_zero`, and log its values with `sync_dist=True, reduce_fx="max"`.'
         )
         try:
             dist.all_gather(out, token, group=self.group)

@@ -43,6 +43,8 @@ def has_own_precision(strategy: Any) -> bool:
         key = strategy.lower().replace("_", "")
         return any(name.lower().removesuffix("strategy") in key for name in UNSUPPORTED_STRATEGIES)
     return bool({cls.__name__ for cls in type(strategy).__mro__}.intersection(UNSUPPORTED_STRATEGIES))
+
+
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
@@ -198,8 +200,9 @@ class MemoryPrecision(Precision):
         #: Where the user sets ``mode``, for messages (a ``MemoryPreset`` says its own field).
         self.setting = "MemoryPrecision(mode={!r})"
         # the true-dtype modes act before setup too (`trainer.init_module()`); the others are chosen in `setup`
-        self._delegate: Any = _plain_plugin(self._namespace, mode if mode in ("16-true", "bf16-true", "64-true")
-                                            else "32-true")
+        self._delegate: Any = _plain_plugin(
+            self._namespace, mode if mode in ("16-true", "bf16-true", "64-true") else "32-true"
+        )
         self._previous_matmul: dict[str, str] | None = None
         self._pending_state: dict[str, Any] | None = None
         self._warn = WarnOnce()
@@ -228,27 +231,22 @@ class MemoryPrecision(Precision):
                 capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
             if device_name is None:
                 device_name = torch.cuda.get_device_name(device)
-        choice = choose_precision(self.mode, device.type, capability, device_name, self.allow_emulated_bf16,
-                                  setting=self.setting)
+        choice = choose_precision(
+            self.mode, device.type, capability, device_name, self.allow_emulated_bf16, setting=self.setting
+        )
         self.choice = choice
         self.precision = choice.precision
         namespace = namespace or self._namespace
         same_namespace, self._namespace = namespace == self._namespace, namespace
         mixed = _plugin_class(namespace, "MixedPrecision")
         current = self._delegate
-        if (
-            isinstance(current, mixed)
-            and current.precision == choice.precision
-            and current.device == device.type
-        ):
+        if isinstance(current, mixed) and current.precision == choice.precision and current.device == device.type:
             pass  # a second fit keeps the scaler state of the first
         elif choice.precision in ("16-mixed", "bf16-mixed"):
             scaler = self._scaler if choice.precision == "16-mixed" else None
             self._delegate = mixed(choice.precision, device.type, scaler=scaler)
         elif (
-            not same_namespace
-            or isinstance(current, mixed)
-            or getattr(current, "precision", None) != choice.precision
+            not same_namespace or isinstance(current, mixed) or getattr(current, "precision", None) != choice.precision
         ):
             self._delegate = _plain_plugin(namespace, choice.precision)
         if self._pending_state:

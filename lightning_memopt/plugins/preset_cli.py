@@ -12,14 +12,25 @@ __all__ = ["MemoryPresetCLI"]
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(MemoryPreset) if f.init)
 #: Trainer arguments the preset's messages name (``trainer_kwargs`` decides them or compares with them).
-_TRAINER_KEYS = frozenset({"precision", "plugins", "accumulate_grad_batches", "gradient_clip_val", "devices",
-                           "num_nodes", "callbacks", "strategy"})
+_TRAINER_KEYS = frozenset(
+    {
+        "precision",
+        "plugins",
+        "accumulate_grad_batches",
+        "gradient_clip_val",
+        "devices",
+        "num_nodes",
+        "callbacks",
+        "strategy",
+    }
+)
 
 
 def _yaml_keys(message: str, section: str, names: frozenset[str]) -> str:
     """``message`` with each backticked argument (`` `name` `` or `` `name=...` ``) named by its config key."""
-    return re.sub(r"`(\w+)(?=`|=)", lambda m: f"`{section}.{m.group(1)}" if m.group(1) in names else m.group(0),
-                  message)
+    return re.sub(
+        r"`(\w+)(?=`|=)", lambda m: f"`{section}.{m.group(1)}" if m.group(1) in names else m.group(0), message
+    )
 
 
 def _devices(accelerator: Any, devices: Any) -> int:

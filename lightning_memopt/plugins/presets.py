@@ -280,15 +280,19 @@ class MemoryPreset:
         for knob in ("gradient_checkpointing", "cache_clean_on_phase_end", "monitor"):
             check_bool(knob, getattr(self, knob), hint=leave)
         check_bool("allow_emulated_bf16", self.allow_emulated_bf16)
-        check_bool("auto_micro_batch", self.auto_micro_batch,
-                   hint="Use True to let AutoMicroBatch split the per-device batch (halving on out-of-memory), or"
-                        " False for Lightning's gradient accumulation.")
+        check_bool(
+            "auto_micro_batch",
+            self.auto_micro_batch,
+            hint="Use True to let AutoMicroBatch split the per-device batch (halving on out-of-memory), or"
+            " False for Lightning's gradient accumulation.",
+        )
         check_non_negative_int("gc_every_n_steps", self.gc_every_n_steps, hint="Use 0 for no garbage collector.")
         check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
         check_str("allocator_conf", self.allocator_conf, hint="Example: 'expandable_segments:True'.")
         parse_alloc_conf(self.allocator_conf)
-        check_non_negative_number("gradient_clip_val", self.gradient_clip_val, allow_none=True,
-                                  hint="Use None for no clipping.")
+        check_non_negative_number(
+            "gradient_clip_val", self.gradient_clip_val, allow_none=True, hint="Use None for no clipping."
+        )
         check_str("tier", self.tier, allow_none=True, hint="It is set by `MemoryPreset.for_device()`, e.g. '16GB'.")
         object.__setattr__(self, "checkpoint_modules", _checkpoint_modules(self.checkpoint_modules))
         check_positive_int("devices", self.devices, hint="Pass the number of devices per node, as for the Trainer.")
@@ -398,7 +402,8 @@ class MemoryPreset:
             devices=overrides.get("devices", 1),
             num_nodes=overrides.get("num_nodes", 1),
             precision=overrides.get("precision") or "auto",
-            checkpointing="auto" if overrides.get("gradient_checkpointing") is None
+            checkpointing="auto"
+            if overrides.get("gradient_checkpointing") is None
             else bool(overrides["gradient_checkpointing"]),
         )
         if not plan.feasible:
@@ -458,8 +463,12 @@ class MemoryPreset:
         if self.monitor:
             out.append((MemoryMonitor, MemoryMonitor))
         if self.cache_clean_on_phase_end:
-            out.append((CacheCleaner, lambda: CacheCleaner(every_n_train_batches=None, every_n_val_batches=None,
-                                                           on_phase_end=True)))
+            out.append(
+                (
+                    CacheCleaner,
+                    lambda: CacheCleaner(every_n_train_batches=None, every_n_val_batches=None, on_phase_end=True),
+                )
+            )
         if self.gc_every_n_steps:
             out.append((GarbageCollector, lambda: GarbageCollector(every_n_steps=self.gc_every_n_steps)))
         if self.gradient_checkpointing:
@@ -564,14 +573,23 @@ class MemoryPreset:
                 )
             out.pop("precision", None)
             out["plugins"] = [*user_plugins, self.precision_plugin()]
-        for key, value in (("accumulate_grad_batches", self.accumulate_grad_batches),
-                           ("gradient_clip_val", self.gradient_clip_val)):
+        for key, value in (
+            ("accumulate_grad_batches", self.accumulate_grad_batches),
+            ("gradient_clip_val", self.gradient_clip_val),
+        ):
             given = trainer_kwargs.get(key)
-            if given is not None and value is not None and given != value and not (key == "accumulate_grad_batches"
-                                                                                     and self.plan is None):
-                why = ("with `auto_micro_batch=True` the DataLoader yields the whole per-device batch and"
-                       " AutoMicroBatch splits it" if self.auto_micro_batch else "the preset computes it from"
-                       " `effective_batch_size`")
+            if (
+                given is not None
+                and value is not None
+                and given != value
+                and not (key == "accumulate_grad_batches" and self.plan is None)
+            ):
+                why = (
+                    "with `auto_micro_batch=True` the DataLoader yields the whole per-device batch and"
+                    " AutoMicroBatch splits it"
+                    if self.auto_micro_batch
+                    else "the preset computes it from `effective_batch_size`"
+                )
                 raise ValueError(
                     f"`{key}={given!r}` contradicts the preset's {key}={value!r}. Drop `{key}=` from the Trainer"
                     f" arguments ({why}) or change the preset."
@@ -646,36 +664,68 @@ class MemoryPreset:
             MemoryPreset 'max-speed'
         """
         rows = [
-            ("precision", self.precision, "MemoryPrecision mode; 'auto' = bf16 on GPUs with native bf16, fp16+scaler on"
-             " older GPUs, fp32 on CPU. Halves activation memory."),
-            ("float32_matmul_precision", self.float32_matmul_precision or "unchanged",
-             "'high' lets fp32 matmuls use TF32 on Ampere+; restored after fit."),
-            ("gradient_checkpointing", self.gradient_checkpointing,
-             "recompute block activations in backward: far less activation memory for ~1 extra forward."),
-            ("checkpoint_modules", self.checkpoint_modules or "HF switch / nn.Transformer layers",
-             "which blocks to checkpoint."),
+            (
+                "precision",
+                self.precision,
+                "MemoryPrecision mode; 'auto' = bf16 on GPUs with native bf16, fp16+scaler on"
+                " older GPUs, fp32 on CPU. Halves activation memory.",
+            ),
+            (
+                "float32_matmul_precision",
+                self.float32_matmul_precision or "unchanged",
+                "'high' lets fp32 matmuls use TF32 on Ampere+; restored after fit.",
+            ),
+            (
+                "gradient_checkpointing",
+                self.gradient_checkpointing,
+                "recompute block activations in backward: far less activation memory for ~1 extra forward.",
+            ),
+            (
+                "checkpoint_modules",
+                self.checkpoint_modules or "HF switch / nn.Transformer layers",
+                "which blocks to checkpoint.",
+            ),
             ("effective_batch_size", self.effective_batch_size, "samples per optimizer step over all ranks (kept)."),
             ("batch_size (micro)", self.batch_size, "samples per forward pass and rank: peak memory scales with it.")
-            if not self.auto_micro_batch else
-            ("batch_size (per device)", self.batch_size, "samples per DataLoader batch and rank (the whole per-device"
-             " batch)."),
-            ("accumulate_grad_batches", self.accumulate_grad_batches,
-             "effective / (micro x devices x nodes): same gradients as the full batch." if not self.auto_micro_batch
-             else "AutoMicroBatch accumulates the micro-batches of each batch itself."),
+            if not self.auto_micro_batch
+            else (
+                "batch_size (per device)",
+                self.batch_size,
+                "samples per DataLoader batch and rank (the whole per-device batch).",
+            ),
+            (
+                "accumulate_grad_batches",
+                self.accumulate_grad_batches,
+                "effective / (micro x devices x nodes): same gradients as the full batch."
+                if not self.auto_micro_batch
+                else "AutoMicroBatch accumulates the micro-batches of each batch itself.",
+            ),
             ("devices x num_nodes", f"{self.devices} x {self.num_nodes}", "world size used in the arithmetic."),
             ("auto_micro_batch", self.auto_micro_batch, self._auto_micro_batch_reason()),
             ("gradient_clip_val", self.gradient_clip_val, "gradient norm clipping (None = off)."),
-            ("allocator_conf", self.allocator_conf or "unchanged",
-             "expandable segments reduce fragmentation; applied before CUDA initialises."),
+            (
+                "allocator_conf",
+                self.allocator_conf or "unchanged",
+                "expandable segments reduce fragmentation; applied before CUDA initialises.",
+            ),
             ("memory_fraction", self.memory_fraction, "cap on this process's share of device memory (None = all)."),
-            ("cache_clean_on_phase_end", self.cache_clean_on_phase_end,
-             "CacheCleaner: return cached blocks between train and validation."),
-            ("gc_every_n_steps", self.gc_every_n_steps or "off",
-             "GarbageCollector: collect cycles holding tensors on all ranks at the same step."),
+            (
+                "cache_clean_on_phase_end",
+                self.cache_clean_on_phase_end,
+                "CacheCleaner: return cached blocks between train and validation.",
+            ),
+            (
+                "gc_every_n_steps",
+                self.gc_every_n_steps or "off",
+                "GarbageCollector: collect cycles holding tensors on all ranks at the same step.",
+            ),
             ("monitor", self.monitor, "MemoryMonitor: per-phase peaks and threshold warnings."),
-            ("dataloader", ", ".join(f"{k}={v}" for k, v in self.dataloader_kwargs().items() if k != "batch_size"),
-             "recommended: batches prepared ahead cost num_workers x prefetch_factor x batch of host memory"
-             " (preset.dataloader_kwargs())."),
+            (
+                "dataloader",
+                ", ".join(f"{k}={v}" for k, v in self.dataloader_kwargs().items() if k != "batch_size"),
+                "recommended: batches prepared ahead cost num_workers x prefetch_factor x batch of host memory"
+                " (preset.dataloader_kwargs()).",
+            ),
         ]
         title = f"MemoryPreset {self.name!r}" + (f" (tier {self.tier})" if self.tier else "")
         width = max(len(r[0]) for r in rows)
@@ -686,12 +736,16 @@ class MemoryPreset:
 
     def _auto_micro_batch_reason(self) -> str:
         if not self.auto_micro_batch:
-            return ("off: an out-of-memory error ends the run (True: AutoMicroBatch splits the per-device batch and"
-                    " halves on out-of-memory).")
+            return (
+                "off: an out-of-memory error ends the run (True: AutoMicroBatch splits the per-device batch and"
+                " halves on out-of-memory)."
+            )
         start = "the whole batch" if self.micro_batch_size is None else f"{self.micro_batch_size}"
         size = f" ({self.batch_size})" if self.batch_size is not None else ""
-        return (f"the DataLoader yields the whole per-device batch{size} and AutoMicroBatch splits it into"
-                f" micro-batches (from {start}), halving on out-of-memory with the same effective batch.")
+        return (
+            f"the DataLoader yields the whole per-device batch{size} and AutoMicroBatch splits it into"
+            f" micro-batches (from {start}), halving on out-of-memory with the same effective batch."
+        )
 
     def __str__(self) -> str:
         return self.describe()

@@ -107,5 +107,6 @@ def backward_outside_torch_function(loss: torch.Tensor) -> None:
     if engine is None or not hasattr(engine, "run_backward"):
         loss.backward()
         return
-    engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
-                        accumulate_grad=True)
+    engine.run_backward(
+        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )

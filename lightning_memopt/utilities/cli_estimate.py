@@ -107,8 +107,10 @@ def _class_spec(value: Any, where: str) -> dict[str, Any] | None:
     if isinstance(value, str):
         return {"class_path": value.strip(), "init_args": {}}
     if not isinstance(value, dict):
-        raise EstimateInputError(f"{where}: must be a mapping (class_path and init_args, or the init args) or a"
-                                 f" class path, got {type(value).__name__} {value!r}.")
+        raise EstimateInputError(
+            f"{where}: must be a mapping (class_path and init_args, or the init args) or a"
+            f" class path, got {type(value).__name__} {value!r}."
+        )
     if "class_path" not in value:
         return {"init_args": dict(value)}  # LightningCLI with a fixed class: the section holds the init args
     init_args = value.get("init_args") or {}
@@ -182,8 +184,9 @@ def parse_overrides(tokens: list[str], sections: set[str]) -> list[tuple[str, li
         match = _OVERRIDE.match(token)
         if match is None or match["section"] not in sections:
             known = ", ".join(f"--{s}.NAME" for s in sorted(sections))
-            raise EstimateInputError(f"unrecognized argument {token!r}. Overrides are {known} VALUE;"
-                                     " see lightning-memopt estimate --help.")
+            raise EstimateInputError(
+                f"unrecognized argument {token!r}. Overrides are {known} VALUE; see lightning-memopt estimate --help."
+            )
         text = match["value"]
         if text is None:
             if i + 1 >= len(tokens):
@@ -220,8 +223,10 @@ def resolve_class(path: Any, where: str, default_module: str | None = None) -> A
             module = importlib.import_module(default_module)
             if hasattr(module, path):
                 return getattr(module, path)
-        raise EstimateInputError(f"{where}: {path!r} is not a full import path; give package.module.Class (e.g."
-                                 " examples.dreams.module.SpectraFineTuner).")
+        raise EstimateInputError(
+            f"{where}: {path!r} is not a full import path; give package.module.Class (e.g."
+            " examples.dreams.module.SpectraFineTuner)."
+        )
     _ensure_cwd_importable()
     for i in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:i])
@@ -244,8 +249,10 @@ def resolve_class(path: Any, where: str, default_module: str | None = None) -> A
         if not callable(obj):
             raise EstimateInputError(f"{where}: {path!r} is a {type(obj).__name__}, not a class.")
         return obj
-    raise EstimateInputError(f"{where}: cannot import {path!r}: there is no module named {parts[0]!r} (run from the"
-                             " directory that holds it, or install it).")
+    raise EstimateInputError(
+        f"{where}: cannot import {path!r}: there is no module named {parts[0]!r} (run from the"
+        " directory that holds it, or install it)."
+    )
 
 
 def build(value: Any, where: str, default_module: str | None = None) -> Any:
@@ -302,8 +309,10 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
         if colon:
             dtype = getattr(torch, dtype_text.strip(), None)
             if not isinstance(dtype, torch.dtype):
-                raise EstimateInputError(f"{where}: {dtype_text.strip()!r} is not a torch dtype (float32, bfloat16,"
-                                         " float16, int64, int32, bool, ...).")
+                raise EstimateInputError(
+                    f"{where}: {dtype_text.strip()!r} is not a torch dtype (float32, bfloat16,"
+                    " float16, int64, int32, bool, ...)."
+                )
         dims: list[int | None] = []
         for dim in dims_text.split(","):
             dim = dim.strip()
@@ -312,8 +321,10 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
             elif dim.isdigit() and int(dim) > 0:
                 dims.append(int(dim))
             else:
-                raise EstimateInputError(f"{where}: dimension {dim!r} is neither B (the micro-batch) nor a positive"
-                                         " int. Example: --batch-shape B,128,64:float32")
+                raise EstimateInputError(
+                    f"{where}: dimension {dim!r} is neither B (the micro-batch) nor a positive"
+                    " int. Example: --batch-shape B,128,64:float32"
+                )
         parsed.append((name or None, dims, dtype))
     named = [p[0] is not None for p in parsed]
     if any(named) and not all(named):
@@ -322,8 +333,9 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
     if len(set(names)) != len(names):
         raise EstimateInputError(f"--batch-shape: a name given twice ({', '.join(names)}).")
     if not any(None in dims for _, dims, _ in parsed):
-        raise EstimateInputError("--batch-shape: no tensor has the micro-batch dimension B; write it where the"
-                                 " batch goes, e.g. B,128,64.")
+        raise EstimateInputError(
+            "--batch-shape: no tensor has the micro-batch dimension B; write it where the batch goes, e.g. B,128,64."
+        )
 
     def make(b: int) -> Any:
         tensors = []
@@ -354,6 +366,7 @@ def describe_batch(batch: Any) -> str:
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
                 walk(v, f"{path}[{i}]")
+
     walk(batch, "")
     text = ", ".join(parts[:8]) + (f", ... ({len(parts)} tensors)" if len(parts) > 8 else "")
     return text or f"no tensors ({type(batch).__name__})"
@@ -368,8 +381,11 @@ def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int 
     from torch.utils.data import DataLoader, IterableDataset
 
     name = type(source).__name__
-    for hook, call in (("prepare_data", lambda: source.prepare_data()), ("setup('fit')", lambda: source.setup("fit")),
-                       ("train_dataloader()", lambda: source.train_dataloader())):
+    for hook, call in (
+        ("prepare_data", lambda: source.prepare_data()),
+        ("setup('fit')", lambda: source.setup("fit")),
+        ("train_dataloader()", lambda: source.train_dataloader()),
+    ):
         try:
             loader = call()
         except Exception as err:
@@ -379,11 +395,15 @@ def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int 
                 " or describe the batch with --batch-shape instead."
             ) from None
     if not isinstance(loader, DataLoader):
-        raise EstimateInputError(f"{where}: {name}.train_dataloader() returned a {type(loader).__name__}, not one"
-                                 " DataLoader; describe the batch with --batch-shape instead.")
+        raise EstimateInputError(
+            f"{where}: {name}.train_dataloader() returned a {type(loader).__name__}, not one"
+            " DataLoader; describe the batch with --batch-shape instead."
+        )
     if loader.batch_size is None and loader.batch_sampler is None:
-        raise EstimateInputError(f"{where}: {name}'s DataLoader has automatic batching off (its dataset yields whole"
-                                 " batches), so batches of another size cannot be made; use --batch-shape instead.")
+        raise EstimateInputError(
+            f"{where}: {name}'s DataLoader has automatic batching off (its dataset yields whole"
+            " batches), so batches of another size cannot be made; use --batch-shape instead."
+        )
     dataset, collate = loader.dataset, loader.collate_fn
     iterable = isinstance(dataset, IterableDataset)
     last: dict[int, Any] = {}
@@ -397,16 +417,19 @@ def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int 
                 if n == 0:
                     raise EstimateInputError(f"{where}: {name}'s training set is empty.")
                 # the first b samples in order; a set smaller than b is cycled so the batch has b samples
-                new = DataLoader(dataset, batch_size=b, sampler=range(b) if b <= n else [i % n for i in range(b)],
-                                 collate_fn=collate)
+                new = DataLoader(
+                    dataset, batch_size=b, sampler=range(b) if b <= n else [i % n for i in range(b)], collate_fn=collate
+                )
             try:
                 batch = next(iter(new))
             except StopIteration:
                 raise EstimateInputError(f"{where}: {name}'s training set is empty.") from None
             except Exception as err:
                 text = " ".join(str(err).split())
-                raise EstimateInputError(f"{where}: reading the first {b} samples of {name}'s training set failed"
-                                         f" ({type(err).__name__}: {text}).") from None
+                raise EstimateInputError(
+                    f"{where}: reading the first {b} samples of {name}'s training set failed"
+                    f" ({type(err).__name__}: {text})."
+                ) from None
             last.clear()  # keep one batch: the planner asks for each size once, or twice in a row
             last[b] = batch
         return last[b]
@@ -421,8 +444,10 @@ def _precision(value: Any, where: str, choices: tuple[str, ...]) -> str:
     text = str(value).strip()
     text = _PRECISION_ALIASES.get(text, text)
     if text != "auto" and text not in choices:
-        raise EstimateInputError(f"{where}: {value!r} is not a precision the estimate models; one of auto,"
-                                 f" {', '.join(choices)} (or Lightning's 32, 16, bf16).")
+        raise EstimateInputError(
+            f"{where}: {value!r} is not a precision the estimate models; one of auto,"
+            f" {', '.join(choices)} (or Lightning's 32, 16, bf16)."
+        )
     return text
 
 
@@ -528,16 +553,22 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.gpu is not None and args.device_memory is not None:
         raise EstimateInputError("--gpu and --device-memory: give one of them (a GPU name or a size), not both.")
     if args.gpu is None and args.device_memory is None and args.effective_batch_size is not None:
-        raise EstimateInputError("--effective-batch-size: planning needs a memory budget; pass --gpu NAME (e.g."
-                                 " A100-40GB) or --device-memory SIZE (e.g. 40GB).")
+        raise EstimateInputError(
+            "--effective-batch-size: planning needs a memory budget; pass --gpu NAME (e.g."
+            " A100-40GB) or --device-memory SIZE (e.g. 40GB)."
+        )
     if args.gpu is not None and args.device == "cpu":
         raise EstimateInputError("--gpu with --device cpu: a GPU budget models CUDA; pass --device-memory for a CPU.")
     if args.batch_shape and args.data is not None:
         raise EstimateInputError("--batch-shape and --data: give one batch source (shapes, or a datamodule).")
     if math.isnan(args.margin) or not 0 <= args.margin < 1:
         raise EstimateInputError(f"--margin: must be a fraction in [0, 1), got {args.margin}; 0.1 keeps 10 % free.")
-    for flag, value in (("--batch-size", args.batch_size), ("--effective-batch-size", args.effective_batch_size),
-                        ("--devices", args.devices), ("--num-nodes", args.num_nodes)):
+    for flag, value in (
+        ("--batch-size", args.batch_size),
+        ("--effective-batch-size", args.effective_batch_size),
+        ("--devices", args.devices),
+        ("--num-nodes", args.num_nodes),
+    ):
         if value is not None and value < 1:
             raise EstimateInputError(f"{flag}: must be a positive int, got {value}.")
 
@@ -548,8 +579,10 @@ def _budget(args: argparse.Namespace, planner: Any) -> tuple[str | None, str | N
         names = {name.upper().replace(" ", ""): name for name in planner.GPU_MEMORY}
         key = args.gpu.strip().upper().replace(" ", "")
         if key not in names:
-            raise EstimateInputError(f"--gpu: unknown GPU {args.gpu!r}; known: {', '.join(planner.GPU_MEMORY)}. For"
-                                     " another device pass --device-memory SIZE (e.g. 40GB, 24GiB).")
+            raise EstimateInputError(
+                f"--gpu: unknown GPU {args.gpu!r}; known: {', '.join(planner.GPU_MEMORY)}. For"
+                " another device pass --device-memory SIZE (e.g. 40GB, 24GiB)."
+            )
         budget, flag = names[key], "--gpu"
     elif args.device_memory is not None:
         budget, flag = args.device_memory, "--device-memory"
@@ -566,33 +599,41 @@ def _budget(args: argparse.Namespace, planner: Any) -> tuple[str | None, str | N
 
     context = planner.CUDA_CONTEXT_BYTES if args.device == "cuda" else 0
     if int((total - context) * (1 - args.margin)) <= 0:
-        raise EstimateInputError(f"{flag}: {budget} ({format_bytes(total)}) leaves nothing once the CUDA context"
-                                 f" ({format_bytes(context)}) and the {args.margin:.0%} margin are taken off; pass the"
-                                 " device's whole memory.")
+        raise EstimateInputError(
+            f"{flag}: {budget} ({format_bytes(total)}) leaves nothing once the CUDA context"
+            f" ({format_bytes(context)}) and the {args.margin:.0%} margin are taken off; pass the"
+            " device's whole memory."
+        )
     return budget, flag
 
 
-def _batch_source(args: argparse.Namespace, specs: dict[str, Any], model: Any
-                  ) -> tuple[Callable[[int], Any], int | None, str]:
+def _batch_source(
+    args: argparse.Namespace, specs: dict[str, Any], model: Any
+) -> tuple[Callable[[int], Any], int | None, str]:
     """``(batch_fn, the datamodule's batch size or None, the source in words)``."""
     if args.batch_shape:
         return parse_batch_shape(args.batch_shape), None, f"--batch-shape {' '.join(args.batch_shape)}"
     data_spec = specs["data"]
     if data_spec is not None and not data_spec.get("class_path"):
-        raise EstimateInputError("--data: the config's data section has no class_path; pass --data CLASS_PATH (the"
-                                 " LightningDataModule, e.g. examples.dreams.module.SpectraDataModule), or"
-                                 " --batch-shape.")
+        raise EstimateInputError(
+            "--data: the config's data section has no class_path; pass --data CLASS_PATH (the"
+            " LightningDataModule, e.g. examples.dreams.module.SpectraDataModule), or"
+            " --batch-shape."
+        )
     if data_spec is not None:
         holder = build(data_spec, "--data")
         if not callable(getattr(holder, "train_dataloader", None)):
-            raise EstimateInputError(f"--data: {data_spec['class_path']} built a {type(holder).__name__}, which has"
-                                     " no train_dataloader().")
+            raise EstimateInputError(
+                f"--data: {data_spec['class_path']} built a {type(holder).__name__}, which has no train_dataloader()."
+            )
         where = "--data"
     elif _own_train_dataloader(model):
         holder, where = model, "--model"
     else:
-        raise EstimateInputError("no batch: pass --data CLASS_PATH (or --config with a data section) to take it from"
-                                 " the datamodule, or --batch-shape B,128,64:float32 to describe it.")
+        raise EstimateInputError(
+            "no batch: pass --data CLASS_PATH (or --config with a data section) to take it from"
+            " the datamodule, or --batch-shape B,128,64:float32 to describe it."
+        )
     batch_fn, batch_size = loader_batch_fn(holder, where)
     return batch_fn, batch_size, f"the first samples of {type(holder).__name__}.train_dataloader()'s dataset, in order"
 
@@ -602,8 +643,10 @@ def _optimizer(specs: dict[str, Any]) -> Callable[[Any], Any] | None:
     if spec is None:
         return None
     if not spec.get("class_path"):
-        raise EstimateInputError("--optimizer: the optimizer section has no class_path; pass --optimizer CLASS_PATH"
-                                 " (e.g. torch.optim.AdamW).")
+        raise EstimateInputError(
+            "--optimizer: the optimizer section has no class_path; pass --optimizer CLASS_PATH"
+            " (e.g. torch.optim.AdamW)."
+        )
     cls = resolve_class(spec["class_path"], "--optimizer", default_module="torch.optim")
     kwargs = {k: build(v, f"--optimizer.init_args.{k}") for k, v in spec["init_args"].items()}
 
@@ -613,9 +656,15 @@ def _optimizer(specs: dict[str, Any]) -> Callable[[Any], Any] | None:
     return optimizer
 
 
-_PLANNER_NAMES = {"`effective_batch_size`": "--effective-batch-size", "`margin`": "--margin",
-                  "`devices`": "--devices", "`num_nodes`": "--num-nodes", "`precision`": "--precision",
-                  "`checkpointing`": "--checkpointing", "`optimizer`": "--optimizer"}
+_PLANNER_NAMES = {
+    "`effective_batch_size`": "--effective-batch-size",
+    "`margin`": "--margin",
+    "`devices`": "--devices",
+    "`num_nodes`": "--num-nodes",
+    "`precision`": "--precision",
+    "`checkpointing`": "--checkpointing",
+    "`optimizer`": "--optimizer",
+}
 
 
 def _one_line(err: BaseException, budget_flag: str | None = None) -> str:
@@ -631,8 +680,10 @@ def _run(args: argparse.Namespace) -> int:
     model_spec = specs["model"]
     if model_spec is None or not model_spec.get("class_path"):
         where = "the config's model section has no class_path; " if model_spec is not None else ""
-        raise EstimateInputError(f"--model: {where}pass --model CLASS_PATH (the LightningModule, e.g."
-                                 " examples.dreams.module.SpectraFineTuner), or --config FILE with model.class_path.")
+        raise EstimateInputError(
+            f"--model: {where}pass --model CLASS_PATH (the LightningModule, e.g."
+            " examples.dreams.module.SpectraFineTuner), or --config FILE with model.class_path."
+        )
 
     # ---- torch from here on
     from torch import nn
@@ -641,8 +692,11 @@ def _run(args: argparse.Namespace) -> int:
     from lightning_memopt.utilities.formatting import format_bytes
 
     where = "--precision" if args.precision is not None else "trainer.precision (config)"
-    precision = _precision(args.precision if args.precision is not None else trainer.get("precision") or "auto",
-                           where, planner.ESTIMATE_PRECISIONS)
+    precision = _precision(
+        args.precision if args.precision is not None else trainer.get("precision") or "auto",
+        where,
+        planner.ESTIMATE_PRECISIONS,
+    )
     devices = args.devices or _int_setting(trainer.get("devices")) or 1
     num_nodes = args.num_nodes or _int_setting(trainer.get("num_nodes")) or 1
     world = devices * num_nodes
@@ -654,31 +708,50 @@ def _run(args: argparse.Namespace) -> int:
 
     model = build(model_spec, "--model")
     if not isinstance(model, nn.Module):
-        raise EstimateInputError(f"--model: {model_spec['class_path']} built a {type(model).__name__}, not a"
-                                 " LightningModule or torch.nn.Module.")
+        raise EstimateInputError(
+            f"--model: {model_spec['class_path']} built a {type(model).__name__}, not a"
+            " LightningModule or torch.nn.Module."
+        )
     optimizer = _optimizer(specs)
     batch_fn, own_batch_size, source = _batch_source(args, specs, model)
     batch_size = args.batch_size or own_batch_size
     params = list(model.parameters())
-    out = [f"Model: {model_spec['class_path']} ({sum(p.numel() for p in params):,} parameters,"
-           f" {sum(p.numel() for p in params if p.requires_grad):,} trainable)"]
+    out = [
+        f"Model: {model_spec['class_path']} ({sum(p.numel() for p in params):,} parameters,"
+        f" {sum(p.numel() for p in params if p.requires_grad):,} trainable)"
+    ]
 
     if budget is None:
         if batch_size is None:
-            raise EstimateInputError("--batch-size: needed for the estimate (B of --batch-shape); or pass --gpu /"
-                                     " --device-memory and --effective-batch-size to plan the micro-batch.")
+            raise EstimateInputError(
+                "--batch-size: needed for the estimate (B of --batch-shape); or pass --gpu /"
+                " --device-memory and --effective-batch-size to plan the micro-batch."
+            )
         batch = batch_fn(batch_size)
-        estimate = _guarded(lambda: planner.estimate_memory(
-            model, batch, precision="32-true" if precision == "auto" else precision, optimizer=optimizer,
-            device=args.device, checkpointing=checkpointing), planner, model, source, budget_flag)
+        estimate = _guarded(
+            lambda: planner.estimate_memory(
+                model,
+                batch,
+                precision="32-true" if precision == "auto" else precision,
+                optimizer=optimizer,
+                device=args.device,
+                checkpointing=checkpointing,
+            ),
+            planner,
+            model,
+            source,
+            budget_flag,
+        )
         print("\n".join([*out, f"Batch {batch_size}: {source}: {describe_batch(batch)}", str(estimate)]))
         return 0
 
     effective = args.effective_batch_size
     if effective is None:
         if batch_size is None:
-            raise EstimateInputError("--effective-batch-size: needed to plan (samples per optimizer step over all"
-                                     " devices); there is no batch size to take it from.")
+            raise EstimateInputError(
+                "--effective-batch-size: needed to plan (samples per optimizer step over all"
+                " devices); there is no batch size to take it from."
+            )
         effective = batch_size * accumulate * world
         how = f"batch size {batch_size}" + (f" x accumulate {accumulate}" if accumulate > 1 else "")
         how += f" x {world} devices" if world > 1 else ""
@@ -686,14 +759,32 @@ def _run(args: argparse.Namespace) -> int:
     elif args.batch_size is not None:
         _say("note: --batch-size is not used when planning; the plan chooses the micro-batch.")
     if effective % world:
-        raise EstimateInputError(f"--effective-batch-size: {effective} must divide by devices x num nodes = {world}"
-                                 f" (every device gets the same batch); use a multiple of {world}.")
+        raise EstimateInputError(
+            f"--effective-batch-size: {effective} must divide by devices x num nodes = {world}"
+            f" (every device gets the same batch); use a multiple of {world}."
+        )
     _say(f"planning {type(model).__name__} for {budget}, effective batch {effective}: one line per estimate")
     started = time.perf_counter()
-    plan = _guarded(lambda: planner.plan_memory(
-        model, batch_fn, effective_batch_size=effective, budget_bytes=budget, devices=devices, num_nodes=num_nodes,
-        margin=args.margin, precision=precision, checkpointing=checkpointing, optimizer=optimizer,
-        device=args.device, progress=_say), planner, model, source, budget_flag)
+    plan = _guarded(
+        lambda: planner.plan_memory(
+            model,
+            batch_fn,
+            effective_batch_size=effective,
+            budget_bytes=budget,
+            devices=devices,
+            num_nodes=num_nodes,
+            margin=args.margin,
+            precision=precision,
+            checkpointing=checkpointing,
+            optimizer=optimizer,
+            device=args.device,
+            progress=_say,
+        ),
+        planner,
+        model,
+        source,
+        budget_flag,
+    )
     count = len(plan.trials)
     _say(f"{count} estimate{'s' if count != 1 else ''} in {time.perf_counter() - started:.1f} s")
     size = plan.micro_batch_size or 1
@@ -701,9 +792,11 @@ def _run(args: argparse.Namespace) -> int:
     out.append(f"Batch {size} ({role}): {source}: {describe_batch(batch_fn(size))}")
     if plan.estimate is not None:
         if not plan.feasible:
-            out.append(f"The smallest setting tried (micro-batch {size}, activation checkpointing"
-                       f" {'on' if plan.gradient_checkpointing else 'off'}) does not fit"
-                       f" {format_bytes(plan.usable_bytes)}:")
+            out.append(
+                f"The smallest setting tried (micro-batch {size}, activation checkpointing"
+                f" {'on' if plan.gradient_checkpointing else 'off'}) does not fit"
+                f" {format_bytes(plan.usable_bytes)}:"
+            )
         out += [str(plan.estimate), ""]
     out.append(str(plan))
     print("\n".join(out))

@@ -34,8 +34,9 @@ def warn_every_time(message: str, category: type[Warning] = UserWarning, stackle
     except ValueError:  # a shallower stack than asked for
         filename, lineno, module_globals = "sys", 1, None
     module = module_globals.get("__name__") if module_globals else None
-    warnings.warn_explicit(message, category, filename, lineno, module=module, registry={},
-                           module_globals=module_globals)
+    warnings.warn_explicit(
+        message, category, filename, lineno, module=module, registry={}, module_globals=module_globals
+    )
 
 
 class WarnOnce:
@@ -71,4 +72,3 @@ class WarnOnce:
 
     def reset(self) -> None:
         self._seen.clear()
-

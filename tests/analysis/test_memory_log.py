@@ -18,10 +18,22 @@ from tests.helpers.pipes import PipeWatchdog
 
 
 def rec(t, phase, event, step, alloc=None, peak=None, rank=0, **extra):
-    return {"time": t, "rank": rank, "phase": phase, "event": event, "epoch": 0, "global_step": step,
-            "batch_idx": None, "device": "cuda:0", "allocated_bytes": alloc, "reserved_bytes": None if alloc is None
-            else alloc * 2, "peak_allocated_bytes": peak, "device_total_bytes": 10_000, "host_rss_bytes": 50,
-            **extra}
+    return {
+        "time": t,
+        "rank": rank,
+        "phase": phase,
+        "event": event,
+        "epoch": 0,
+        "global_step": step,
+        "batch_idx": None,
+        "device": "cuda:0",
+        "allocated_bytes": alloc,
+        "reserved_bytes": None if alloc is None else alloc * 2,
+        "peak_allocated_bytes": peak,
+        "device_total_bytes": 10_000,
+        "host_rss_bytes": 50,
+        **extra,
+    }
 
 
 def write(path, records, tail=""):
@@ -36,10 +48,13 @@ TRAIN_STEPS = range(10, 410, 10)  # 40 readings over 390 steps: enough to judge 
 def good_log(tmp_path):
     records = [rec(0.0, "train", "phase_start", 0, 100, 100)]
     records += [rec(float(s), "train", "step", s, 100 + 3 * s, 100 + 3 * s + 50) for s in TRAIN_STEPS]
-    records += [rec(4.5, "validate", "phase_start", 40, 200, 200), rec(4.6, "validate", "step", 40, 2000, 2500),
-                rec(4.7, "validate", "phase_end", 40, 200, 2500, phase_peak_allocated_bytes=2500),
-                rec(5.0, "train", "warning", 50, 9500, field="allocated_bytes"),
-                rec(411.0, "train", "phase_end", 400, 400, 700, phase_peak_allocated_bytes=9600)]
+    records += [
+        rec(4.5, "validate", "phase_start", 40, 200, 200),
+        rec(4.6, "validate", "step", 40, 2000, 2500),
+        rec(4.7, "validate", "phase_end", 40, 200, 2500, phase_peak_allocated_bytes=2500),
+        rec(5.0, "train", "warning", 50, 9500, field="allocated_bytes"),
+        rec(411.0, "train", "phase_end", 400, 400, 700, phase_peak_allocated_bytes=9600),
+    ]
     return write(tmp_path / "memory_rank0.jsonl", records)
 
 
@@ -61,8 +76,9 @@ def test_summary_per_phase(good_log):
 
 
 def test_cpu_log_falls_back_to_host_rss(tmp_path):
-    records = [dict(rec(float(s), "train", "step", s), host_rss_bytes=1000 + s, device="cpu")
-               for s in range(0, 401, 10)]
+    records = [
+        dict(rec(float(s), "train", "step", s), host_rss_bytes=1000 + s, device="cpu") for s in range(0, 401, 10)
+    ]
     s = summarize_memory_log(load_memory_log(write(tmp_path / "m.jsonl", records)))[0]
     assert s.peak_allocated_bytes is None
     assert s.peak_host_rss_bytes == 1400 and s.peak_global_step == 400
@@ -88,8 +104,10 @@ MiB = 1024**2
 
 
 def _train_steps(values, steps, key="allocated_bytes", **extra):
-    return [dict(rec(float(i), "train", "step", step), **{key: value}, **extra)
-            for i, (step, value) in enumerate(zip(steps, values))]
+    return [
+        dict(rec(float(i), "train", "step", step), **{key: value}, **extra)
+        for i, (step, value) in enumerate(zip(steps, values))
+    ]
 
 
 def _growth_cell(text, phase="train"):
@@ -125,18 +143,74 @@ def test_a_noisy_flat_run_is_not_called_growth(tmp_path):
 # Host RSS of the main job (`bash scripts/main.sh`, CPU, a reading every 5 steps), MiB: a climb while data and the
 # first batches arrive, then plateaus a few MiB apart. Read as a line it rose by 39 MiB per 1,000 steps.
 MAIN_JOB_RSS_MIB = [
-    450.18, 477.79, 482.22, 490.13, 488.12, 495.78, 492.29, 503.59, 512.88, 513.06, 513.1, 505.51, 515.5, 515.51,
-    500.84, 507.35, 513.3, 500.87, 522.25, 522.5, 522.17, 515.92, 521.8, 528.18, 528.2, 515.82, 528.21, 506.58,
-    506.62, 521.14, 517.46, 511.45, 517.84, 517.84, 519.73, 525.23, 519.73, 520.23, 526.01, 511.88, 520.55, 520.55,
-    519.42, 523.76, 511.93, 511.93, 521.32, 521.32, 511.95, 519.95, 520.95, 521.21, 511.96, 521.34, 520.71, 532.35,
-    511.99, 531.88, 518.75, 531.63,
+    450.18,
+    477.79,
+    482.22,
+    490.13,
+    488.12,
+    495.78,
+    492.29,
+    503.59,
+    512.88,
+    513.06,
+    513.1,
+    505.51,
+    515.5,
+    515.51,
+    500.84,
+    507.35,
+    513.3,
+    500.87,
+    522.25,
+    522.5,
+    522.17,
+    515.92,
+    521.8,
+    528.18,
+    528.2,
+    515.82,
+    528.21,
+    506.58,
+    506.62,
+    521.14,
+    517.46,
+    511.45,
+    517.84,
+    517.84,
+    519.73,
+    525.23,
+    519.73,
+    520.23,
+    526.01,
+    511.88,
+    520.55,
+    520.55,
+    519.42,
+    523.76,
+    511.93,
+    511.93,
+    521.32,
+    521.32,
+    511.95,
+    519.95,
+    520.95,
+    521.21,
+    511.96,
+    521.34,
+    520.71,
+    532.35,
+    511.99,
+    531.88,
+    518.75,
+    531.63,
 ]
 
 
 def test_host_rss_that_moves_between_plateaus_is_flat(tmp_path):
     steps = range(5, 305, 5)
-    records = _train_steps([round(v * MiB) for v in MAIN_JOB_RSS_MIB], steps, key="host_rss_bytes", device="cpu",
-                           allocated_bytes=None)
+    records = _train_steps(
+        [round(v * MiB) for v in MAIN_JOB_RSS_MIB], steps, key="host_rss_bytes", device="cpu", allocated_bytes=None
+    )
     (s,), text = analyze_memory_logs([write(tmp_path / "m.jsonl", records)])
     assert s.growth_field == "host_rss_bytes"
     assert s.growth == "flat" and s.growth_bytes_per_1k_steps is None
@@ -210,8 +284,11 @@ def test_too_few_readings_in_the_fitted_steps_are_too_short(tmp_path):
 
 
 def test_truncated_last_line_is_skipped_with_a_warning(tmp_path):
-    path = write(tmp_path / "m.jsonl", [rec(1.0, "train", "step", 1, 10), rec(2.0, "train", "step", 2, 20)],
-                 tail='{"time": 3.0, "rank": 0, "pha')
+    path = write(
+        tmp_path / "m.jsonl",
+        [rec(1.0, "train", "step", 1, 10), rec(2.0, "train", "step", 2, 20)],
+        tail='{"time": 3.0, "rank": 0, "pha',
+    )
     with pytest.warns(UserWarning, match="line 3 is truncated"):
         records = load_memory_log(path)
     assert [r["global_step"] for r in records] == [1, 2]
@@ -223,9 +300,12 @@ def test_truncated_last_line_is_skipped_with_a_warning(tmp_path):
         ("", "holds no memory records"),
         ("not json at all\n", "line 1 is not JSON"),
         ('{"a": 1}\n', "line 1 is not a memory record"),
-        ('[1, 2]\n', "line 1 is not a memory record"),
-        ('{"time": 1, "rank": 0, "phase": "train", "event": "step"}\ngarbage\n{"time": 1, "rank": 0, "phase": "t", '
-         '"event": "s"}\n', "line 2 is not JSON"),
+        ("[1, 2]\n", "line 1 is not a memory record"),
+        (
+            '{"time": 1, "rank": 0, "phase": "train", "event": "step"}\ngarbage\n{"time": 1, "rank": 0, "phase": "t", '
+            '"event": "s"}\n',
+            "line 2 is not JSON",
+        ),
     ],
 )
 def test_bad_files_raise_one_clear_error(tmp_path, content, match):
@@ -273,8 +353,12 @@ def test_console_script_runs_as_a_module(good_log):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "lightning_memopt.cli", "analyze", str(good_log)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_memopt.cli", "analyze", str(good_log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "train" in proc.stdout
 
@@ -283,9 +367,11 @@ def test_analyze_starts_without_importing_torch_or_lightning(good_log):
     import subprocess
     import sys
 
-    code = ("import sys; from lightning_memopt.cli import main; code = main(['analyze', sys.argv[1]]);"
-            " heavy = sorted(m for m in ('torch', 'lightning', 'pytorch_lightning') if m in sys.modules);"
-            " print('HEAVY', heavy); sys.exit(code)")
+    code = (
+        "import sys; from lightning_memopt.cli import main; code = main(['analyze', sys.argv[1]]);"
+        " heavy = sorted(m for m in ('torch', 'lightning', 'pytorch_lightning') if m in sys.modules);"
+        " print('HEAVY', heavy); sys.exit(code)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(good_log)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
@@ -306,20 +392,31 @@ BAD_RECORDS = [
     pytest.param('{"time": 9, "rank": "zero", "phase": "train", "event": "step"}', "`rank` is 'zero'", id="rank-str"),
     pytest.param('{"time": 9, "rank": null, "phase": "train", "event": "step"}', "`rank` is None", id="rank-null"),
     pytest.param('{"time": 9, "rank": -1, "phase": "train", "event": "step"}', "`rank` is -1", id="rank-negative"),
-    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": "12"}',
-                 "`allocated_bytes` is '12'", id="bytes-str"),
-    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": NaN}', "holds NaN",
-                 id="nan"),
+    pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": "12"}',
+        "`allocated_bytes` is '12'",
+        id="bytes-str",
+    ),
+    pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": NaN}', "holds NaN", id="nan"
+    ),
     pytest.param('{"time": Infinity, "rank": 0, "phase": "train", "event": "step"}', "holds Infinity", id="inf"),
     pytest.param('{"time": 1e999, "rank": 0, "phase": "train", "event": "step"}', "`time` is inf", id="overflow"),
     pytest.param('{"time": "x", "rank": 0, "phase": "train", "event": "step"}', "`time` is 'x'", id="time-str"),
     pytest.param('{"time": 9, "rank": 0, "phase": 3, "event": "step"}', "`phase` is 3", id="phase-int"),
-    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "global_step": "7"}',
-                 "`global_step` is '7'", id="step-str"),
-    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "global_step": 1' + "0" * 400 + "}",
-                 "`global_step` is 1000", id="step-huge"),
-    pytest.param('{"time": 9, "rank": 0, "phase": "train", "event": "step", "run_id": 5}', "`run_id` is 5",
-                 id="run-id-int"),
+    pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "global_step": "7"}',
+        "`global_step` is '7'",
+        id="step-str",
+    ),
+    pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "global_step": 1' + "0" * 400 + "}",
+        "`global_step` is 1000",
+        id="step-huge",
+    ),
+    pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "run_id": 5}', "`run_id` is 5", id="run-id-int"
+    ),
     pytest.param("[1, 2, 3]", "a JSON value that is an array, not an object", id="list"),
     pytest.param("42", "a JSON value that is a number, not an object", id="number"),
     pytest.param('{"time": 9, "rank": 0, "pha', "is not JSON", id="torn"),
@@ -348,8 +445,17 @@ def test_bad_records_are_skipped_with_one_warning_naming_the_lines(tmp_path, bad
 
 def test_cli_prints_one_warning_line_and_the_summary(tmp_path, capsys):
     path = tmp_path / "memory_rank0.jsonl"
-    path.write_text(_lines([*_steps(3), '{"time": 9, "rank": "zero", "phase": "train", "event": "step"}',
-                            '{"time": 1, "rank": 0, "allocated_bytes": NaN}', *_steps(2, t0=10), "[]"]))
+    path.write_text(
+        _lines(
+            [
+                *_steps(3),
+                '{"time": 9, "rank": "zero", "phase": "train", "event": "step"}',
+                '{"time": 1, "rank": 0, "allocated_bytes": NaN}',
+                *_steps(2, t0=10),
+                "[]",
+            ]
+        )
+    )
     assert main(["analyze", str(path)]) == 0
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
@@ -392,8 +498,9 @@ def test_an_unusable_file_among_good_ones_is_left_out_with_a_warning(good_log, t
     junk.write_text("rank,phase\n0,train\n")
     assert main(["analyze", str(good_log), str(junk)]) == 0
     captured = capsys.readouterr()
-    assert captured.err == (f"lightning-memopt analyze: warning: {junk}: holds no usable memory records (line 1 is not"
-                            " JSON); left it out\n")
+    assert captured.err == (
+        f"lightning-memopt analyze: warning: {junk}: holds no usable memory records (line 1 is not JSON); left it out\n"
+    )
     assert "train" in captured.out
     both_bad = tmp_path / "memory_rank2.jsonl"
     both_bad.write_text("")
@@ -413,8 +520,10 @@ def test_summarize_skips_records_of_the_wrong_type():
     ("content", "match"),
     [
         ('{"time": 1, "rank": "zero", "phase": "train", "event": "step"}\n', "line 1 `rank` is 'zero', not an int"),
-        ('{"time": 1, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": "12"}\n',
-         "line 1 `allocated_bytes` is '12'"),
+        (
+            '{"time": 1, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": "12"}\n',
+            "line 1 `allocated_bytes` is '12'",
+        ),
         ('{"time": NaN, "rank": 0, "phase": "train", "event": "step"}\n', "line 1 holds NaN"),
     ],
 )
@@ -451,8 +560,11 @@ def test_cli_refuses_a_named_pipe_without_opening_it(good_log, tmp_path, capsys)
         (lambda tmp: tmp / "missing.jsonl", "no such file"),
         (lambda tmp: tmp, "is a directory"),
         (lambda tmp: tmp / "missing" / "memory_rank0.jsonl", "no such file"),
-        pytest.param(lambda tmp: "/dev/null", "is a character device",
-                     marks=pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null")),
+        pytest.param(
+            lambda tmp: "/dev/null",
+            "is a character device",
+            marks=pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null"),
+        ),
     ],
 )
 def test_cli_refuses_paths_that_are_not_regular_files(good_log, tmp_path, capsys, make, words):
@@ -526,17 +638,44 @@ LEAK_MESSAGE = (
 
 def audit_records(run_id="r1", t0=0.0):
     """A CPU run as MemoryMonitor and MemoryAudit write it: host RSS only, an audit, a duplicate and a leak finding."""
+
     def cpu(t, event, step, **extra):
-        return dict(rec(t0 + t, "train", event, step), device="cpu", allocated_bytes=None, reserved_bytes=None,
-                    device_total_bytes=None, host_rss_bytes=500 * MiB + step * 1024, run_id=run_id, **extra)
+        return dict(
+            rec(t0 + t, "train", event, step),
+            device="cpu",
+            allocated_bytes=None,
+            reserved_bytes=None,
+            device_total_bytes=None,
+            host_rss_bytes=500 * MiB + step * 1024,
+            run_id=run_id,
+            **extra,
+        )
 
     records = [cpu(0.0, "phase_start", 0), cpu(0.5, "audit", 0, audit="fit_start", footprint={"parameters": {}})]
     records += [cpu(float(s), "step", s) for s in range(10, 410, 10)]
-    records += [cpu(1.5, "warning", 1, check="duplicates", message=DUPLICATES_MESSAGE, duplicate_bytes=889936,
-                    num_duplicate_tensors=30),
-                cpu(300.5, "warning", 300, check="leak", message=LEAK_MESSAGE, bytes_per_step=1048576.0,
-                    first_step=210, samples=[[200, 1], [300, 2]], grad_fn_holders=[]),
-                cpu(401.0, "phase_end", 400)]
+    records += [
+        cpu(
+            1.5,
+            "warning",
+            1,
+            check="duplicates",
+            message=DUPLICATES_MESSAGE,
+            duplicate_bytes=889936,
+            num_duplicate_tensors=30,
+        ),
+        cpu(
+            300.5,
+            "warning",
+            300,
+            check="leak",
+            message=LEAK_MESSAGE,
+            bytes_per_step=1048576.0,
+            first_step=210,
+            samples=[[200, 1], [300, 2]],
+            grad_fn_holders=[],
+        ),
+        cpu(401.0, "phase_end", 400),
+    ]
     return sorted(records, key=lambda r: r["time"])
 
 
@@ -545,20 +684,25 @@ def test_audit_findings_are_listed_with_their_text(tmp_path):
     (s,), text = analyze_memory_logs([path])
     assert s.warnings == 2 and s.warnings_by_check == {"duplicates": 1, "leak": 1}
     assert [(f.check, f.global_step, f.seconds, f.message) for f in s.findings] == [
-        ("duplicates", 1, 1.5, DUPLICATES_MESSAGE), ("leak", 300, 300.5, LEAK_MESSAGE)]
+        ("duplicates", 1, 1.5, DUPLICATES_MESSAGE),
+        ("leak", 300, 300.5, LEAK_MESSAGE),
+    ]
     lines = text.splitlines()
     header = lines[0]
     row = lines[2]
-    assert row[header.index("warnings"):header.index("peak at")].strip() == "1 duplicates, 1 leak"
-    findings = lines[lines.index("warnings in the logs:") + 1:]
-    assert findings == [f"  rank 0, train, step 1, 1.5 s: duplicates: {DUPLICATES_MESSAGE}",
-                        f"  rank 0, train, step 300, 300.5 s: leak: {LEAK_MESSAGE}"]
+    assert row[header.index("warnings") : header.index("peak at")].strip() == "1 duplicates, 1 leak"
+    findings = lines[lines.index("warnings in the logs:") + 1 :]
+    assert findings == [
+        f"  rank 0, train, step 1, 1.5 s: duplicates: {DUPLICATES_MESSAGE}",
+        f"  rank 0, train, step 300, 300.5 s: leak: {LEAK_MESSAGE}",
+    ]
 
 
 def test_many_warnings_are_counted_and_the_first_few_listed():
     records = [rec(float(s), "train", "step", s, 1000) for s in range(1, 4)]
-    records += [rec(10.0 + i, "train", "warning", 3, 900, field="allocated_bytes", message=f"above {i}")
-                for i in range(8)]
+    records += [
+        rec(10.0 + i, "train", "warning", 3, 900, field="allocated_bytes", message=f"above {i}") for i in range(8)
+    ]
     (s,) = summarize_memory_log(records)
     assert s.warnings == 8 and s.warnings_by_check == {"threshold": 8}
     assert [f.message for f in s.findings] == [f"above {i}" for i in range(5)]
@@ -630,8 +774,10 @@ def test_records_of_different_runs_are_separate_rows_and_panels(tmp_path, capsys
     path = tmp_path / "memory_rank0.jsonl"
     path.write_text(_lines([*first, *second]))
     summaries, text = analyze_memory_logs([path], plot=tmp_path / "p.png")
-    assert [(s.run_id, s.rank, s.phase, s.num_readings) for s in summaries] == [("ab12", 0, "train", 4),
-                                                                                ("cd34", 0, "train", 2)]
+    assert [(s.run_id, s.rank, s.phase, s.num_readings) for s in summaries] == [
+        ("ab12", 0, "train", 4),
+        ("cd34", 0, "train", 2),
+    ]
     assert summaries[0].peak_allocated_bytes == 1040 and summaries[0].peak_seconds == pytest.approx(3.0)
     assert summaries[1].peak_allocated_bytes == 5020 and summaries[1].peak_seconds == pytest.approx(1.0)
     lines = text.splitlines()
@@ -672,13 +818,31 @@ def _write_big_log(path, lines):
     MiB = 1024**2
     with open(path, "w") as f:
         for s in range(lines):
-            f.write(json.dumps({
-                "time": 1_700_000_000.0 + 0.05 * s, "rank": 0, "phase": "train", "event": "step", "epoch": s // 5000,
-                "global_step": s, "batch_idx": s % 5000, "device": "cuda:0", "allocated_bytes": 6 * 1024**3 + 4 * s,
-                "reserved_bytes": 8 * 1024**3 + s, "active_bytes": 6 * 1024**3, "peak_allocated_bytes": 7 * 1024**3 + s,
-                "peak_reserved_bytes": 9 * 1024**3, "device_total_bytes": 85_029_158_912,
-                "device_free_bytes": 60_000_000_000, "host_rss_bytes": 4 * 1024**3 + s % MiB, "num_alloc_retries": 0,
-                "num_ooms": 0}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "time": 1_700_000_000.0 + 0.05 * s,
+                        "rank": 0,
+                        "phase": "train",
+                        "event": "step",
+                        "epoch": s // 5000,
+                        "global_step": s,
+                        "batch_idx": s % 5000,
+                        "device": "cuda:0",
+                        "allocated_bytes": 6 * 1024**3 + 4 * s,
+                        "reserved_bytes": 8 * 1024**3 + s,
+                        "active_bytes": 6 * 1024**3,
+                        "peak_allocated_bytes": 7 * 1024**3 + s,
+                        "peak_reserved_bytes": 9 * 1024**3,
+                        "device_total_bytes": 85_029_158_912,
+                        "device_free_bytes": 60_000_000_000,
+                        "host_rss_bytes": 4 * 1024**3 + s % MiB,
+                        "num_alloc_retries": 0,
+                        "num_ooms": 0,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 

@@ -50,8 +50,15 @@ class Data(Dataset):
 class Net(pl.LightningModule):
     """A linear model plus a per-sample probe: ``probe.grad[i] * N * accumulate`` counts how often sample i was used."""
 
-    def __init__(self, forward_budget=None, backward_budget=None, optimizer="sgd", batch_size=16, accumulate=1,
-                 budget_from_batch=0):
+    def __init__(
+        self,
+        forward_budget=None,
+        backward_budget=None,
+        optimizer="sgd",
+        batch_size=16,
+        accumulate=1,
+        budget_from_batch=0,
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.layer = nn.Linear(4, 3)
@@ -98,8 +105,15 @@ def weights(model):
 
 
 def fit(tmp_path, model, callbacks=(), accumulate=1, max_steps=4, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks=list(callbacks), accumulate_grad_batches=accumulate,
-                           max_steps=max_steps, limit_train_batches=None, limit_val_batches=0, **kwargs)
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=list(callbacks),
+        accumulate_grad_batches=accumulate,
+        max_steps=max_steps,
+        limit_train_batches=None,
+        limit_val_batches=0,
+        **kwargs,
+    )
     trainer.fit(model)
     return trainer
 
@@ -124,7 +138,7 @@ def test_starts_above_the_budget_and_ends_bitwise_equal_to_lightning_accumulatio
     # every sample of each step's batch counted exactly once, nothing else
     for step, grad in enumerate(ours.counts):
         expected_count = torch.zeros(N_SAMPLES)
-        expected_count[step * 16:(step + 1) * 16] = 1.0
+        expected_count[step * 16 : (step + 1) * 16] = 1.0
         assert torch.allclose(grad * 16, expected_count, atol=1e-6), step
     if where == "forward":  # a backward failure logged before it failed: documented, it stays in the epoch mean
         expected_loss = ref_trainer.callback_metrics["train_loss"].item()
@@ -140,7 +154,7 @@ def test_an_oom_in_backward_mid_window_restores_the_window_s_gradients(tmp_path)
     assert ours.seen_sizes[:4] == [16, 16, 8, 8]  # batch 0 whole; batch 1 failed whole, then two halves
     for step, grad in enumerate(ours.counts):
         expected_count = torch.zeros(N_SAMPLES)
-        expected_count[step * 32:(step + 1) * 32] = 1.0
+        expected_count[step * 32 : (step + 1) * 32] = 1.0
         assert torch.allclose(grad * 32, expected_count, atol=1e-6), step
     reference = Net(batch_size=16)
     fit(tmp_path / "ref", reference, accumulate=2, max_steps=2)
@@ -370,8 +384,11 @@ def test_two_ddp_processes_where_only_rank_1_runs_out_of_memory(tmp_path):
         assert ranks[0]["sizes"][:3] == [8, 4, 2]  # rank 0 had memory to spare and still followed rank 1
         for rank, reason in ((0, "out of memory on another process"), (1, "out of memory")):
             log = load_memory_log(tmp_path / where / f"memory_rank{rank}.jsonl")
-            changes = [(r["previous_micro_batch_size"], r["micro_batch_size"], r["reason"])
-                       for r in log if r["event"] == "micro_batch"]
+            changes = [
+                (r["previous_micro_batch_size"], r["micro_batch_size"], r["reason"])
+                for r in log
+                if r["event"] == "micro_batch"
+            ]
             assert changes == [(8, 4, reason), (4, 2, reason)], (where, rank)
         for name, value in ranks[0]["weights"].items():
             assert torch.equal(value, ranks[1]["weights"][name]), (where, name)
@@ -414,8 +431,13 @@ def test_benchmark_quick_mode_runs(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "auto_microbatch.py"), "--quick", "--out",
-                           str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "auto_microbatch.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 

@@ -39,7 +39,7 @@ def assert_each_sample_counted_once(model, batch_size, steps, per_step=1):
     assert len(model.counts) == steps
     for step, ((start, size), grad) in enumerate(zip(starts_and_sizes(batch_size, steps, per_step), model.counts)):
         expected = torch.zeros(N_SAMPLES)
-        expected[start:start + size] = 1.0
+        expected[start : start + size] = 1.0
         assert torch.allclose(grad * size, expected, atol=1e-6, rtol=0), step
 
 
@@ -197,8 +197,9 @@ def test_gradient_clipping_clips_the_whole_batch_s_gradient_as_lightning_accumul
 def _checkpoints(tmp_path, model, callbacks=(), accumulate=1):
     dirpath = tmp_path / "ckpt"
     checkpoint = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
-    trainer = fit(tmp_path, model, [*callbacks, checkpoint], accumulate=accumulate, max_steps=6,
-                  enable_checkpointing=True)
+    trainer = fit(
+        tmp_path, model, [*callbacks, checkpoint], accumulate=accumulate, max_steps=6, enable_checkpointing=True
+    )
     return trainer, {path.name: torch.load(path, weights_only=False) for path in sorted(dirpath.glob("*.ckpt"))}
 
 
@@ -274,9 +275,16 @@ def test_bf16_mixed_memory_precision_equals_lightning_accumulation_with_the_same
 
 # ------------------------------------------------------------------------------------------------ LightningCLI
 
-CLI_TRAINER = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false",
-               "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-               "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0", "--trainer.max_steps=1"]
+CLI_TRAINER = [
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.limit_val_batches=0",
+    "--trainer.max_steps=1",
+]
 
 
 def _cli(tmp_path, args):
@@ -285,8 +293,12 @@ def _cli(tmp_path, args):
 
     # no seed_everything: it would set the global seed and PL_GLOBAL_SEED for the tests after this one
     with mock.patch("sys.argv", ["train.py"]):  # pytest's own arguments are not the CLI's
-        return LightningCLI(Net, run=False, seed_everything_default=False,
-                            args=[*CLI_TRAINER, f"--trainer.default_root_dir={tmp_path}", *args])
+        return LightningCLI(
+            Net,
+            run=False,
+            seed_everything_default=False,
+            args=[*CLI_TRAINER, f"--trainer.default_root_dir={tmp_path}", *args],
+        )
 
 
 def _the_callback(cli):
@@ -296,9 +308,16 @@ def _the_callback(cli):
 
 
 def test_lightning_cli_builds_the_callback_from_command_line_arguments_and_it_runs(tmp_path):
-    cli = _cli(tmp_path, ["--trainer.callbacks+=lightning_memopt.AutoMicroBatch",
-                          "--trainer.callbacks.micro_batch_size=4", "--trainer.callbacks.min_micro_batch_size=2",
-                          "--model.forward_budget=2", "--model.batch_size=8"])
+    cli = _cli(
+        tmp_path,
+        [
+            "--trainer.callbacks+=lightning_memopt.AutoMicroBatch",
+            "--trainer.callbacks.micro_batch_size=4",
+            "--trainer.callbacks.min_micro_batch_size=2",
+            "--model.forward_budget=2",
+            "--model.batch_size=8",
+        ],
+    )
     callback = _the_callback(cli)
     assert (callback.start_micro_batch_size, callback.micro_batch_size, callback.min_micro_batch_size) == (4, 4, 2)
     assert callback.split_batch is None and callback.batch_size is None
@@ -316,8 +335,10 @@ FUNCTIONS = "lightning_memopt.functional.micro_batch"
         ({"micro_batch_size": 4, "min_micro_batch_size": 2}, (4, 4, 2, None, None)),
         ({}, ("auto", None, 1, None, None)),
         ({"micro_batch_size": "auto", "min_micro_batch_size": 3}, ("auto", None, 3, None, None)),
-        ({"split_batch": f"{FUNCTIONS}.slice_batch", "batch_size": f"{FUNCTIONS}.batch_size_of"},
-         ("auto", None, 1, "slice_batch", "batch_size_of")),
+        (
+            {"split_batch": f"{FUNCTIONS}.slice_batch", "batch_size": f"{FUNCTIONS}.batch_size_of"},
+            ("auto", None, 1, "slice_batch", "batch_size_of"),
+        ),
     ],
     ids=["sizes", "defaults", "auto", "functions"],
 )
@@ -334,5 +355,6 @@ def test_lightning_cli_builds_the_callback_from_a_yaml_config(tmp_path, init_arg
 
 def test_lightning_cli_reports_the_callback_s_own_argument_check(tmp_path):
     with pytest.raises(ValueError, match=r"`micro_batch_size` must be a positive int, got 0"):
-        _cli(tmp_path, ["--trainer.callbacks+=lightning_memopt.AutoMicroBatch",
-                        "--trainer.callbacks.micro_batch_size=0"])
+        _cli(
+            tmp_path, ["--trainer.callbacks+=lightning_memopt.AutoMicroBatch", "--trainer.callbacks.micro_batch_size=0"]
+        )

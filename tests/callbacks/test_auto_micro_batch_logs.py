@@ -74,16 +74,19 @@ def test_analyze_lists_the_changes_and_marks_them_on_the_plot(tmp_path, caplog, 
     (summary,) = [s for s in analyze_memory_logs([path])[0] if s.phase == "train"]
     assert summary.num_micro_batch_changes == 2 and summary.micro_batch_size == 4
     assert [c.message for c in summary.micro_batch_changes] == [
-        "micro-batch 16 -> 8 (out of memory; batch of 16)", "micro-batch 8 -> 4 (out of memory; batch of 16)"]
+        "micro-batch 16 -> 8 (out of memory; batch of 16)",
+        "micro-batch 8 -> 4 (out of memory; batch of 16)",
+    ]
 
     assert main(["analyze", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     column = lines[0].index("micro-batch")
     train = next(line for line in lines if line.startswith("0     train"))
     assert train[column:].startswith("16 -> 4 (2 changes)")
-    listed = lines[lines.index("micro-batch changes (AutoMicroBatch):") + 1:]
+    listed = lines[lines.index("micro-batch changes (AutoMicroBatch):") + 1 :]
     assert listed[0].startswith("  rank 0, train, step 0, ") and listed[0].endswith(
-        ": micro-batch 16 -> 8 (out of memory; batch of 16)")
+        ": micro-batch 16 -> 8 (out of memory; batch of 16)"
+    )
     assert listed[1].endswith(": micro-batch 8 -> 4 (out of memory; batch of 16)")
 
     import matplotlib.pyplot as plt
@@ -104,8 +107,22 @@ def test_analyze_lists_the_changes_and_marks_them_on_the_plot(tmp_path, caplog, 
 
 def test_analyze_has_no_micro_batch_column_without_changes(tmp_path, capsys):
     path = tmp_path / "memory_rank0.jsonl"
-    path.write_text("".join(json.dumps({"time": float(s), "rank": 0, "phase": "train", "event": "step",
-                                        "global_step": s, "host_rss_bytes": 100}) + "\n" for s in range(3)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "time": float(s),
+                    "rank": 0,
+                    "phase": "train",
+                    "event": "step",
+                    "global_step": s,
+                    "host_rss_bytes": 100,
+                }
+            )
+            + "\n"
+            for s in range(3)
+        )
+    )
     assert main(["analyze", str(path)]) == 0
     out = capsys.readouterr().out
     assert "micro-batch" not in out

@@ -21,8 +21,9 @@ def fake_device(monkeypatch):
 
 def test_every_n_train_batches_and_phase_ends(tmp_path, fake_device):
     cleaner = CacheCleaner(every_n_train_batches=3)
-    trainer = make_trainer(tmp_path, callbacks=[cleaner], max_epochs=2, max_steps=-1, limit_train_batches=7,
-                           limit_val_batches=2)
+    trainer = make_trainer(
+        tmp_path, callbacks=[cleaner], max_epochs=2, max_steps=-1, limit_train_batches=7, limit_val_batches=2
+    )
     trainer.fit(TinyModel())
     # per epoch: batches 3 and 6 (2 calls) + validation end + train epoch end = 4; two epochs = 8
     assert fake_device.call_count == 8
@@ -47,8 +48,9 @@ def test_test_and_predict_phase_ends(tmp_path, fake_device):
 
 
 def test_called_with_the_trainers_device(tmp_path, fake_device):
-    make_trainer(tmp_path, callbacks=[CacheCleaner(every_n_train_batches=1)], max_steps=1,
-                 limit_val_batches=0).fit(TinyModel())
+    make_trainer(tmp_path, callbacks=[CacheCleaner(every_n_train_batches=1)], max_steps=1, limit_val_batches=0).fit(
+        TinyModel()
+    )
     assert {str(c.args[0]) for c in fake_device.call_args_list} == {"cpu"}
 
 
@@ -80,8 +82,9 @@ def test_time_is_logged_at_fit_end(tmp_path, fake_device):
 def test_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "supports_device_memory", lambda device: True)
     monkeypatch.setattr(cc, "empty_device_cache", mock.Mock(side_effect=RuntimeError("boom")))
-    trainer = make_trainer(tmp_path, callbacks=[CacheCleaner(every_n_train_batches=1)], max_steps=3,
-                           limit_val_batches=0)
+    trainer = make_trainer(
+        tmp_path, callbacks=[CacheCleaner(every_n_train_batches=1)], max_steps=3, limit_val_batches=0
+    )
     with pytest.warns(UserWarning, match="emptying the cache failed") as record:
         trainer.fit(TinyModel())
     assert trainer.global_step == 3

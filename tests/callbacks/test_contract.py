@@ -125,12 +125,19 @@ def test_callback_state_survives_a_checkpoint(cls, tmp_path):
 def test_callbacks_configurable_from_lightning_cli_yaml(tmp_path):
     pytest.importorskip("jsonargparse")
     import yaml
+
     LightningCLI = lightning_module("cli").LightningCLI
 
     config = {
         "trainer": {
-            "accelerator": "cpu", "devices": 1, "max_steps": 2, "logger": False, "enable_checkpointing": False,
-            "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 1,
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 2,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "limit_val_batches": 1,
             "default_root_dir": str(tmp_path),
             "callbacks": [{"class_path": f"lightning_memopt.{name}"} for name in callbacks_pkg.__all__],
         }
@@ -162,7 +169,6 @@ class BlockModel(TinyModel):
         return super().training_step(batch, batch_idx)
 
 
-
 def _process_state():
     import gc
     import os
@@ -183,8 +189,13 @@ def _fit_recording(callback, tmp_path, model):
         trainer = make_trainer(tmp_path, callbacks=[callback], max_steps=3, limit_val_batches=0, logger=False)
         trainer.fit(model)
     assert trainer.global_step == 3
-    ours = sorted({str(w.message) for w in seen if "lightning_memopt" in (w.filename or "")
-                   or type(callback).__name__ in str(w.message)})
+    ours = sorted(
+        {
+            str(w.message)
+            for w in seen
+            if "lightning_memopt" in (w.filename or "") or type(callback).__name__ in str(w.message)
+        }
+    )
     return set(ours), model.patched
 
 

@@ -81,11 +81,16 @@ def test_oom_on_one_rank_ends_the_run_with_a_report(tmp_path, where):
     assert elapsed < 60, f"the run took {elapsed:.0f} s\n{output}"
     assert result.returncode != 0, output
     caught = json.loads((tmp_path / "caught_rank1.json").read_text())
-    assert caught == {"type": "OutOfMemoryError", "is_oom": True,
-                      "message": f"CUDA out of memory. Tried to allocate 1.00 GiB (rank 1 only, in {where})"}, output
+    assert caught == {
+        "type": "OutOfMemoryError",
+        "is_oom": True,
+        "message": f"CUDA out of memory. Tried to allocate 1.00 GiB (rank 1 only, in {where})",
+    }, output
     reports = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("oom_report_rank*"))
-    assert reports == ["logs/lightning_logs/version_0/oom/oom_report_rank1.json",
-                       "logs/lightning_logs/version_0/oom/oom_report_rank1.md"], output
+    assert reports == [
+        "logs/lightning_logs/version_0/oom/oom_report_rank1.json",
+        "logs/lightning_logs/version_0/oom/oom_report_rank1.md",
+    ], output
     report = json.loads((tmp_path / reports[0]).read_text())
     assert report["when"]["rank"] == 1 and report["error"]["type"] == "torch.OutOfMemoryError"
     assert report["when"]["world_size"] == 2 and report["config"]["strategy"] == "DDPStrategy"

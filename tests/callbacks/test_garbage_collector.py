@@ -259,9 +259,7 @@ def test_full_collections_only_where_asked(tmp_path):
 def test_full_collection_interval_with_generation_2_collects_once_per_step(tmp_path):
     collector = GarbageCollector(every_n_steps=2, generation=2, full_every_n_steps=3)
     with mock.patch.object(gcmod.gc, "collect", return_value=0) as collect:
-        trainer = make_trainer(
-            tmp_path, callbacks=[collector], max_steps=6, limit_train_batches=6, limit_val_batches=0
-        )
+        trainer = make_trainer(tmp_path, callbacks=[collector], max_steps=6, limit_train_batches=6, limit_val_batches=0)
         trainer.fit(TinyModel())
     assert collect_calls(collect) == [(2,), (2,), (2,), (2,)]  # steps 2, 3, 4 and 6: never twice in one step
 

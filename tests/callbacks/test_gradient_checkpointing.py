@@ -389,7 +389,12 @@ def test_real_hugging_face_model_uses_its_own_switch():
 
 
 CHECKPOINT_OPTION_NAMES = [
-    "debug", "determinism_check", "context_fn", "early_stop", "preserve_rng_state", "use_reentrant",
+    "debug",
+    "determinism_check",
+    "context_fn",
+    "early_stop",
+    "preserve_rng_state",
+    "use_reentrant",
 ]
 
 

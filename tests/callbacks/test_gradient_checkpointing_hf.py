@@ -122,8 +122,9 @@ class Holder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(8, 3, 8, generator=torch.Generator().manual_seed(0)),
-                                           batch_size=4)
+        return torch.utils.data.DataLoader(
+            torch.randn(8, 3, 8, generator=torch.Generator().manual_seed(0)), batch_size=4
+        )
 
 
 def _fit(tmp_path, model, callback, **kwargs):
@@ -131,8 +132,9 @@ def _fit(tmp_path, model, callback, **kwargs):
         warnings.simplefilter("always")
         make_trainer(tmp_path, callbacks=[callback], max_steps=2, **kwargs).fit(model)
     # what the model's deprecated checkpointing names warn (torch's own FutureWarnings are not counted)
-    return [str(w.message) for w in caught
-            if issubclass(w.category, FutureWarning) and "checkpointing" in str(w.message)]
+    return [
+        str(w.message) for w in caught if issubclass(w.category, FutureWarning) and "checkpointing" in str(w.message)
+    ]
 
 
 def test_the_stand_in_breaks_a_wrapped_block_while_its_cache_is_on():
@@ -195,8 +197,18 @@ def test_a_switch_that_was_on_is_left_on_and_said(tmp_path, caplog):
 
 def test_a_real_t5_block_by_class_name_and_the_new_switch(tmp_path):
     transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2,
-                                   num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
 
     class T5Module(pl.LightningModule):
         def __init__(self):

@@ -96,7 +96,11 @@ def test_footprint_at_fit_start_written_printed_and_logged(tmp_path, caplog):
     start, first = audits
     param_bytes = (27 * 2 + 2) * 4
     assert start["footprint"]["bytes_by_category"] == {
-        "parameters": param_bytes, "buffers": 0, "gradients": 0, "optimizer_states": 0}
+        "parameters": param_bytes,
+        "buffers": 0,
+        "gradients": 0,
+        "optimizer_states": 0,
+    }
     assert first["footprint"]["bytes_by_category"]["gradients"] == param_bytes
     assert start["unexplained_bytes"] is None  # CPU: no allocator readings
     assert start["host_rss_bytes"] > 0 and start["phase"] == "train" and start["rank"] == 0
@@ -205,8 +209,14 @@ def test_clean_model_no_warning_over_200_steps(tmp_path):
     audit = MemoryAudit(leak_max_overhead=None)  # a fixed interval: 20 samples over the 200 steps
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = make_trainer(tmp_path, callbacks=[audit], max_steps=200, limit_train_batches=100,
-                               limit_val_batches=2, val_check_interval=50)
+        trainer = make_trainer(
+            tmp_path,
+            callbacks=[audit],
+            max_steps=200,
+            limit_train_batches=100,
+            limit_val_batches=2,
+            val_check_interval=50,
+        )
         model = HiddenModel(hidden=64)
         model.length = 16 * 100
         model.configure_optimizers = lambda: torch.optim.Adam(model.parameters())
@@ -222,10 +232,10 @@ def test_leak_samples_only_on_interval(tmp_path, monkeypatch):
     calls = []
     real = audit_mod.live_tensors
     monkeypatch.setattr(audit_mod, "live_tensors", lambda *a, **k: calls.append(1) or real(*a, **k))
-    audit = MemoryAudit(leak_every_n_steps=5, audit_fit_start=False, check_grad_tracking=False,
-                        leak_max_overhead=None)
-    make_trainer(tmp_path, callbacks=[audit], max_steps=20, accumulate_grad_batches=2,
-                 limit_train_batches=40).fit(TinyModel())
+    audit = MemoryAudit(leak_every_n_steps=5, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=None)
+    make_trainer(tmp_path, callbacks=[audit], max_steps=20, accumulate_grad_batches=2, limit_train_batches=40).fit(
+        TinyModel()
+    )
     assert len(calls) == 4  # steps 5, 10, 15, 20: one gc walk each, none in between
     assert [s for s, _ in audit._samples] == [5, 10, 15, 20]
 
@@ -247,8 +257,7 @@ def test_cpu_samples_wait_until_training_time_pays_for_the_walk(tmp_path, monkey
         def on_train_batch_start(self, *args):
             now[0] += 0.125
 
-    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, check_grad_tracking=False,
-                        leak_max_overhead=0.5)
+    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=0.5)
     make_trainer(tmp_path, callbacks=[Clock(), audit], max_steps=60, limit_train_batches=60).fit(TinyModel())
     steps = [s for s, _ in audit._samples]
     # the first walk is free to measure; after it a 1 s walk needs 1 / 0.5 = 2 s = 16 batches of training
@@ -278,18 +287,25 @@ class MetricWithGrad(TinyModel):
 def test_grad_tracking_checks(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
-                     max_steps=4, limit_val_batches=2, inference_mode=False).fit(GradInValidation())
+        make_trainer(
+            tmp_path,
+            callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
+            max_steps=4,
+            limit_val_batches=2,
+            inference_mode=False,
+        ).fit(GradInValidation())
     assert len(_audit_warnings(caught, "validation_step (batch 0) returned 1 tensors with autograd")) == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
-                     max_steps=2).fit(MetricWithGrad())
+        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)], max_steps=2).fit(
+            MetricWithGrad()
+        )
     assert _audit_warnings(caught, "metric states hold tensors that require grad: self.preds.value")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
-                     max_steps=2).fit(TinyModel())
+        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)], max_steps=2).fit(
+            TinyModel()
+        )
     assert [str(w.message) for w in caught if "MemoryAudit" in str(w.message)] == []
 
 
@@ -391,8 +407,9 @@ def test_textbook_leak_is_found_on_a_short_cpu_run_at_defaults(tmp_path, leak):
     audit = MemoryAudit(audit_fit_start=False)  # defaults for everything that decides leaks
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, callbacks=[audit], max_steps=200, limit_train_batches=None, limit_val_batches=0,
-                     max_epochs=-1).fit(HistoryModel(leak))
+        make_trainer(
+            tmp_path, callbacks=[audit], max_steps=200, limit_train_batches=None, limit_val_batches=0, max_epochs=-1
+        ).fit(HistoryModel(leak))
     messages = _audit_warnings(caught, "autograd history at every sample")
     if leak:
         assert len(messages) == 1 and "self.history holds more tensors" in messages[0], messages
@@ -448,10 +465,12 @@ def test_the_first_step_audit_does_not_shrink_a_copy_because_the_weights_moved(t
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            make_trainer(tmp_path, callbacks=[MemoryAudit(dirpath=tmp_path / "a", detect_leaks=False)],
-                         max_steps=2).fit(model)
-        moved = [not torch.allclose(p.detach().float(), s, rtol=1e-2, atol=1e-3)
-                 for p, s in zip(model.parameters(), _STRAY)]
+            make_trainer(
+                tmp_path, callbacks=[MemoryAudit(dirpath=tmp_path / "a", detect_leaks=False)], max_steps=2
+            ).fit(model)
+        moved = [
+            not torch.allclose(p.detach().float(), s, rtol=1e-2, atol=1e-3) for p, s in zip(model.parameters(), _STRAY)
+        ]
     finally:
         _STRAY.clear()
     assert all(moved)  # the copies no longer hold the weights' values

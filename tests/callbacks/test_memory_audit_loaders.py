@@ -35,8 +35,9 @@ def test_batches_prepared_ahead_and_their_pinned_copies_are_counted():
     assert (info.batch_bytes, info.in_flight) == (one, 12)
     assert info.pinned_bytes == 12 * one and info.host_bytes == 24 * one
     assert info.findings == []
-    plain = loader_memory(_loader(), "train", "cpu", cpu_count=8, host_total_bytes=64 * GIB,
-                          batch_bytes=_measured(_loader()))
+    plain = loader_memory(
+        _loader(), "train", "cpu", cpu_count=8, host_total_bytes=64 * GIB, batch_bytes=_measured(_loader())
+    )
     assert (plain.in_flight, plain.host_bytes, plain.pinned_bytes, plain.prefetch_factor) == (0, 0, 0, None)
     assert "12 batch(es) of 64.00 KiB prepared ahead = 1.50 MiB, 768.00 KiB of it pinned" in info.summary()
 
@@ -56,21 +57,31 @@ class PythonObjects(Dataset):
     ("make", "device", "expected"),
     [
         (lambda: _loader(num_workers=12), "cuda", "num_workers=12 exceeds the 8 CPU cores"),
-        (lambda: _loader(num_workers=4, prefetch_factor=80), "cuda",
-         "320 batches prepared ahead (num_workers=4 x prefetch_factor=80) of 64.00 KiB hold 20.00 MiB, over 25%"),
+        (
+            lambda: _loader(num_workers=4, prefetch_factor=80),
+            "cuda",
+            "320 batches prepared ahead (num_workers=4 x prefetch_factor=80) of 64.00 KiB hold 20.00 MiB, over 25%",
+        ),
         (lambda: _loader(pin_memory=True), "cpu", "pin_memory=True while training on cpu"),
-        (lambda: _loader(num_workers=2, persistent_workers=True), "cuda",
-         "persistent_workers=True keeps 2 validation worker(s)"),
-        (lambda: DataLoader(PythonObjects(), batch_size=4, num_workers=2), "cuda",
-         "`dataset.tokens` is a Python container of 150,000 objects: each of the 2 workers"),
+        (
+            lambda: _loader(num_workers=2, persistent_workers=True),
+            "cuda",
+            "persistent_workers=True keeps 2 validation worker(s)",
+        ),
+        (
+            lambda: DataLoader(PythonObjects(), batch_size=4, num_workers=2),
+            "cuda",
+            "`dataset.tokens` is a Python container of 150,000 objects: each of the 2 workers",
+        ),
     ],
     ids=["workers", "prefetch", "pin", "persistent", "python-objects"],
 )
 def test_each_wasteful_setting_is_named_with_its_fix(make, device, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pinning for a CPU run of a GPU machine
     loader = make()
-    info = loader_memory(loader, "val", device, cpu_count=8, host_total_bytes=64 * 2**20, evaluation=True,
-                         batch_bytes=_measured(loader))
+    info = loader_memory(
+        loader, "val", device, cpu_count=8, host_total_bytes=64 * 2**20, evaluation=True, batch_bytes=_measured(loader)
+    )
     assert len(info.findings) == 1 and expected in info.findings[0], info.findings
 
 
@@ -87,8 +98,12 @@ class LoaderModel(TinyModel):
         self.val_workers, self.persistent = val_workers, persistent
 
     def val_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(8, 32)), batch_size=4, num_workers=self.val_workers,
-                          persistent_workers=self.persistent)
+        return DataLoader(
+            TensorDataset(torch.randn(8, 32)),
+            batch_size=4,
+            num_workers=self.val_workers,
+            persistent_workers=self.persistent,
+        )
 
     def validation_step(self, batch, batch_idx):
         return None
@@ -99,8 +114,9 @@ def _fit(tmp_path, model, **kwargs):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(tmp_path, callbacks=[audit], max_steps=2, limit_val_batches=1, val_check_interval=1).fit(model)
-    ours = [str(w.message) for w in caught if "MemoryAudit: val" in str(w.message)
-            or "MemoryAudit: train" in str(w.message)]
+    ours = [
+        str(w.message) for w in caught if "MemoryAudit: val" in str(w.message) or "MemoryAudit: train" in str(w.message)
+    ]
     records = [json.loads(line) for line in (tmp_path / "memory" / "memory_rank0.jsonl").read_text().splitlines()]
     return audit, ours, records
 
@@ -122,8 +138,9 @@ def test_a_fit_reports_the_loaders_and_warns_about_persistent_validation_workers
 def test_a_clean_fit_says_nothing_and_the_audit_can_be_turned_off(tmp_path):
     audit, warned, records = _fit(tmp_path / "clean", LoaderModel())
     assert warned == [] and len(audit.loaders) == 2
-    audit, warned, records = _fit(tmp_path / "off", LoaderModel(val_workers=1, persistent=True),
-                                  audit_dataloaders=False)
+    audit, warned, records = _fit(
+        tmp_path / "off", LoaderModel(val_workers=1, persistent=True), audit_dataloaders=False
+    )
     assert audit.loaders == [] and warned == [] and not [r for r in records if r["event"] == "dataloaders"]
 
 
@@ -136,8 +153,12 @@ def test_the_preset_printout_recommends_loader_settings_for_its_tier(name):
     assert ahead == {"max-savings": 2, "balanced": 8, "max-speed": 16}[name]  # fewer batches ahead, less memory
     assert kwargs["persistent_workers"] is (name == "max-speed")
     assert MemoryPreset(name).dataloader_kwargs(cpu_count=2, cuda=False) == {
-        "batch_size": 32, "num_workers": 1, "prefetch_factor": {"max-savings": 1}.get(name, 2), "pin_memory": False,
-        "persistent_workers": name == "max-speed"}
+        "batch_size": 32,
+        "num_workers": 1,
+        "prefetch_factor": {"max-savings": 1}.get(name, 2),
+        "pin_memory": False,
+        "persistent_workers": name == "max-speed",
+    }
     row = next(r for r in preset.describe().splitlines() if r.startswith("dataloader"))
     assert "num_workers=" in row and "prefetch_factor" in row
     DataLoader(TensorDataset(torch.zeros(16, 2)), **kwargs)  # the settings are valid DataLoader arguments

@@ -14,9 +14,24 @@ from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
 SCHEMA = {
-    "time", "rank", "phase", "event", "epoch", "global_step", "batch_idx", "device",
-    "allocated_bytes", "reserved_bytes", "active_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-    "device_total_bytes", "device_free_bytes", "host_rss_bytes", "num_alloc_retries", "num_ooms",
+    "time",
+    "rank",
+    "phase",
+    "event",
+    "epoch",
+    "global_step",
+    "batch_idx",
+    "device",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "device_total_bytes",
+    "device_free_bytes",
+    "host_rss_bytes",
+    "num_alloc_retries",
+    "num_ooms",
 }
 
 
@@ -51,8 +66,15 @@ def memory_calls(logger, prefix="memory/"):
 
 def test_logged_keys_and_steps_with_a_mock_logger(tmp_path):
     logger = RecordingLogger()
-    trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=2)], logger=logger,
-                           max_steps=6, limit_train_batches=6, limit_val_batches=3, check_val_every_n_epoch=1)
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=[MemoryMonitor(log_every_n_steps=2)],
+        logger=logger,
+        max_steps=6,
+        limit_train_batches=6,
+        limit_val_batches=3,
+        check_val_every_n_epoch=1,
+    )
     trainer.fit(TinyModel())
     calls = memory_calls(logger)
     train_steps = [step for step, m in calls if "memory/train/host_rss_bytes" in m]
@@ -68,8 +90,9 @@ def test_logged_keys_with_device_readings(tmp_path, monkeypatch):
     fake = FakeAllocator().install(monkeypatch, mm)
     fake.set(1000)
     logger = RecordingLogger()
-    trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], logger=logger,
-                           max_steps=2, limit_val_batches=0)
+    trainer = make_trainer(
+        tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], logger=logger, max_steps=2, limit_val_batches=0
+    )
     trainer.fit(TinyModel())
     calls = memory_calls(logger)
     step_metrics = [m for _, m in calls if "memory/train/allocated_bytes" in m]
@@ -114,8 +137,13 @@ def test_peaks_are_per_phase_with_mocked_cuda_readings(tmp_path, monkeypatch):
             super().validation_step(batch, batch_idx)
             fake.set(500)
 
-    trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=4,
-                           limit_train_batches=4, val_check_interval=2)
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=[MemoryMonitor(log_every_n_steps=1)],
+        max_steps=4,
+        limit_train_batches=4,
+        val_check_interval=2,
+    )
     trainer.fit(Model())
     records = read_jsonl(tmp_path / "memory" / "memory_rank0.jsonl")
     ends = {r["phase"]: r for r in records if r["event"] == "phase_end" and r["phase"] == "train"}
@@ -139,15 +167,24 @@ def test_threshold_warns_once_per_crossing(tmp_path, monkeypatch, caplog):
             fake.set(levels[batch_idx], reserved=levels[batch_idx])
             return super().training_step(batch, batch_idx)
 
-    trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1, warn_threshold=0.9)],
-                           max_steps=6, limit_train_batches=6, limit_val_batches=0)
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=[MemoryMonitor(log_every_n_steps=1, warn_threshold=0.9)],
+        max_steps=6,
+        limit_train_batches=6,
+        limit_val_batches=0,
+    )
     with caplog.at_level("WARNING", logger="lightning_memopt"):
         trainer.fit(Model())
     records = read_jsonl(tmp_path / "memory" / "memory_rank0.jsonl")
     warnings_ = [r for r in records if r["event"] == "warning"]
     # Two crossings (steps 2 and 5), each for allocated and reserved: 4 records, not one per step above.
     assert [(r["global_step"], r["field"]) for r in warnings_] == [
-        (2, "allocated_bytes"), (2, "reserved_bytes"), (5, "allocated_bytes"), (5, "reserved_bytes")]
+        (2, "allocated_bytes"),
+        (2, "reserved_bytes"),
+        (5, "allocated_bytes"),
+        (5, "reserved_bytes"),
+    ]
     assert warnings_[0]["fraction"] == pytest.approx(0.95)
     assert "[rank 0]" in warnings_[0]["message"] and "warn_threshold" in warnings_[0]["message"]
     assert sum("above `warn_threshold`" in m for m in caplog.messages) == 4
@@ -155,8 +192,9 @@ def test_threshold_warns_once_per_crossing(tmp_path, monkeypatch, caplog):
 
 def test_interval_defaults_to_the_trainers_log_every_n_steps(tmp_path):
     monitor = MemoryMonitor()
-    trainer = make_trainer(tmp_path, callbacks=[monitor], max_steps=6, limit_train_batches=6,
-                           log_every_n_steps=3, limit_val_batches=0)
+    trainer = make_trainer(
+        tmp_path, callbacks=[monitor], max_steps=6, limit_train_batches=6, log_every_n_steps=3, limit_val_batches=0
+    )
     trainer.fit(TinyModel())
     records = read_jsonl(monitor.path)
     assert [r["global_step"] for r in records if r["event"] == "step"] == [3, 6]
@@ -164,8 +202,14 @@ def test_interval_defaults_to_the_trainers_log_every_n_steps(tmp_path):
 
 def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path):
     monitor = MemoryMonitor(log_every_n_steps=1)
-    trainer = make_trainer(tmp_path, callbacks=[monitor], max_steps=3, limit_train_batches=6,
-                           accumulate_grad_batches=2, limit_val_batches=0)
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=[monitor],
+        max_steps=3,
+        limit_train_batches=6,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+    )
     trainer.fit(TinyModel())
     records = read_jsonl(monitor.path)
     assert [r["global_step"] for r in records if r["event"] == "step"] == [1, 2, 3]
@@ -178,8 +222,13 @@ def test_no_synchronize_and_no_reading_on_steps_it_does_not_log(tmp_path, monkey
     original = fake.read
     monkeypatch.setattr(mm, "read_memory", lambda device=None: reads.append(1) or original(device))
     with mock.patch.object(torch.cuda, "synchronize") as sync:
-        trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=5)], max_steps=10,
-                               limit_train_batches=10, limit_val_batches=0)
+        trainer = make_trainer(
+            tmp_path,
+            callbacks=[MemoryMonitor(log_every_n_steps=5)],
+            max_steps=10,
+            limit_train_batches=10,
+            limit_val_batches=0,
+        )
         trainer.fit(TinyModel())
     sync.assert_not_called()
     # 2 logged steps + phase start + phase end (+1 read to fold peaks at the end).
@@ -202,15 +251,26 @@ def test_resumed_run_appends_without_duplicate_steps(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1), ckpt], max_steps=4,
-                           limit_train_batches=10, limit_val_batches=0, enable_checkpointing=True)
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=[MemoryMonitor(log_every_n_steps=1), ckpt],
+        max_steps=4,
+        limit_train_batches=10,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+    )
     trainer.fit(TinyModel())
     path = tmp_path / "memory" / "memory_rank0.jsonl"
     first = read_jsonl(path)
     assert [r["global_step"] for r in first if r["event"] == "step"] == [1, 2, 3, 4]
     # Resume from step 2: steps 3 and 4 are run again but already in the file.
-    resumed = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=6,
-                           limit_train_batches=10, limit_val_batches=0)
+    resumed = make_trainer(
+        tmp_path,
+        callbacks=[MemoryMonitor(log_every_n_steps=1)],
+        max_steps=6,
+        limit_train_batches=10,
+        limit_val_batches=0,
+    )
     resumed.fit(TinyModel(), ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
     records = read_jsonl(path)
     assert records[: len(first)] == first  # nothing already written is lost or rewritten
@@ -223,8 +283,9 @@ def test_reading_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     fake.fail = True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=4,
-                               limit_val_batches=0)
+        trainer = make_trainer(
+            tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=4, limit_val_batches=0
+        )
         trainer.fit(TinyModel())
     assert trainer.global_step == 4
     messages = [str(w.message) for w in caught if "reading memory failed" in str(w.message)]
@@ -235,8 +296,9 @@ def test_dirpath_and_default_under_log_dir(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     monitor = MemoryMonitor(log_every_n_steps=1)
-    trainer = make_trainer(tmp_path, callbacks=[monitor], logger=CSVLogger(tmp_path / "logs"), max_steps=1,
-                           limit_val_batches=0)
+    trainer = make_trainer(
+        tmp_path, callbacks=[monitor], logger=CSVLogger(tmp_path / "logs"), max_steps=1, limit_val_batches=0
+    )
     trainer.fit(TinyModel())
     assert monitor.path == tmp_path / "logs" / "lightning_logs" / "version_0" / "memory" / "memory_rank0.jsonl"
     assert monitor.path.exists()
@@ -300,10 +362,12 @@ def test_real_cuda_fit_records_device_figures(tmp_path):
 @pytest.mark.parametrize(("max_epochs", "max_steps", "last_epoch"), [(2, -1, 1), (3, 5, 1)])
 def test_train_phase_end_carries_the_epoch_of_the_last_batch(tmp_path, max_epochs, max_steps, last_epoch):
     monitor = MemoryMonitor(log_every_n_steps=1)
-    make_trainer(tmp_path, callbacks=[monitor], max_epochs=max_epochs, max_steps=max_steps,
-                 limit_train_batches=3).fit(TinyModel())
+    make_trainer(tmp_path, callbacks=[monitor], max_epochs=max_epochs, max_steps=max_steps, limit_train_batches=3).fit(
+        TinyModel()
+    )
     records = [json.loads(line) for line in (tmp_path / "memory" / "memory_rank0.jsonl").read_text().splitlines()]
     end = next(r for r in records if r["phase"] == "train" and r["event"] == "phase_end")
-    last_step = max((r for r in records if r["phase"] == "train" and r["event"] == "step"),
-                    key=lambda r: r["global_step"])
+    last_step = max(
+        (r for r in records if r["phase"] == "train" and r["event"] == "step"), key=lambda r: r["global_step"]
+    )
     assert end["epoch"] == last_step["epoch"] == last_epoch

@@ -102,15 +102,21 @@ def test_training_oom_report_has_every_field(tmp_path, where):
     assert report["format"] == REPORT_FORMAT
     when = report["when"]
     assert when["time"] > 0 and when["rank"] == 0 and when["world_size"] == 1 and when["device"] == "cpu"
-    assert (when["fn"], when["stage"], when["epoch"], when["global_step"], when["batch_idx"]) == ("fit", "train", 0,
-                                                                                                2, 2)
+    assert (when["fn"], when["stage"], when["epoch"], when["global_step"], when["batch_idx"]) == (
+        "fit",
+        "train",
+        0,
+        2,
+        2,
+    )
     assert report["error"]["type"] == "torch.OutOfMemoryError" and report["error"]["message"] == MESSAGE
     assert ("_raise" if where == "forward" else "backward") in report["error"]["location"]
     assert "test_oom_reporter.py" in report["error"]["location"]
 
     batch = report["batch"]
-    assert batch["tensors"] == [{"path": "batch", "shape": [4, 32], "dtype": "torch.float32", "device": "cpu",
-                                 "bytes": 512}]
+    assert batch["tensors"] == [
+        {"path": "batch", "shape": [4, 32], "dtype": "torch.float32", "device": "cpu", "bytes": 512}
+    ]
     assert batch["micro_batch_size"] == 4 and batch["found_in"]
 
     memory = report["memory"]
@@ -143,8 +149,14 @@ def test_training_oom_report_has_every_field(tmp_path, where):
 
 def test_accumulation_is_in_the_effective_batch(tmp_path):
     model = FailingModel("forward", at=5)
-    _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path, top_k_tensors=0), accumulate_grad_batches=3,
-                  max_steps=5, limit_train_batches=8)
+    _fit_and_fail(
+        tmp_path,
+        model,
+        OOMReporter(dirpath=tmp_path, top_k_tensors=0),
+        accumulate_grad_batches=3,
+        max_steps=5,
+        limit_train_batches=8,
+    )
     report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
     assert report["config"]["accumulate_grad_batches"] == 3 and report["config"]["effective_batch_size"] == 12
     assert report["when"]["batch_idx"] == 5 and report["when"]["global_step"] == 1
@@ -172,8 +184,13 @@ def test_predict_oom_and_nested_dirpath_that_does_not_exist(tmp_path):
     assert (report["when"]["fn"], report["when"]["stage"]) == ("predict", "predict")
 
 
-@pytest.mark.parametrize("error", [RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
-                                   RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
+    ],
+)
 def test_other_backend_oom_is_reported_with_its_type(tmp_path, error):
     model = FailingModel("forward", at=0, error=error)
     _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path))
@@ -262,8 +279,13 @@ def test_second_run_keeps_the_first_report(tmp_path):
 
 
 def test_secrets_from_the_environment_are_in_no_file(tmp_path, monkeypatch):
-    secrets = {"TORCH_TEST_API_TOKEN": "tok-0a1b2c3d", "NCCL_SECRET": "sec-4e5f6a7b", "CUDA_PASSWORD": "pw-8c9d0e1f",
-               "MY_APP_KEY": "key-2a3b4c5d", "HF_TOKEN": "hf-6e7f8a9b"}
+    secrets = {
+        "TORCH_TEST_API_TOKEN": "tok-0a1b2c3d",
+        "NCCL_SECRET": "sec-4e5f6a7b",
+        "CUDA_PASSWORD": "pw-8c9d0e1f",
+        "MY_APP_KEY": "key-2a3b4c5d",
+        "HF_TOKEN": "hf-6e7f8a9b",
+    }
     for name, value in secrets.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
@@ -286,8 +308,14 @@ class _ModelWithHparams(FailingModel):
 
 def test_credentials_inside_values_are_redacted_in_env_hparams_and_config(tmp_path, monkeypatch):
     """Allow-listed names, secret values: URL userinfo, token/key parameters, Bearer credentials, anywhere."""
-    secrets = ["pw-1a2b3c4d", "qtok-5e6f7a8b", "qkey-9c0d1e2f", "eyJhbGciOiJIUzI1NiJ9abcdef012345", "hp-3a4b5c6d",
-               "cfgpw-7e8f9a0b"]
+    secrets = [
+        "pw-1a2b3c4d",
+        "qtok-5e6f7a8b",
+        "qkey-9c0d1e2f",
+        "eyJhbGciOiJIUzI1NiJ9abcdef012345",
+        "hp-3a4b5c6d",
+        "cfgpw-7e8f9a0b",
+    ]
     monkeypatch.setenv("LIGHTNING_CLOUD_URL", f"https://alice:{secrets[0]}@cloud.example.com/api")
     monkeypatch.setenv("PL_LOGGER_URI", f"https://logs.example.com/run?token={secrets[1]}&api_key={secrets[2]}&x=1")
     monkeypatch.setenv("TORCH_HEADERS", f"Authorization: Bearer {secrets[3]}")
@@ -371,17 +399,23 @@ def test_record_history_stopped_at_teardown_of_a_good_run(tmp_path, monkeypatch)
 
 def test_non_oom_error_also_stops_history(tmp_path, monkeypatch):
     history = _FakeHistory().install(monkeypatch)
-    _fit_and_fail(tmp_path, FailingModel("forward", at=1, error=ValueError("bug")),
-                  OOMReporter(dirpath=tmp_path, record_history=True))
+    _fit_and_fail(
+        tmp_path,
+        FailingModel("forward", at=1, error=ValueError("bug")),
+        OOMReporter(dirpath=tmp_path, record_history=True),
+    )
     assert [c[0] for c in history.calls] == ["start", "stop"]
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"max_entries": 0}, "`max_entries` must be a positive int, got 0"),
-    ({"top_k_tensors": -1}, "`top_k_tensors` must be a non-negative int, got -1"),
-    ({"record_history": "yes"}, r"`record_history` must be a bool \(True or False\), got 'yes'"),
-    ({"dirpath": 3}, r"`dirpath` must be a path \(str or os.PathLike\) or None, got 3"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_entries": 0}, "`max_entries` must be a positive int, got 0"),
+        ({"top_k_tensors": -1}, "`top_k_tensors` must be a non-negative int, got -1"),
+        ({"record_history": "yes"}, r"`record_history` must be a bool \(True or False\), got 'yes'"),
+        ({"dirpath": 3}, r"`dirpath` must be a path \(str or os.PathLike\) or None, got 3"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OOMReporter(**kwargs)
@@ -455,8 +489,10 @@ def test_report_records_activation_checkpointing_and_does_not_suggest_it_again(t
     from lightning_memopt import GradientCheckpointing
 
     reporter = OOMReporter(dirpath=tmp_path / "r", top_k_tensors=0)
-    callbacks = {"callback-first": [GradientCheckpointing(), reporter],
-                 "callback-last": [reporter, GradientCheckpointing()]}.get(how, [reporter])
+    callbacks = {
+        "callback-first": [GradientCheckpointing(), reporter],
+        "callback-last": [reporter, GradientCheckpointing()],
+    }.get(how, [reporter])
     model = _BlockModel(hf_switch=how == "hf-switch")
     trainer = make_trainer(tmp_path, callbacks=callbacks)
     with pytest.raises(torch.OutOfMemoryError):

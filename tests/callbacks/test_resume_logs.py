@@ -23,13 +23,21 @@ def _callbacks(directory: Path) -> list:
     ]
 
 
-def _fit(tmp_path: Path, directory: Path, max_steps: int, ckpt_path: str | None = None, every: int = 0,
-         name: str = "run") -> None:
+def _fit(
+    tmp_path: Path, directory: Path, max_steps: int, ckpt_path: str | None = None, every: int = 0, name: str = "run"
+) -> None:
     callbacks = _callbacks(directory)
     if every:
         callbacks.append(ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=every, save_top_k=-1))
-    trainer = make_trainer(tmp_path / name, callbacks=callbacks, max_steps=max_steps, limit_train_batches=20,
-                           limit_val_batches=0, enable_checkpointing=bool(every), logger=False)
+    trainer = make_trainer(
+        tmp_path / name,
+        callbacks=callbacks,
+        max_steps=max_steps,
+        limit_train_batches=20,
+        limit_val_batches=0,
+        enable_checkpointing=bool(every),
+        logger=False,
+    )
     trainer.fit(TinyModel(), ckpt_path=ckpt_path)
 
 
@@ -38,8 +46,9 @@ def _lines(path: Path) -> list[str]:
 
 
 def _train_steps(records: list[dict], run: str) -> list[int]:
-    return [r["global_step"] for r in records
-            if r.get("run_id") == run and r["phase"] == "train" and r["event"] == "step"]
+    return [
+        r["global_step"] for r in records if r.get("run_id") == run and r["phase"] == "train" and r["event"] == "step"
+    ]
 
 
 def test_resumed_run_after_a_torn_last_line_starts_on_a_fresh_line(tmp_path):
@@ -56,7 +65,7 @@ def test_resumed_run_after_a_torn_last_line_starts_on_a_fresh_line(tmp_path):
     lines = _lines(path)
     assert lines[: len(before) - 1] == before[:-1]  # nothing written before is rewritten
     assert lines[len(before) - 1] == TORN  # the torn line stays as it was, alone on its line
-    resumed = [json.loads(line) for line in lines[len(before):] if line]  # every record of the resumed run parses
+    resumed = [json.loads(line) for line in lines[len(before) :] if line]  # every record of the resumed run parses
     assert resumed, "the resumed run wrote nothing"
     run = resumed[0]["run_id"]
     assert {r["run_id"] for r in resumed} == {run}
@@ -103,7 +112,8 @@ def test_every_callback_of_a_run_writes_one_run_id(tmp_path):
     assert report["when"]["run_id"] in run_ids
 
     # A second run in the same directory gets an id of its own.
-    make_trainer(tmp_path, callbacks=_callbacks(directory), max_steps=1, limit_val_batches=0,
-                 logger=False).fit(TinyModel())
+    make_trainer(tmp_path, callbacks=_callbacks(directory), max_steps=1, limit_val_batches=0, logger=False).fit(
+        TinyModel()
+    )
     records = [json.loads(line) for line in _lines(directory / "memory_rank0.jsonl") if line]
     assert len({r["run_id"] for r in records}) == 2

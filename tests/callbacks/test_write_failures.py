@@ -69,8 +69,12 @@ def tiny_fs(tmp_path):
     mount_point = tmp_path / "tinyfs"
     mount_point.mkdir()
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
-                       check=True, capture_output=True, timeout=10)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+            check=True,
+            capture_output=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
@@ -81,6 +85,7 @@ def tiny_fs(tmp_path):
 
 def _fill(directory):
     """Use up every byte of the file system that holds ``directory``."""
+
     def fill(model):
         with open(directory / f"filler-{uuid.uuid4().hex}", "wb", buffering=0) as f:
             try:
@@ -94,6 +99,7 @@ def _fill(directory):
                     f.write(b"\0")
             except OSError:
                 pass
+
     return fill
 
 
@@ -166,8 +172,9 @@ def test_log_directory_replaced_by_a_file_mid_run_warns_from_which_step(tmp_path
         shutil.rmtree(memory)
         memory.write_text("not a directory any more")
 
-    trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(dirpath=memory, log_every_n_steps=1)], max_steps=5,
-                           limit_train_batches=5)
+    trainer = make_trainer(
+        tmp_path, callbacks=[MemoryMonitor(dirpath=memory, log_every_n_steps=1)], max_steps=5, limit_train_batches=5
+    )
     with pytest.warns(UserWarning, match="records from train step 3 on are not stored") as caught:
         trainer.fit(StepModel({2: replace}))
     assert trainer.global_step == 5
@@ -178,8 +185,9 @@ def test_log_directory_replaced_by_a_file_mid_run_warns_from_which_step(tmp_path
 
 def test_log_file_deleted_mid_run_is_not_written_silently(tmp_path):
     memory = tmp_path / "memory"
-    trainer = make_trainer(tmp_path, callbacks=[MemoryMonitor(dirpath=memory, log_every_n_steps=1)], max_steps=5,
-                           limit_train_batches=5)
+    trainer = make_trainer(
+        tmp_path, callbacks=[MemoryMonitor(dirpath=memory, log_every_n_steps=1)], max_steps=5, limit_train_batches=5
+    )
     with pytest.warns(UserWarning, match="records from train step 3 on are not stored"):
         trainer.fit(StepModel({2: lambda model: (memory / "memory_rank0.jsonl").unlink()}))
     assert trainer.global_step == 5

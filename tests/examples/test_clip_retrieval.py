@@ -18,8 +18,18 @@ from examples.clip_retrieval.train import main
 DIRECTIONS = ("v2t", "t2v")
 TOP_K = (1, 5, 10)
 # small towers and data: a run takes a few seconds on one CPU thread
-SMALL = ["--vocab_size", "200", "--hidden_dim", "64", "--embed_dim", "32", "--no-plot", "--no-progress_bar",
-         "--accelerator", "cpu"]
+SMALL = [
+    "--vocab_size",
+    "200",
+    "--hidden_dim",
+    "64",
+    "--embed_dim",
+    "32",
+    "--no-plot",
+    "--no-progress_bar",
+    "--accelerator",
+    "cpu",
+]
 
 
 def _run(tmp_path, *flags: str) -> dict:
@@ -48,8 +58,9 @@ def test_frames_vary_are_capped_and_are_deterministic():
     again = data.__getitems__([5, 3])  # another batch composition, same rows
     assert torch.equal(again["frames"][0], batch["frames"][5]) and torch.equal(again["frames"][1], batch["frames"][3])
 
-    capped = SyntheticVideoTextDataset(CaptionBank(SyntheticSpec(num_unique_texts=40, vocab_size=100, max_frames=3)),
-                                       200, "val")
+    capped = SyntheticVideoTextDataset(
+        CaptionBank(SyntheticSpec(num_unique_texts=40, vocab_size=100, max_frames=3)), 200, "val"
+    )
     small = capped.__getitems__(list(range(200)))
     assert int(small["frame_mask"].sum(1).max()) == 3
     torch.testing.assert_close(small["frames"], batch["frames"][:, :3])  # the cap keeps the first frames
@@ -72,8 +83,23 @@ def test_contrastive_loss_is_symmetric_and_rewards_matching_pairs():
 @pytest.mark.slow
 def test_short_run_logs_retrieval_memory_and_matrix_sizes(tmp_path):
     num_samples, num_unique = 300, 60
-    out = _run(tmp_path, "--num_samples", str(num_samples), "--num_unique_texts", str(num_unique), "--batch_size", "32",
-               "--max_epochs", "1", "--max_steps", "3", "--limit_train_batches", "3", "--metric_budget_bytes", "65536")
+    out = _run(
+        tmp_path,
+        "--num_samples",
+        str(num_samples),
+        "--num_unique_texts",
+        str(num_unique),
+        "--batch_size",
+        "32",
+        "--max_epochs",
+        "1",
+        "--max_steps",
+        "3",
+        "--limit_train_batches",
+        "3",
+        "--metric_budget_bytes",
+        "65536",
+    )
     metrics = out["metrics"]
     for direction in DIRECTIONS:
         for k in TOP_K:
@@ -100,9 +126,25 @@ def test_short_run_logs_retrieval_memory_and_matrix_sizes(tmp_path):
 @pytest.mark.slow
 def test_learns_retrieval_well_above_chance(tmp_path):
     num_samples, num_unique, k = 400, 100, 5
-    out = _run(tmp_path, "--num_samples", str(num_samples), "--num_unique_texts", str(num_unique),
-               "--num_train_samples", "2048", "--batch_size", "128", "--max_epochs", "4", "--lr", "5e-3",
-               "--noise_std", "0.5", "--memory_log_every_n_steps", "50")
+    out = _run(
+        tmp_path,
+        "--num_samples",
+        str(num_samples),
+        "--num_unique_texts",
+        str(num_unique),
+        "--num_train_samples",
+        "2048",
+        "--batch_size",
+        "128",
+        "--max_epochs",
+        "4",
+        "--lr",
+        "5e-3",
+        "--noise_std",
+        "0.5",
+        "--memory_log_every_n_steps",
+        "50",
+    )
     # a caption with m clips among N has a chance R@K of at most m * K / N under a random ranking
     most_clips = np.bincount(assign_captions(num_samples, num_unique, seed=0, split="val")).max()
     t2v_bound = most_clips * k / num_samples

@@ -34,9 +34,28 @@ def spectra_file(tmp_path_factory) -> Path:
 
 
 def _short_run_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
-    return ["--output_dir", str(tmp_path / "run"), "--data_path", str(data), "--num_spectra", "6000",
-            "--accelerator", "cpu", "--max_epochs", "1", "--limit_train_batches", "4", "--limit_val_batches", "2",
-            "--num_sanity_val_steps", "0", "--no-progress_bar", "--memory_log_every_n_steps", "1", *extra]
+    return [
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--data_path",
+        str(data),
+        "--num_spectra",
+        "6000",
+        "--accelerator",
+        "cpu",
+        "--max_epochs",
+        "1",
+        "--limit_train_batches",
+        "4",
+        "--limit_val_batches",
+        "2",
+        "--num_sanity_val_steps",
+        "0",
+        "--no-progress_bar",
+        "--memory_log_every_n_steps",
+        "1",
+        *extra,
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -69,7 +88,7 @@ def test_hdf5_layout(spectra_file):
     real = mz > 0
     # m/z ascending over the real peaks, zero padding after them, base peak = 1
     assert all(np.all(np.diff(row[r]) > 0) for row, r in zip(mz, real))
-    assert all(not r[np.argmin(r):].any() for r in real if not r.all())
+    assert all(not r[np.argmin(r) :].any() for r in real if not r.all())
     assert np.allclose(intensity.max(axis=1), 1.0)
     assert np.all(intensity[~real] == 0)
 
@@ -234,9 +253,10 @@ def test_it_learns_half_the_mean_prediction_baseline(tmp_path, spectra_file):
     bits = torch.as_tensor(ds._data["substructures"].mean(axis=0), dtype=torch.float32)
     props = torch.as_tensor(ds._data["properties"].mean(axis=0))
     val = collate_spectra(SpectraDataset(spectra_file, "val", in_mem=True).__getitems__(list(range(8 * 32))))
-    baseline = float(torch.nn.functional.binary_cross_entropy(bits.expand_as(val["substructures"]),
-                                                              val["substructures"])
-                     + torch.nn.functional.mse_loss(props.expand_as(val["properties"]), val["properties"]))
+    baseline = float(
+        torch.nn.functional.binary_cross_entropy(bits.expand_as(val["substructures"]), val["substructures"])
+        + torch.nn.functional.mse_loss(props.expand_as(val["properties"]), val["properties"])
+    )
     metrics = trainer.callback_metrics
     assert float(metrics["val_baseline_loss"]) == pytest.approx(baseline, rel=1e-4)
     assert float(metrics["val_loss"]) <= 0.5 * baseline, (float(metrics["val_loss"]), baseline)
@@ -251,8 +271,17 @@ def test_fine_tuning_loads_the_backbone_and_keeps_it_frozen(tmp_path, spectra_fi
     ckpt = Path(first.checkpoint_callback.last_model_path)
     state = load_backbone_state(ckpt)
     assert state and not any(k.startswith(("backbone.", "head.")) for k in state)
-    second = main(_short_run_args(tmp_path, spectra_file, "--no_memory_callbacks", "--pre_trained_pth", str(ckpt),
-                                  "--unfreeze_backbone_at_epoch", "1"))
+    second = main(
+        _short_run_args(
+            tmp_path,
+            spectra_file,
+            "--no_memory_callbacks",
+            "--pre_trained_pth",
+            str(ckpt),
+            "--unfreeze_backbone_at_epoch",
+            "1",
+        )
+    )
     model = second.lightning_module
     for name, tensor in model.backbone.state_dict().items():  # frozen for the whole (single) epoch
         assert torch.equal(tensor, state[name]), name
@@ -272,8 +301,9 @@ def test_two_process_ddp_on_cpu(tmp_path, spectra_file):
     args[args.index("--limit_val_batches") + 1] = "1"
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.run([sys.executable, str(TRAIN_PY), *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=150)
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN_PY), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     memory = tmp_path / "run" / "version_0" / "memory"
     for rank in (0, 1):
@@ -287,12 +317,36 @@ def test_command_line_has_the_dreams_flags():
     from examples.dreams.train import build_parser
 
     help_text = build_parser().format_help()
-    for flag in ("--batch_size", "--max_peaks_n", "--train_precision", "--num_devices", "--lr", "--max_epochs",
-                 "--val_check_interval", "--save_top_k", "--num_workers_data", "--dropout", "--d_fourier", "--d_peak",
-                 "--n_layers", "--n_heads", "--pre_trained_pth", "--unfreeze_backbone_at_epoch", "--seed",
-                 "--no_wandb", "--preset", "--effective_batch_size", "--accumulate_grad_batches", "--auto_micro_batch",
-                 "--limit_val_batches", "--every_n_train_steps", "--gradient_checkpointing", "--dynamic_padding",
-                 "--model_preset", "--in_mem"):
+    for flag in (
+        "--batch_size",
+        "--max_peaks_n",
+        "--train_precision",
+        "--num_devices",
+        "--lr",
+        "--max_epochs",
+        "--val_check_interval",
+        "--save_top_k",
+        "--num_workers_data",
+        "--dropout",
+        "--d_fourier",
+        "--d_peak",
+        "--n_layers",
+        "--n_heads",
+        "--pre_trained_pth",
+        "--unfreeze_backbone_at_epoch",
+        "--seed",
+        "--no_wandb",
+        "--preset",
+        "--effective_batch_size",
+        "--accumulate_grad_batches",
+        "--auto_micro_batch",
+        "--limit_val_batches",
+        "--every_n_train_steps",
+        "--gradient_checkpointing",
+        "--dynamic_padding",
+        "--model_preset",
+        "--in_mem",
+    ):
         assert flag in help_text, flag
     args = build_parser().parse_args(["--limit_val_batches", "1.0", "--val_check_interval", "50"])
     assert args.limit_val_batches == 1.0 and isinstance(args.limit_val_batches, float)  # all of it, not 1 batch
@@ -307,20 +361,38 @@ def test_lightning_cli_yaml_config_runs(tmp_path, spectra_file, capsys):
     from examples.dreams.cli import CONFIG, cli_main
 
     out_dir = tmp_path / "cli"
-    cli = cli_main([
-        "fit", "--config", str(CONFIG),
-        "--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
-        "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={out_dir}", f"--trainer.logger.init_args.save_dir={out_dir}",
-        f"--data.data_path={spectra_file}", "--data.num_spectra=6000",
-        "--memory.preset=max-savings", "--memory.effective_batch_size=64",
-    ])
+    cli = cli_main(
+        [
+            "fit",
+            "--config",
+            str(CONFIG),
+            "--trainer.accelerator=cpu",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={out_dir}",
+            f"--trainer.logger.init_args.save_dir={out_dir}",
+            f"--data.data_path={spectra_file}",
+            "--data.num_spectra=6000",
+            "--memory.preset=max-savings",
+            "--memory.effective_batch_size=64",
+        ]
+    )
     trainer = cli.trainer
     assert trainer.global_step == 1  # 2 micro-batches of 32 per optimizer step
     assert trainer.accumulate_grad_batches == 2
     names = [type(c).__name__ for c in trainer.callbacks]
-    for name in ("MemoryMonitor", "CacheCleaner", "GarbageCollector", "OOMReporter", "MemoryAudit",
-                 "GradientCheckpointing", "ModelCheckpoint"):
+    for name in (
+        "MemoryMonitor",
+        "CacheCleaner",
+        "GarbageCollector",
+        "OOMReporter",
+        "MemoryAudit",
+        "GradientCheckpointing",
+        "ModelCheckpoint",
+    ):
         assert name in names, name
     assert type(trainer.precision_plugin).__name__ == "MemoryPrecision"
     run_dir = out_dir / "version_0"
@@ -335,8 +407,9 @@ def test_lightning_cli_yaml_config_runs(tmp_path, spectra_file, capsys):
 
 
 @pytest.mark.slow
-def test_auto_micro_batch_survives_out_of_memory_with_the_same_steps_and_weights(tmp_path, spectra_file, monkeypatch,
-                                                                                  capsys):
+def test_auto_micro_batch_survives_out_of_memory_with_the_same_steps_and_weights(
+    tmp_path, spectra_file, monkeypatch, capsys
+):
     """``--auto_micro_batch`` with a training forward that runs out of memory (simulated) above 8 spectra.
 
     The DataLoader yields the whole batch of 32; AutoMicroBatch halves 32 -> 16 -> 8 and the run takes its 4
@@ -356,8 +429,9 @@ def test_auto_micro_batch_survives_out_of_memory_with_the_same_steps_and_weights
 
     monkeypatch.setattr(SpectraFineTuner, "forward", forward_with_budget)
     same = ("--no_memory_callbacks", "--dropout", "0", "--no-dynamic_padding", "--save_top_k", "0")
-    trainer = main(_short_run_args(tmp_path / "auto", spectra_file, *same, "--effective_batch_size", "32",
-                                   "--auto_micro_batch"))
+    trainer = main(
+        _short_run_args(tmp_path / "auto", spectra_file, *same, "--effective_batch_size", "32", "--auto_micro_batch")
+    )
     out = capsys.readouterr().out
     auto = next(c for c in trainer.callbacks if type(c).__name__ == "AutoMicroBatch")
     assert (auto.micro_batch_size, auto.retries) == (8, 2)
@@ -401,9 +475,19 @@ def test_lightning_cli_auto_micro_batch_gives_the_datamodule_the_per_device_batc
     from examples.dreams.cli import CONFIG, cli_main
 
     out_dir = tmp_path / "cli"
-    cli = cli_main(["--config", str(CONFIG), "--trainer.accelerator=cpu", f"--trainer.default_root_dir={out_dir}",
-                    f"--trainer.logger.init_args.save_dir={out_dir}", "--memory.preset=max-speed",
-                    "--memory.effective_batch_size=64", "--memory.auto_micro_batch=true"], run=False)
+    cli = cli_main(
+        [
+            "--config",
+            str(CONFIG),
+            "--trainer.accelerator=cpu",
+            f"--trainer.default_root_dir={out_dir}",
+            f"--trainer.logger.init_args.save_dir={out_dir}",
+            "--memory.preset=max-speed",
+            "--memory.effective_batch_size=64",
+            "--memory.auto_micro_batch=true",
+        ],
+        run=False,
+    )
     assert cli.datamodule.hparams.batch_size == 64 and cli.trainer.accumulate_grad_batches == 1
     (auto,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "AutoMicroBatch"]
     assert auto.start_micro_batch_size == 32  # data.batch_size: where the micro-batches start

@@ -11,7 +11,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_quickstart_runs_and_prints_the_summary_and_plot(tmp_path):
     proc = subprocess.run(
         [sys.executable, "examples/quickstart.py", "--max_steps", "20", "--root", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = list(tmp_path.rglob("memory_rank0.jsonl"))

@@ -33,8 +33,12 @@ def test_noop_conversions_are_skipped_without_calling_to(monkeypatch):
     net = _net().to(torch.float16)
     calls = []
     monkeypatch.setattr(nn.Module, "to", lambda self, *a, **k: calls.append((a, k)) or self)
-    for kwargs in ({}, {"device": "cpu"}, {"dtype": torch.float16}, {"device": torch.device("cpu"),
-                                                                      "dtype": torch.float16}):
+    for kwargs in (
+        {},
+        {"device": "cpu"},
+        {"dtype": torch.float16},
+        {"device": torch.device("cpu"), "dtype": torch.float16},
+    ):
         res = to_device_and_dtype(net, **kwargs)
         assert not res.converted and res.num_converted == 0
         assert res.bytes_before == res.bytes_after

@@ -95,8 +95,13 @@ def test_tensor_names_grads_buffers_and_optimizer_states():
     opt.step()
     names = tensor_names(net, [opt])
     values = set(names.values())
-    assert {"0.weight", "0.weight.grad", "1.running_mean", "optimizer0.state[0.weight].exp_avg",
-            "optimizer0.state[2.bias].exp_avg_sq"} <= values
+    assert {
+        "0.weight",
+        "0.weight.grad",
+        "1.running_mean",
+        "optimizer0.state[0.weight].exp_avg",
+        "optimizer0.state[2.bias].exp_avg_sq",
+    } <= values
     assert names[storage_key(net[0].weight.grad)] == "0.weight.grad"
 
 
@@ -174,11 +179,13 @@ def test_live_tensors_never_raises_on_misbehaving_objects():
 
 
 def test_unexplained_bytes():
-    fp = Footprint(rows=(
-        FootprintRow("parameters", "torch.bfloat16", "cuda:0", 3, 600),
-        FootprintRow("gradients", "torch.bfloat16", "cuda:0", 3, 600),
-        FootprintRow("buffers", "torch.float32", "cpu", 1, 50),
-    ))
+    fp = Footprint(
+        rows=(
+            FootprintRow("parameters", "torch.bfloat16", "cuda:0", 3, 600),
+            FootprintRow("gradients", "torch.bfloat16", "cuda:0", 3, 600),
+            FootprintRow("buffers", "torch.float32", "cpu", 1, 50),
+        )
+    )
     assert unexplained_bytes(2000, fp, "cuda:0") == 800
     assert unexplained_bytes(2000, fp, "cuda") == 800
     assert unexplained_bytes(None, fp, "cpu") is None
@@ -203,7 +210,8 @@ def test_cuda_footprint_matches_allocator():
     assert fp.total_bytes("cuda") == _param_bytes(net)
     assert abs(delta - fp.total_bytes("cuda")) <= 2 * 512
     assert unexplained_bytes(torch.cuda.memory_allocated(), fp, "cuda:0") == torch.cuda.memory_allocated() - (
-        fp.total_bytes("cuda:0"))
+        fp.total_bytes("cuda:0")
+    )
     assert any(t.shape == (1024, 1024) and t.device == "cuda:0" for t in live_tensors("cuda:0"))
 
 

@@ -15,9 +15,24 @@ from lightning_memopt.functional.memory import (
 )
 
 SCHEMA = [
-    "time", "rank", "phase", "event", "epoch", "global_step", "batch_idx", "device",
-    "allocated_bytes", "reserved_bytes", "active_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-    "device_total_bytes", "device_free_bytes", "host_rss_bytes", "num_alloc_retries", "num_ooms",
+    "time",
+    "rank",
+    "phase",
+    "event",
+    "epoch",
+    "global_step",
+    "batch_idx",
+    "device",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "device_total_bytes",
+    "device_free_bytes",
+    "host_rss_bytes",
+    "num_alloc_retries",
+    "num_ooms",
 ]
 
 

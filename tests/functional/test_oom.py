@@ -34,13 +34,21 @@ def test_describe_batch_nested_containers():
         image: torch.Tensor
         label: int
 
-    batch = {"text": Pair(torch.zeros(6, 10, dtype=torch.long), torch.ones(6, 10, dtype=torch.bool)),
-             "sample": Sample(torch.zeros(6, 3, 4, 4, dtype=torch.float16), 1), "names": ["a", "b"]}
+    batch = {
+        "text": Pair(torch.zeros(6, 10, dtype=torch.long), torch.ones(6, 10, dtype=torch.bool)),
+        "sample": Sample(torch.zeros(6, 3, 4, 4, dtype=torch.float16), 1),
+        "names": ["a", "b"],
+    }
     d = describe_batch(batch)
     paths = [t["path"] for t in d["tensors"]]
     assert paths == ["batch['text'].ids", "batch['text'].mask", "batch['sample'].image"]
-    assert d["tensors"][0] == {"path": "batch['text'].ids", "shape": [6, 10], "dtype": "torch.int64",
-                               "device": "cpu", "bytes": 480}
+    assert d["tensors"][0] == {
+        "path": "batch['text'].ids",
+        "shape": [6, 10],
+        "dtype": "torch.int64",
+        "device": "cpu",
+        "bytes": 480,
+    }
     assert d["tensors"][2]["dtype"] == "torch.float16" and d["tensors"][2]["bytes"] == 6 * 48 * 2
     assert d["micro_batch_size"] == 6 and d["num_tensors"] == 3 and not d["truncated"] and d["type"] == "dict"
 
@@ -91,14 +99,31 @@ def test_parse_other_messages():
 
 
 def test_environment_allow_list_and_redaction():
-    env = {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0,1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-           "TORCH_HUB_TOKEN": "tok-123", "NCCL_API_KEY": "k-456", "PL_SECRET": "s", "OMP_PASSWORD": "p",
-           "HF_TOKEN": "hf-789", "AWS_SECRET_ACCESS_KEY": "aws", "HOME": "/root", "LOCAL_RANK": "1",
-           "MY_PASSWORD": "pw"}
+    env = {
+        "NCCL_DEBUG": "INFO",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TORCH_HUB_TOKEN": "tok-123",
+        "NCCL_API_KEY": "k-456",
+        "PL_SECRET": "s",
+        "OMP_PASSWORD": "p",
+        "HF_TOKEN": "hf-789",
+        "AWS_SECRET_ACCESS_KEY": "aws",
+        "HOME": "/root",
+        "LOCAL_RANK": "1",
+        "MY_PASSWORD": "pw",
+    }
     kept = collect_environment(env)
-    assert kept == {"CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "1", "NCCL_API_KEY": REDACTED,
-                    "NCCL_DEBUG": "INFO", "OMP_PASSWORD": REDACTED, "PL_SECRET": REDACTED,
-                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_HUB_TOKEN": REDACTED}
+    assert kept == {
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "LOCAL_RANK": "1",
+        "NCCL_API_KEY": REDACTED,
+        "NCCL_DEBUG": "INFO",
+        "OMP_PASSWORD": REDACTED,
+        "PL_SECRET": REDACTED,
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TORCH_HUB_TOKEN": REDACTED,
+    }
     text = json.dumps(kept)
     for secret in ("tok-123", "k-456", "hf-789", "aws", "pw"):
         assert secret not in text
@@ -118,11 +143,19 @@ def _actions(tips):
 
 
 def test_activations_dominate_training():
-    tips = suggest_fixes(stage="train", allocated_bytes=10 * GiB, reserved_bytes=10 * GiB, device_total_bytes=12 * GiB,
-                         device_free_bytes=2 * GiB, bytes_by_category={"parameters": GiB, "gradients": GiB,
-                                                                       "optimizer_states": 0, "buffers": 0},
-                         unexplained_bytes=8 * GiB, micro_batch_size=32, accumulate_grad_batches=2, world_size=2,
-                         precision="32-true")
+    tips = suggest_fixes(
+        stage="train",
+        allocated_bytes=10 * GiB,
+        reserved_bytes=10 * GiB,
+        device_total_bytes=12 * GiB,
+        device_free_bytes=2 * GiB,
+        bytes_by_category={"parameters": GiB, "gradients": GiB, "optimizer_states": 0, "buffers": 0},
+        unexplained_bytes=8 * GiB,
+        micro_batch_size=32,
+        accumulate_grad_batches=2,
+        world_size=2,
+        precision="32-true",
+    )
     actions = _actions(tips)
     assert actions[0].startswith("Enable activation checkpointing")
     assert actions[1].startswith("Halve the micro-batch")
@@ -142,18 +175,39 @@ def test_odd_micro_batch_says_effective_batch_changes():
 
 def test_optimizer_state_dominates():
     cats = {"parameters": 2 * GiB, "gradients": 2 * GiB, "optimizer_states": 4 * GiB, "buffers": 0}
-    tips = suggest_fixes(stage="train", allocated_bytes=9 * GiB, reserved_bytes=9 * GiB, bytes_by_category=cats,
-                         unexplained_bytes=GiB, micro_batch_size=8, precision="bf16-mixed")
+    tips = suggest_fixes(
+        stage="train",
+        allocated_bytes=9 * GiB,
+        reserved_bytes=9 * GiB,
+        bytes_by_category=cats,
+        unexplained_bytes=GiB,
+        micro_batch_size=8,
+        precision="bf16-mixed",
+    )
     assert tips[0]["action"].startswith("Use an optimizer with less state")
     assert not any(a.startswith("Enable activation checkpointing") for a in _actions(tips))
-    tips2 = suggest_fixes(stage="train", allocated_bytes=9 * GiB, reserved_bytes=9 * GiB, bytes_by_category=cats,
-                          unexplained_bytes=GiB, micro_batch_size=8, world_size=4)
+    tips2 = suggest_fixes(
+        stage="train",
+        allocated_bytes=9 * GiB,
+        reserved_bytes=9 * GiB,
+        bytes_by_category=cats,
+        unexplained_bytes=GiB,
+        micro_batch_size=8,
+        world_size=4,
+    )
     assert tips2[0]["action"].startswith("Shard the optimizer state") and tips2[0]["saves_bytes"] == 3 * GiB
 
 
 def test_fragmentation_suggests_expandable_segments_unless_set():
-    kw = dict(stage="train", allocated_bytes=6 * GiB, reserved_bytes=10 * GiB, requested_bytes=GiB,
-              bytes_by_category={"parameters": GiB}, unexplained_bytes=5 * GiB, micro_batch_size=4)
+    kw = dict(
+        stage="train",
+        allocated_bytes=6 * GiB,
+        reserved_bytes=10 * GiB,
+        requested_bytes=GiB,
+        bytes_by_category={"parameters": GiB},
+        unexplained_bytes=5 * GiB,
+        micro_batch_size=4,
+    )
     tips = suggest_fixes(**kw)
     assert tips[0]["action"].startswith("Reduce fragmentation") and tips[0]["saves_bytes"] == 4 * GiB
     assert "expandable_segments:True" in tips[0]["action"]
@@ -162,17 +216,30 @@ def test_fragmentation_suggests_expandable_segments_unless_set():
 
 
 def test_single_huge_allocation_and_other_processes():
-    tips = suggest_fixes(stage="train", allocated_bytes=GiB, reserved_bytes=GiB, device_total_bytes=16 * GiB,
-                         device_free_bytes=5 * GiB, requested_bytes=40 * GiB, unexplained_bytes=0,
-                         bytes_by_category={"parameters": GiB}, micro_batch_size=4)
+    tips = suggest_fixes(
+        stage="train",
+        allocated_bytes=GiB,
+        reserved_bytes=GiB,
+        device_total_bytes=16 * GiB,
+        device_free_bytes=5 * GiB,
+        requested_bytes=40 * GiB,
+        unexplained_bytes=0,
+        bytes_by_category={"parameters": GiB},
+        micro_batch_size=4,
+    )
     assert tips[0]["action"].startswith("Check the shape")
     assert any(a.startswith("Free the device of other users") for a in _actions(tips))
 
 
 def test_evaluation_stage_suggestions():
-    tips = suggest_fixes(stage="validate", allocated_bytes=4 * GiB, reserved_bytes=4 * GiB,
-                         bytes_by_category={"parameters": GiB, "gradients": GiB}, unexplained_bytes=2 * GiB,
-                         micro_batch_size=64)
+    tips = suggest_fixes(
+        stage="validate",
+        allocated_bytes=4 * GiB,
+        reserved_bytes=4 * GiB,
+        bytes_by_category={"parameters": GiB, "gradients": GiB},
+        unexplained_bytes=2 * GiB,
+        micro_batch_size=64,
+    )
     actions = _actions(tips)
     assert actions[0].startswith("Lower the validate batch size")
     assert any("zero_grad(set_to_none=True)" in a for a in actions)
@@ -192,21 +259,52 @@ def test_unknown_numbers_still_give_ordered_generic_suggestions():
 def _full_report():
     return {
         "format": REPORT_FORMAT,
-        "when": {"time": 0.0, "rank": 1, "world_size": 2, "fn": "fit", "stage": "train", "epoch": 3,
-                 "global_step": 7320, "batch_idx": 12, "device": "cuda:1"},
+        "when": {
+            "time": 0.0,
+            "rank": 1,
+            "world_size": 2,
+            "fn": "fit",
+            "stage": "train",
+            "epoch": 3,
+            "global_step": 7320,
+            "batch_idx": 12,
+            "device": "cuda:1",
+        },
         "error": {"type": "torch.OutOfMemoryError", "message": CUDA_MESSAGE, "location": "forward (model.py:10)"},
-        "batch": {"found_in": "training_step (model.py:20)", "micro_batch_size": 8, "num_tensors": 1,
-                  "truncated": False,
-                  "tensors": [{"path": "batch", "shape": [8, 512], "dtype": "torch.int64", "device": "cuda:1",
-                               "bytes": 32768}]},
+        "batch": {
+            "found_in": "training_step (model.py:20)",
+            "micro_batch_size": 8,
+            "num_tensors": 1,
+            "truncated": False,
+            "tensors": [
+                {"path": "batch", "shape": [8, 512], "dtype": "torch.int64", "device": "cuda:1", "bytes": 32768}
+            ],
+        },
         "memory": {"allocated_bytes": 70 * GiB, "reserved_bytes": 78 * GiB, "summary": "|  PyTorch CUDA memory |"},
-        "holders": {"device": "cuda:1", "bytes_by_category": {"parameters": GiB}, "unexplained_bytes": 69 * GiB,
-                    "rows": [{"category": "parameters", "dtype": "torch.float32", "device": "cuda:1",
-                              "num_tensors": 3, "bytes": GiB}],
-                    "top_tensors": [{"name": "encoder.weight", "shape": [1024, 1024], "dtype": "torch.float32",
-                                     "bytes": 4 * MiB, "requires_grad": True, "has_grad_fn": False}]},
-        "config": {"precision": "bf16-mixed", "accumulate_grad_batches": 4, "allocator": {"PYTORCH_ALLOC_CONF": None},
-                   "versions": {"torch": "2.11"}},
+        "holders": {
+            "device": "cuda:1",
+            "bytes_by_category": {"parameters": GiB},
+            "unexplained_bytes": 69 * GiB,
+            "rows": [
+                {"category": "parameters", "dtype": "torch.float32", "device": "cuda:1", "num_tensors": 3, "bytes": GiB}
+            ],
+            "top_tensors": [
+                {
+                    "name": "encoder.weight",
+                    "shape": [1024, 1024],
+                    "dtype": "torch.float32",
+                    "bytes": 4 * MiB,
+                    "requires_grad": True,
+                    "has_grad_fn": False,
+                }
+            ],
+        },
+        "config": {
+            "precision": "bf16-mixed",
+            "accumulate_grad_batches": 4,
+            "allocator": {"PYTORCH_ALLOC_CONF": None},
+            "versions": {"torch": "2.11"},
+        },
         "suggestions": [{"rank": 1, "action": "Do X", "why": "Because Y.", "saves_bytes": GiB}],
         "snapshot": {"path": "oom_snapshot_rank1.pickle", "how_to_open": "Open it."},
         "environment": {"NCCL_DEBUG": "INFO"},
@@ -217,9 +315,19 @@ def _full_report():
 def test_render_markdown_has_every_section():
     text = render_markdown(_full_report())
     assert text.startswith("# Out-of-memory report: rank 1 of 2, train, global step 7320\n")
-    for heading in ("## When and where", "## Error", "## Suggestions (try in this order)", "## Failing batch",
-                    "## Memory at failure", "## Who holds memory", "## Configuration", "## Allocator snapshot",
-                    "## Environment", "## Allocator summary", "## Parts of this report that could not be gathered"):
+    for heading in (
+        "## When and where",
+        "## Error",
+        "## Suggestions (try in this order)",
+        "## Failing batch",
+        "## Memory at failure",
+        "## Who holds memory",
+        "## Configuration",
+        "## Allocator snapshot",
+        "## Environment",
+        "## Allocator summary",
+        "## Parts of this report that could not be gathered",
+    ):
         assert heading in text, heading
     assert "1. **Do X** (frees about 1.00 GiB). Because Y." in text
     assert "| batch | (8, 512) | torch.int64 | cuda:1 | 32.00 KiB |" in text
@@ -248,18 +356,30 @@ def test_load_report_roundtrip_and_errors(tmp_path):
         load_report(tmp_path)
 
 
-
 # ---------------------------------------------------------------------------------------------------- secrets in values
 
 
 @pytest.mark.parametrize(
     ("name", "value", "secret", "expected"),
     [
-        ("LIGHTNING_CLOUD_URL", "https://alice:hunter2@lightning.example/api", "hunter2",
-         "https://alice:<redacted>@lightning.example/api"),
-        ("PL_LOGGER_URI", "https://mlflow.example/api?token=abc123&run=7", "abc123",
-         "https://mlflow.example/api?token=<redacted>&run=7"),
-        ("PL_LOGGER_URI", "https://mlflow.example/api?key=xyz789", "xyz789", "https://mlflow.example/api?key=<redacted>"),
+        (
+            "LIGHTNING_CLOUD_URL",
+            "https://alice:hunter2@lightning.example/api",
+            "hunter2",
+            "https://alice:<redacted>@lightning.example/api",
+        ),
+        (
+            "PL_LOGGER_URI",
+            "https://mlflow.example/api?token=abc123&run=7",
+            "abc123",
+            "https://mlflow.example/api?token=<redacted>&run=7",
+        ),
+        (
+            "PL_LOGGER_URI",
+            "https://mlflow.example/api?key=xyz789",
+            "xyz789",
+            "https://mlflow.example/api?key=<redacted>",
+        ),
         ("LIGHTNING_HEADERS", "Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0", "9f8e7d6c5b4a", "Bearer <redacted>"),
     ],
 )
@@ -270,8 +390,13 @@ def test_environment_redacts_credentials_inside_allowed_values(name, value, secr
 
 
 def test_environment_leaves_harmless_values_alone():
-    env = {"NCCL_DEBUG": "INFO", "PL_LOGGER_URI": "https://host/path?x=1", "TORCH_HOME": "/data/torch cache/hub",
-           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128", "CUDA_VISIBLE_DEVICES": "0,1"}
+    env = {
+        "NCCL_DEBUG": "INFO",
+        "PL_LOGGER_URI": "https://host/path?x=1",
+        "TORCH_HOME": "/data/torch cache/hub",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+    }
     assert collect_environment(env) == env
 
 
@@ -287,8 +412,12 @@ def test_render_markdown_redacts_every_section():
     report = _full_report()
     report["environment"] = {"LIGHTNING_CLOUD_URL": "https://bob:s3cr3t@cloud.example/x"}
     report["config"] = dict(report["config"], logger_uri="https://host/x?access_token=tok42&x=1")
-    report["hparams"] = {"lr": 0.001, "num_key_value_heads": 8, "api_key": "sk-live-123",
-                         "data": {"root": "/data/train", "url": "https://u:pw@data.example/set?sig=s1g"}}
+    report["hparams"] = {
+        "lr": 0.001,
+        "num_key_value_heads": 8,
+        "api_key": "sk-live-123",
+        "data": {"root": "/data/train", "url": "https://u:pw@data.example/set?sig=s1g"},
+    }
     report["error"] = dict(report["error"], message="fetch failed: Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.x1")
     text = render_markdown(report)
     for secret in ("s3cr3t", "tok42", "sk-live-123", ":pw@", "s1g", "eyJhbGciOiJIUzI1NiJ9"):

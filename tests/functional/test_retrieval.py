@@ -26,8 +26,17 @@ from lightning_memopt.functional.retrieval import (
 
 
 # ------------------------------------------------------------------------------------------ reference
-def reference_ranks(video, text, text_ids=None, video_ids=None, sample_ids=None, protocol="dedup",
-                    v2t_gallery="texts", ties="optimistic", scores=None):
+def reference_ranks(
+    video,
+    text,
+    text_ids=None,
+    video_ids=None,
+    sample_ids=None,
+    protocol="dedup",
+    v2t_gallery="texts",
+    ties="optimistic",
+    scores=None,
+):
     """Plain full-matrix ranks in float64, with python loops over queries: deliberately nothing shared.
 
     ``scores(V, T)`` gives the score matrix (default ``V @ T.T`` in float64).
@@ -39,8 +48,11 @@ def reference_ranks(video, text, text_ids=None, video_ids=None, sample_ids=None,
         if key not in seen:
             seen.add(key)
             rows.append(i)
-    vkey = (lambda i: int(video_ids[i])) if video_ids is not None else (
-        lambda i: int(sample_ids[i]) if sample_ids is not None else i)
+    vkey = (
+        (lambda i: int(video_ids[i]))
+        if video_ids is not None
+        else (lambda i: int(sample_ids[i]) if sample_ids is not None else i)
+    )
     if protocol == "paired":
         tkey = lambda i: int(sample_ids[i]) if sample_ids is not None else i  # noqa: E731
     else:
@@ -114,8 +126,7 @@ def test_matches_reference_across_sizes_and_blocks(n, blocks):
 @pytest.mark.parametrize("protocol", ["dedup", "paired"])
 def test_exact_ties_and_protocols(ties, protocol):
     video, text, ids = make_data(n=37, d=4, n_captions=9, seed=1)  # d=4 with 17 levels: many exact ties
-    got = assert_matches(video, text, text_ids=ids, protocol=protocol, ties=ties, video_block_size=5,
-                         text_block_size=4)
+    got = assert_matches(video, text, text_ids=ids, protocol=protocol, ties=ties, video_block_size=5, text_block_size=4)
     assert got.t2v_gallery_size == 37
     assert got.v2t_gallery_size == (len(set(ids.tolist())) if protocol == "dedup" else 37)
 
@@ -146,8 +157,16 @@ def test_multiple_positives_with_video_ids():
     video = video[video_ids * 4]  # the same video feature on each of its rows
     for gallery in ("texts", "groups"):
         for ties in ("optimistic", "pessimistic"):
-            got = assert_matches(video, text, text_ids=ids, video_ids=video_ids, v2t_gallery=gallery, ties=ties,
-                                 video_block_size=5, text_block_size=3)
+            got = assert_matches(
+                video,
+                text,
+                text_ids=ids,
+                video_ids=video_ids,
+                v2t_gallery=gallery,
+                ties=ties,
+                video_block_size=5,
+                text_block_size=3,
+            )
             assert got.v2t.numel() == 12
 
 
@@ -224,8 +243,16 @@ def test_video_shards_sum_to_the_whole():
     parts_v, parts_t = [], torch.zeros_like(whole_t)
     for lo, hi in ((0, 17), (17, 17), (17, 50)):  # includes an empty shard
         mask = (plan.pair_video >= lo) & (plan.pair_video < hi)
-        v, t = count_ranks(vid[lo:hi], txt, plan.pair_video[mask] - lo, plan.pair_text[mask], v_thr[lo:hi], t_thr,
-                           video_block_size=4, text_block_size=6)
+        v, t = count_ranks(
+            vid[lo:hi],
+            txt,
+            plan.pair_video[mask] - lo,
+            plan.pair_text[mask],
+            v_thr[lo:hi],
+            t_thr,
+            video_block_size=4,
+            text_block_size=6,
+        )
         parts_v.append(v)
         parts_t += t
     assert torch.equal(torch.cat(parts_v), whole_v) and torch.equal(parts_t, whole_t)
@@ -362,8 +389,17 @@ def test_property_matches_reference(n, d, n_captions, bv, bt, seed, protocol, ti
     if video_ids is not None:
         first = {int(v): i for i, v in reversed(list(enumerate(video_ids.tolist())))}
         video = video[[first[int(v)] for v in video_ids]]
-    got = assert_matches(video, text, text_ids=ids, video_ids=video_ids, protocol=protocol, ties=ties,
-                         v2t_gallery="groups" if grouped else "texts", video_block_size=bv, text_block_size=bt)
+    got = assert_matches(
+        video,
+        text,
+        text_ids=ids,
+        video_ids=video_ids,
+        protocol=protocol,
+        ties=ties,
+        v2t_gallery="groups" if grouped else "texts",
+        video_block_size=bv,
+        text_block_size=bt,
+    )
     assert ((got.v2t >= 0) & (got.v2t < got.v2t_gallery_size)).all()
     assert ((got.t2v >= 0) & (got.t2v < got.t2v_gallery_size)).all()
 
@@ -377,8 +413,9 @@ def test_cuda_blocks_match_cpu_even_with_tf32_requested(dtype):
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # TF32 would perturb near-ties; blocks must run in full fp32
     try:
-        gpu = retrieval_ranks(video.cuda().to(dtype), text.cuda().to(dtype), ids, video_block_size=64,
-                              text_block_size=50)
+        gpu = retrieval_ranks(
+            video.cuda().to(dtype), text.cuda().to(dtype), ids, video_block_size=64, text_block_size=50
+        )
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)

@@ -59,10 +59,10 @@ def test_exact_duplicates_match_an_exact_reference_in_every_layout(ties, blocks,
     if options.get("video_ids") == "pairs":  # two captions per video; copies of videos and captions as above
         options["video_ids"] = ids // 2
         video = video[(ids // 2) * 2].clone()
-    expected_v2t, expected_t2v = reference_ranks(video, text, text_ids=ids, ties=ties, scores=exact_scores,
-                                                 **options)
-    got = retrieval_ranks(video, text, text_ids=ids, ties=ties, video_block_size=blocks, text_block_size=blocks,
-                          **options)
+    expected_v2t, expected_t2v = reference_ranks(video, text, text_ids=ids, ties=ties, scores=exact_scores, **options)
+    got = retrieval_ranks(
+        video, text, text_ids=ids, ties=ties, video_block_size=blocks, text_block_size=blocks, **options
+    )
     assert got.v2t.tolist() == expected_v2t.tolist()
     assert got.t2v.tolist() == expected_t2v.tolist()
 
@@ -162,8 +162,19 @@ def test_copies_on_another_process_tie_through_the_keys_it_shares():
             mask = (plan.pair_video >= lo) & (plan.pair_video < hi)
             pv, pt = plan.pair_video[mask] - lo, plan.pair_text[mask]
             v_thr = positive_thresholds(scores[mask], pv, hi - lo)
-            total += count_ranks(video[lo:hi], text, pv, pt, v_thr, t_thr, ties=ties, positive_scores=scores[mask],
-                                 positive_video_keys=positive_keys, video_block_size=7, text_block_size=5)[1]
+            total += count_ranks(
+                video[lo:hi],
+                text,
+                pv,
+                pt,
+                v_thr,
+                t_thr,
+                ties=ties,
+                positive_scores=scores[mask],
+                positive_video_keys=positive_keys,
+                video_block_size=7,
+                text_block_size=5,
+            )[1]
         assert total.tolist() == whole.tolist()
 
 
@@ -180,5 +191,5 @@ def test_one_caption_for_every_row_is_one_big_tie(monkeypatch, tie_chunk):
         got = retrieval_ranks(video, text, protocol="paired", ties=ties, video_block_size=64, text_block_size=50)
         assert got.v2t.tolist() == [expected] * 300
         # t2v: text i's positive is video i; the other videos score by their own embeddings (no ties among them)
-        scores = (video.double() @ text[0].double())
+        scores = video.double() @ text[0].double()
         assert got.t2v.tolist() == [int((scores > scores[i]).sum()) for i in range(300)]

@@ -360,7 +360,9 @@ def test_benchmark_quick_mode_runs(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "retrieval.py"), "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -57,8 +57,13 @@ def test_anything_else_is_refused_naming_the_argument_and_the_choices(value):
 
 @pytest.mark.parametrize(
     ("value", "dtype", "autocast"),
-    [(16, torch.float32, torch.float16), ("bf16", torch.float32, torch.bfloat16), (64, torch.float64, None),
-     ("32", torch.float32, None), ("bf16-true", torch.bfloat16, None)],
+    [
+        (16, torch.float32, torch.float16),
+        ("bf16", torch.float32, torch.bfloat16),
+        (64, torch.float64, None),
+        ("32", torch.float32, None),
+        ("bf16-true", torch.bfloat16, None),
+    ],
     ids=repr,
 )
 def test_a_fit_runs_in_the_precision_lightning_would_use(value, dtype, autocast, tmp_path):
@@ -97,8 +102,10 @@ def test_transformer_engine_without_the_package_gets_lightning_s_error(tmp_path)
 def test_the_cpu_hint_names_where_the_precision_is_set(tmp_path):
     for plugin, where in (
         (MemoryPrecision("auto"), "`MemoryPrecision(mode='bf16-mixed')`"),
-        (MemoryPreset("balanced").precision_plugin(),
-         "`MemoryPreset(precision='bf16-mixed')` (`memory.precision: bf16-mixed` in a LightningCLI config)"),
+        (
+            MemoryPreset("balanced").precision_plugin(),
+            "`MemoryPreset(precision='bf16-mixed')` (`memory.precision: bf16-mixed` in a LightningCLI config)",
+        ),
     ):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -24,8 +24,16 @@ from tests.helpers.lightning import lightning_module
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
-FULL = dict(name="max-savings", effective_batch_size=16, micro_batch_size=4, auto_micro_batch=True, monitor=True,
-            cache_clean_on_phase_end=True, gc_every_n_steps=5, allocator_conf="expandable_segments:True")
+FULL = dict(
+    name="max-savings",
+    effective_batch_size=16,
+    micro_batch_size=4,
+    auto_micro_batch=True,
+    monitor=True,
+    cache_clean_on_phase_end=True,
+    gc_every_n_steps=5,
+    allocator_conf="expandable_segments:True",
+)
 
 
 def _yours(kind):
@@ -39,8 +47,11 @@ def _yours(kind):
     }[kind]()
 
 
-@pytest.mark.parametrize("kind", [MemoryMonitor, CacheCleaner, GarbageCollector, GradientCheckpointing,
-                                  AutoMicroBatch, AllocatorSettings], ids=lambda k: k.__name__)
+@pytest.mark.parametrize(
+    "kind",
+    [MemoryMonitor, CacheCleaner, GarbageCollector, GradientCheckpointing, AutoMicroBatch, AllocatorSettings],
+    ids=lambda k: k.__name__,
+)
 def test_your_callback_of_a_type_the_preset_adds_replaces_the_preset_s(kind, monkeypatch, caplog):
     monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
     preset = MemoryPreset(**FULL)
@@ -71,8 +82,14 @@ def test_your_callback_of_a_type_the_preset_adds_replaces_the_preset_s(kind, mon
 
 def test_your_memory_monitor_beside_a_preset_fits(tmp_path):
     """Lightning refused two MemoryMonitors: "more than one stateful callback of type MemoryMonitor"."""
-    preset = MemoryPreset("balanced", effective_batch_size=8, micro_batch_size=4, monitor=True,
-                          allocator_conf="", float32_matmul_precision="")
+    preset = MemoryPreset(
+        "balanced",
+        effective_batch_size=8,
+        micro_batch_size=4,
+        monitor=True,
+        allocator_conf="",
+        float32_matmul_precision="",
+    )
     mine = MemoryMonitor(dirpath=tmp_path / "mine")
     kwargs = preset.trainer_kwargs(callbacks=[mine])
     trainer = make_trainer(tmp_path, max_steps=2, **kwargs)
@@ -90,8 +107,16 @@ def test_batch_size_is_never_none():
 
 
 def test_device_count_counts_as_lightning_does(monkeypatch):
-    assert [device_count("cpu", d) for d in ("auto", -1, 3, "3", [0, 1], "0,1,", 0, True)] == [1, 1, 3, 3, 2, 2,
-                                                                                             None, None]
+    assert [device_count("cpu", d) for d in ("auto", -1, 3, "3", [0, 1], "0,1,", 0, True)] == [
+        1,
+        1,
+        3,
+        3,
+        2,
+        2,
+        None,
+        None,
+    ]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert [device_count(a, "auto") for a in ("auto", "gpu", "cuda", "cpu")] == [4, 4, 4, 1]
@@ -113,8 +138,13 @@ def _cli(args, tmp_path, run=False):
     class CLI(MemoryPresetCLI, LightningCLI):
         memory_batch_size_target = "model.batch_size"
 
-    base = [f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-            "--trainer.enable_checkpointing=false", "--trainer.accelerator=cpu"]
+    base = [
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.accelerator=cpu",
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return CLI(TinyModel, run=run, args=[*(["fit"] if run else []), *base, *args], save_config_callback=None)
@@ -142,18 +172,33 @@ def test_the_cli_lists_preset_names_and_refuses_a_typo_while_parsing(tmp_path, c
 
 
 def test_the_cli_s_errors_name_config_keys(tmp_path):
-    with pytest.raises(ValueError, match=r"`memory.effective_batch_size`=100 is not divisible by"
-                                         r" `memory.micro_batch_size`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`memory.effective_batch_size`=100 is not divisible by"
+        r" `memory.micro_batch_size`",
+    ):
         _cli(["--memory.effective_batch_size=100", "--memory.micro_batch_size=16"], tmp_path)
-    with pytest.raises(ValueError, match=r"`trainer.accumulate_grad_batches=2` contradicts .*"
-                                         r"`memory.effective_batch_size`"):
-        _cli(["--memory.effective_batch_size=16", "--memory.micro_batch_size=4",
-              "--trainer.accumulate_grad_batches=2"], tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"`trainer.accumulate_grad_batches=2` contradicts .*"
+        r"`memory.effective_batch_size`",
+    ):
+        _cli(
+            ["--memory.effective_batch_size=16", "--memory.micro_batch_size=4", "--trainer.accumulate_grad_batches=2"],
+            tmp_path,
+        )
 
 
 def test_trainer_devices_flow_into_the_preset(tmp_path):
-    cli = _cli(["--memory.effective_batch_size=16", "--memory.micro_batch_size=4", "--trainer.devices=2",
-                "--trainer.strategy=ddp"], tmp_path)
+    cli = _cli(
+        [
+            "--memory.effective_batch_size=16",
+            "--memory.micro_batch_size=4",
+            "--trainer.devices=2",
+            "--trainer.strategy=ddp",
+        ],
+        tmp_path,
+    )
     assert cli.config.memory.devices == 2
     assert cli.trainer.accumulate_grad_batches == 2  # 16 = 4 x 2 devices x 2
     assert cli.model.batch_size == 4
@@ -162,7 +207,14 @@ def test_trainer_devices_flow_into_the_preset(tmp_path):
 
 
 def test_your_callbacks_in_the_config_replace_the_preset_s(tmp_path):
-    cli = _cli(["--memory.name=max-savings", "--memory.allocator_conf=", "--trainer.callbacks+=MemoryMonitor",
-                "--trainer.callbacks.log_every_n_steps=7"], tmp_path)
+    cli = _cli(
+        [
+            "--memory.name=max-savings",
+            "--memory.allocator_conf=",
+            "--trainer.callbacks+=MemoryMonitor",
+            "--trainer.callbacks.log_every_n_steps=7",
+        ],
+        tmp_path,
+    )
     monitors = [c for c in cli.trainer.callbacks if isinstance(c, MemoryMonitor)]
     assert len(monitors) == 1 and monitors[0].log_every_n_steps == 7

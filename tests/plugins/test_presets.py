@@ -436,7 +436,10 @@ def test_auto_micro_batch_printout_explains_the_split():
         " (from 8), halving on out-of-memory with the same effective batch."
     )
     assert next(row for row in text.splitlines() if row.startswith("batch_size")).split()[:4] == [
-        "batch_size", "(per", "device)", "32"
+        "batch_size",
+        "(per",
+        "device)",
+        "32",
     ]
     off = next(row for row in MemoryPreset().describe().splitlines() if row.startswith("auto_micro_batch"))
     assert off.split()[1:3] == ["False", "off:"]
@@ -460,8 +463,11 @@ def test_auto_micro_batch_keeps_your_own_callback_and_refuses_accumulation():
     mine = AutoMicroBatch(micro_batch_size=4, min_micro_batch_size=2)
     kwargs = preset.trainer_kwargs(callbacks=[mine])
     assert _auto_micro_batches(kwargs["callbacks"]) == [mine]  # yours, not a second one
-    with pytest.raises(ValueError, match=r"`accumulate_grad_batches=4` contradicts the preset's accumulate_grad_batches"
-                                         r"=1. .*with `auto_micro_batch=True` the DataLoader yields the whole"):
+    with pytest.raises(
+        ValueError,
+        match=r"`accumulate_grad_batches=4` contradicts the preset's accumulate_grad_batches"
+        r"=1. .*with `auto_micro_batch=True` the DataLoader yields the whole",
+    ):
         preset.trainer_kwargs(accumulate_grad_batches=4)
 
 

@@ -21,9 +21,15 @@ R = REDACTED
         # secret-named query parameters; the others stay
         ("?token=abc&key=xyz", f"?token={R}&key={R}"),
         ("https://h/p?access_token=a1&x=1", f"https://h/p?access_token={R}&x=1"),
-        ("https://h/p?api_key=a1&apikey=b2&password=c3&secret=d4", f"https://h/p?api_key={R}&apikey={R}&password={R}&secret={R}"),
+        (
+            "https://h/p?api_key=a1&apikey=b2&password=c3&secret=d4",
+            f"https://h/p?api_key={R}&apikey={R}&password={R}&secret={R}",
+        ),
         ("https://blob.example/c/f?sv=2021&sig=AbC%2Bd&se=2030", f"https://blob.example/c/f?sv=2021&sig={R}&se=2030"),
-        ("https://h/f?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=f00d", f"https://h/f?X-Amz-Credential={R}&X-Amz-Signature={R}"),
+        (
+            "https://h/f?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=f00d",
+            f"https://h/f?X-Amz-Credential={R}&X-Amz-Signature={R}",
+        ),
         ("https://h/f?signature=abc#frag", f"https://h/f?signature={R}#frag"),
         ("HF_TOKEN=hf_abc123 python train.py", f"HF_TOKEN={R} python train.py"),
         # HTTP authorization
@@ -65,8 +71,12 @@ def test_redact_text_returns_non_strings_as_they_are():
 
 
 def test_is_secret_name():
-    assert all(map(is_secret_name, ["TORCH_HUB_TOKEN", "api_key", "db_password", "PASSWD", "gcp_credentials",
-                                     "auth_header", "client_secret"]))
+    assert all(
+        map(
+            is_secret_name,
+            ["TORCH_HUB_TOKEN", "api_key", "db_password", "PASSWD", "gcp_credentials", "auth_header", "client_secret"],
+        )
+    )
     assert not any(map(is_secret_name, ["NCCL_DEBUG", "lr", "precision", "batch_size"]))
 
 
@@ -100,8 +110,15 @@ def test_redact_secrets_hparams_like_dict():
 
 def test_redact_secrets_config_like_dict():
     config = {
-        "trainer": {"logger": {"class_path": "MLFlowLogger", "init_args": {
-            "tracking_uri": "https://ml:hunter2@mlflow.example", "tags": {"Authorization": "Basic dXNlcjpwYXNz"}}}},
+        "trainer": {
+            "logger": {
+                "class_path": "MLFlowLogger",
+                "init_args": {
+                    "tracking_uri": "https://ml:hunter2@mlflow.example",
+                    "tags": {"Authorization": "Basic dXNlcjpwYXNz"},
+                },
+            }
+        },
         "env": [("PL_LOGGER_URI", "https://h/api?access_token=zzz"), ("NCCL_DEBUG", "INFO")],
     }
     out = redact_secrets(config)
@@ -125,8 +142,19 @@ def test_redact_secrets_never_raises_and_keeps_odd_values():
     loop: list = []
     loop.append(loop)
     weird = Weird()
-    out = redact_secrets({"t": tensor, "w": weird, "b": b"token=abc", 1: "x", None: 2.5, "loop": loop,
-                          "bad": BadMapping(a=1), "s": {"https://u:p@h"}, "f": frozenset({"ok"})})
+    out = redact_secrets(
+        {
+            "t": tensor,
+            "w": weird,
+            "b": b"token=abc",
+            1: "x",
+            None: 2.5,
+            "loop": loop,
+            "bad": BadMapping(a=1),
+            "s": {"https://u:p@h"},
+            "f": frozenset({"ok"}),
+        }
+    )
     assert out["t"] is tensor and out["w"] is weird and out["b"] == b"token=abc" and out[1] == "x"
     assert out[None] == 2.5 and out["loop"] == [R] and out["bad"] == R
     assert out["s"] == {f"https://u:{R}@h"} and out["f"] == frozenset({"ok"})
