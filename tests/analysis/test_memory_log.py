@@ -15,6 +15,7 @@ from lightning_memopt.analysis import (
 )
 from lightning_memopt.cli import main
 from tests.helpers.pipes import PipeWatchdog
+from tests.helpers.plots import plotted_figure
 
 
 def rec(t, phase, event, step, alloc=None, peak=None, rank=0, **extra):
@@ -711,26 +712,11 @@ def test_many_warnings_are_counted_and_the_first_few_listed():
     assert text.endswith("  rank 0, train: 3 more threshold warnings (not listed)")
 
 
-def _plotted_figure(monkeypatch, paths, target):
-    """The matplotlib figure `analyze_memory_logs` draws, kept open for inspection."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kept = []
-    with monkeypatch.context() as patch:
-        patch.setattr(plt, "close", kept.append)
-        analyze_memory_logs(paths, plot=target)
-    assert len(kept) == 1 and target.stat().st_size > 10_000
-    return kept[0]
-
-
 def test_plot_labels_audit_findings_with_their_text(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
     path = write(tmp_path / "memory_rank0.jsonl", audit_records())
-    fig = _plotted_figure(monkeypatch, [path], tmp_path / "p.png")
+    fig = plotted_figure(monkeypatch, [path], tmp_path / "p.png")
     try:
         (ax,) = fig.axes
         notes = {a.get_text().replace("\n", " "): a.xy for a in ax.texts}
@@ -753,7 +739,7 @@ def test_plot_labels_audit_findings_with_their_text(tmp_path, monkeypatch):
 def test_plot_marks_threshold_warnings_at_their_figure(good_log, tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    fig = _plotted_figure(monkeypatch, [good_log], tmp_path / "p.png")
+    fig = plotted_figure(monkeypatch, [good_log], tmp_path / "p.png")
     try:
         (ax,) = fig.axes
         (marks,) = [c for c in ax.collections if c.get_label() == "threshold warning"]

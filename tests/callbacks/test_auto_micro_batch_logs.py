@@ -11,8 +11,8 @@ from lightning_memopt import MemoryMonitor
 from lightning_memopt.analysis.memory_log import analyze_memory_logs, load_memory_log
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from lightning_memopt.cli import main
-from tests.analysis.test_memory_log import _plotted_figure
 from tests.callbacks.test_auto_micro_batch import Net, fit
+from tests.helpers.plots import plotted_figure
 
 
 def _fit_with_monitor(tmp_path, caplog):
@@ -91,7 +91,7 @@ def test_analyze_lists_the_changes_and_marks_them_on_the_plot(tmp_path, caplog, 
 
     import matplotlib.pyplot as plt
 
-    fig = _plotted_figure(monkeypatch, [path], tmp_path / "p.png")
+    fig = plotted_figure(monkeypatch, [path], tmp_path / "p.png")
     try:
         (ax,) = fig.axes
         notes = [a.get_text().replace("\n", " ") for a in ax.texts]
