@@ -13,6 +13,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+SCRIPTS = REPO_ROOT / "tests" / "scripts"
+
+
 def run_script(code: str, tmp_path, timeout: float = 180, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Write ``code`` to ``tmp_path/script.py`` and run it; the repo root is on ``PYTHONPATH``.
 
@@ -21,6 +24,15 @@ def run_script(code: str, tmp_path, timeout: float = 180, args: tuple[str, ...] 
     """
     script = Path(tmp_path) / "script.py"
     script.write_text(textwrap.dedent(code))
+    return run_file(script, tmp_path, timeout=timeout, args=args)
+
+
+def run_file(script, tmp_path, timeout: float = 180, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run the file ``script`` (e.g. ``SCRIPTS / "ddp_oom.py"``) in ``tmp_path``; the repo root is on ``PYTHONPATH``.
+
+    Worker scripts under ``tests/scripts/`` keep their work under ``if __name__ == "__main__":`` (pytest imports
+    them for doctests) and take what differs between tests as command-line ``args``.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env.pop("LOCAL_RANK", None)
