@@ -45,6 +45,10 @@ class WarnOnce:
     With ``every_time=True`` the warnings are findings rather than failures: they skip Python's once-per-place
     registry (see :func:`warn_every_time`), and the owner calls :meth:`reset` when a new run starts.
 
+    Why not ``lightning_utilities``' ``WarningCache``: it keys by the message text and warns on rank zero only. A
+    failing reading names its error in the text (a new text each step) and may fail on one rank alone, so this keys
+    by the kind of failure and warns on the rank where it happened.
+
     Example:
         >>> w = WarnOnce()
         >>> import warnings as _w
