@@ -591,7 +591,9 @@ def test_cli_refuses_a_bad_plot_path_before_reading_the_logs(tmp_path, capsys, m
     (tmp_path / "a_file.txt").write_text("x")
     log = tmp_path / "memory_rank0.jsonl"
     log.write_text(_lines(_steps(3)))
-    monkeypatch.setattr(memory_log, "_scan", lambda path: pytest.fail("read a log before checking the plot path"))
+    monkeypatch.setattr(
+        memory_log, "iter_memory_lines", lambda path: pytest.fail("read a log before checking the plot path")
+    )
     target = tmp_path / plot
     assert main(["analyze", str(log), "--plot", str(target)]) == 2
     err = capsys.readouterr().err
