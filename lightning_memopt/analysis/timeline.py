@@ -62,7 +62,8 @@ class TimelinePanel:
             self.device, self.device_time = r["device"], t
         if event == "warning":
             check = finding_check(r)
-            value = r.get(r["field"]) if check == "threshold" else None
+            key = r.get("field") if check == "threshold" else None  # the figure that crossed the threshold
+            value = r.get(key) if isinstance(key, str) else None
             if value is not None and is_finite_number(value) and value >= 0:
                 self.warn_t.append(t)
                 self.warn_v.append(float(value))

@@ -72,3 +72,19 @@ def test_plot_memory_timeline_keeps_its_signature(good_log, tmp_path):
     records = load_memory_log(good_log)
     written = plot_memory_timeline({"memory_rank0.jsonl": records}, tmp_path / "direct.png")
     assert written == tmp_path / "direct.png" and written.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_threshold_warning_that_names_no_figure_is_labelled_not_marked(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    warning = {"time": 2.0, "rank": 0, "phase": "train", "event": "warning", "check": "threshold", "message": "hot"}
+    odd = dict(warning, time=2.5, field=["allocated_bytes"], message="odd")
+    path = tmp_path / "memory_rank0.jsonl"
+    path.write_text(jsonl_text([*step_records(3), warning, odd]))
+    fig = plotted_figure(monkeypatch, [path], tmp_path / "p.png")
+    try:
+        (ax,) = fig.axes
+        assert [t.get_text() for t in ax.texts] == ["threshold: hot", "threshold: odd"]
+        assert not [c for c in ax.collections if c.get_label() == "threshold warning"]
+    finally:
+        plt.close(fig)
