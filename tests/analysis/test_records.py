@@ -85,6 +85,11 @@ BAD_RECORDS = [
         id="bytes-str",
     ),
     pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "host_rss_bytes": -5}',
+        "`host_rss_bytes` is -5, not a number of bytes",
+        id="bytes-negative",
+    ),
+    pytest.param(
         '{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": NaN}', "holds NaN", id="nan"
     ),
     pytest.param('{"time": Infinity, "rank": 0, "phase": "train", "event": "step"}', "holds Infinity", id="inf"),
