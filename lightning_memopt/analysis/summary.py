@@ -227,6 +227,13 @@ class LogSummarizer:
 
     Args:
         plot: Also keep what the timeline plot needs, one :class:`~.timeline.TimelinePanel` per (run, rank).
+
+    Example:
+        >>> summarizer = LogSummarizer()
+        >>> for step in (1, 2, 3):
+        ...     summarizer.add({"time": step, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": step})
+        >>> [(s.phase, s.num_readings, s.peak_allocated_bytes) for s in summarizer.summaries()]
+        [('train', 3, 3)]
     """
 
     def __init__(self, plot: bool = False) -> None:
