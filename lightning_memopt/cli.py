@@ -14,8 +14,9 @@ Subcommands:
 Each subcommand is one ``_add_<name>(subparsers)`` function that registers its parser and sets
 ``func``; ``main`` returns the process exit code (0 success, 2 bad input; ``estimate``: 1 when nothing fits). Bad
 input never ends in a traceback: an error is one line on stderr naming the file or the argument, and a warning
-(records ``analyze`` skipped) is one line on stderr before the output. ``analyze`` and ``report`` start without
-importing torch or Lightning; ``estimate`` imports them when it runs (in ``lightning_memopt.utilities.cli_estimate``).
+(records ``analyze`` skipped) is one line on stderr before the output. ``analyze`` starts without importing torch or
+Lightning, ``report`` without Lightning (it reads reports with ``lightning_memopt.functional.oom``, which imports
+torch); ``estimate`` imports both when it runs (in ``lightning_memopt.utilities.cli_estimate``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
+    # Looked up on the module at run time (tests replace analyze_memory_logs there); torch-free.
     from lightning_memopt.analysis import memory_log
 
     with warnings.catch_warnings(record=True) as caught:
@@ -283,6 +285,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
+    # Imported when the subcommand runs: it imports torch and Lightning.
     from lightning_memopt.utilities.cli_estimate import EstimateInputError, run_estimate
 
     try:

@@ -236,3 +236,37 @@ def test_analyze_keeps_the_findings_of_runs_appended_to_one_file_apart(tmp_path,
         "  rank 0, run b2, train, step 2, 1.5 s: duplicates: MemoryAudit [rank 0] (fit start): 3"
         " tensors on cpu mirror the parameters."
     )
+
+
+_IMPORTS_AFTER_REPORT = (
+    "import sys; from lightning_memopt.cli import main; code = main(['report', sys.argv[1]]);"
+    " print('HEAVY', sorted(m for m in ('torch', 'lightning', 'pytorch_lightning') if m in sys.modules));"
+    " sys.exit(code)"
+)
+
+
+def _heavy_modules_after_report(tmp_path):
+    import subprocess
+    import sys
+
+    path = _write(tmp_path, "oom_report_rank0.json", json.dumps(_report()))
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_AFTER_REPORT, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# Out-of-memory report")
+    return proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_report_starts_without_importing_lightning(tmp_path):
+    heavy = _heavy_modules_after_report(tmp_path)
+    assert heavy.startswith("HEAVY [") and "lightning" not in heavy
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True, reason="lightning_memopt.functional.oom (load_report, render_markdown) imports torch at module level"
+)
+def test_report_starts_without_importing_torch(tmp_path):
+    assert _heavy_modules_after_report(tmp_path) == "HEAVY []"

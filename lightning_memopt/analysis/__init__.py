@@ -1,15 +1,16 @@
-"""Reading memory JSONL logs back: summaries and plots."""
+"""Reading memory JSONL logs back: summaries, plots, and the one reader of the log format.
 
-from lightning_memopt.analysis.memory_log import (
-    MemoryFinding,
-    MemoryLogError,
-    PhaseSummary,
-    analyze_memory_logs,
-    format_summary,
-    load_memory_log,
-    plot_memory_timeline,
-    summarize_memory_log,
-)
+:func:`analyze_memory_logs` is what ``lightning-memopt analyze`` runs. :func:`iter_memory_records` streams a log's
+checked records for any other reader; :func:`load_memory_log` reads a whole log and refuses bad lines. Nothing here
+imports torch or Lightning (matplotlib only when a plot is drawn).
+"""
+
+from lightning_memopt.analysis.findings import MemoryFinding
+from lightning_memopt.analysis.memory_log import analyze_memory_logs
+from lightning_memopt.analysis.plot import plot_memory_timeline
+from lightning_memopt.analysis.records import MemoryLogError, iter_memory_records, load_memory_log
+from lightning_memopt.analysis.summary import PhaseSummary, summarize_memory_log
+from lightning_memopt.analysis.text import format_summary
 
 __all__ = [
     "MemoryFinding",
@@ -17,6 +18,7 @@ __all__ = [
     "PhaseSummary",
     "analyze_memory_logs",
     "format_summary",
+    "iter_memory_records",
     "load_memory_log",
     "plot_memory_timeline",
     "summarize_memory_log",

@@ -1,0 +1,141 @@
+"""The plain-text table of :class:`~lightning_memopt.analysis.PhaseSummary` rows that ``lightning-memopt analyze``
+prints, with the logs' warnings and micro-batch changes listed under it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from lightning_memopt.analysis.findings import MemoryFinding
+from lightning_memopt.analysis.summary import PhaseSummary
+from lightning_memopt.utilities.formatting import format_bytes
+
+__all__ = ["format_summary"]
+
+#: The run column of records without a ``run_id``.
+_NO_RUN = "-"
+
+
+def _growth_text(s: PhaseSummary) -> str:
+    """The growth cell: the fitted change over the steps it was measured on, "flat", or "too short to tell"."""
+    if s.growth is None:
+        return "n/a"
+    first, last, n = s.growth_first_step, s.growth_last_step, s.growth_readings
+    if s.growth == "too short":
+        if not n or first is None:
+            text = "too short to tell (no step readings)"
+        elif n == 1:
+            text = f"too short to tell (1 reading, step {first})"
+        elif first == last:
+            text = f"too short to tell ({n} readings, all at step {first})"
+        else:
+            text = f"too short to tell ({n} readings over steps {first}-{last})"
+    elif s.growth == "flat" or s.growth_bytes_per_1k_steps is None or first is None or last is None:
+        text = f"flat over steps {first}-{last}"
+    else:
+        change = s.growth_bytes_per_1k_steps * (last - first) / 1000
+        text = f"{'+' if change >= 0 else '-'}{format_bytes(abs(change))} over steps {first}-{last}"
+    return text + (" (RSS)" if s.growth_field == "host_rss_bytes" else "")
+
+
+def format_summary(summaries: Sequence[PhaseSummary]) -> str:
+    """A plain-text table of summaries, one row per (rank, phase); a ``run`` column when there are several runs.
+
+    The ``growth`` column gives the fitted change over the steps it was measured on (``+96.00 MiB over steps
+    200-400``), ``flat over steps ...``, or ``too short to tell (N readings over steps ...)``; ``(RSS)`` marks
+    host memory where the device gives no figures. The ``warnings`` column counts warnings per check
+    (``1 duplicates, 1 leak``), and below the table each warning is listed with its text (the first five of
+    each check per row).
+
+    When a log holds AutoMicroBatch's ``micro_batch`` records, a ``micro-batch`` column gives the first and last
+    size and the number of changes (``16 -> 4 (2 changes)``), and each change is listed under the table.
+    """
+    several_runs = len({s.run_id for s in summaries}) > 1
+    with_changes = any(s.num_micro_batch_changes for s in summaries)
+    header = (
+        "rank",
+        *(("run",) if several_runs else ()),
+        "phase",
+        "readings",
+        "peak alloc",
+        "peak reserved",
+        "mean alloc",
+        "peak host RSS",
+        "growth",
+        "warnings",
+        *(("micro-batch",) if with_changes else ()),
+        "peak at",
+    )
+    rows = [header]
+    findings: list[str] = []
+    changes: list[str] = []
+    for s in summaries:
+        checks = s.warnings_by_check or ({"warning": s.warnings} if s.warnings else {})
+        warned = ", ".join(f"{count} {check}" for check, count in checks.items()) or "0"
+        peak_at = (
+            "n/a"
+            if s.peak_global_step is None
+            else (f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
+        )
+        run = ((s.run_id or _NO_RUN),) if several_runs else ()
+        micro = (_micro_batch_cell(s),) if with_changes else ()
+        rows.append(
+            (
+                str(s.rank),
+                *run,
+                s.phase,
+                str(s.num_readings),
+                format_bytes(s.peak_allocated_bytes),
+                format_bytes(s.peak_reserved_bytes),
+                format_bytes(s.mean_allocated_bytes),
+                format_bytes(s.peak_host_rss_bytes),
+                _growth_text(s),
+                warned,
+                *micro,
+                peak_at,
+            )
+        )
+        where = f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}"
+        for f in s.micro_batch_changes:
+            changes.append(f"{_listed_at(where, f)}: {f.message}")
+        if s.num_micro_batch_changes > len(s.micro_batch_changes):
+            changes.append(
+                f"  {where}: {s.num_micro_batch_changes - len(s.micro_batch_changes)} more changes (not listed)"
+            )
+        for f in s.findings:
+            findings.append(f"{_listed_at(where, f)}: {f.check}: {f.message}")
+        for check, count in checks.items():
+            listed = sum(f.check == check for f in s.findings)
+            if count > listed:
+                findings.append(f"  {where}: {count - listed} more {check} warnings (not listed)")
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    devices = {s.device for s in summaries if s.device}
+    totals = {s.device_total_bytes for s in summaries if s.device_total_bytes}
+    foot = f"device: {', '.join(sorted(devices)) or 'n/a'}"
+    if totals:
+        foot += f"; device total {format_bytes(max(totals))}"
+    lines.append(foot)
+    if findings:
+        lines += ["warnings in the logs:", *findings]
+    if changes:
+        lines += ["micro-batch changes (AutoMicroBatch):", *changes]
+    return "\n".join(lines)
+
+
+def _listed_at(where: str, f: MemoryFinding) -> str:
+    """The start of a listed finding's line: the row, its step (when known) and its time."""
+    step = "" if f.global_step is None else f", step {f.global_step}"
+    return f"  {where}{step}, {f.seconds:.1f} s"
+
+
+def _micro_batch_cell(s: PhaseSummary) -> str:
+    """The micro-batch cell: first and last size and the number of changes (``16 -> 4 (2 changes)``), or ``-``."""
+    if not s.num_micro_batch_changes:
+        return "-"
+    first = re.match(r"micro-batch (\S+) ->", s.micro_batch_changes[0].message) if s.micro_batch_changes else None
+    start = first.group(1) if first else "?"
+    end = "?" if s.micro_batch_size is None else str(s.micro_batch_size)
+    count = s.num_micro_batch_changes
+    return f"{start} -> {end} ({count} change{'s' if count != 1 else ''})"
