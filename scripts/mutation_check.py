@@ -94,6 +94,27 @@ MUTANTS = (
         "    return _import(NAMESPACES[0])",
         ("tests/test_namespaces.py",),
     ),
+    Mutant(
+        "analysis-growth-warm-up-kept",
+        "lightning_memopt/analysis/growth.py",
+        "cut = first + (last - first) * GROWTH_WARM_UP",
+        "cut = first",
+        ("tests/analysis/test_growth.py",),
+    ),
+    Mutant(
+        "analysis-negative-bytes-accepted",
+        "lightning_memopt/analysis/records.py",
+        "if value is not None and not (is_finite_number(value) and value >= 0):",
+        "if value is not None and not is_finite_number(value):",
+        ("tests/analysis/test_records.py",),
+    ),
+    Mutant(
+        "analysis-peak-not-the-highest",
+        "lightning_memopt/analysis/summary.py",
+        "if alloc is not None and (self.peak_alloc is None or alloc > self.peak_alloc):",
+        "if alloc is not None:",
+        ("tests/analysis/test_summary.py",),
+    ),
 )
 
 
