@@ -268,6 +268,7 @@ def test_two_gloo_processes_match_world_size_one(tmp_path):
     text[21:25] = text[21]
     ref = retrieval_ranks(video, text, ids)
     assert sorted(single["padded"]["v2t_ranks"].values()) == sorted(ref.v2t.tolist())
+    assert single["padded"]["stats"] == {"num_rows": 41, "num_videos": 41, "num_texts": ref.t2v.numel(), "embed_dim": 4}
     # with exact copies split over the ranks, both world sizes give the exact answer in every block layout
     video, text, ids = duplicated_data()
     for ties in ("optimistic", "pessimistic"):

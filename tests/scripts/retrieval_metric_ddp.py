@@ -63,6 +63,8 @@ def run(rank, world, out, port):
         res["v2t_ranks"] = dict(zip(ranks.video_ids.tolist(), ranks.v2t.tolist()))
         res["t2v_ranks"] = dict(zip(ranks.text_ids.tolist(), ranks.t2v.tolist()))
         res["stored_videos"] = sum(t.shape[0] for t in m.video_features)
+        stats = m.last_compute_stats  # global sizes: the same in every world size
+        res["stats"] = {k: stats[k] for k in ("num_rows", "num_videos", "num_texts", "embed_dim")}
         results[name] = res
     with open(f"{out}_{world}_{rank}.json", "w") as f:
         json.dump(results, f)
