@@ -118,8 +118,8 @@ def run_naive(metric: StreamingRetrievalMetric, device: str) -> dict:
     """Full score matrix + argsort in both directions (what an evaluation loop without chunking does)."""
     video, text = gallery(metric)
     video, text = video.to(device), text.to(device)
-    row_text = torch.searchsorted(torch.cat(metric.text_ids).sort().values, torch.cat(metric.row_text_ids))
-    order = torch.cat(metric.text_ids).argsort()
+    row_text = torch.searchsorted(torch.cat(metric.unique_text_ids).sort().values, torch.cat(metric.row_text_ids))
+    order = torch.cat(metric.unique_text_ids).argsort()
     text = text[order]
     with full_fp32_matmul(), torch.no_grad():
         scores = video @ text.T
@@ -140,9 +140,9 @@ def run_torchmetrics(metric: StreamingRetrievalMetric, device: str) -> dict:
     from torchmetrics.retrieval import RetrievalHitRate
 
     video, text = gallery(metric)
-    order = torch.cat(metric.text_ids).argsort()
+    order = torch.cat(metric.unique_text_ids).argsort()
     text = text[order]
-    row_text = torch.searchsorted(torch.cat(metric.text_ids).sort().values, torch.cat(metric.row_text_ids))
+    row_text = torch.searchsorted(torch.cat(metric.unique_text_ids).sort().values, torch.cat(metric.row_text_ids))
     n, m = video.shape[0], text.shape[0]
     if n * m > TORCHMETRICS_MAX_PAIRS:
         raise SystemExit(f"refusing torchmetrics at {n} x {m}: it would need ~{n * m * 80 / 1e9:.0f} GB")

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from examples.clip_retrieval.chance import chance_recall_at_k
+
 __all__ = [
     "RAW_MAX_FRAMES",
     "SPLITS",
@@ -167,25 +169,6 @@ def assign_captions(num_rows: int, num_unique_texts: int, seed: int, split: str 
     ids = np.concatenate([covered, extra])
     rng.shuffle(ids)
     return ids.astype(np.int64)
-
-
-def chance_recall_at_k(num_positives: np.ndarray, gallery_size: int, k: int) -> float:
-    """Expected R@K of a random ranking: mean over queries of P(at least one of m positives in the top K).
-
-    Args:
-        num_positives: positives of each query (``m``).
-        gallery_size: items ranked per query (positives included).
-        k: the K of R@K.
-
-    Example:
-        >>> round(chance_recall_at_k(np.array([1, 1]), 100, 5), 3), round(chance_recall_at_k(np.array([2]), 4, 1), 3)
-        (0.05, 0.5)
-    """
-    m = np.asarray(num_positives, dtype=np.float64)
-    miss = np.ones_like(m)
-    for i in range(min(k, gallery_size)):
-        miss *= np.clip((gallery_size - m - i) / (gallery_size - i), 0.0, 1.0)
-    return float(np.mean(1.0 - miss))
 
 
 class SyntheticVideoTextDataset(Dataset):

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 from typing_extensions import override
@@ -19,63 +18,35 @@ from lightning_memopt.functional.retrieval import (
     V2T_GALLERIES,
     Median,
     Protocol,
+    RankCounts,
     RetrievalRanks,
     Ties,
     V2TGallery,
-    _check_features,
-    _first_occurrence,
-    _top_k_tuple,
     as_id_tensor,
-    count_ranks,
-    embedding_keys,
-    pair_scores,
-    plan_retrieval,
-    positive_thresholds,
+    rank_rows,
     summarize_rank_histogram,
 )
+from lightning_memopt.functional.retrieval.options import check_features
+from lightning_memopt.functional.retrieval.summaries import top_k_tuple
+from lightning_memopt.metrics.retrieval_sync import DistributedCollectives
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__ = ["StreamingRetrievalMetric"]
 
+#: The state that holds the id of each stored (unique) caption was called ``text_ids`` before; old checkpoints load.
+_OLD_STATE_NAMES = {"text_ids": "unique_text_ids"}
+
 
 class StreamingRetrievalMetric(Metric):
     r"""Exact video->text and text->video R@K, median and mean rank, computed in blocks from CPU-held features.
 
-    Each ``update`` adds one row per sample. Features are detached and kept on CPU (pinned when a GPU is present);
-    captions repeated across rows (same ``text_ids``) are stored once. ``compute`` multiplies blocks of videos and
-    texts on the metric's device and counts, for every query, the non-positive gallery items scoring above its best
-    positive (``rank0``); no similarity matrix, sort or top-k is ever materialised. Definitions, with
-    :math:`P(q)` the positives of query :math:`q`:
-
-    .. math::
-
-        \mathrm{rank0}(q) = \#\{g \notin P(q) : S[q, g] > \max_{p \in P(q)} S[q, p]\},\quad
-        \mathrm{R@K} = \operatorname{mean}[\mathrm{rank0} < K],\quad
-        \mathrm{MeanR} = \operatorname{mean}(\mathrm{rank0}) + 1,\quad
-        \mathrm{MedR} = \lfloor\operatorname{median}(\mathrm{rank0})\rfloor + 1.
-
-    Default protocol (``"dedup"``): the v2t gallery is the unique texts and a video's positives are its captions;
-    the t2v gallery is the videos and a text's positives are all videos with that caption (rank of the best one).
-    See :mod:`lightning_memopt.functional.retrieval` for the other protocols.
-
-    Distributed: video features never leave their process. Processes share row ids, the unique text embeddings
-    and per-text vectors; each counts its own videos against all texts, and the counts are summed (t2v ranks, v2t
-    rank histogram) or max-reduced (best positive score per text). Repeated samples (the padding of Lightning's
-    distributed validation sampler) count once when ``sample_ids`` are given; without them, under DDP, a warning
-    says (once) that such repeats count twice. Synchronisation is done here, so torchmetrics' own gather-everything
-    sync is turned off.
-
-    **Every process calls** ``compute()``: it synchronises. Called on rank zero only (under ``if
-    trainer.is_global_zero``) it cannot finish; its first collective is a handshake that turns the resulting
-    collective error (after the process group's timeout) or a mismatch with another collective into an error that
-    says so. The values it returns are the same on every process, so log them from every process with
-    ``sync_dist=True, reduce_fx="max"``: that silences Lightning's "It is recommended to use ``sync_dist=True``"
-    warning, and the max of equal values is exact (a mean over 3 processes may round)::
-
-        def on_validation_epoch_end(self):
-            self.log_dict(self.retrieval.compute(), sync_dist=True, reduce_fx="max")
-            self.retrieval.reset()
+    Each ``update`` adds one row per sample (video features, the features of its caption, ids). Features are
+    detached and kept on the CPU; a caption repeated across rows (same ``text_ids``) is stored once. ``compute``
+    multiplies blocks of videos and texts on the metric's device and counts, for every query, the non-positive
+    gallery items scoring above its best positive (``rank0``); no similarity matrix, sort or top-k is materialised.
+    Under DDP **every process calls** ``compute()`` (it synchronises; video features never leave their process) and
+    gets the same values. Definitions, protocols, ties, block sizes and the DDP recipe: ``docs/retrieval.md``.
 
     Args:
         top_k: the K of the R@K keys.
@@ -91,17 +62,21 @@ class StreamingRetrievalMetric(Metric):
         accumulate_on: ``"cpu"`` keeps features in host memory (pinned when CUDA is available) between updates;
             ``"device"`` keeps them where the metric lives.
         kwargs: torchmetrics ``Metric`` keyword arguments (``process_group`` is honoured; ``sync_on_compute`` is
-            always off, see above).
+            always off: the metric synchronises only ids and texts itself).
 
-    Ties are decided by ``ties`` alone: a caption or video embedded twice (an exact copy of a positive, under
-    another id, on any process) ties with the positive whatever the block sizes and the world size. float64
-    features are ranked in float32 (a warning says so once).
+    Outputs:
+        ``compute()``: ``{"v2t/R@{k}", "v2t/MedR", "v2t/MeanR", "t2v/R@{k}", "t2v/MedR", "t2v/MeanR"}`` as scalar
+        tensors; R@K as fractions in [0, 1], ranks 1-based. Log them from every process with
+        ``self.log_dict(metric.compute(), sync_dist=True, reduce_fx="max")``.
+        ``compute_ranks()``: the per-query ``rank0`` values and ids (:class:`RetrievalRanks`).
+        ``last_compute_stats``: after either, a dict of what the last call ranked, the same on every process except
+        where noted: ``num_rows`` (rows counted, repeated ``sample_ids`` once), ``num_videos``, ``num_texts`` (the
+        unique captions), ``embed_dim``, ``block_sizes`` (``(videos, texts)`` per block on this process),
+        ``stored_feature_bytes`` (features this process held); ``None`` before the first call.
 
-    Device requirements: none; on a GPU the blocks run there in full float32 (TF32 is switched off during
-    ``compute`` and restored).
-
-    Logged keys (from ``compute()``): ``v2t/R@{k}``, ``v2t/MedR``, ``v2t/MeanR``, ``t2v/R@{k}``, ``t2v/MedR``,
-    ``t2v/MeanR``; R@K as fractions in [0, 1], ranks 1-based.
+    States: ``video_features``, ``row_text_ids``, ``sample_ids``, ``video_ids`` (one entry per row) and
+    ``unique_text_ids``, ``text_features`` (one per stored caption; ``text_ids`` is a read-only alias of
+    ``unique_text_ids``, whose checkpoint key was ``text_ids`` before, and such checkpoints still load).
 
     Example:
         >>> import torch
@@ -111,6 +86,8 @@ class StreamingRetrievalMetric(Metric):
         >>> metric.update(feats[:1], feats[:1].clone(), text_ids=[0], sample_ids=[0])  # a padding repeat
         >>> {k: round(v.item(), 3) for k, v in metric.compute().items()}
         {'v2t/R@1': 1.0, 'v2t/MedR': 1.0, 'v2t/MeanR': 1.0, 't2v/R@1': 1.0, 't2v/MedR': 1.0, 't2v/MeanR': 1.0}
+        >>> metric.last_compute_stats["num_rows"], metric.last_compute_stats["num_texts"]
+        (4, 4)
     """
 
     is_differentiable: bool = False
@@ -122,7 +99,7 @@ class StreamingRetrievalMetric(Metric):
     row_text_ids: list[Tensor]
     sample_ids: list[Tensor]
     video_ids: list[Tensor]
-    text_ids: list[Tensor]
+    unique_text_ids: list[Tensor]
 
     def __init__(
         self,
@@ -144,7 +121,7 @@ class StreamingRetrievalMetric(Metric):
                 " video feature to every process; StreamingRetrievalMetric synchronises only ids and texts itself."
             )
         super().__init__(sync_on_compute=False, **kwargs)
-        top_k = _top_k_tuple(top_k)
+        top_k = top_k_tuple(top_k)
         check_choice("protocol", protocol, PROTOCOLS)
         check_choice("v2t_gallery", v2t_gallery, V2T_GALLERIES)
         check_choice("ties", ties, TIES)
@@ -163,9 +140,11 @@ class StreamingRetrievalMetric(Metric):
         self.memory_budget_bytes = memory_budget_bytes
         self.accumulate_on = accumulate_on
         # per row: video feature, caption id, sample id, video id; per unique caption: id and feature
-        for name in ("video_features", "row_text_ids", "sample_ids", "video_ids", "text_ids", "text_features"):
+        for name in ("video_features", "row_text_ids", "sample_ids", "video_ids", "unique_text_ids", "text_features"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
-        # Derived from the `text_ids` state: valid only for the exact state objects it was built from (see
+        #: What the last `compute()` / `compute_ranks()` ranked (see the class docstring).
+        self.last_compute_stats: dict[str, Any] | None = None
+        # Derived from the `unique_text_ids` state: valid only for the exact state objects it was built from (see
         # `_known_text_ids`), so a load, merge, sync or reset can never leave it stale.
         self._seen_text_ids: set[int] = set()
         self._seen_token: tuple[Any, ...] | None = None
@@ -182,9 +161,14 @@ class StreamingRetrievalMetric(Metric):
             return out.copy_(x)
         return x.to("cpu").clone() if x.device.type == "cpu" else x.to("cpu")
 
+    @property
+    def text_ids(self) -> list[Tensor]:
+        """The ids of the stored captions, once each: a read-only alias of the ``unique_text_ids`` state."""
+        return self.unique_text_ids
+
     def _text_ids_token(self) -> tuple[Any, ...]:
-        """What identifies the current `text_ids` state: its length and its first and last tensor objects."""
-        ids = self.text_ids
+        """What identifies the current `unique_text_ids` state: its length and its first and last tensor objects."""
+        ids = self.unique_text_ids
         if isinstance(ids, Tensor):  # a synced state is one tensor
             return (ids,)
         return (len(ids), ids[0] if ids else None, ids[-1] if ids else None)
@@ -198,7 +182,8 @@ class StreamingRetrievalMetric(Metric):
             and all(a is b if not isinstance(a, int) else a == b for a, b in zip(token, cached))
         )
         if not same:  # loaded, merged, synced or reset: rebuild from the state itself
-            ids = self.text_ids if isinstance(self.text_ids, list) else [self.text_ids]
+            stored = self.unique_text_ids
+            ids = stored if isinstance(stored, list) else [stored]
             self._seen_text_ids = {int(i) for t in ids for i in t.tolist()}
             self._seen_token = token
         return self._seen_text_ids
@@ -228,7 +213,7 @@ class StreamingRetrievalMetric(Metric):
             sample_ids: ``B`` sample ids; repeated samples count once. Give them under DDP validation.
             video_ids: ``B`` video ids, for datasets with several captions per video.
         """
-        _check_features(video_features, text_features)
+        check_features(video_features, text_features)
         n, dim = video_features.shape
         stored_dim = self._feature_dim()
         if stored_dim is not None and dim != stored_dim:
@@ -263,7 +248,7 @@ class StreamingRetrievalMetric(Metric):
                 new_rows.append(row)
         if new_rows:
             idx = torch.tensor(new_rows, dtype=torch.int64)
-            self.text_ids.append(t_ids[idx])
+            self.unique_text_ids.append(t_ids[idx])
             self.text_features.append(self._store(text_features.detach().index_select(0, idx.to(text_features.device))))
             self._seen_token = self._text_ids_token()  # the cache already holds what was just appended
 
@@ -280,6 +265,9 @@ class StreamingRetrievalMetric(Metric):
 
     @override
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        for old, new in _OLD_STATE_NAMES.items():  # checkpoints written before the state was renamed
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # torchmetrics keeps the caller's list objects as the states: later updates would append to the caller's
         # state dict (and to every other metric loaded from it). Own copies of the lists instead.
@@ -300,9 +288,9 @@ class StreamingRetrievalMetric(Metric):
     @override
     def compute(self) -> dict[str, Tensor]:
         """``{"v2t/R@1": ..., "v2t/MedR": ..., "v2t/MeanR": ..., "t2v/R@1": ..., ...}`` as scalar tensors."""
-        v2t_hist, t2v_ranks, _ = self._compute_ranks(gather_v2t=False)
-        out = summarize_rank_histogram(v2t_hist, self.top_k, self.median, prefix="v2t/")
-        t2v_hist = torch.bincount(t2v_ranks, minlength=1)
+        counts = self._rank(gather_v2t=False)
+        out = summarize_rank_histogram(counts.v2t_histogram, self.top_k, self.median, prefix="v2t/")
+        t2v_hist = torch.bincount(counts.t2v, minlength=1)
         out.update(summarize_rank_histogram(t2v_hist, self.top_k, self.median, prefix="t2v/"))
         return out
 
@@ -315,205 +303,56 @@ class StreamingRetrievalMetric(Metric):
             >>> m.compute_ranks().v2t.tolist()
             [0, 0]
         """
-        _, t2v_ranks, extra = self._compute_ranks(gather_v2t=True)
-        assert extra is not None
-        v2t, video_keys, text_keys, v2t_size, t2v_size = extra
-        return RetrievalRanks(v2t, t2v_ranks, video_keys, text_keys, v2t_size, t2v_size)
+        return self._rank(gather_v2t=True).ranks()
 
-    def _compute_ranks(self, gather_v2t: bool) -> tuple[Tensor, Tensor, tuple | None]:
-        comm = _Comm(self.process_group)
+    def _rank(self, gather_v2t: bool) -> RankCounts:
+        """Check that every process is here, then rank the stored rows with the shared orchestration."""
+        comm = DistributedCollectives(self.process_group)
         comm.handshake()
-        n_local = sum(t.shape[0] for t in self.video_features)
-        dim_local = int(self.video_features[0].shape[1]) if self.video_features else 0
-        has_samples = 1 if self.sample_ids else 0
-        has_videos = 1 if self.video_ids else 0
-        meta = comm.all_gather_rows(torch.tensor([[n_local, dim_local, has_samples, has_videos]]))
-        sizes = meta[:, 0].tolist()
-        nonempty = meta[meta[:, 0] > 0]
-        if nonempty.shape[0] == 0:
-            raise ValueError(
-                "`StreamingRetrievalMetric.compute()` found no rows on any process: call `update()` with features"
-                " first (or check that the validation loop ran)."
-            )
-        dims = set(nonempty[:, 1].tolist())
-        if len(dims) > 1:
-            raise ValueError(f"Processes hold features of different dims {sorted(dims)}; use one embedding size.")
-        for col, name in ((2, "sample_ids"), (3, "video_ids")):
-            if len(set(nonempty[:, col].tolist())) > 1:
-                raise ValueError(f"`{name}` were given on some processes and not on others; give them everywhere.")
-        dim = dims.pop()
-        use_samples, use_videos = bool(nonempty[0, 2]), bool(nonempty[0, 3])
-        if comm.active and not use_samples and comm.rank == 0:
+        stored = sum(t.numel() * t.element_size() for t in (*self.video_features, *self.text_features))
+        counts = rank_rows(
+            _cat_state(self, "video_features"),
+            _cat_state(self, "row_text_ids"),
+            _cat_state(self, "text_features"),
+            None if self.protocol == "paired" else _cat_state(self, "unique_text_ids"),
+            sample_ids=_cat_state(self, "sample_ids") if self.sample_ids else None,
+            video_ids=_cat_state(self, "video_ids") if self.video_ids else None,
+            protocol=self.protocol,
+            v2t_gallery=self.v2t_gallery,
+            ties=self.ties,
+            video_block_size=self.video_block_size,
+            text_block_size=self.text_block_size,
+            memory_budget_bytes=self.memory_budget_bytes,
+            device=self.device,
+            collectives=comm,
+            gather_v2t=gather_v2t,
+        )
+        if comm.active and not counts.sample_ids_given and comm.rank == 0:
             self._warn.warn(
                 "padding",
                 f"StreamingRetrievalMetric runs on {comm.world} processes without `sample_ids`: the samples Lightning's"
                 " DistributedSampler repeats to pad the last batches are counted twice. Pass"
                 " `update(..., sample_ids=...)` (e.g. the dataset index of each row) so repeats count once.",
             )
-        rank = comm.rank
-        offset = sum(sizes[:rank])
-
-        # compact the row states into one tensor each (frees the per-batch pieces)
-        video = _cat_state(self, "video_features", (0, dim))
-        row_text = _cat_state(self, "row_text_ids", (0,))
-        local_row_keys = _cat_state(self, "sample_ids", (0,)) if use_samples else torch.arange(offset, offset + n_local)
-        local_video_keys = _cat_state(self, "video_ids", (0,)) if use_videos else local_row_keys
-        paired = self.protocol == "paired"
-        local_text_keys = local_row_keys if paired else row_text
-
-        # global id tables (ints only), in rank order
-        table = comm.all_gather_rows(torch.stack([local_row_keys, local_video_keys, local_text_keys], 1))
-        row_rank = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-        plan = plan_retrieval(table[:, 0], table[:, 1], table[:, 2])
-        n_video, n_text = plan.video_keys.numel(), plan.text_keys.numel()
-
-        # the text gallery: each unique text is sent once, by the first process that holds it
-        if paired:
-            my_text_keys, my_text_feats = local_row_keys, _cat_state(self, "text_features", (0, dim))
-        else:
-            my_text_keys = _cat_state(self, "text_ids", (0,))
-            my_text_feats = _cat_state(self, "text_features", (0, dim))
-        all_text_keys = comm.all_gather_rows(my_text_keys.unsqueeze(1)).squeeze(1)
-        text_counts = comm.all_gather_rows(torch.tensor([[my_text_keys.numel()]]))[:, 0].tolist()
-        my_start = sum(text_counts[:rank])
-        _, first, _ = _first_occurrence(all_text_keys)
-        owned = first[(first >= my_start) & (first < my_start + my_text_keys.numel())] - my_start
-        wanted = torch.isin(my_text_keys[owned], plan.text_keys)
-        owned = owned[wanted]
-        sent_keys = comm.all_gather_rows(my_text_keys[owned].unsqueeze(1)).squeeze(1)
-        sent_feats = comm.all_gather_rows(my_text_feats[owned].float(), width=dim)
-        text = torch.empty(n_text, dim, dtype=torch.float32)
-        text[torch.searchsorted(plan.text_keys, sent_keys)] = sent_feats
-        del sent_feats, all_text_keys
-
-        # this process's videos: those whose first kept row lives here
-        video_owner = row_rank[plan.video_rows]
-        mine = (video_owner == rank).nonzero().squeeze(1)
-        local_rows = plan.video_rows[mine] - offset
-        if local_rows.numel() == video.shape[0] and bool((local_rows == torch.arange(video.shape[0])).all()):
-            my_video = video
-        else:
-            my_video = video.index_select(0, local_rows)
-        local_index = torch.full((n_video,), -1, dtype=torch.int64)
-        local_index[mine] = torch.arange(mine.numel())
-        pair_mask = local_index[plan.pair_video] >= 0
-        pv = local_index[plan.pair_video[pair_mask]]
-        pt = plan.pair_text[pair_mask]
-
-        # exact copies of a positive video may sit on another process: share one key per video, so every process
-        # gives its copies the positive's own score (see `count_ranks`); only keys held more than once travel on
-        keys = comm.all_gather_rows(torch.stack([mine, embedding_keys(my_video)], 1))
-        video_key = torch.empty(n_video, dtype=torch.int64)
-        video_key[keys[:, 0]] = keys[:, 1]
-        _, key_index, key_count = torch.unique(video_key, return_inverse=True, return_counts=True)
-        shared = key_count[key_index[plan.pair_video]] > 1
-        positive_video_keys = (plan.pair_text[shared], video_key[plan.pair_video[shared]])
-
-        device = self.device
-        with torch.no_grad():
-            scores = pair_scores(my_video, text, pv, pt)
-        v_thr = positive_thresholds(scores, pv, mine.numel())
-        t_thr = comm.all_reduce(positive_thresholds(scores, pt, n_text), dist.ReduceOp.MAX)
-        grouped = self.v2t_gallery == "groups"
-        v_counts, t_counts = count_ranks(
-            my_video,
-            text,
-            pv,
-            pt,
-            v_thr,
-            t_thr,
-            ties=self.ties,
-            video_groups=mine if grouped else None,
-            group_pairs=(plan.pair_text, plan.pair_video, n_video) if grouped else None,
-            positive_scores=scores,
-            positive_video_keys=positive_video_keys,
-            video_block_size=self.video_block_size,
-            text_block_size=self.text_block_size,
-            memory_budget_bytes=self.memory_budget_bytes,
-            device=device,
-        )
-        t2v = comm.all_reduce(t_counts, dist.ReduceOp.SUM)
-        v2t_size = n_video if grouped else n_text
-        hist = comm.all_reduce(torch.bincount(v_counts, minlength=v2t_size), dist.ReduceOp.SUM)
-        extra = None
-        if gather_v2t:
-            gathered = comm.all_gather_rows(torch.stack([mine, v_counts], 1))
-            v2t = torch.empty(n_video, dtype=torch.int64)
-            v2t[gathered[:, 0]] = gathered[:, 1]
-            extra = (v2t, plan.video_keys, plan.text_keys, v2t_size, n_video)
-        return hist, t2v, extra
+        self.last_compute_stats = {
+            "num_rows": counts.num_rows,
+            "num_videos": int(counts.plan.video_keys.numel()),
+            "num_texts": int(counts.plan.text_keys.numel()),
+            "embed_dim": counts.embed_dim,
+            "block_sizes": counts.block_sizes,
+            "stored_feature_bytes": stored,
+        }
+        return counts
 
 
-def _cat_state(metric: Metric, name: str, empty_shape: tuple[int, ...]) -> Tensor:
-    """Concatenate a list state in place (one tensor afterwards) and return it; empty tensor when no rows."""
+def _cat_state(metric: Metric, name: str) -> Tensor:
+    """Concatenate a list state in place (one tensor afterwards) and return it; an empty tensor when no rows."""
     parts: list[Tensor] = getattr(metric, name)
     if not parts:
-        dtype = torch.float32 if len(empty_shape) == 2 else torch.int64
-        return torch.empty(empty_shape, dtype=dtype)
+        features = name.endswith("features")
+        return torch.empty((0, 0) if features else (0,), dtype=torch.float32 if features else torch.int64)
     if len(parts) > 1:
         joined = torch.cat(parts, 0)
         parts.clear()
         parts.append(joined)
     return parts[0]
-
-
-#: The first thing every process sends in ``compute()``: a value no other collective is likely to carry.
-_HANDSHAKE = 0x5EED_C0DE_2025
-
-
-class _Comm:
-    """The few collectives the metric needs; a no-op world of one when not distributed."""
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-        self.rank = dist.get_rank(group) if self.active else 0
-        self.world = dist.get_world_size(group) if self.active else 1
-        self.device = torch.device("cpu")
-        if self.active and dist.get_backend(group) == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-
-    def handshake(self) -> None:
-        """Check that every process is in ``compute()``: the first collective, with a token only it sends."""
-        if not self.active:
-            return
-        token = torch.tensor([[_HANDSHAKE, self.rank, _HANDSHAKE]], dtype=torch.int64, device=self.device)
-        out = [torch.zeros_like(token) for _ in range(self.world)]
-        problem = (
-            "Every process must call `StreamingRetrievalMetric.compute()` (it synchronises): call it on all ranks, not"
-            ' under `if trainer.is_global_zero`, and log its values with `sync_dist=True, reduce_fx="max"`.'
-        )
-        try:
-            dist.all_gather(out, token, group=self.group)
-        except RuntimeError as err:
-            raise RuntimeError(f"{problem} The first collective of compute() failed: {err}") from err
-        got = torch.cat(out).cpu()
-        stray = ((got[:, 0] != _HANDSHAKE) | (got[:, 2] != _HANDSHAKE)).nonzero().flatten().tolist()
-        if stray:
-            raise RuntimeError(f"{problem} Process(es) {stray} were in another collective.")
-
-    def all_reduce(self, x: Tensor, op: Any) -> Tensor:
-        if not self.active:
-            return x
-        y = x.to(self.device).clone()
-        dist.all_reduce(y, op=op, group=self.group)
-        return y.to(x.device)
-
-    def all_gather_rows(self, x: Tensor, width: int | None = None) -> Tensor:
-        """Concatenate every process's rows of a 2-D tensor (row counts may differ), in rank order."""
-        if x.dim() == 1:
-            x = x.unsqueeze(1)
-        if width is not None and x.shape[1] != width:
-            x = x.reshape(0, width)
-        if not self.active:
-            return x
-        n = torch.tensor([x.shape[0]], dtype=torch.int64, device=self.device)
-        counts = [torch.zeros_like(n) for _ in range(self.world)]
-        dist.all_gather(counts, n, group=self.group)
-        counts_i = [int(c.item()) for c in counts]
-        most = max(counts_i)
-        padded = torch.zeros((most, *x.shape[1:]), dtype=x.dtype, device=self.device)
-        padded[: x.shape[0]] = x.to(self.device)
-        out = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(out, padded, group=self.group)
-        return torch.cat([o[:c] for o, c in zip(out, counts_i)], 0).to(x.device)

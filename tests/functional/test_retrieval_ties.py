@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -17,29 +16,7 @@ from lightning_memopt.functional.retrieval import (
     retrieval_ranks,
     streaming_retrieval,
 )
-from tests.functional.test_retrieval import reference_ranks
-
-
-def exact_scores(video, text):
-    """Every score as the correctly rounded sum of exact products: equal rows give equal scores, by construction."""
-    vs, ts = video.tolist(), text.tolist()
-    return torch.tensor([[math.fsum(a * b for a, b in zip(v, t)) for t in ts] for v in vs], dtype=torch.float64)
-
-
-def duplicated_data(n=48, d=32, seed=3):
-    """Gaussian features (so the float32 block products round) with exact copies under other ids.
-
-    Rows 30-35 carry copies of the captions of rows 0-5, rows 36-41 copies of the videos of rows 6-11, rows 42-43 a
-    copy of row 12's caption and video both. Every row has its own caption id and video id.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    video = torch.randn(n, d, generator=gen)
-    text = video + 0.7 * torch.randn(n, d, generator=gen)
-    text[30:36] = text[0:6]
-    video[36:42] = video[6:12]
-    text[42:44] = text[12]
-    video[42:44] = video[12]
-    return video, text, torch.arange(n)
+from tests.helpers.retrieval import duplicated_data, exact_scores, reference_ranks
 
 
 def test_the_minimal_case_of_two_equal_captions():
@@ -110,9 +87,9 @@ def test_ten_queries_embedded_twice_at_realistic_size(side):
 
 
 def test_float64_features_are_ranked_in_float32_and_say_so_once(monkeypatch):
-    from lightning_memopt.functional import retrieval
+    from lightning_memopt.functional.retrieval import options
 
-    monkeypatch.setattr(retrieval, "_float64_warned", False)
+    monkeypatch.setattr(options, "_float64_warned", False)
     video, text, ids = duplicated_data()
     video64 = video.double() + 1e-12  # float64 values that round to the float32 ones
     text64 = text.double()
@@ -181,9 +158,9 @@ def test_copies_on_another_process_tie_through_the_keys_it_shares():
 @pytest.mark.parametrize("tie_chunk", [3, 1 << 22])
 def test_one_caption_for_every_row_is_one_big_tie(monkeypatch, tie_chunk):
     """300 rows sharing one caption embedding (paired protocol): every caption ties with every other, in chunks."""
-    from lightning_memopt.functional import retrieval
+    from lightning_memopt.functional.retrieval import ties as tie_cells
 
-    monkeypatch.setattr(retrieval, "_TIE_CHUNK", tie_chunk)
+    monkeypatch.setattr(tie_cells, "_TIE_CHUNK", tie_chunk)
     gen = torch.Generator().manual_seed(2)
     video = torch.randn(300, 24, generator=gen)
     text = torch.randn(1, 24, generator=gen).expand(300, 24).contiguous()

@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from lightning_memopt import StreamingRetrievalMetric
-from lightning_memopt.functional.retrieval import retrieval_ranks, streaming_retrieval, summarize_ranks
-from tests.functional.test_retrieval import make_data, reference_ranks
-from tests.functional.test_retrieval_ties import duplicated_data, exact_scores
-from tests.helpers.subprocess_run import run_script
+from lightning_memopt.functional.retrieval import (
+    choose_block_sizes,
+    retrieval_ranks,
+    streaming_retrieval,
+    summarize_ranks,
+)
+from tests.helpers.retrieval import duplicated_data, exact_scores, make_data, reference_ranks
+from tests.helpers.subprocess_run import SCRIPTS, run_file
 
 
 def feed(metric, video, text, ids, batch=7, **extra):
@@ -32,7 +36,8 @@ def test_matches_reference_over_batches_with_repeated_captions():
     for key in out:
         assert out[key].item() == pytest.approx(expected[key].item()), key
         assert out[key].dim() == 0
-    assert torch.cat(metric.text_ids).numel() == len(set(ids.tolist()))  # repeated captions stored once
+    assert torch.cat(metric.unique_text_ids).numel() == len(set(ids.tolist()))  # repeated captions stored once
+    assert metric.text_ids is metric.unique_text_ids  # the old name reads the same state
     ranks = metric.compute_ranks()
     assert ranks.v2t.tolist() == v2t.tolist() and ranks.t2v.tolist() == t2v.tolist()
 
@@ -98,9 +103,9 @@ def test_contract_pickle_clone_reset_state_dict():
     restored.load_state_dict(state)
     assert {k: v.item() for k, v in restored.compute().items()} == expected
     restored.update(video[:1], text[:1], ids[:1])  # known caption: not stored twice after a load
-    assert torch.cat(restored.text_ids).numel() == len(set(ids.tolist()))
+    assert torch.cat(restored.unique_text_ids).numel() == len(set(ids.tolist()))
     metric.reset()
-    assert not metric.video_features and not metric.text_features and not metric.text_ids
+    assert not metric.video_features and not metric.text_features and not metric.unique_text_ids
     with pytest.raises(ValueError, match="no rows on any process"):
         metric.compute()
     feed(metric, video, text, ids)  # fully usable again after reset
@@ -238,69 +243,6 @@ def test_in_a_lightning_validation_loop(tmp_path):
     assert logged == pytest.approx({k: v.item() for k, v in expected.items()})
 
 
-DDP_SCRIPT = r"""
-import json, os, sys
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from lightning_memopt import StreamingRetrievalMetric
-from tests.functional.test_retrieval import make_data
-from tests.functional.test_retrieval_ties import duplicated_data
-
-def scenarios():
-    video, text, ids = make_data(n=41, d=4, n_captions=13, seed=5)
-    sample = torch.arange(41)
-    # a caption whose videos all sit on rank 1, repeated captions, and the sampler's padding (samples 0, 1 again)
-    ids[21:25] = 99
-    text[21:25] = text[21]
-    padded = torch.cat([sample, sample[:1]])
-    rank_rows = {0: padded[0::2], 1: padded[1::2]}
-    yield "padded", video, text, ids, sample, None, rank_rows, {}
-    yield "empty_rank", video, text, ids, sample, None, {0: sample, 1: sample[:0]}, {"ties": "pessimistic"}
-    vid_ids = sample // 3  # a video's captions split over both ranks
-    vfeat = video[vid_ids * 3]
-    yield "video_ids", vfeat, text, ids, sample, vid_ids, rank_rows, {"v2t_gallery": "groups"}
-    yield "paired", video, text, ids, sample, None, rank_rows, {"protocol": "paired", "median": "mean"}
-    # exact copies of captions and videos under other ids, split over both ranks (rows alternate between ranks)
-    video, text, ids = duplicated_data()
-    sample = torch.arange(48)
-    split = {0: sample[0::2], 1: sample[1::2]}
-    for blocks in (1, 7, None):
-        for ties in ("optimistic", "pessimistic"):
-            opts = {"ties": ties, "video_block_size": blocks, "text_block_size": blocks}
-            yield f"copies_{blocks}_{ties}", video, text, ids, sample, None, split, opts
-
-def run(rank, world, out):
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    for name, video, text, ids, sample, vid_ids, rank_rows, opts in scenarios():
-        rows = torch.cat(list(rank_rows.values())) if world == 1 else rank_rows[rank]
-        m = StreamingRetrievalMetric(top_k=(1, 3), **({"video_block_size": 3, "text_block_size": 4} | opts))
-        for start in range(0, rows.numel(), 4):
-            r = rows[start:start + 4]
-            m.update(video[r], text[r], ids[r], sample_ids=sample[r],
-                     video_ids=vid_ids[r] if vid_ids is not None else None)
-        res = {k: v.item() for k, v in m.compute().items()}
-        ranks = m.compute_ranks()
-        res["v2t_ranks"] = dict(zip(ranks.video_ids.tolist(), ranks.v2t.tolist()))
-        res["t2v_ranks"] = dict(zip(ranks.text_ids.tolist(), ranks.t2v.tolist()))
-        res["stored_videos"] = sum(t.shape[0] for t in m.video_features)
-        results[name] = res
-    with open(f"{out}_{world}_{rank}.json", "w") as f:
-        json.dump(results, f)
-    if world > 1:
-        dist.destroy_process_group()
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    # fork before any parallel work in this process: the children start in milliseconds, imports inherited
-    mp.start_processes(run, args=(2, "res"), nprocs=2, start_method="fork")
-    run(0, 1, "res")
-"""
-
-
 @pytest.mark.slow
 def test_two_gloo_processes_match_world_size_one(tmp_path):
     import socket
@@ -308,7 +250,7 @@ def test_two_gloo_processes_match_world_size_one(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = run_script(DDP_SCRIPT, tmp_path, args=(str(port),))
+    proc = run_file(SCRIPTS / "retrieval_metric_ddp.py", tmp_path, args=(str(port),))
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((tmp_path / "res_1_0.json").read_text())
     ranks = [json.loads((tmp_path / f"res_2_{r}.json").read_text()) for r in (0, 1)]
@@ -326,6 +268,7 @@ def test_two_gloo_processes_match_world_size_one(tmp_path):
     text[21:25] = text[21]
     ref = retrieval_ranks(video, text, ids)
     assert sorted(single["padded"]["v2t_ranks"].values()) == sorted(ref.v2t.tolist())
+    assert single["padded"]["stats"] == {"num_rows": 41, "num_videos": 41, "num_texts": ref.t2v.numel(), "embed_dim": 4}
     # with exact copies split over the ranks, both world sizes give the exact answer in every block layout
     video, text, ids = duplicated_data()
     for ties in ("optimistic", "pessimistic"):
@@ -411,10 +354,60 @@ def test_a_state_change_never_leaves_the_caption_cache_stale(change):
         fresh.update(video[2:], text[2:], [5, 6])
         fresh.update(*held)
         assert results[-1] == {k: v.item() for k, v in fresh.compute().items()}
-        assert sorted(torch.cat(metric.text_ids).tolist()) == [0, 1, 5, 6]
+        assert sorted(torch.cat(metric.unique_text_ids).tolist()) == [0, 1, 5, 6]
     assert all(r == results[0] for r in results)
     # the loaded state dict is the caller's: updates after a load never append to it
-    assert [t.tolist() for t in loaded["text_ids"]] == [[5, 6]]
+    assert [t.tolist() for t in loaded["unique_text_ids"]] == [[5, 6]]
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_checkpoints_with_the_old_text_ids_state_name_still_load(wrapped):
+    """The state of the unique caption ids was saved as ``text_ids`` before it became ``unique_text_ids``."""
+    video, text, ids = make_data(n=20, n_captions=6, seed=3)
+    source = StreamingRetrievalMetric(top_k=(1,))
+    source.persistent(True)
+    feed(source, video, text, ids)
+    expected = {k: v.item() for k, v in source.compute().items()}
+    old = {("text_ids" if k == "unique_text_ids" else k): v for k, v in source.state_dict().items()}
+    assert "text_ids" in old and "unique_text_ids" not in old
+    restored = StreamingRetrievalMetric(top_k=(1,))
+    restored.persistent(True)
+    if wrapped:  # inside a LightningModule the keys carry the attribute's prefix
+        holder = torch.nn.Module()
+        holder.metric = restored
+        holder.load_state_dict({f"metric.{k}": v for k, v in old.items()})  # strict: no unexpected key
+    else:
+        restored.load_state_dict(old)
+    assert {k: v.item() for k, v in restored.compute().items()} == expected
+    assert sorted(torch.cat(restored.unique_text_ids).tolist()) == sorted(set(ids.tolist()))
+    restored.update(video[:1], text[:1], ids[:1])  # a known caption: not stored twice
+    assert torch.cat(restored.unique_text_ids).numel() == len(set(ids.tolist()))
+    assert "text_ids" in old and "unique_text_ids" not in old  # the caller's dict is left as it was
+    assert set(restored.state_dict()) == set(source.state_dict())  # saved under the new name from now on
+
+
+def test_last_compute_stats_say_what_was_ranked():
+    video, text, ids = make_data(n=30, d=8, n_captions=10, seed=7)
+    metric = StreamingRetrievalMetric(top_k=(1,), memory_budget_bytes=2**20)
+    assert metric.last_compute_stats is None
+    feed(metric, video, text, ids, sample_ids=torch.arange(30))
+    metric.update(video[:3], text[:3], ids[:3], sample_ids=torch.arange(3))  # padding repeats count once
+    metric.compute()
+    stats = metric.last_compute_stats
+    n_texts = len(set(ids.tolist()))
+    assert stats == {
+        "num_rows": 30,
+        "num_videos": 30,
+        "num_texts": n_texts,
+        "embed_dim": 8,
+        "block_sizes": choose_block_sizes(30, n_texts, 8, "cpu", 2**20),
+        "stored_feature_bytes": (33 + n_texts) * 8 * 4,
+    }
+    metric.reset()  # the stats of the last compute stay readable after a reset
+    assert metric.last_compute_stats == stats
+    metric.update(video[:4], text[:4], ids[:4], video_ids=[0, 0, 1, 1])
+    metric.compute_ranks()
+    assert metric.last_compute_stats["num_rows"] == 4 and metric.last_compute_stats["num_videos"] == 2
 
 
 def test_a_loaded_state_of_another_feature_dim_is_what_counts():
@@ -430,9 +423,9 @@ def test_a_loaded_state_of_another_feature_dim_is_what_counts():
 def test_float64_features_rank_as_float32_with_one_warning(monkeypatch):
     import warnings
 
-    from lightning_memopt.functional import retrieval
+    from lightning_memopt.functional.retrieval import options
 
-    monkeypatch.setattr(retrieval, "_float64_warned", False)
+    monkeypatch.setattr(options, "_float64_warned", False)
     video, text, ids = duplicated_data()
     results = []
     with warnings.catch_warnings(record=True) as caught:

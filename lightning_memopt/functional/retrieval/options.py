@@ -1,0 +1,94 @@
+"""The options of the retrieval functions (protocols, ties, medians), their defaults, and the feature checks."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "FEATURE_DTYPES",
+    "MEDIANS",
+    "PROTOCOLS",
+    "TIES",
+    "V2T_GALLERIES",
+    "Median",
+    "Protocol",
+    "Ties",
+    "V2TGallery",
+    "check_features",
+]
+
+#: Default working-set budget for one block computation (score block, comparison buffer, upcast features).
+DEFAULT_MEMORY_BUDGET_BYTES = 2 * 1024**3
+
+Protocol = Literal["dedup", "paired"]
+Ties = Literal["optimistic", "pessimistic"]
+Median = Literal["floor", "mean", "lower"]
+V2TGallery = Literal["texts", "groups"]
+
+PROTOCOLS = ("dedup", "paired")
+TIES = ("optimistic", "pessimistic")
+MEDIANS = ("floor", "mean", "lower")
+V2T_GALLERIES = ("texts", "groups")
+
+#: Feature dtypes accepted (blocks are multiplied in float32 whatever the storage dtype; float64 is rounded to float32).
+FEATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+_float64_warned = False
+
+
+def _warn_if_float64(*features: Tensor) -> None:
+    """Say once per process that float64 features are ranked in float32 (the blocks are float32 products)."""
+    global _float64_warned
+    if _float64_warned or not any(x.dtype == torch.float64 for x in features):
+        return
+    _float64_warned = True
+    warnings.warn(
+        "Retrieval features of dtype float64 are ranked in float32: every score is computed from the features"
+        " rounded to float32, as if `.float()` had been called on them (ties between exact copies stay exact). Pass"
+        " float32 features to silence this.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def check_features(video_features: Tensor, text_features: Tensor) -> None:
+    """Raise a ``ValueError`` naming the argument unless both are finite 2-D float tensors of the same shape.
+
+    Warns once per process when either is float64 (it is ranked in float32).
+
+    Example:
+        >>> check_features(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16))  # valid: returns None
+    """
+    allowed = ", ".join(str(d) for d in FEATURE_DTYPES)
+    for name, x in (("video_features", video_features), ("text_features", text_features)):
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"`{name}` must be a 2-D float tensor (rows x dim), got {type(x).__name__}. Convert it with"
+                " `torch.as_tensor(...)`."
+            )
+        if x.dim() != 2:
+            raise ValueError(f"`{name}` must be a 2-D float tensor (rows x dim), got shape {tuple(x.shape)}.")
+        if x.dtype not in FEATURE_DTYPES:
+            raise ValueError(
+                f"`{name}` has dtype {x.dtype}, but features must be one of {allowed}. Pass the embeddings, not"
+                " ids or masks, or cast them with `.float()`."
+            )
+    if video_features.shape[0] != text_features.shape[0]:
+        raise ValueError(
+            f"`video_features` and `text_features` must have one row per sample each, got {video_features.shape[0]}"
+            f" and {text_features.shape[0]} rows. Pass the features of the same samples."
+        )
+    if video_features.shape[1] != text_features.shape[1]:
+        raise ValueError(
+            f"`video_features` and `text_features` must have the same feature dim, got {video_features.shape[1]}"
+            f" and {text_features.shape[1]}. Project both modalities into the shared embedding space first."
+        )
+    for name, x in (("video_features", video_features), ("text_features", text_features)):
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"`{name}` contains NaN or inf values; retrieval ranks are undefined for them.")
+    _warn_if_float64(video_features, text_features)
