@@ -115,6 +115,27 @@ MUTANTS = (
         "if alloc is not None:",
         ("tests/analysis/test_summary.py",),
     ),
+    Mutant(
+        "retrieval-old-checkpoint-key-dropped",
+        "lightning_memopt/metrics/streaming_retrieval.py",
+        '_OLD_STATE_NAMES = {"text_ids": "unique_text_ids"}',
+        "_OLD_STATE_NAMES: dict[str, str] = {}",
+        ("tests/metrics/test_streaming_retrieval.py",),
+    ),
+    Mutant(
+        "retrieval-t2v-positives-not-removed",
+        "lightning_memopt/functional/retrieval/kernel.py",
+        "self.text_counts.index_add_(0, pair_text, above, alpha=-1)",
+        "pass",
+        ("tests/functional/test_retrieval.py",),
+    ),
+    Mutant(
+        "retrieval-tie-cells-skipped",
+        "lightning_memopt/functional/retrieval/kernel.py",
+        "for cell_rows, cell_cols, values in tie_cells.cells(v0, v1, t0, t1):",
+        "for cell_rows, cell_cols, values in ():",
+        ("tests/functional/test_retrieval_ties.py",),
+    ),
 )
 
 
