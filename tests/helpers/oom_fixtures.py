@@ -51,9 +51,10 @@ _NAMESPACE: dict = {}
 exec(compile(_SOURCE, "model.py", "exec"), _NAMESPACE)
 
 
-def training_oom() -> torch.OutOfMemoryError:
+def training_oom(batch: object = None) -> torch.OutOfMemoryError:
     """An OOM raised in ``forward`` under ``training_step(batch, batch_idx=3)``; its traceback holds the batch."""
-    batch = {"x": torch.zeros(8, 16), "y": torch.zeros(8, dtype=torch.long), "ids": [torch.zeros(8, 4, 4)]}
+    if batch is None:
+        batch = {"x": torch.zeros(8, 16), "y": torch.zeros(8, dtype=torch.long), "ids": [torch.zeros(8, 4, 4)]}
     try:
         _NAMESPACE["training_step"](batch, 3, CUDA_MESSAGE)
     except torch.OutOfMemoryError as err:
