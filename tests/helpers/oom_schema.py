@@ -13,6 +13,7 @@ def _keys(typed_dict) -> set[str]:
 
 def check_against_schema(report) -> None:
     """Every key of ``report`` (and of its typed parts) is in the TypedDicts; every required key is there."""
+    assert schema.OOMReport.__required_keys__ >= {"format", "when", "report_errors"}  # Required is seen at runtime
     assert set(report) <= _keys(schema.OOMReport) and schema.OOMReport.__required_keys__ <= set(report)
     for key, typed in (
         ("when", schema.WhenSection),
@@ -33,6 +34,7 @@ def check_against_schema(report) -> None:
     for tensor in report["holders"].get("top_tensors", []):
         assert set(tensor) == _keys(schema.LiveTensorDict)
     if "activation_checkpointing" in report["config"]:
-        assert set(report["config"]["activation_checkpointing"]) <= _keys(schema.CheckpointingState)
+        state = set(report["config"]["activation_checkpointing"])
+        assert schema.CheckpointingState.__required_keys__ <= state <= _keys(schema.CheckpointingState)
     for tip in report.get("suggestions", []):
         assert set(tip) == _keys(schema.Suggestion)

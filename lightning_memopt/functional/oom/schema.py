@@ -6,8 +6,6 @@ always there; the others are missing when the part that fills them failed (the f
 describes every key.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 from typing_extensions import Required, TypedDict
