@@ -11,8 +11,11 @@ import torch
 from lightning_memopt import OOMReporter
 from lightning_memopt.callbacks import oom_reporter as module
 from lightning_memopt.cli import main as cli_main
+from lightning_memopt.functional import footprint
 from lightning_memopt.functional.oom import REDACTED, REPORT_FORMAT
+from lightning_memopt.functional.oom import sections as oom_sections
 from tests.helpers.models import TinyModel
+from tests.helpers.oom_schema import check_against_schema
 from tests.helpers.trainer import make_trainer
 
 MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB. (raised by the test)"
@@ -100,6 +103,7 @@ def test_training_oom_report_has_every_field(tmp_path, where):
     report = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())
 
     assert report["format"] == REPORT_FORMAT
+    check_against_schema(report)  # every key defined in functional/oom/schema.py, required ones present
     when = report["when"]
     assert when["time"] > 0 and when["rank"] == 0 and when["world_size"] == 1 and when["device"] == "cpu"
     assert (when["fn"], when["stage"], when["epoch"], when["global_step"], when["batch_idx"]) == (
@@ -209,14 +213,15 @@ def test_reporter_never_raises_over_the_original_error(tmp_path, monkeypatch, ca
         raise RuntimeError("reporter bug")
 
     # a section failing: listed in the report, the rest written
-    monkeypatch.setattr(module, "describe_batch", broken)
-    monkeypatch.setattr(module.fp, "model_footprint", broken)
+    monkeypatch.setattr(oom_sections, "describe_batch", broken)
+    monkeypatch.setattr(footprint, "model_footprint", broken)
     model = FailingModel("forward", at=1)
     _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path / "r"))
     assert err is model.raised
     report = json.loads((tmp_path / "r" / "oom_report_rank0.json").read_text())
     assert any("failing batch" in p for p in report["report_errors"])
     assert any("who holds memory" in p for p in report["report_errors"])
+    check_against_schema(report)
     assert "## Parts of this report that could not be gathered" in (tmp_path / "r" / "oom_report_rank0.md").read_text()
 
     # writing itself failing (a full disk): logged and warned, the original error still arrives

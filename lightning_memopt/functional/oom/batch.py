@@ -1,0 +1,90 @@
+"""Shapes, dtypes, devices and sizes of the tensors in a batch of any nesting."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_memopt.functional.oom.schema import BatchSection, BatchTensor
+
+__all__ = ["describe_batch"]
+
+_MAX_BATCH_TENSORS = 32
+_MAX_DEPTH = 6
+#: What a tensor subclass that cannot describe itself raises; such a tensor is left out (or counted as 0 bytes).
+_DESCRIBE_ERRORS = (RuntimeError, TypeError, ValueError, AttributeError)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.numel() * tensor.element_size())
+    except _DESCRIBE_ERRORS:
+        return 0
+
+
+def _walk(obj: Any, path: str, depth: int, out: list[tuple[str, torch.Tensor]], seen: set[int]) -> int:
+    """Collect (path, tensor) pairs; returns how many tensors exist (counted past the limit too)."""
+    if isinstance(obj, torch.Tensor):
+        if len(out) < _MAX_BATCH_TENSORS:
+            out.append((path, obj))
+        return 1
+    if depth >= _MAX_DEPTH or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return 0
+    seen.add(id(obj))
+    count = 0
+    if isinstance(obj, Mapping):
+        for key, value in list(obj.items())[:1000]:
+            count += _walk(value, f"{path}[{key!r}]", depth + 1, out, seen)
+    elif isinstance(obj, (list, tuple)):
+        fields = getattr(obj, "_fields", None)  # namedtuple
+        for i, value in enumerate(list(obj)[:1000]):
+            name = f"{path}.{fields[i]}" if fields and i < len(fields) else f"{path}[{i}]"
+            count += _walk(value, name, depth + 1, out, seen)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            count += _walk(getattr(obj, field.name, None), f"{path}.{field.name}", depth + 1, out, seen)
+    return count
+
+
+def describe_batch(batch: Any, name: str = "batch") -> BatchSection:
+    """Shapes, dtypes, devices and sizes of the tensors in ``batch`` (tensors, mappings, sequences, dataclasses).
+
+    At most 32 tensors are listed; ``num_tensors`` counts all of them. ``micro_batch_size`` is the first
+    dimension of the first tensor with one (``None`` when no tensor has a dimension). The keys are those of
+    :class:`~lightning_memopt.functional.oom.schema.BatchSection` (without ``found_in``).
+
+    Example:
+        >>> d = describe_batch({"x": torch.zeros(8, 3), "y": torch.zeros(8, dtype=torch.long)})
+        >>> d["tensors"][0]
+        {'path': "batch['x']", 'shape': [8, 3], 'dtype': 'torch.float32', 'device': 'cpu', 'bytes': 96}
+        >>> d["num_tensors"], d["bytes"], d["micro_batch_size"]
+        (2, 160, 8)
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    total = _walk(batch, name, 0, found, set())
+    tensors: list[BatchTensor] = []
+    for path, tensor in found:
+        try:
+            tensors.append(
+                {
+                    "path": path,
+                    "shape": list(tensor.shape),
+                    "dtype": str(tensor.dtype),
+                    "device": str(tensor.device),
+                    "bytes": _tensor_bytes(tensor),
+                }
+            )
+        except _DESCRIBE_ERRORS:  # a tensor subclass that cannot describe itself
+            continue
+    micro = next((t["shape"][0] for t in tensors if t["shape"]), None)
+    return {
+        "type": type(batch).__name__,
+        "tensors": tensors,
+        "num_tensors": total,
+        "truncated": total > len(tensors),
+        "bytes": sum(t["bytes"] for t in tensors),
+        "micro_batch_size": micro,
+    }

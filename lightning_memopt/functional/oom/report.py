@@ -1,0 +1,355 @@
+"""Building an out-of-memory report (:class:`~lightning_memopt.functional.oom.schema.OOMReport`) without a Trainer.
+
+The caller (``OOMReporter``) reads what only it can reach (the memory reading, first; the trainer's position
+and settings through small readers) and hands the rest over as values and readers. Every part is read through
+a :class:`SectionGuard`: by default a failure raises; the callback's guard notes it in ``report_errors`` and
+lets the part fall back, so one broken part never costs the whole report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+from typing_extensions import TypedDict
+
+from lightning_memopt.functional import footprint as fp
+from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.functional.oom.environment import allocator_settings, collect_environment, collect_versions
+from lightning_memopt.functional.oom.message import parse_oom_message
+from lightning_memopt.functional.oom.schema import (
+    REPORT_FORMAT,
+    BatchSection,
+    CheckpointingState,
+    ConfigSection,
+    HoldersSection,
+    MemorySection,
+    OOMReport,
+    SnapshotSection,
+    Suggestion,
+    WhenSection,
+)
+from lightning_memopt.functional.oom.sections import (
+    LiveTensorLike,
+    batch_section,
+    checkpointing_state,
+    describe_error,
+    fill_holders,
+    hparams_as_json,
+    memory_section,
+    memory_summary,
+)
+from lightning_memopt.functional.oom.suggestions import suggest_fixes
+from lightning_memopt.utilities.oom import find_in_traceback
+from lightning_memopt.utilities.redaction import redact_secrets
+
+__all__ = [
+    "ReportSources",
+    "SectionGuard",
+    "TrainerPosition",
+    "TrainerSettings",
+    "build_oom_report",
+    "failure_memory",
+    "failure_position",
+    "suggestions_for",
+]
+
+_T = TypeVar("_T")
+
+
+class SectionGuard:
+    """Reads the parts of a report; a failure of a type in ``catch`` is noted and the part falls back.
+
+    ``guard(label, read, fallback)`` returns ``read()``; when that raises one of ``catch``, it appends
+    ``"<label>: <error!r>"`` to :attr:`problems` (the report's ``report_errors``) and returns ``fallback(error)``.
+    Anything else propagates. The default ``catch=()`` lets every failure through.
+
+    Example:
+        >>> guard = SectionGuard(catch=(ZeroDivisionError,))
+        >>> guard("ratio", lambda: 1 / 0, lambda err: None), guard.problems
+        (None, ["ratio: ZeroDivisionError('division by zero')"])
+    """
+
+    def __init__(self, catch: tuple[type[Exception], ...] = ()) -> None:
+        self.catch = catch
+        self.problems: list[str] = []
+
+    def __call__(self, label: str, read: Callable[[], _T], fallback: Callable[[Exception], _T]) -> _T:
+        try:
+            return read()
+        except self.catch as err:
+            self.problems.append(f"{label}: {err!r}")
+            return fallback(err)
+
+
+class TrainerPosition(TypedDict):
+    """Where the trainer was (read by the caller); becomes part of ``when``."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    fn: str | None
+    stage: str | None
+    epoch: int
+    global_step: int
+
+
+class TrainerSettings(TypedDict):
+    """The trainer's settings (read by the caller); become part of ``config``."""
+
+    precision: str
+    accumulate_grad_batches: int
+    world_size: int
+    strategy: str
+    accelerator: str
+    num_devices: int
+    num_nodes: int
+    device_ids: str
+
+
+def _nothing(err: Exception) -> None:
+    return None
+
+
+def _no_batch(err: Exception) -> BatchSection:
+    return {}
+
+
+def _snapshot_failed(err: Exception) -> SnapshotSection:
+    return {"path": None, "reason": f"writing it failed: {err!r}"}
+
+
+def _not_recorded() -> SnapshotSection:
+    return {"path": None, "reason": "allocator history was not recorded (pass `record_history=True`)."}
+
+
+def _never_checkpointed(module: nn.Module) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class ReportSources:
+    """Readers of what :func:`build_oom_report` needs beyond the exception; tests pass fakes.
+
+    Args:
+        settings: The trainer's settings.
+        optimizers: The optimizers (for the footprint and the tensors' names).
+        is_checkpointed: Whether a module is wrapped for activation checkpointing.
+        snapshot: Writes the allocator snapshot and returns the ``snapshot`` part (see ``take_snapshot``).
+        memory_summary: The allocator's summary of a device.
+        environment: The allow-listed environment.
+        allocator: The allocator settings.
+        versions: The versions of the stack.
+        live_tensors: The live tensors on a device, largest first (``footprint.live_tensors``).
+    """
+
+    settings: Callable[[], TrainerSettings]
+    optimizers: Callable[[], Sequence[Any]] = tuple
+    is_checkpointed: Callable[[nn.Module], bool] = _never_checkpointed
+    snapshot: Callable[[], SnapshotSection] = _not_recorded
+    memory_summary: Callable[[torch.device], str | None] = memory_summary
+    environment: Callable[[], dict[str, str]] = collect_environment
+    allocator: Callable[[], dict[str, str | None]] = allocator_settings
+    versions: Callable[[], dict[str, str | None]] = collect_versions
+    live_tensors: Callable[..., Sequence[LiveTensorLike]] = fp.live_tensors
+
+
+def _no_memory(err: Exception) -> MemorySection:
+    return {}
+
+
+def failure_memory(read: Callable[[], MemoryReading], guard: SectionGuard | None = None) -> MemorySection:
+    """The ``memory`` part as ``read()`` gives it (empty if that fails and ``guard`` catches it). Read it first:
+    gathering the rest of the report allocates."""
+    guard = SectionGuard() if guard is None else guard
+    return guard("memory reading", lambda: memory_section(read()), _no_memory)
+
+
+def failure_position(
+    read_position: Callable[[], TrainerPosition],
+    *,
+    device: torch.device,
+    traceback: TracebackType | None,
+    run_id: str | None,
+    clock: Callable[[], float] = time.time,
+    guard: SectionGuard | None = None,
+) -> WhenSection:
+    """The ``when`` part: ``clock()``, what ``read_position`` says and the local ``batch_idx`` of the traceback.
+
+    If ``read_position`` fails (and ``guard`` catches it), ``when`` keeps ``time``, ``rank`` 0, ``world_size`` 1
+    and ``run_id``.
+    """
+    guard = SectionGuard() if guard is None else guard
+    when: WhenSection = {"time": clock(), "rank": 0, "world_size": 1, "run_id": run_id}
+
+    def read() -> None:
+        position = read_position()
+        when.update(cast(WhenSection, {**position, "batch_idx": None, "device": str(device)}))
+        found = find_in_traceback(traceback, "batch_idx")
+        if found is not None and isinstance(found.value, int):
+            when["batch_idx"] = found.value
+
+    guard("training position", read, _nothing)
+    return when
+
+
+def _config(
+    sources: ReportSources, micro_batch_size: int | None, stage: str | None, guard: SectionGuard
+) -> ConfigSection:
+    config: ConfigSection = {}
+
+    def read_settings() -> None:
+        settings = sources.settings()
+        accumulate, world_size = settings["accumulate_grad_batches"], settings["world_size"]
+        effective = None
+        if micro_batch_size:
+            effective = micro_batch_size * world_size * (accumulate if stage == "train" else 1)
+        config.update(
+            ConfigSection(
+                precision=settings["precision"],
+                accumulate_grad_batches=accumulate,
+                micro_batch_size=micro_batch_size,
+                effective_batch_size=effective,
+                strategy=settings["strategy"],
+                accelerator=settings["accelerator"],
+                num_devices=settings["num_devices"],
+                num_nodes=settings["num_nodes"],
+                device_ids=settings["device_ids"],
+            )
+        )
+
+    def read_versions() -> None:
+        config["allocator"] = sources.allocator()
+        config["versions"] = sources.versions()
+
+    guard("configuration", read_settings, _nothing)
+    guard("versions", read_versions, _nothing)
+    return config
+
+
+def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
+    """:func:`~lightning_memopt.functional.oom.suggestions.suggest_fixes` fed from the parts of ``report``."""
+    memory = report.get("memory", {})
+    holders = report.get("holders", {})
+    config = report.get("config", {})
+    allocator = config.get("allocator") or {}
+    checkpointing = config.get("activation_checkpointing")
+    return suggest_fixes(
+        stage=report["when"].get("stage"),
+        allocated_bytes=memory.get("allocated_bytes"),
+        reserved_bytes=memory.get("reserved_bytes"),
+        device_total_bytes=memory.get("device_total_bytes") or memory.get("message_device_total_bytes"),
+        device_free_bytes=memory.get("device_free_bytes"),
+        requested_bytes=memory.get("message_requested_bytes"),
+        bytes_by_category=holders.get("bytes_by_category"),
+        unexplained_bytes=holders.get("unexplained_bytes"),
+        micro_batch_size=config.get("micro_batch_size"),
+        accumulate_grad_batches=config.get("accumulate_grad_batches"),
+        world_size=int(report["when"].get("world_size") or 1),
+        precision=config.get("precision"),
+        allocator_conf=allocator.get("PYTORCH_ALLOC_CONF") or allocator.get("PYTORCH_CUDA_ALLOC_CONF"),
+        device_type=device_type,
+        activation_checkpointing=None if checkpointing is None else checkpointing.get("on"),
+    )
+
+
+def build_oom_report(
+    exception: BaseException,
+    *,
+    when: WhenSection,
+    memory: MemorySection,
+    device: torch.device,
+    module: nn.Module,
+    sources: ReportSources,
+    message: str | None = None,
+    top_k_tensors: int = 20,
+    checkpointing_at_start: CheckpointingState | None = None,
+    guard: SectionGuard | None = None,
+) -> OOMReport:
+    """The report of ``exception``, in the order of :class:`~lightning_memopt.functional.oom.schema.OOMReport`,
+    with credentials redacted (:func:`~lightning_memopt.utilities.redaction.redact_secrets`).
+
+    Args:
+        exception: The out-of-memory error; its traceback gives the location, ``batch`` and ``batch_idx``.
+        when: The ``when`` part (:func:`failure_position`).
+        memory: The memory reading at the failure (``MemoryReading.as_dict()``), taken before anything else.
+        device: The failing device.
+        module: The model (footprint, activation checkpointing, ``hparams``).
+        sources: Readers of the rest.
+        message: The exception's text. Default: ``str(exception)``.
+        top_k_tensors: How many of the largest live tensors to list (0: no ``holders.top_tensors``).
+        checkpointing_at_start: Activation checkpointing as seen at train start; reported (with
+            ``seen="at train start"``) when it is off at the failure of a training step but was on then.
+        guard: Reads each part; its ``problems`` become ``report_errors``. Default: failures raise.
+    """
+    guard = SectionGuard() if guard is None else guard
+    text = str(exception) if message is None else message
+    memory = cast(MemorySection, dict(memory))
+    # The other required keys are set below, in the order of `OOMReport`; a part is read where its key goes.
+    report = cast(
+        OOMReport,
+        {
+            "format": REPORT_FORMAT,
+            "when": when,
+            "error": describe_error(exception, text),
+            "batch": guard("failing batch", lambda: batch_section(exception.__traceback__), _no_batch),
+            "memory": memory,
+        },
+    )
+
+    def read_summary() -> None:
+        memory["summary"] = sources.memory_summary(device)
+
+    def read_message() -> None:
+        memory.update(cast(MemorySection, {f"message_{k}": v for k, v in parse_oom_message(text).items()}))
+
+    guard("memory summary", read_summary, _nothing)
+    guard("error message numbers", read_message, _nothing)
+    holders: HoldersSection = {"device": str(device)}
+    guard(
+        "who holds memory",
+        lambda: fill_holders(
+            holders,
+            device,
+            module,
+            list(sources.optimizers()),
+            memory.get("allocated_bytes"),
+            top_k_tensors,
+            sources.live_tensors,
+        ),
+        _nothing,
+    )
+    report["holders"] = holders
+    config = report["config"] = _config(sources, report["batch"].get("micro_batch_size"), when.get("stage"), guard)
+
+    def read_checkpointing() -> None:
+        state = checkpointing_state(module, sources.is_checkpointed)
+        at_start = checkpointing_at_start if when.get("stage") == "train" else None
+        if not state["on"] and at_start and at_start["on"]:
+            # on at train start, given back by its callback before this report
+            state = cast(CheckpointingState, {**at_start, "seen": "at train start"})
+        config["activation_checkpointing"] = state
+
+    def read_hparams() -> None:
+        report["hparams"] = hparams_as_json(module)
+
+    def read_environment() -> None:
+        report["environment"] = sources.environment()
+
+    def read_suggestions() -> None:
+        report["suggestions"] = suggestions_for(report, device.type)
+
+    guard("activation checkpointing", read_checkpointing, _nothing)
+    guard("hyperparameters", read_hparams, _nothing)
+    guard("environment", read_environment, _nothing)
+    guard("suggestions", read_suggestions, _nothing)
+    report["snapshot"] = guard("allocator snapshot", sources.snapshot, _snapshot_failed)
+    report["report_errors"] = guard.problems
+    # One pass over everything gathered: credentials inside any value (env, hparams, config, messages) go.
+    return cast(OOMReport, redact_secrets(report))

@@ -1,0 +1,362 @@
+"""Ranked suggestions for getting a failed step to fit: one small rule per tip, applied in a fixed order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_memopt.utilities.checks import is_finite_number
+from lightning_memopt.utilities.formatting import format_bytes
+
+if TYPE_CHECKING:
+    from lightning_memopt.functional.oom.schema import Suggestion
+
+__all__ = ["RULES", "Facts", "Tip", "suggest_fixes"]
+
+
+def _fraction(part: float | None, whole: float | None) -> float | None:
+    if part is None or whole is None or not (is_finite_number(part) and is_finite_number(whole)) or not whole:
+        return None
+    return part / whole
+
+
+def percent(part: float | None, whole: float | None) -> str:
+    """``part`` as a whole percentage of ``whole`` (``"42 %"``), ``"n/a"`` when either is unknown or zero."""
+    fraction = _fraction(part, whole)
+    return "n/a" if fraction is None else f"{100 * fraction:.0f} %"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The numbers at the failure that the rules read (see :func:`suggest_fixes` for the arguments)."""
+
+    stage: str | None
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    device_total_bytes: int | None
+    device_free_bytes: int | None
+    requested_bytes: int | None
+    params: int
+    grads: int
+    opt: int
+    activations: int | None  # allocated bytes no model/optimizer tensor accounts for
+    total: int | None  # allocated bytes, or the bytes counted where the device does not report them
+    basis: str  # what ``total`` is, for the texts
+    micro_batch_size: int | None
+    accumulate: int
+    world_size: int
+    precision: str | None
+    allocator_conf: str
+    device_type: str
+    activation_checkpointing: bool | None
+
+    @property
+    def training(self) -> bool:
+        return self.stage == "train"
+
+    @property
+    def activations_dominate(self) -> bool:
+        fraction = _fraction(self.activations, self.total)
+        return fraction is None or fraction >= 0.3
+
+
+@dataclass(frozen=True)
+class Tip:
+    """One suggestion before ranking: bytes it frees (``None``: unknown), a tie-break priority, the texts."""
+
+    saves: float | None
+    priority: int
+    action: str
+    why: str
+
+
+Rule = Callable[[Facts], Iterator[Tip]]
+
+
+def _activations_why(f: Facts) -> str:
+    if f.activations is None:
+        return "Allocated memory is unknown on this device; activations usually dominate a training step."
+    return (
+        f"Activations and temporaries (allocated memory no parameter, gradient, optimizer state or buffer"
+        f" accounts for) are {format_bytes(f.activations)} ({percent(f.activations, f.total)} of {f.basis})."
+    )
+
+
+def _activations_why_after_checkpointing(f: Facts) -> str:
+    why = _activations_why(f)
+    if f.activation_checkpointing:
+        why += " Activation checkpointing is on already: what remains is the checkpointed inputs and one layer."
+    return why
+
+
+def _share_of_activations(f: Facts, share: float) -> float | None:
+    return None if f.activations is None else f.activations * share
+
+
+def huge_allocation(f: Facts) -> Iterator[Tip]:
+    """One allocation of half the device or more: a shape to check, not a setting to change."""
+    requested, capacity = f.requested_bytes, f.device_total_bytes
+    if requested and capacity and requested >= 0.5 * capacity:
+        yield Tip(
+            requested,
+            0,
+            "Check the shape of the tensor being allocated: one allocation is too large for the device",
+            f"A single allocation of {format_bytes(requested)} was requested, {percent(requested, capacity)}"
+            f" of the device's {format_bytes(capacity)}. Typical causes: a [batch, seq, seq] attention matrix, a"
+            " [batch, seq, vocab] logits tensor, or a shape bug (broadcasting two large vectors).",
+        )
+
+
+def activation_checkpointing(f: Facts) -> Iterator[Tip]:
+    """Training where activations dominate, with checkpointing off."""
+    if f.training and f.activations_dominate and not f.activation_checkpointing:
+        yield Tip(
+            _share_of_activations(f, 0.6),
+            2,
+            "Enable activation checkpointing: recompute layer activations in backward instead of storing them"
+            " (the `GradientCheckpointing` callback, or `model.activation_checkpointing_enable()` for Hugging"
+            " Face models; `gradient_checkpointing_enable()` before transformers 5)",
+            _activations_why(f),
+        )
+
+
+def smaller_micro_batch(f: Facts) -> Iterator[Tip]:
+    """Training where activations dominate: halve the micro-batch (keeping the effective batch), or at 1 shorten."""
+    if not (f.training and f.activations_dominate):
+        return
+    micro = f.micro_batch_size
+    if micro and micro >= 2:
+        half = micro // 2
+        ranks = max(f.world_size, 1)
+        effective = micro * f.accumulate * ranks
+        halved = half * 2 * f.accumulate * ranks
+        keeps = f"stays {effective}" if halved == effective else f"goes from {effective} to {halved}"
+        yield Tip(
+            _share_of_activations(f, 0.5),
+            3,
+            f"Halve the micro-batch and double `accumulate_grad_batches`: batch size {micro} ->"
+            f" {half}, `accumulate_grad_batches` {f.accumulate} -> {2 * f.accumulate}, so the effective batch"
+            f" {keeps}",
+            _activations_why_after_checkpointing(f) + " Activation memory grows linearly with the micro-batch.",
+        )
+    elif micro == 1:
+        yield Tip(
+            None,
+            6,
+            "Shorten the inputs (sequence length, image size, crop): the micro-batch is already 1",
+            _activations_why_after_checkpointing(f),
+        )
+
+
+def mixed_precision(f: Facts) -> Iterator[Tip]:
+    """Full precision on an accelerator where activations dominate."""
+    precision = f.precision
+    if f.activations_dominate and precision and precision.startswith(("32", "64")) and f.device_type != "cpu":
+        yield Tip(
+            _share_of_activations(f, 0.5),
+            4,
+            "Train in mixed precision: `Trainer(precision='bf16-mixed')` (or '16-mixed' on GPUs without bf16)",
+            f"Precision is {precision!r}: activations are stored in 32 bits; mixed precision stores most of them"
+            " in 16.",
+        )
+
+
+def evaluation_batch(f: Facts) -> Iterator[Tip]:
+    """Out of memory outside training: a smaller evaluation batch, outputs off the device, gradients freed."""
+    stage = f.stage
+    if f.training or stage is None:
+        return
+    yield Tip(
+        _share_of_activations(f, 0.5),
+        3,
+        f"Lower the {stage} batch size (the {stage} DataLoader's `batch_size`) and keep step outputs off the"
+        " device (`.detach().cpu()` before storing them)",
+        f"The error happened in {stage}, where no gradients are stored: the batch and the outputs kept"
+        " across steps take the memory.",
+    )
+    if f.grads:
+        yield Tip(
+            f.grads,
+            5,
+            "Free gradients before evaluation: `optimizer.zero_grad(set_to_none=True)`",
+            f"{format_bytes(f.grads)} of gradients are still held while {stage} runs.",
+        )
+
+
+def optimizer_state(f: Facts) -> Iterator[Tip]:
+    """Optimizer states a quarter of memory or more: shard them, or a lighter optimizer."""
+    if not (f.total and f.opt and f.opt / f.total >= 0.25):
+        return
+    sharded = f.opt * (1 - 1 / f.world_size) if f.world_size > 1 else f.opt / 2
+    action = (
+        "Shard the optimizer state across ranks: `strategy='fsdp'` or `strategy='deepspeed_stage_2'`,"
+        " or use a lighter optimizer"
+        if f.world_size > 1
+        else "Use an optimizer with less state: SGD with momentum (1 state per parameter instead of Adam's 2),"
+        " Adafactor, or an 8-bit Adam; with several GPUs, shard it (`strategy='fsdp'`)"
+    )
+    yield Tip(
+        sharded,
+        5,
+        action,
+        f"Optimizer states hold {format_bytes(f.opt)} ({percent(f.opt, f.total)} of {f.basis}), versus"
+        f" {format_bytes(f.params)} of parameters.",
+    )
+
+
+def parameters_and_gradients(f: Facts) -> Iterator[Tip]:
+    """Parameters and gradients half of memory or more in training: shard them, or train fewer."""
+    held = f.params + f.grads
+    if not (f.total and held / f.total >= 0.5 and f.training):
+        return
+    yield Tip(
+        held * (1 - 1 / f.world_size) if f.world_size > 1 else None,
+        7,
+        "Shard parameters and gradients (`strategy='fsdp'`), or train fewer parameters (freeze layers, adapters)"
+        if f.world_size > 1
+        else "Train fewer parameters (freeze layers, use adapters/LoRA) or keep weights in 16 bits"
+        " (`precision='bf16-true'`)",
+        f"Parameters and gradients hold {format_bytes(held)} ({percent(held, f.total)} of {f.basis}).",
+    )
+
+
+def fragmentation(f: Facts) -> Iterator[Tip]:
+    """Reserved but unallocated memory at least a tenth of reserved and the request: expandable segments."""
+    if f.reserved_bytes is None or f.allocated_bytes is None:
+        return
+    cached = f.reserved_bytes - f.allocated_bytes
+    if (
+        f.reserved_bytes
+        and cached >= max(0.1 * f.reserved_bytes, f.requested_bytes or 0)
+        and "expandable_segments:true" not in f.allocator_conf.replace(" ", "").lower()
+        and f.device_type == "cuda"
+    ):
+        yield Tip(
+            cached,
+            1,
+            "Reduce fragmentation: set `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (or `PYTORCH_ALLOC_CONF`"
+            " on torch >= 2.8) before the process starts",
+            f"{format_bytes(cached)} ({percent(cached, f.reserved_bytes)} of reserved) was reserved by PyTorch but"
+            f" not allocated when {format_bytes(f.requested_bytes)} could not be found in one piece.",
+        )
+
+
+def other_users(f: Facts) -> Iterator[Tip]:
+    """A tenth of the device or more held outside this process's caching allocator."""
+    total, free, reserved = f.device_total_bytes, f.device_free_bytes, f.reserved_bytes
+    if reserved is None or not total or free is None:
+        return
+    others = total - free - reserved
+    if others >= 0.1 * total:
+        yield Tip(
+            others,
+            8,
+            "Free the device of other users: another process, or non-PyTorch allocations (CUDA context, NCCL,"
+            " cuDNN workspaces), hold memory (`nvidia-smi` lists the processes)",
+            f"{format_bytes(others)} ({percent(others, total)} of the device) is used outside this"
+            " process's caching allocator.",
+        )
+
+
+#: The rules, in the order their tips are collected (ties in the ranking keep this order).
+RULES: tuple[Rule, ...] = (
+    huge_allocation,
+    activation_checkpointing,
+    smaller_micro_batch,
+    mixed_precision,
+    evaluation_batch,
+    optimizer_state,
+    parameters_and_gradients,
+    fragmentation,
+    other_users,
+)
+
+
+def suggest_fixes(
+    *,
+    stage: str | None,
+    allocated_bytes: int | None = None,
+    reserved_bytes: int | None = None,
+    device_total_bytes: int | None = None,
+    device_free_bytes: int | None = None,
+    requested_bytes: int | None = None,
+    bytes_by_category: Mapping[str, int] | None = None,
+    unexplained_bytes: int | None = None,
+    micro_batch_size: int | None = None,
+    accumulate_grad_batches: int | None = None,
+    world_size: int = 1,
+    precision: str | None = None,
+    allocator_conf: str | None = None,
+    device_type: str = "cuda",
+    activation_checkpointing: bool | None = None,
+) -> list[Suggestion]:
+    """Ranked suggestions for getting the failed step to fit, derived from the numbers at the failure.
+
+    Each suggestion is a dict with ``rank`` (1 = try first), ``action`` (what to change), ``why`` (the
+    numbers that point to it) and ``saves_bytes`` (a rough estimate of the memory it frees, or ``None``).
+    Suggestions with an estimate come first, largest first; the rest keep a fixed order of usefulness.
+    Each tip comes from one rule of :data:`RULES`.
+
+    ``unexplained_bytes`` (allocated minus parameters, gradients, optimizer states and buffers) is read as
+    activations and temporaries of the step.
+
+    Args:
+        stage: Where it failed: ``"train"``, ``"validate"``, ``"test"``, ``"predict"`` or ``"sanity_check"``.
+        allocated_bytes: Allocated device bytes at the failure.
+        reserved_bytes: Bytes the caching allocator held at the failure.
+        device_total_bytes: Total device memory.
+        device_free_bytes: Free device memory as the driver reported it.
+        requested_bytes: Size of the allocation that failed (from the error message).
+        bytes_by_category: ``parameters``, ``gradients``, ``optimizer_states``, ``buffers`` bytes on the device.
+        unexplained_bytes: Allocated bytes no model/optimizer tensor accounts for.
+        micro_batch_size: Samples per batch on this rank.
+        accumulate_grad_batches: The trainer's gradient accumulation.
+        world_size: Data-parallel ranks.
+        precision: The trainer's precision string (``"32-true"``, ``"bf16-mixed"``, ...).
+        allocator_conf: The allocator settings in effect (``PYTORCH_ALLOC_CONF`` or the CUDA form).
+        device_type: ``"cuda"``, ``"mps"``, ``"cpu"``, ...
+        activation_checkpointing: whether activation checkpointing was on (``None``: unknown). When it was,
+            it is not suggested again.
+
+    Example:
+        >>> tips = suggest_fixes(stage="train", allocated_bytes=10_000, reserved_bytes=10_500,
+        ...     bytes_by_category={"parameters": 1000, "gradients": 1000, "optimizer_states": 2000, "buffers": 0},
+        ...     unexplained_bytes=6000, micro_batch_size=32, accumulate_grad_batches=1, precision="bf16-mixed")
+        >>> [t["action"].split(":")[0] for t in tips][:2]
+        ['Enable activation checkpointing', 'Halve the micro-batch and double `accumulate_grad_batches`']
+    """
+    cats = dict(bytes_by_category or {})
+    params = cats.get("parameters", 0)
+    grads = cats.get("gradients", 0)
+    opt = cats.get("optimizer_states", 0)
+    accounted = params + grads + opt + cats.get("buffers", 0)
+    facts = Facts(
+        stage=stage,
+        allocated_bytes=allocated_bytes,
+        reserved_bytes=reserved_bytes,
+        device_total_bytes=device_total_bytes,
+        device_free_bytes=device_free_bytes,
+        requested_bytes=requested_bytes,
+        params=params,
+        grads=grads,
+        opt=opt,
+        activations=unexplained_bytes,
+        total=allocated_bytes if allocated_bytes else (accounted + (unexplained_bytes or 0)) or None,
+        # Shares are "of allocated" only where the device reported allocated bytes (not on the CPU).
+        basis="allocated" if allocated_bytes else "the bytes counted",
+        micro_batch_size=micro_batch_size,
+        accumulate=accumulate_grad_batches or 1,
+        world_size=world_size,
+        precision=precision,
+        allocator_conf=allocator_conf or "",
+        device_type=device_type,
+        activation_checkpointing=activation_checkpointing,
+    )
+    tips = [tip for rule in RULES for tip in rule(facts)]
+    saves = [None if tip.saves is None else max(int(tip.saves), 0) for tip in tips]
+    order = sorted(range(len(tips)), key=lambda i: (saves[i] is None, -(saves[i] or 0), tips[i].priority))
+    return [
+        {"rank": rank, "action": tips[i].action, "why": tips[i].why, "saves_bytes": saves[i]}
+        for rank, i in enumerate(order, start=1)
+    ]
