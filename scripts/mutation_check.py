@@ -136,6 +136,27 @@ MUTANTS = (
         "for cell_rows, cell_cols, values in ():",
         ("tests/functional/test_retrieval_ties.py",),
     ),
+    Mutant(
+        "oom-fragmentation-threshold",
+        "lightning_memopt/functional/oom/suggestions.py",
+        "cached >= max(0.1 * f.reserved_bytes",
+        "cached >= max(0.5 * f.reserved_bytes",
+        ("tests/functional/test_oom.py",),
+    ),
+    Mutant(
+        "oom-markdown-pipes-unescaped",
+        "lightning_memopt/functional/oom/markdown.py",
+        r'return text.replace("|", "\\|").replace("\n", " ")',
+        r'return text.replace("\n", " ")',
+        ("tests/functional/test_oom.py",),
+    ),
+    Mutant(
+        "oom-report-unredacted",
+        "lightning_memopt/functional/oom/report.py",
+        "return cast(OOMReport, redact_secrets(report))",
+        "return report",
+        ("tests/functional/test_oom_report.py",),
+    ),
 )
 
 
