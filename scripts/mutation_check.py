@@ -54,7 +54,7 @@ MUTANTS = (
     ),
     Mutant(
         "precision-alias-16-to-true",
-        "lightning_memopt/functional/presets.py",
+        "lightning_memopt/functional/precision.py",
         'PRECISION_ALIASES = {"16": "16-mixed",',
         'PRECISION_ALIASES = {"16": "16-true",',
         ("tests/plugins/test_precision_names.py",),
