@@ -13,6 +13,7 @@ from lightning_memopt.__about__ import __version__
 
 if TYPE_CHECKING:
     from lightning_memopt.callbacks import (
+        AllocatorSettings,
         AutoMicroBatch,
         CacheCleaner,
         GarbageCollector,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 #: Where each public name lives.
 _EXPORTS = {
+    "AllocatorSettings": "lightning_memopt.callbacks",
     "AutoMicroBatch": "lightning_memopt.callbacks",
     "CacheCleaner": "lightning_memopt.callbacks",
     "GarbageCollector": "lightning_memopt.callbacks",
@@ -50,6 +52,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AllocatorSettings",
     "AutoMicroBatch",
     "CacheCleaner",
     "GarbageCollector",

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_memopt.functional.allocator import parse_alloc_conf
 from lightning_memopt.functional.presets import (
     PRESET_NAMES,
     PRESETS,
@@ -23,7 +24,6 @@ from lightning_memopt.functional.presets import (
     plan_auto_micro_batch,
     tier_for_memory,
 )
-from lightning_memopt.utilities.allocator import parse_alloc_conf
 from lightning_memopt.utilities.checks import (
     check_bool,
     check_choice,
@@ -451,13 +451,13 @@ class MemoryPreset:
     def _callback_factories(self) -> list[tuple[type, Any]]:
         """``(type, build)`` for each callback the preset implies, in order; nothing is built yet."""
         from lightning_memopt.callbacks import (
+            AllocatorSettings,
             AutoMicroBatch,
             CacheCleaner,
             GarbageCollector,
             GradientCheckpointing,
             MemoryMonitor,
         )
-        from lightning_memopt.utilities.allocator import AllocatorSettings
 
         out: list[tuple[type, Any]] = []
         if self.monitor:

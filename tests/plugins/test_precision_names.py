@@ -13,6 +13,7 @@ from lightning_memopt import MemoryPrecision, MemoryPreset
 from lightning_memopt.functional.precision import PRECISION_MODES, normalize_precision
 from tests.helpers.lightning import NAMESPACE, lightning_module
 from tests.helpers.models import TinyModel
+from tests.helpers.presets_env import give_back_allocator_settings
 from tests.helpers.trainer import make_trainer
 from tests.plugins.test_presets import _memory_cli_class
 
@@ -137,6 +138,7 @@ trainer:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cli = _memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
+    give_back_allocator_settings(cli.trainer.callbacks)  # never fit, never torn down
     assert cli.trainer.precision_plugin.mode == normalize_precision(value)
 
 

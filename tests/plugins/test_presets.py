@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_memopt import (
+    AllocatorSettings,
     AutoMicroBatch,
     CacheCleaner,
     GarbageCollector,
@@ -15,8 +16,8 @@ from lightning_memopt import (
     MemoryPrecision,
     MemoryPreset,
 )
+from lightning_memopt.functional.allocator import ALLOC_CONF_ENV
 from lightning_memopt.plugins.presets import DEFAULT_BATCH_SIZE
-from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
 from tests.helpers.lightning import NAMESPACE, lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
