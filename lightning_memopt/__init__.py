@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from lightning_memopt.functional.memory import MemoryReading, read_memory
     from lightning_memopt.metrics import StreamingRetrievalMetric
     from lightning_memopt.planner import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
-    from lightning_memopt.plugins import MemoryPrecision, MemoryPreset, MemoryPresetCLI
+    from lightning_memopt.plugins import MemoryPrecision
+    from lightning_memopt.presets import MemoryPreset, MemoryPresetCLI
 
 #: Where each public name lives.
 _EXPORTS = {
@@ -39,8 +40,8 @@ _EXPORTS = {
     "MemoryMonitor": "lightning_memopt.callbacks",
     "OOMReporter": "lightning_memopt.callbacks",
     "MemoryPrecision": "lightning_memopt.plugins",
-    "MemoryPreset": "lightning_memopt.plugins",
-    "MemoryPresetCLI": "lightning_memopt.plugins",
+    "MemoryPreset": "lightning_memopt.presets",
+    "MemoryPresetCLI": "lightning_memopt.presets",
     "MemoryReading": "lightning_memopt.functional.memory",
     "read_memory": "lightning_memopt.functional.memory",
     "StreamingRetrievalMetric": "lightning_memopt.metrics",

@@ -61,7 +61,7 @@ MUTANTS = (
     ),
     Mutant(
         "preset-keeps-its-own-callback",
-        "lightning_memopt/plugins/presets.py",
+        "lightning_memopt/presets/trainer_config.py",
         "replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in user_callbacks))",
         "replaced = ()",
         ("tests/plugins/test_preset_cli.py",),

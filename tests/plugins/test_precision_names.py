@@ -13,9 +13,9 @@ from lightning_memopt import MemoryPrecision, MemoryPreset
 from lightning_memopt.functional.precision import PRECISION_MODES, normalize_precision
 from tests.helpers.lightning import NAMESPACE, lightning_module
 from tests.helpers.models import TinyModel
+from tests.helpers.presets_cli import memory_cli_class
 from tests.helpers.presets_env import give_back_allocator_settings
 from tests.helpers.trainer import make_trainer
-from tests.plugins.test_presets import _memory_cli_class
 
 _connector = lightning_module("trainer.connectors.accelerator_connector")
 
@@ -137,7 +137,7 @@ trainer:
     config.write_text(yaml)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cli = _memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
+        cli = memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
     give_back_allocator_settings(cli.trainer.callbacks)  # never fit, never torn down
     assert cli.trainer.precision_plugin.mode == normalize_precision(value)
 

@@ -20,7 +20,7 @@ from lightning_memopt import (
     MemoryPresetCLI,
 )
 from lightning_memopt.functional.allocator import ALLOC_CONF_ENV
-from lightning_memopt.plugins.presets import DEFAULT_BATCH_SIZE, device_count
+from lightning_memopt.presets import DEFAULT_BATCH_SIZE, device_count
 from tests.helpers.lightning import lightning_module
 from tests.helpers.models import TinyModel
 from tests.helpers.presets_env import give_back_allocator_settings
