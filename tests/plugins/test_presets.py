@@ -1,6 +1,7 @@
 import dataclasses
 import os
 import time
+import typing
 import warnings
 
 import pytest
@@ -17,7 +18,8 @@ from lightning_memopt import (
     MemoryPreset,
 )
 from lightning_memopt.functional.allocator import ALLOC_CONF_ENV
-from lightning_memopt.presets import DEFAULT_BATCH_SIZE
+from lightning_memopt.functional.presets import PRESET_NAMES, PRESETS
+from lightning_memopt.presets import DEFAULT_BATCH_SIZE, PresetName
 from tests.helpers.lightning import NAMESPACE, lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.presets_cli import memory_cli_class
@@ -531,6 +533,37 @@ def test_auto_micro_batch_through_lightning_cli(tmp_path):
     (callback,) = _auto_micro_batches(cli.trainer.callbacks)
     assert callback.start_micro_batch_size == "auto"
     assert ModelSummary in _types(cli.trainer.callbacks)  # the user's callbacks are kept
+
+
+# ------------------------------------------------------------------------------------------------ the table, in use
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_each_preset_turns_on_what_its_table_entry_says(name):
+    entry = PRESETS[name]
+    assert typing.get_args(PresetName) == PRESET_NAMES  # LightningCLI's choices are the table's presets
+    preset = MemoryPreset.from_name(name, effective_batch_size=96)
+    kwargs = preset.trainer_kwargs()
+    _restore(kwargs)
+    expected = [
+        kind
+        for kind, on in (
+            (MemoryMonitor, entry["monitor"]),
+            (CacheCleaner, entry["cache_clean_on_phase_end"]),
+            (GarbageCollector, entry["gc_every_n_steps"] > 0),
+            (GradientCheckpointing, entry["gradient_checkpointing"]),
+            (AllocatorSettings, bool(entry["allocator_conf"])),
+        )
+        if on
+    ]
+    assert _types(kwargs["callbacks"]) == expected
+    plugin = kwargs["plugins"][0]
+    assert plugin.mode == entry["precision"]
+    assert plugin.float32_matmul_precision == (entry["float32_matmul_precision"] or None)
+    # the fewest accumulation steps at or above the preset's target that divide the batch
+    accumulation = kwargs["accumulate_grad_batches"]
+    assert accumulation * preset.batch_size == 96 and accumulation >= entry["target_accumulation"]
+    assert not any(96 % a == 0 for a in range(entry["target_accumulation"], accumulation))
 
 
 def test_the_old_import_paths_still_work():
