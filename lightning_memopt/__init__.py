@@ -13,6 +13,7 @@ from lightning_memopt.__about__ import __version__
 
 if TYPE_CHECKING:
     from lightning_memopt.callbacks import (
+        AllocatorSettings,
         AutoMicroBatch,
         CacheCleaner,
         GarbageCollector,
@@ -25,10 +26,12 @@ if TYPE_CHECKING:
     from lightning_memopt.functional.memory import MemoryReading, read_memory
     from lightning_memopt.metrics import StreamingRetrievalMetric
     from lightning_memopt.planner import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
-    from lightning_memopt.plugins import MemoryPrecision, MemoryPreset, MemoryPresetCLI
+    from lightning_memopt.plugins import MemoryPrecision
+    from lightning_memopt.presets import MemoryPreset, MemoryPresetCLI
 
 #: Where each public name lives.
 _EXPORTS = {
+    "AllocatorSettings": "lightning_memopt.callbacks",
     "AutoMicroBatch": "lightning_memopt.callbacks",
     "CacheCleaner": "lightning_memopt.callbacks",
     "GarbageCollector": "lightning_memopt.callbacks",
@@ -37,8 +40,8 @@ _EXPORTS = {
     "MemoryMonitor": "lightning_memopt.callbacks",
     "OOMReporter": "lightning_memopt.callbacks",
     "MemoryPrecision": "lightning_memopt.plugins",
-    "MemoryPreset": "lightning_memopt.plugins",
-    "MemoryPresetCLI": "lightning_memopt.plugins",
+    "MemoryPreset": "lightning_memopt.presets",
+    "MemoryPresetCLI": "lightning_memopt.presets",
     "MemoryReading": "lightning_memopt.functional.memory",
     "read_memory": "lightning_memopt.functional.memory",
     "StreamingRetrievalMetric": "lightning_memopt.metrics",
@@ -50,6 +53,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AllocatorSettings",
     "AutoMicroBatch",
     "CacheCleaner",
     "GarbageCollector",

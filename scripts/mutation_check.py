@@ -54,14 +54,14 @@ MUTANTS = (
     ),
     Mutant(
         "precision-alias-16-to-true",
-        "lightning_memopt/functional/presets.py",
+        "lightning_memopt/functional/precision.py",
         'PRECISION_ALIASES = {"16": "16-mixed",',
         'PRECISION_ALIASES = {"16": "16-true",',
         ("tests/plugins/test_precision_names.py",),
     ),
     Mutant(
         "preset-keeps-its-own-callback",
-        "lightning_memopt/plugins/presets.py",
+        "lightning_memopt/presets/trainer_config.py",
         "replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in user_callbacks))",
         "replaced = ()",
         ("tests/plugins/test_preset_cli.py",),

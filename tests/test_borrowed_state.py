@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt import GarbageCollector, GradientCheckpointing, MemoryPrecision
+from lightning_memopt import AllocatorSettings, GarbageCollector, GradientCheckpointing, MemoryPrecision
 from lightning_memopt.callbacks import garbage_collector
-from lightning_memopt.utilities import allocator
-from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
+from lightning_memopt.functional import allocator
+from lightning_memopt.functional.allocator import ALLOC_CONF_ENV
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_memopt import (
+    AllocatorSettings,
     AutoMicroBatch,
     CacheCleaner,
     GarbageCollector,
@@ -26,6 +27,7 @@ from lightning_memopt import (
     OOMReporter,
 )
 from lightning_memopt.utilities import namespaces
+from tests.helpers.presets_env import give_back_allocator_settings
 from tests.helpers.subprocess_run import REPO_ROOT, run_script
 
 pytorch_lightning = pytest.importorskip("pytorch_lightning")
@@ -47,6 +49,7 @@ OLDEST_TESTS = [
     "tests/plugins/test_preset_cli.py",
 ]
 CALLBACKS = [
+    AllocatorSettings,
     AutoMicroBatch,
     CacheCleaner,
     GarbageCollector,
@@ -81,8 +84,10 @@ def test_either_trainer_takes_the_plugin_and_the_preset(pl, tmp_path):
     assert isinstance(trainer.precision_plugin, MemoryPrecision)
     preset = MemoryPreset("max-savings", effective_batch_size=8)
     trainer = pl.Trainer(**preset.trainer_kwargs(accelerator="cpu", logger=False, default_root_dir=str(tmp_path)))
+    built = preset.callbacks()
+    give_back_allocator_settings(trainer.callbacks, built)  # never fit, never torn down
     assert trainer.accumulate_grad_batches == preset.accumulate_grad_batches
-    assert {type(c) for c in trainer.callbacks} >= {type(c) for c in preset.callbacks()}
+    assert {type(c) for c in trainer.callbacks} >= {type(c) for c in built}
 
 
 @pytest.mark.parametrize("pl", [lightning_pytorch, pytorch_lightning], ids=lambda m: m.__name__)

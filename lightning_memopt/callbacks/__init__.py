@@ -1,5 +1,6 @@
 """Lightning callbacks."""
 
+from lightning_memopt.callbacks.allocator_settings import AllocatorSettings
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from lightning_memopt.callbacks.cache_cleaner import CacheCleaner
 from lightning_memopt.callbacks.garbage_collector import GarbageCollector
@@ -9,6 +10,7 @@ from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.callbacks.oom_reporter import OOMReporter
 
 __all__ = [
+    "AllocatorSettings",
     "AutoMicroBatch",
     "CacheCleaner",
     "GarbageCollector",

@@ -15,7 +15,15 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_memopt.functional.presets import PrecisionChoice, PrecisionInput, choose_precision, normalize_precision
+from lightning_memopt.functional.precision import (
+    UNSUPPORTED_STRATEGIES,
+    PrecisionChoice,
+    PrecisionInput,
+    choose_precision,
+    has_own_precision,
+    normalize_precision,
+    own_precision_strategy,
+)
 from lightning_memopt.utilities.checks import check_bool, check_choice
 from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -24,26 +32,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
-
-#: Strategies that bring their own precision classes; ``MemoryPrecision`` refuses them instead of misbehaving.
-UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
-
-
-def has_own_precision(strategy: Any) -> bool:
-    """Whether ``strategy`` (a Trainer's ``strategy=``: a name such as ``"deepspeed_stage_2"``, or an object) is
-    one of :data:`UNSUPPORTED_STRATEGIES`, which bring their own precision classes.
-
-    Example:
-        >>> [has_own_precision(s) for s in ("fsdp", "deepspeed_stage_3", "xla_fsdp", "ddp", "auto", None)]
-        [True, True, True, False, False, False]
-    """
-    if strategy is None:
-        return False
-    if isinstance(strategy, str):
-        key = strategy.lower().replace("_", "")
-        return any(name.lower().removesuffix("strategy") in key for name in UNSUPPORTED_STRATEGIES)
-    return bool({cls.__name__ for cls in type(strategy).__mro__}.intersection(UNSUPPORTED_STRATEGIES))
-
 
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 
@@ -55,7 +43,7 @@ _MATMUL_BACKENDS = ("cuda", "mkldnn")
 def _get_matmul_precision() -> str | None:
     try:
         return torch.get_float32_matmul_precision()
-    except Exception:  # the legacy getter raises once the newer fp32_precision API was used
+    except RuntimeError:  # the legacy getter raises once the newer fp32_precision API was used
         return None
 
 
@@ -131,26 +119,12 @@ class MemoryPrecision(Precision):
       Lightning's Trainer replaces ``"16-mixed"`` by ``"bf16-mixed"``; this plugin runs the fp16 autocast asked for
       (torch supports it on CPUs).
 
-    ``float32_matmul_precision`` (``"high"`` allows TF32 on Ampere+) is set only through
-    ``torch.set_float32_matmul_precision`` at setup. The previous state, including what that call writes into
-    ``torch.backends.{cuda,mkldnn}.matmul.fp32_precision``, is given back exactly at teardown, which Lightning's
-    strategy also runs when fit stops with an exception. When the application has set TF32 through torch's newer
-    per-backend API (``torch.get_float32_matmul_precision()`` raises then), the two APIs do not mix: this plugin
-    leaves TF32 alone and warns. cuDNN flags are never changed.
-
-    **Short last window.** Lightning divides every loss by ``accumulate_grad_batches``, also in the last window of an
-    epoch when fewer micro-batches remain (upstream #19987): those samples get too small a gradient. With
-    ``exact_accumulation=True`` (default) this plugin rescales the loss in that window by
-    ``accumulate_grad_batches / len(window)``, so each optimizer step uses the mean of the micro-batch losses it saw
-    (the full-batch gradient when the micro-batches are equally sized). Needs a sized train dataloader (no-op for
-    iterable ones) and automatic optimization. ``tests/plugins/test_accumulation.py`` pins both behaviours.
-
-    The plugin replaces ``Trainer(precision=...)``: given both, Lightning raises "Received both `precision=...` and
-    `plugins=...`"; drop ``precision=`` and pass the mode here (``MemoryPreset.trainer_kwargs`` says so by name).
-
-    FSDP, DeepSpeed and model-parallel strategies have their own precision classes: this plugin raises a ``TypeError``
-    for them. Pass ``Trainer(precision="bf16-mixed")`` there, or let ``MemoryPreset.trainer_kwargs(strategy=...)``
-    emit the precision string.
+    ``float32_matmul_precision`` is set through ``torch.set_float32_matmul_precision`` at setup and given back exactly
+    at teardown (also when fit stops with an exception); where TF32 was set through torch's per-backend API the plugin
+    leaves it alone and warns. With ``exact_accumulation=True`` the loss of an epoch's short last accumulation window
+    is rescaled, so each optimizer step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin
+    replaces ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies
+    get a ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
 
     Args:
         mode: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``, ``"bf16"``...).
@@ -178,7 +152,7 @@ class MemoryPrecision(Precision):
         scaler: torch.amp.GradScaler | None = None,
         exact_accumulation: bool = True,
     ) -> None:
-        mode = normalize_precision(mode, "mode")  # type: ignore[assignment]
+        normalized = normalize_precision(mode, "mode")
         if float32_matmul_precision is not None:
             check_choice("float32_matmul_precision", float32_matmul_precision, _MATMUL_PRECISIONS)
         check_bool("allow_emulated_bf16", allow_emulated_bf16)
@@ -188,20 +162,20 @@ class MemoryPrecision(Precision):
                 f"`scaler` must be a `torch.amp.GradScaler` or None, got {scaler!r}."
                 " Pass `scaler=torch.amp.GradScaler('cuda')`, or None to have one made for fp16."
             )
-        self.mode = mode
+        self.mode: str = normalized
         self.float32_matmul_precision = float32_matmul_precision
         self.allow_emulated_bf16 = allow_emulated_bf16
         self.exact_accumulation = exact_accumulation
         self._scaler = scaler
         self.choice: PrecisionChoice | None = None
-        self.precision = mode if mode != "auto" else "32-true"
+        self.precision = normalized if normalized != "auto" else "32-true"
         #: The Lightning namespace whose plugins do the work: the Trainer's, once ``setup`` has seen it.
         self._namespace = NAMESPACES[0]
         #: Where the user sets ``mode``, for messages (a ``MemoryPreset`` says its own field).
         self.setting = "MemoryPrecision(mode={!r})"
         # the true-dtype modes act before setup too (`trainer.init_module()`); the others are chosen in `setup`
         self._delegate: Any = _plain_plugin(
-            self._namespace, mode if mode in ("16-true", "bf16-true", "64-true") else "32-true"
+            self._namespace, normalized if normalized in ("16-true", "bf16-true", "64-true") else "32-true"
         )
         self._previous_matmul: dict[str, str] | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -228,7 +202,8 @@ class MemoryPrecision(Precision):
         device = torch.device(device)
         if device.type == "cuda" and torch.cuda.is_available():
             if capability is None:
-                capability = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+                major, minor = torch.cuda.get_device_capability(device)
+                capability = (major, minor)
             if device_name is None:
                 device_name = torch.cuda.get_device_name(device)
         choice = choose_precision(
@@ -238,7 +213,7 @@ class MemoryPrecision(Precision):
         self.precision = choice.precision
         namespace = namespace or self._namespace
         same_namespace, self._namespace = namespace == self._namespace, namespace
-        mixed = _plugin_class(namespace, "MixedPrecision")
+        mixed: Any = _plugin_class(namespace, "MixedPrecision")
         current = self._delegate
         if isinstance(current, mixed) and current.precision == choice.precision and current.device == device.type:
             pass  # a second fit keeps the scaler state of the first
@@ -257,10 +232,10 @@ class MemoryPrecision(Precision):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer | None) -> None:
         strategy = getattr(trainer, "strategy", None)
-        if has_own_precision(strategy):
-            bad = {cls.__name__ for cls in type(strategy).__mro__}.intersection(UNSUPPORTED_STRATEGIES)
+        own = own_precision_strategy(strategy)
+        if own is not None:
             raise TypeError(
-                f"`MemoryPrecision` cannot serve `strategy={type(strategy).__name__}`: {sorted(bad)[0]} needs its own"
+                f"`MemoryPrecision` cannot serve `strategy={type(strategy).__name__}`: {own} needs its own"
                 " precision class. Drop `MemoryPrecision` from `plugins` and pass `precision='bf16-mixed'` (or"
                 " '16-mixed') to the Trainer, or call `MemoryPreset.trainer_kwargs(strategy=...)`, which does that."
             )
@@ -363,22 +338,22 @@ class MemoryPrecision(Precision):
         return 1.0
 
     @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         factor = self._short_window_factor(module)
         if factor != 1.0:
             tensor = tensor * factor
         return self._delegate.pre_backward(tensor, module)
 
     @override
-    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         self._delegate.backward(tensor, model, optimizer, *args, **kwargs)
 
     @override
-    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         return self._delegate.post_backward(tensor, module)
 
     @override
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         return self._delegate.optimizer_step(optimizer, model=model, closure=closure, **kwargs)

@@ -137,7 +137,7 @@ def _same_choice(value: Any, choice: Any) -> bool:
         return False
     try:
         return bool(value == choice)
-    except Exception:  # e.g. a tensor or an array: not a choice
+    except (RuntimeError, ValueError, TypeError):  # e.g. a tensor or an array: not a choice
         return False
 
 

@@ -3,6 +3,7 @@
 import copy
 import gc
 import json
+import os
 import pickle
 
 import pytest
@@ -16,6 +17,26 @@ from tests.helpers.trainer import make_trainer
 EXPORTED = [getattr(callbacks_pkg, name) for name in callbacks_pkg.__all__]
 # MemoryAudit's fits walk every Python object (1.5-2.4 s each): in the full suite only
 CONTRACT = [pytest.param(c, marks=pytest.mark.slow) if c.__name__ == "MemoryAudit" else c for c in EXPORTED]
+#: Where a callback's defaults do nothing observable, the arguments that make it act (anything else: defaults only).
+ARGUMENTS = {"AllocatorSettings": {"allocator_conf": "expandable_segments:True"}}
+_ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def _make(cls):
+    return cls(**ARGUMENTS.get(cls.__name__, {}))
+
+
+@pytest.fixture(autouse=True)
+def _allocator_env_given_back():
+    """Each test starts without allocator settings in the environment; an ``AllocatorSettings`` built but never fit
+    (e.g. for a state round trip) keeps its setting, which is undone here."""
+    saved = {name: os.environ.pop(name, None) for name in _ALLOC_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def test_every_export_is_a_callback():
@@ -34,7 +55,8 @@ class _During(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.seen is None:
             loop = trainer.fit_loop.epoch_loop.automatic_optimization
-            self.seen = {"gc_enabled": gc.isenabled(), "loop": type(loop).__name__}
+            alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            self.seen = {"gc_enabled": gc.isenabled(), "loop": type(loop).__name__, "alloc": alloc}
 
 
 def _did_its_job(callback, trainer, during, tmp_path):
@@ -58,13 +80,15 @@ def _did_its_job(callback, trainer, during, tmp_path):
         assert callback.wrapped_names == [] and all("forward" not in vars(m) for m in modules)
     elif name == "AutoMicroBatch":  # the whole batch fit; its loop was in place during the fit and is gone after
         assert callback.micro_batch_size == 4 and during["loop"] == "_MicroBatchOptimization" and loop != during["loop"]
+    elif name == "AllocatorSettings":  # the setting in the environment during the fit (no CUDA yet), gone after it
+        assert during["alloc"] == "expandable_segments:True" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     else:
         raise AssertionError(f"no behaviour check for {name}: add one here")
 
 
 @pytest.mark.parametrize("cls", CONTRACT, ids=lambda c: c.__name__)
 def test_callback_contract(cls, tmp_path):
-    callback = cls()  # defaults only
+    callback = _make(cls)  # defaults only, or the ARGUMENTS that make it act
     model = TinyModel()
     during = _During()
     trainer = make_trainer(tmp_path, callbacks=[callback, during], max_steps=3, logger=False, limit_val_batches=0)
@@ -80,7 +104,7 @@ def test_callback_contract(cls, tmp_path):
     # state_dict round trip through a fresh instance
     state = callback.state_dict()
     assert isinstance(state, dict)
-    fresh = cls()
+    fresh = _make(cls)
     fresh.load_state_dict(copy.deepcopy(state))
     assert fresh.state_dict() == state
     assert isinstance(callback.state_key, str)
@@ -101,7 +125,7 @@ def test_callback_contract(cls, tmp_path):
 def test_callback_state_survives_a_checkpoint(cls, tmp_path):
     ModelCheckpoint = lightning_module("callbacks").ModelCheckpoint
 
-    callback = cls()
+    callback = _make(cls)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     trainer = make_trainer(tmp_path, callbacks=[callback, ckpt], max_steps=2, enable_checkpointing=True)
     trainer.fit(TinyModel())
@@ -111,7 +135,7 @@ def test_callback_state_survives_a_checkpoint(cls, tmp_path):
         assert saved[callback.state_key] == state
     else:  # a stateless callback: Lightning stores only non-empty callback states
         assert callback.state_key not in saved
-    resumed_cb = cls()
+    resumed_cb = _make(cls)
     loaded = []
     original = resumed_cb.load_state_dict
     resumed_cb.load_state_dict = lambda state: loaded.append(state) or original(state)
@@ -204,7 +228,7 @@ def test_a_crash_then_a_clean_second_fit_behaves_like_a_fresh_callback(cls, tmp_
     before = _process_state()
     model = BlockModel(crash_at=1)
     forward = model.block.forward
-    callback = cls()
+    callback = _make(cls)
     trainer = make_trainer(tmp_path / "crash", callbacks=[callback], max_steps=3, limit_val_batches=0, logger=False)
     with pytest.raises(RuntimeError, match="crash in training_step"):
         trainer.fit(model)
@@ -214,7 +238,7 @@ def test_a_crash_then_a_clean_second_fit_behaves_like_a_fresh_callback(cls, tmp_
     # the same instance, a second fit: what a fresh instance does (no warning a fresh one would not give; a
     # warn-once message given in the first fit is not repeated)
     again_warned, again_patched = _fit_recording(callback, tmp_path / "again", BlockModel())
-    fresh_warned, fresh_patched = _fit_recording(cls(), tmp_path / "fresh", BlockModel())
+    fresh_warned, fresh_patched = _fit_recording(_make(cls), tmp_path / "fresh", BlockModel())
     assert again_warned <= fresh_warned, again_warned - fresh_warned
     assert again_patched == fresh_patched == [cls.__name__ == "GradientCheckpointing"] * 3
     assert _process_state() == before

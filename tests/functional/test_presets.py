@@ -1,3 +1,4 @@
+import copy
 import time
 
 import pytest
@@ -7,11 +8,13 @@ from hypothesis import strategies as st
 from lightning_memopt.functional.presets import (
     PRESET_NAMES,
     PRESETS,
+    TIERS,
     choose_precision,
     has_native_bf16,
     plan_accumulation,
     tier_for_memory,
 )
+from tests.helpers.presets_table import check_batch_arithmetic, check_preset_table
 
 
 @pytest.mark.parametrize(
@@ -172,8 +175,57 @@ def test_tier_rejects_what_is_not_a_finite_positive_number(bad):
         tier_for_memory(bad)
 
 
-def test_preset_tables_are_ordered_by_savings():
-    assert PRESET_NAMES == ("max-savings", "balanced", "max-speed")
-    acc = [PRESETS[n]["target_accumulation"] for n in PRESET_NAMES]
-    assert acc == sorted(acc, reverse=True)
-    assert PRESETS["max-savings"]["gradient_checkpointing"] and not PRESETS["max-speed"]["gradient_checkpointing"]
+def test_the_preset_table_has_the_properties_it_must_have():
+    check_preset_table(PRESETS, TIERS)
+    assert tuple(PRESETS) == PRESET_NAMES
+
+
+def _broken(edit):
+    presets, tiers = copy.deepcopy(PRESETS), list(TIERS)
+    edit(presets, tiers)
+    return presets, tiers
+
+
+BROKEN = {
+    "fastest-checkpoints": lambda p, t: p["max-speed"].update(gradient_checkpointing=True),
+    "middle-accumulates-most": lambda p, t: p["balanced"].update(target_accumulation=8),
+    "middle-collects-garbage-alone": lambda p, t: p.update(
+        {
+            "max-savings": {**p["max-savings"], "gc_every_n_steps": 0},
+            "balanced": {**p["balanced"], "gc_every_n_steps": 50},
+        }
+    ),
+    "savings-without-monitor": lambda p, t: p["max-savings"].update(monitor=False),
+    "allocator-typo": lambda p, t: p["balanced"].update(allocator_conf="expandable_segments"),
+    "knob-missing": lambda p, t: p["balanced"].pop("monitor"),
+    "knob-as-string": lambda p, t: p["max-savings"].update(gradient_checkpointing="yes"),
+    "no-accumulation-target": lambda p, t: p["max-speed"].update(target_accumulation=0),
+    "short-precision-name": lambda p, t: p["balanced"].update(precision="bf16"),
+    "tiers-out-of-order": lambda p, t: t.__setitem__(slice(0, 2), [t[1], t[0]]),
+    "tier-bound-shrinks": lambda p, t: t.__setitem__(1, (10.0, "16GB", "balanced")),
+    "last-tier-closed": lambda p, t: t.__setitem__(2, (80.0, "24GB+", "max-speed")),
+    "tier-names-unknown-preset": lambda p, t: t.__setitem__(1, (20.0, "16GB", "fast")),
+    "tier-label-outside-bounds": lambda p, t: t.__setitem__(1, (20.0, "32GB", "balanced")),
+}
+
+
+@pytest.mark.parametrize("edit", list(BROKEN.values()), ids=list(BROKEN))
+def test_a_broken_table_entry_fails_the_checks(edit):
+    presets, tiers = _broken(edit)
+    with pytest.raises(AssertionError):
+        check_preset_table(presets, tiers)
+    # the checks themselves found it: the real table still passes
+    check_preset_table(PRESETS, TIERS)
+
+
+def test_batch_arithmetic_check_catches_a_split_that_loses_samples():
+    # A split is wrong if micro x accumulation x world is not the effective batch: the check must see that.
+    with pytest.raises(AssertionError):
+        check_batch_arithmetic({"bad": {"target_accumulation": 4}}, largest=8, plan=_lossy_plan)
+
+
+def _lossy_plan(effective, micro, devices, nodes, target):
+    plan = plan_accumulation(effective, micro, devices, nodes, target)
+    return type(plan)(
+        plan.effective_batch_size, plan.micro_batch_size + 1, plan.accumulate_grad_batches, plan.world_size
+    )

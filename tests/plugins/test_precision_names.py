@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from lightning_memopt import MemoryPrecision, MemoryPreset
-from lightning_memopt.functional.presets import PRECISION_MODES, normalize_precision
+from lightning_memopt.functional.precision import PRECISION_MODES, normalize_precision
 from tests.helpers.lightning import NAMESPACE, lightning_module
 from tests.helpers.models import TinyModel
+from tests.helpers.presets_cli import memory_cli_class
+from tests.helpers.presets_env import give_back_allocator_settings
 from tests.helpers.trainer import make_trainer
-from tests.plugins.test_presets import _memory_cli_class
 
 _connector = lightning_module("trainer.connectors.accelerator_connector")
 
@@ -136,7 +137,8 @@ trainer:
     config.write_text(yaml)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cli = _memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
+        cli = memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
+    give_back_allocator_settings(cli.trainer.callbacks)  # never fit, never torn down
     assert cli.trainer.precision_plugin.mode == normalize_precision(value)
 
 
@@ -145,3 +147,10 @@ def test_true_dtype_modes_act_before_setup_as_lightning_s_do(value, dtype):
     """``trainer.init_module()`` runs before setup: the true-dtype plugins must already be in place."""
     with MemoryPrecision(value).tensor_init_context():
         assert torch.zeros(1).dtype == dtype
+
+
+def test_the_documented_path_of_normalize_precision_still_works():
+    from lightning_memopt.functional import presets
+
+    assert presets.normalize_precision is normalize_precision
+    assert presets.normalize_precision(16) == "16-mixed"

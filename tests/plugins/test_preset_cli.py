@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_memopt import (
+    AllocatorSettings,
     AutoMicroBatch,
     CacheCleaner,
     GarbageCollector,
@@ -18,10 +19,11 @@ from lightning_memopt import (
     MemoryPreset,
     MemoryPresetCLI,
 )
-from lightning_memopt.plugins.presets import DEFAULT_BATCH_SIZE, device_count
-from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
+from lightning_memopt.functional.allocator import ALLOC_CONF_ENV
+from lightning_memopt.presets import DEFAULT_BATCH_SIZE, device_count
 from tests.helpers.lightning import lightning_module
 from tests.helpers.models import TinyModel
+from tests.helpers.presets_env import give_back_allocator_settings
 from tests.helpers.trainer import make_trainer
 
 FULL = dict(
@@ -74,8 +76,8 @@ def test_your_callback_of_a_type_the_preset_adds_replaces_the_preset_s(kind, mon
         assert len(said) == 1
         if kind is AllocatorSettings:  # the preset's was never built, so it never set the environment
             assert os.environ.get(ALLOC_CONF_ENV) == "garbage_collection_threshold:0.7"
-    finally:
-        for c in [*first, *second, mine]:
+    finally:  # the last one built gives back first: each restores what was there when it was built
+        for c in [*reversed(second), *reversed(first), mine]:
             if isinstance(c, AllocatorSettings):
                 c.restore()
 
@@ -124,7 +126,9 @@ def test_device_count_counts_as_lightning_does(monkeypatch):
 
 def test_devices_written_another_way_are_the_same_devices():
     preset = MemoryPreset(effective_batch_size=16, micro_batch_size=4, devices=2)
-    assert preset.trainer_kwargs(accelerator="cpu", devices="2")["devices"] == "2"
+    kwargs = preset.trainer_kwargs(accelerator="cpu", devices="2")
+    give_back_allocator_settings(kwargs["callbacks"])
+    assert kwargs["devices"] == "2"
     with pytest.raises(ValueError, match="`devices=3` differs from the preset's `devices=2`"):
         preset.trainer_kwargs(accelerator="cpu", devices=3)
 
@@ -199,6 +203,7 @@ def test_trainer_devices_flow_into_the_preset(tmp_path):
         ],
         tmp_path,
     )
+    give_back_allocator_settings(cli.trainer.callbacks)  # never fit, never torn down
     assert cli.config.memory.devices == 2
     assert cli.trainer.accumulate_grad_batches == 2  # 16 = 4 x 2 devices x 2
     assert cli.model.batch_size == 4

@@ -1,12 +1,14 @@
 import dataclasses
 import os
 import time
+import typing
 import warnings
 
 import pytest
 import torch
 
 from lightning_memopt import (
+    AllocatorSettings,
     AutoMicroBatch,
     CacheCleaner,
     GarbageCollector,
@@ -15,10 +17,12 @@ from lightning_memopt import (
     MemoryPrecision,
     MemoryPreset,
 )
-from lightning_memopt.plugins.presets import DEFAULT_BATCH_SIZE
-from lightning_memopt.utilities.allocator import ALLOC_CONF_ENV, AllocatorSettings
+from lightning_memopt.functional.allocator import ALLOC_CONF_ENV
+from lightning_memopt.functional.presets import PRESET_NAMES, PRESETS
+from lightning_memopt.presets import DEFAULT_BATCH_SIZE, PresetName
 from tests.helpers.lightning import NAMESPACE, lightning_module, pl
 from tests.helpers.models import TinyModel
+from tests.helpers.presets_cli import memory_cli_class
 from tests.helpers.trainer import make_trainer
 
 
@@ -308,23 +312,6 @@ def test_merge_trainer_config_fills_defaults_and_keeps_real_conflicts():
         preset.merge_trainer_config({**full, "devices": 2})
 
 
-def _memory_cli_class():
-    """The LightningCLI subclass documented in ``MemoryPreset``'s docstring."""
-    LightningCLI = lightning_module("cli").LightningCLI
-
-    class MemoryCLI(LightningCLI):
-        def add_arguments_to_parser(self, parser):
-            parser.add_class_arguments(MemoryPreset, "memory")
-            parser.link_arguments("memory", "model.batch_size", lambda p: p.batch_size, apply_on="instantiate")
-
-        def instantiate_trainer(self, **kwargs):
-            config = self.config_init[self.subcommand] if self.subcommand else self.config_init
-            trainer_config = {**config["trainer"], **kwargs}
-            return super().instantiate_trainer(**config["memory"].merge_trainer_config(trainer_config))
-
-    return MemoryCLI
-
-
 CLI_YAML = """
 memory:
   name: max-savings
@@ -357,7 +344,7 @@ def test_lightning_cli_yaml_builds_the_trainer_from_the_preset(tmp_path, subcomm
     args = ["fit", f"--config={config}"] if subcommand else [f"--config={config}"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cli = _memory_cli_class()(TinyModel, run=subcommand, args=args, save_config_callback=None)
+        cli = memory_cli_class()(TinyModel, run=subcommand, args=args, save_config_callback=None)
         if not subcommand:
             cli.trainer.fit(cli.model)
     trainer, preset = cli.trainer, MemoryPreset.from_name("max-savings", effective_batch_size=16, micro_batch_size=4)
@@ -540,9 +527,72 @@ def test_auto_micro_batch_through_lightning_cli(tmp_path):
     config.write_text(yaml)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cli = _memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
+        cli = memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
     _restore({"callbacks": cli.trainer.callbacks})
     assert cli.model.batch_size == 16 and cli.trainer.accumulate_grad_batches == 1
     (callback,) = _auto_micro_batches(cli.trainer.callbacks)
     assert callback.start_micro_batch_size == "auto"
     assert ModelSummary in _types(cli.trainer.callbacks)  # the user's callbacks are kept
+
+
+# ------------------------------------------------------------------------------------------------ the table, in use
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_each_preset_turns_on_what_its_table_entry_says(name):
+    entry = PRESETS[name]
+    assert typing.get_args(PresetName) == PRESET_NAMES  # LightningCLI's choices are the table's presets
+    preset = MemoryPreset.from_name(name, effective_batch_size=96)
+    kwargs = preset.trainer_kwargs()
+    _restore(kwargs)
+    expected = [
+        kind
+        for kind, on in (
+            (MemoryMonitor, entry["monitor"]),
+            (CacheCleaner, entry["cache_clean_on_phase_end"]),
+            (GarbageCollector, entry["gc_every_n_steps"] > 0),
+            (GradientCheckpointing, entry["gradient_checkpointing"]),
+            (AllocatorSettings, bool(entry["allocator_conf"])),
+        )
+        if on
+    ]
+    assert _types(kwargs["callbacks"]) == expected
+    plugin = kwargs["plugins"][0]
+    assert plugin.mode == entry["precision"]
+    assert plugin.float32_matmul_precision == (entry["float32_matmul_precision"] or None)
+    # the fewest accumulation steps at or above the preset's target that divide the batch
+    accumulation = kwargs["accumulate_grad_batches"]
+    assert accumulation * preset.batch_size == 96 and accumulation >= entry["target_accumulation"]
+    assert not any(96 % a == 0 for a in range(entry["target_accumulation"], accumulation))
+
+
+def test_the_old_import_paths_still_work():
+    import lightning_memopt
+    import lightning_memopt.plugins as plugins
+    from lightning_memopt.plugins import presets as old_presets
+
+    assert plugins.MemoryPreset is lightning_memopt.MemoryPreset is old_presets.MemoryPreset is MemoryPreset
+    assert plugins.MemoryPresetCLI is lightning_memopt.MemoryPresetCLI
+    assert old_presets.DEFAULT_BATCH_SIZE == DEFAULT_BATCH_SIZE and old_presets.device_count("cpu", [0, 1]) == 2
+    assert lightning_memopt.AllocatorSettings is AllocatorSettings
+    with pytest.raises(AttributeError):
+        plugins.NotAPreset  # noqa: B018
+
+
+@pytest.mark.slow
+def test_the_plugins_do_not_import_the_presets(tmp_path):
+    """The package flows one way: importing the plugins (or the callbacks) leaves the presets above them unimported."""
+    from tests.helpers.subprocess_run import run_script
+
+    code = """
+import sys
+import lightning_memopt.callbacks
+import lightning_memopt.plugins
+import lightning_memopt.plugins.presets
+print("PRESETS", "lightning_memopt.presets" in sys.modules)
+from lightning_memopt.plugins import MemoryPreset
+print("LATER", "lightning_memopt.presets" in sys.modules)
+"""
+    proc = run_script(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PRESETS False" in proc.stdout and "LATER True" in proc.stdout

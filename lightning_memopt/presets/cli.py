@@ -6,7 +6,8 @@ import dataclasses
 import re
 from typing import Any
 
-from lightning_memopt.plugins.presets import MemoryPreset, device_count
+from lightning_memopt.presets.preset import MemoryPreset
+from lightning_memopt.presets.trainer_config import device_count
 
 __all__ = ["MemoryPresetCLI"]
 
@@ -65,20 +66,10 @@ class MemoryPresetCLI:
         CLI(MyModel, MyDataModule)
 
     and write ``memory: {name: max-savings, effective_batch_size: 256, micro_batch_size: 16}`` in the config (or
-    ``--memory.name max-savings`` ...). What it does:
-
-    * A config without a ``memory:`` section runs with the ``balanced`` preset and the DataLoader batch
-      ``DEFAULT_BATCH_SIZE`` (32): never ``batch_size=None``.
-    * ``memory.name`` and ``memory.precision`` are ``Literal`` types: ``--help`` lists the choices and a typo fails
-      while the config is parsed, naming the key.
-    * ``memory.devices`` and ``memory.num_nodes`` follow ``trainer.devices`` / ``trainer.accelerator`` and
-      ``trainer.num_nodes`` (counted as Lightning counts them): set them once, under ``trainer``.
-    * The preset's batch (``MemoryPreset.batch_size``) goes to :attr:`memory_batch_size_target`; that key is then
-      set by the preset, not by the config.
-    * The preset's errors name config keys (`` `memory.effective_batch_size` ``,
-      `` `trainer.accumulate_grad_batches` ``).
-    * Callbacks under ``trainer.callbacks`` of a type the preset adds (e.g. your own ``MemoryMonitor``) replace the
-      preset's.
+    ``--memory.name max-savings`` ...). Without a ``memory:`` section it runs the ``balanced`` preset with the
+    DataLoader batch ``DEFAULT_BATCH_SIZE`` (32). ``memory.devices`` and ``memory.num_nodes`` follow ``trainer.devices``
+    and ``trainer.num_nodes``; the preset's batch goes to :attr:`memory_batch_size_target`; its errors name config
+    keys (`` `memory.effective_batch_size` ``). ``docs/presets.md`` says more.
     """
 
     #: The config section of the preset.

@@ -3,7 +3,8 @@
 Allocator settings (``PYTORCH_CUDA_ALLOC_CONF``, e.g. ``expandable_segments:True``) are read by torch when CUDA is
 initialised. Before that they are applied through the environment variable; afterwards through torch's runtime
 setter where this torch has one, otherwise a warning names the exact variable to export. Everything set here is
-recorded and can be given back with :func:`restore_allocator_settings`.
+recorded and can be given back with :func:`restore_allocator_settings`. The callback that applies them for one run is
+:class:`~lightning_memopt.callbacks.AllocatorSettings`.
 """
 
 from __future__ import annotations
@@ -12,22 +13,14 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-from typing_extensions import override
 
 from lightning_memopt.utilities.checks import check_fraction
-from lightning_memopt.utilities.namespaces import Callback
-from lightning_memopt.utilities.trainer import trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 __all__ = [
     "ALLOC_CONF_ENV",
-    "AllocatorSettings",
     "AllocatorState",
     "alloc_conf_env_name",
     "apply_allocator_conf",
@@ -42,6 +35,8 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 _NEW_ENV = "PYTORCH_ALLOC_CONF"
 #: Values that undo a runtime change for keys whose torch default is known.
 _RUNTIME_DEFAULTS = {"expandable_segments": "False"}
+#: What torch raises when a CUDA call cannot be made (``AssertionError`` on a torch built without CUDA).
+_TORCH_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError)
 
 
 def parse_alloc_conf(conf: str | None) -> dict[str, str]:
@@ -90,7 +85,7 @@ def _runtime_setter() -> Callable[[str], None] | None:
 def _cuda_initialized() -> bool:
     try:
         return bool(torch.cuda.is_initialized())
-    except Exception:
+    except _TORCH_ERRORS:
         return False
 
 
@@ -143,7 +138,7 @@ def apply_allocator_conf(conf: str | None, warn: WarnOnce | None = None) -> Allo
             setter(format_alloc_conf(todo))
             state.how, state.runtime_keys = "runtime", todo
             return state
-        except Exception as err:
+        except _TORCH_ERRORS as err:
             reason = f"torch's runtime setter refused it ({err})"
     else:
         reason = "this torch has no runtime setter for allocator settings"
@@ -176,7 +171,7 @@ def apply_memory_fraction(
     if getter is not None:
         try:
             previous = float(getter(index))
-        except Exception:
+        except _TORCH_ERRORS:
             previous = 1.0
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     state.fraction_device, state.previous_fraction = index, previous
@@ -184,7 +179,11 @@ def apply_memory_fraction(
 
 
 def restore_allocator_settings(state: AllocatorState) -> None:
-    """Give back what ``state`` records: the environment variable, runtime keys with a known default, the fraction."""
+    """Give back what ``state`` records: the environment variable, runtime keys with a known default, the fraction.
+
+    A torch call that fails here is skipped, so that the rest is still given back (this runs at teardown, also while
+    the user's exception unwinds).
+    """
     if state.how == "env" and state.env_name is not None:
         if state.previous_env is None:
             os.environ.pop(state.env_name, None)
@@ -194,66 +193,9 @@ def restore_allocator_settings(state: AllocatorState) -> None:
         undo = {k: _RUNTIME_DEFAULTS[k] for k in state.runtime_keys if k in _RUNTIME_DEFAULTS}
         setter = _runtime_setter()
         if undo and setter is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*_TORCH_ERRORS):
                 setter(format_alloc_conf(undo))
     if state.fraction_device is not None and state.previous_fraction is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*_TORCH_ERRORS):
             torch.cuda.set_per_process_memory_fraction(state.previous_fraction, state.fraction_device)
     state.how, state.fraction_device = "skipped", None
-
-
-class AllocatorSettings(Callback):
-    """Applies allocator settings and a memory fraction for one run, and gives them back at teardown.
-
-    ``MemoryPreset.trainer_kwargs()`` adds it when the preset carries allocator settings or a fraction. The
-    settings are applied when this callback is built (normally before CUDA is initialised) and again at setup
-    if they were not in effect; the fraction at setup, on the device the Trainer trains on.
-
-    Both are given back at teardown and when fit stops with an exception: an environment variable that was unset is
-    removed again, one that was set gets its exact previous value back.
-
-    Args:
-        allocator_conf: e.g. ``"expandable_segments:True"``; ``None`` leaves the allocator alone.
-        memory_fraction: fraction of the device memory this process may use, in (0, 1].
-
-    Example:
-        >>> cb = AllocatorSettings(memory_fraction=0.95)
-        >>> cb.memory_fraction
-        0.95
-    """
-
-    def __init__(self, allocator_conf: str | None = None, memory_fraction: float | None = None) -> None:
-        if allocator_conf is not None and not isinstance(allocator_conf, str):
-            raise ValueError(
-                f"`allocator_conf` must be a string of `key:value` entries or None, got {allocator_conf!r}."
-                " Example: 'expandable_segments:True,max_split_size_mb:128'."
-            )
-        parse_alloc_conf(allocator_conf)
-        check_fraction("memory_fraction", memory_fraction, allow_none=True)
-        self.allocator_conf = allocator_conf
-        self.memory_fraction = memory_fraction
-        self._warn = WarnOnce()
-        self._conf_state = apply_allocator_conf(allocator_conf, self._warn) if allocator_conf else AllocatorState()
-        self._fraction_state = AllocatorState()
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.allocator_conf and self._conf_state.how in ("skipped",):
-            self._conf_state = apply_allocator_conf(self.allocator_conf, self._warn)
-        try:
-            self._fraction_state = apply_memory_fraction(self.memory_fraction, trainer_device(trainer), warn=self._warn)
-        except Exception as err:  # never crash training over a memory limit
-            self._warn.warn("fraction_failed", f"`memory_fraction` could not be applied: {err}")
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.restore()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.restore()  # Lightning skips the teardown hooks after an exception
-
-    def restore(self) -> None:
-        """Give back the environment variable, runtime allocator keys and the memory fraction."""
-        restore_allocator_settings(self._fraction_state)
-        restore_allocator_settings(self._conf_state)

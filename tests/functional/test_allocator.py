@@ -3,10 +3,9 @@ import os
 import pytest
 import torch
 
-from lightning_memopt.utilities import allocator
-from lightning_memopt.utilities.allocator import (
+from lightning_memopt.functional import allocator
+from lightning_memopt.functional.allocator import (
     ALLOC_CONF_ENV,
-    AllocatorSettings,
     apply_allocator_conf,
     apply_memory_fraction,
     restore_allocator_settings,
@@ -64,56 +63,9 @@ def test_already_in_effect_does_nothing(monkeypatch):
     assert apply_allocator_conf("expandable_segments:True").how == "already"
 
 
-def test_bad_conf_and_fraction():
+def test_bad_conf():
     with pytest.raises(ValueError, match="entries must look like `key:value`, got 'oops'"):
         apply_allocator_conf("oops")
-    with pytest.raises(ValueError, match="`memory_fraction` must be a fraction in \\(0, 1\\], got 1.5"):
-        AllocatorSettings(memory_fraction=1.5)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"allocator_conf": 123}, r"`allocator_conf` must be a string of `key:value` entries or None, got 123\."),
-        ({"allocator_conf": True}, r"`allocator_conf` must be a string of `key:value` entries or None, got True\."),
-        ({"allocator_conf": "oops"}, "entries must look like `key:value`, got 'oops'"),
-        ({"memory_fraction": True}, r"`memory_fraction` must be a fraction in \(0, 1\], got True\."),
-        ({"memory_fraction": "0.5"}, r"`memory_fraction` must be a fraction in \(0, 1\], got '0.5'\."),
-        ({"memory_fraction": 0}, r"`memory_fraction` must be a fraction in \(0, 1\], got 0\."),
-    ],
-)
-def test_bad_callback_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        AllocatorSettings(**kwargs)
-
-
-@pytest.mark.parametrize("previous", [None, "", "max_split_size_mb:64"])
-@pytest.mark.parametrize("end", ["normal", "crash"])
-def test_callback_gives_the_env_var_back_after_fit_and_after_a_crash(monkeypatch, tmp_path, previous, end):
-    from tests.helpers.models import TinyModel
-    from tests.helpers.trainer import make_trainer
-
-    monkeypatch.setattr(allocator, "_cuda_initialized", lambda: False)
-    if previous is not None:
-        monkeypatch.setenv(ALLOC_CONF_ENV, previous)
-    seen = []
-
-    class Model(TinyModel):
-        def training_step(self, batch, batch_idx):
-            seen.append(os.environ.get(ALLOC_CONF_ENV))
-            if end == "crash" and batch_idx == 1:
-                raise RuntimeError("crash in step")
-            return super().training_step(batch, batch_idx)
-
-    trainer = make_trainer(tmp_path, callbacks=[AllocatorSettings("expandable_segments:True")], max_steps=2)
-    if end == "crash":
-        with pytest.raises(RuntimeError, match="crash in step"):
-            trainer.fit(Model())
-    else:
-        trainer.fit(Model())
-    assert seen[0] is not None and "expandable_segments:True" in seen[0]
-    assert os.environ.get(ALLOC_CONF_ENV) == previous  # unset stays unset (not ""), set keeps its exact value
-    assert "PYTORCH_ALLOC_CONF" not in os.environ
 
 
 def test_memory_fraction_on_cuda_is_set_and_restored(monkeypatch):

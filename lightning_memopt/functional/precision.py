@@ -1,0 +1,187 @@
+"""The precision decision: Lightning's precision names, what a device computes natively, and the mode chosen.
+
+Nothing here touches a device or a Trainer: every decision takes plain values (device type, compute capability,
+device name, the Trainer's ``strategy=``) so that it can be tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from lightning_memopt.utilities.checks import check_choice
+
+__all__ = [
+    "PRECISION_ALIASES",
+    "PRECISION_MODES",
+    "UNSUPPORTED_STRATEGIES",
+    "PrecisionChoice",
+    "PrecisionInput",
+    "PrecisionMode",
+    "choose_precision",
+    "has_native_bf16",
+    "has_own_precision",
+    "normalize_precision",
+    "own_precision_strategy",
+]
+
+#: Modes of ``MemoryPrecision`` and ``MemoryPreset(precision=...)``: Lightning's precision strings plus ``"auto"``.
+PrecisionMode = Literal[
+    "auto",
+    "32-true",
+    "16-mixed",
+    "bf16-mixed",
+    "16-true",
+    "bf16-true",
+    "64-true",
+    "transformer-engine",
+    "transformer-engine-float16",
+]
+PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
+
+#: The short names Lightning's Trainer also accepts (as str or int), mapped as Lightning maps them.
+PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
+#: Every precision value Lightning's Trainer accepts, and ``"auto"``.
+PrecisionInput = Literal[PrecisionMode, "16", "bf16", "32", "64", 16, 32, 64]
+
+
+def normalize_precision(value: Any, name: str = "precision") -> str:
+    """Lightning's precision ``value`` (``16``, ``"16"``, ``"bf16"``, ``"16-mixed"``, ...) as its full name.
+
+    The short names map as Lightning's Trainer maps them: ``16`` / ``"16"`` to ``"16-mixed"``, ``"bf16"`` to
+    ``"bf16-mixed"``, ``32`` to ``"32-true"``, ``64`` to ``"64-true"``. Anything else gets an error naming ``name``.
+
+    Example:
+        >>> [normalize_precision(v) for v in (16, "16", "bf16", 32, "64", "bf16-true", "auto")]
+        ['16-mixed', '16-mixed', 'bf16-mixed', '32-true', '64-true', 'bf16-true', 'auto']
+    """
+    check_choice(
+        name,
+        value,
+        (*PRECISION_MODES, *PRECISION_ALIASES, 16, 32, 64),
+        hint="These are the values `Trainer(precision=...)` accepts, and 'auto'.",
+    )
+    key = str(value)
+    return PRECISION_ALIASES.get(key, key)
+
+
+def has_native_bf16(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether ``device_type`` with compute ``capability`` computes bf16 in hardware.
+
+    ``torch.cuda.is_bf16_supported()`` also counts emulation (True on a V100); native bf16 on CUDA needs compute
+    capability >= 8.0 (Ampere). CPUs run bf16 autocast everywhere torch supports it.
+
+    Example:
+        >>> has_native_bf16("cuda", (7, 0)), has_native_bf16("cuda", (8, 0)), has_native_bf16("cpu", None)
+        (False, True, True)
+    """
+    if device_type == "cuda":
+        return capability is not None and tuple(capability) >= (8, 0)
+    return device_type in ("cpu", "xpu")
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The Lightning precision string chosen and the reason, in words."""
+
+    precision: str
+    reason: str
+
+
+def _describe_device(device_type: str, capability: tuple[int, int] | None, device_name: str | None) -> str:
+    name = device_name or device_type
+    if capability is not None:
+        return f"{name} (compute capability {capability[0]}.{capability[1]})"
+    return name
+
+
+def choose_precision(
+    mode: str,
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+    device_name: str | None = None,
+    allow_emulated_bf16: bool = False,
+    setting: str = "precision={!r}",
+) -> PrecisionChoice:
+    """Resolve a ``MemoryPrecision`` mode to a Lightning precision string for one device.
+
+    ``"auto"`` picks ``bf16-mixed`` on a GPU with native bf16, ``16-mixed`` (with a GradScaler) on older GPUs and
+    ``32-true`` on CPU and other devices. Asking for bf16 on a CUDA GPU without native bf16 raises (suggesting fp16)
+    unless ``allow_emulated_bf16`` is set. Lightning's short names (``16``, ``"bf16"``, ...) are accepted
+    (:func:`normalize_precision`). ``setting`` is where the user sets the mode, as a template for the messages
+    (``"MemoryPrecision(mode={!r})"``).
+
+    Example:
+        >>> choose_precision("auto", "cuda", (8, 0), "NVIDIA A100").precision
+        'bf16-mixed'
+        >>> choose_precision("auto", "cuda", (7, 0), "Tesla V100").precision
+        '16-mixed'
+        >>> choose_precision("auto", "cpu").precision
+        '32-true'
+        >>> choose_precision("bf16-mixed", "cuda", (7, 5), "Tesla T4")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: `precision='bf16-mixed'` needs native bf16, but Tesla T4 (compute capability 7.5) ...
+    """
+    mode = normalize_precision(mode)
+    where = _describe_device(device_type, capability, device_name)
+    native = has_native_bf16(device_type, capability)
+    if mode == "auto":
+        if device_type == "cuda":
+            if native:
+                return PrecisionChoice("bf16-mixed", f"{where} has native bf16: bf16 autocast, no loss scaling needed.")
+            return PrecisionChoice(
+                "16-mixed",
+                f"{where} has no native bf16 (needs compute capability >= 8.0; torch would emulate it slowly):"
+                " fp16 autocast with a GradScaler.",
+            )
+        return PrecisionChoice(
+            "32-true",
+            f"mixed precision is chosen automatically only on CUDA GPUs; {where} trains in fp32. Set"
+            f" `{setting.format('bf16-mixed')}` to use bf16 autocast anyway (there, not `Trainer(precision=...)`,"
+            " which Lightning refuses beside this package's precision plugin).",
+        )
+    if mode.startswith("bf16") and device_type == "cuda" and not native:
+        if allow_emulated_bf16:
+            return PrecisionChoice(mode, f"{where} emulates bf16 (slow); used because `allow_emulated_bf16=True`.")
+        fp16 = mode.replace("bf16", "16")
+        raise ValueError(
+            f"`{setting.format(mode)}` needs native bf16, but {where} has none (compute capability >= 8.0 is needed;"
+            f" `torch.cuda.is_bf16_supported()` also counts slow emulation). Use `{setting.format(fp16)}` (fp16 with"
+            " loss scaling) or pass `allow_emulated_bf16=True`."
+        )
+    return PrecisionChoice(mode, f"`{setting.format(mode)}` was asked for explicitly on {where}.")
+
+
+#: Strategies that bring their own precision classes; ``MemoryPrecision`` refuses them instead of misbehaving, and
+#: ``MemoryPreset.trainer_kwargs`` gives them a precision string instead of the plugin.
+UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+
+
+def own_precision_strategy(strategy: Any) -> str | None:
+    """The entry of :data:`UNSUPPORTED_STRATEGIES` that ``strategy`` (a Trainer's ``strategy=``: a name such as
+    ``"deepspeed_stage_2"``, or an object) is; ``None`` when it is none of them.
+
+    Example:
+        >>> own_precision_strategy("deepspeed_stage_2"), own_precision_strategy("ddp")
+        ('DeepSpeedStrategy', None)
+    """
+    if strategy is None:
+        return None
+    if isinstance(strategy, str):
+        key = strategy.lower().replace("_", "")
+        return next((n for n in UNSUPPORTED_STRATEGIES if n.lower().removesuffix("strategy") in key), None)
+    found = {cls.__name__ for cls in type(strategy).__mro__}.intersection(UNSUPPORTED_STRATEGIES)
+    return sorted(found)[0] if found else None
+
+
+def has_own_precision(strategy: Any) -> bool:
+    """Whether ``strategy`` (a Trainer's ``strategy=``: a name such as ``"deepspeed_stage_2"``, or an object) is
+    one of :data:`UNSUPPORTED_STRATEGIES`, which bring their own precision classes.
+
+    Example:
+        >>> [has_own_precision(s) for s in ("fsdp", "deepspeed_stage_3", "xla_fsdp", "ddp", "auto", None)]
+        [True, True, True, False, False, False]
+    """
+    return own_precision_strategy(strategy) is not None
