@@ -157,6 +157,27 @@ MUTANTS = (
         "return report",
         ("tests/functional/test_oom_report.py",),
     ),
+    Mutant(
+        "own-precision-ignored",
+        "lightning_memopt/functional/precision.py",
+        "    return own_precision_strategy(strategy) is not None",
+        "    return False",
+        ("tests/plugins/test_presets.py", "tests/plugins/test_precision.py"),
+    ),
+    Mutant(
+        "preset-table-balanced-accumulates-most",
+        "lightning_memopt/functional/presets.py",
+        '        "target_accumulation": 2,',
+        '        "target_accumulation": 8,',
+        ("tests/functional/test_presets.py",),
+    ),
+    Mutant(
+        "allocator-env-not-given-back",
+        "lightning_memopt/functional/allocator.py",
+        "            os.environ.pop(state.env_name, None)",
+        "            pass",
+        ("tests/callbacks/test_contract.py", "tests/callbacks/test_allocator_settings.py"),
+    ),
 )
 
 
