@@ -33,7 +33,7 @@ class Mutant:
 MUTANTS = (
     Mutant(
         "oom-report-tensor-names-lost",
-        "lightning_memopt/functional/footprint.py",
+        "lightning_memopt/functional/footprint/live.py",
         "name=names.get(key),",
         "name=None,",
         ("tests/callbacks/test_oom_reporter.py",),
