@@ -23,6 +23,7 @@ __all__ = [
     "MonitorRecords",
     "PhasePeaks",
     "Position",
+    "position_record",
     "ThresholdWatch",
     "cross_rank_metrics",
     "cross_rank_values",
@@ -209,6 +210,29 @@ class Position:
     run_id: str | None
 
 
+def position_record(
+    reading: MemoryReading, rank: int, phase: str, event: str, at: Position, **extra: Any
+) -> dict[str, Any]:
+    """One JSONL record: ``reading`` at ``at`` (``extra`` keys after the memory fields, ``run_id`` last).
+
+    Example:
+        >>> rec = position_record(MemoryReading(time=0.0, device="cpu"), 1, "train", "audit", Position(0, 3, None, "r"))
+        >>> rec["rank"], rec["global_step"], list(rec)[-1]
+        (1, 3, 'run_id')
+    """
+    return memory_record(
+        reading,
+        rank=rank,
+        phase=phase,
+        event=event,
+        epoch=at.epoch,
+        global_step=at.global_step,
+        batch_idx=at.batch_idx,
+        **extra,
+        run_id=at.run_id,
+    )
+
+
 class MonitorRecords:
     """The records and metrics ``MemoryMonitor`` writes for one rank, from the readings of ``reader``.
 
@@ -237,18 +261,8 @@ class MonitorRecords:
         self.thresholds = ThresholdWatch(warn_threshold)
 
     def record(self, reading: MemoryReading, phase: str, event: str, at: Position, **extra: Any) -> dict[str, Any]:
-        """One JSONL record of ``reading`` (``extra`` keys after the memory fields, ``run_id`` last)."""
-        return memory_record(
-            reading,
-            rank=self.rank,
-            phase=phase,
-            event=event,
-            epoch=at.epoch,
-            global_step=at.global_step,
-            batch_idx=at.batch_idx,
-            **extra,
-            run_id=at.run_id,
-        )
+        """One JSONL record of ``reading`` for this rank (see :func:`position_record`)."""
+        return position_record(reading, self.rank, phase, event, at, **extra)
 
     def event(self, event: str, at: Position, **fields: Any) -> list[dict[str, Any]]:
         """The record of another callback's event (``train`` phase) with a reading taken now."""
