@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from lightning_memopt.callbacks._memory_log import RankLogCallback, position
-from lightning_memopt.functional.audit import named_loaders
+from lightning_memopt.functional.audit import fit_loaders, named_loaders
 from lightning_memopt.functional.audit_session import AuditSession
 from lightning_memopt.functional.leak_watch import LeakSampler
 from lightning_memopt.functional.leaks import Growth
@@ -44,17 +44,15 @@ class MemoryAudit(RankLogCallback):
     * **Grad tracking**: ``validation_step`` outputs with autograd history or grad left on; metric states that
       require grad. **DataLoaders**: their host memory and wasteful settings, each with its fix.
 
-    Nothing here stops training: an audit that fails warns once and training goes on. Records go to
-    ``<dirpath>/memory_rank{rank}.jsonl`` (shared with ``MemoryMonitor``); how each check works, its records and its
-    measured cost: ``docs/memory-log.md``.
+    A failing audit warns once; training goes on. Records go to ``<dirpath>/memory_rank{rank}.jsonl`` (shared with
+    ``MemoryMonitor``); each check, its records and cost in detail: ``docs/memory-log.md``.
 
     Args:
         dirpath: Directory of the JSONL files. Default: ``<trainer.log_dir or default_root_dir>/memory``.
         duplicate_fraction: Fraction in (0, 1] of the parameters' elements that unowned copies must mirror before
             a duplicate warning.
         leak_every_n_steps: Optimizer steps between leak samples.
-        leak_window: Samples judged together (at least 3): growth must last ``leak_window * leak_every_n_steps``
-            steps.
+        leak_window: Samples judged together (at least 3): growth must last ``leak_window`` samples.
         leak_min_bytes_per_step: Growth per optimizer step below which nothing is reported (1: any sustained growth).
         audit_fit_start: Whether to audit the footprint and duplicates at fit start and after the first step.
         detect_leaks: Whether to sample for leaks.
@@ -93,18 +91,7 @@ class MemoryAudit(RankLogCallback):
         check_fraction("duplicate_fraction", duplicate_fraction, hint="Use e.g. 0.5 to warn at half a copy.")
         check_positive_int("leak_every_n_steps", leak_every_n_steps)
         check_positive_int("leak_window", leak_window)
-        if leak_window < 3:
-            raise ValueError(f"`leak_window` must be at least 3 samples, got {leak_window}: growth needs a trend.")
-        if (
-            not isinstance(leak_min_bytes_per_step, int)
-            or isinstance(leak_min_bytes_per_step, bool)
-            or (leak_min_bytes_per_step < 1)
-        ):
-            raise ValueError(
-                f"`leak_min_bytes_per_step` must be a positive int (bytes per optimizer step), got"
-                f" {leak_min_bytes_per_step!r}. Use 1 to report any sustained growth, 16384 to ignore less than"
-                " 16 KiB per step."
-            )
+        sampler = LeakSampler(leak_window, leak_min_bytes_per_step, leak_max_overhead)  # checks window and bytes
         check_positive_int("max_listed", max_listed)
         flags = (audit_fit_start, detect_leaks, check_grad_tracking, collect_garbage, audit_dataloaders)
         for name, flag in zip(_FLAGS, flags):
@@ -114,20 +101,10 @@ class MemoryAudit(RankLogCallback):
         self.duplicate_fraction = float(duplicate_fraction)
         self.leak_every_n_steps, self.leak_window = leak_every_n_steps, leak_window
         self.leak_min_bytes_per_step, self.leak_max_overhead = leak_min_bytes_per_step, leak_max_overhead
-        self.audit_fit_start, self.detect_leaks, self.check_grad_tracking = (
-            audit_fit_start,
-            detect_leaks,
-            check_grad_tracking,
-        )
+        self.audit_fit_start, self.detect_leaks, self.check_grad_tracking = flags[:3]
         self.max_listed, self.collect_garbage, self.audit_dataloaders = max_listed, collect_garbage, audit_dataloaders
         self._warn = WarnOnce()  # failures of the audit itself: once per instance
-        self._session = AuditSession(
-            DeviceMemory("cpu"),
-            LeakSampler(leak_window, leak_min_bytes_per_step, leak_max_overhead),
-            self.duplicate_fraction,
-            max_listed,
-            collect_garbage,
-        )
+        self._session = AuditSession(DeviceMemory("cpu"), sampler, self.duplicate_fraction, max_listed, collect_garbage)
         self._last_sampled_step = -1
         self._first_step_audited = False
         self._next_sample_step = leak_every_n_steps
@@ -262,17 +239,11 @@ class MemoryAudit(RankLogCallback):
             log.info(result.text(when))
 
     def _audit_loaders(self, trainer: pl.Trainer) -> None:
-        import psutil
-
-        self._session.loaders.host_total_bytes = int(psutil.virtual_memory().total)
-        named = named_loaders("train", trainer.train_dataloader)
-        if trainer.val_dataloaders is not None and getattr(trainer, "limit_val_batches", 1) != 0:
-            named += named_loaders("val", trainer.val_dataloaders)
-        for info in self._session.loaders.start(named):
-            self._session.report_loader(info, False, self._emitter(trainer))
+        limit_val = getattr(trainer, "limit_val_batches", 1)
+        named = fit_loaders(trainer.train_dataloader, trainer.val_dataloaders, limit_val)
+        self._session.start_loaders(named, self._emitter(trainer))
 
     def _measure_loader(self, trainer: pl.Trainer, name: str, batch: Any) -> None:
-        info = self._session.loaders.measure(name, batch)
-        summary = None if info is None else self._session.report_loader(info, True, self._emitter(trainer))
+        summary = self._session.measure_loader(name, batch, self._emitter(trainer))
         if summary is not None:
             rank_zero_info(summary)

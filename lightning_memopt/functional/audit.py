@@ -33,6 +33,7 @@ __all__ = [
     "ModelAudit",
     "audit_model",
     "duplicates_message",
+    "fit_loaders",
     "metric_states_message",
     "named_loaders",
     "validation_findings",
@@ -217,6 +218,19 @@ def named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
     if isinstance(loaders, dict):
         return [(f"{name}[{key}]", dl) for key, dl in loaders.items()]
     return [] if loaders is None else [(name, loaders)]
+
+
+def fit_loaders(train: Any, val: Any, limit_val_batches: Any = 1) -> list[tuple[str, Any]]:
+    """``(name, loader)`` of a fit's loaders: ``train`` and, unless validation is off, ``val``.
+
+    Example:
+        >>> fit_loaders("t", ["v"]), fit_loaders("t", ["v"], limit_val_batches=0)
+        ([('train', 't'), ('val', 'v')], [('train', 't')])
+    """
+    named = named_loaders("train", train)
+    if val is not None and limit_val_batches != 0:
+        named += named_loaders("val", val)
+    return named
 
 
 class LoaderWatch:

@@ -134,6 +134,19 @@ class AuditSession:
         self.loaders = LoaderWatch(self.memory.device.type, 0)
         return self.loaders
 
+    def start_loaders(self, named: Sequence[tuple[str, Any]], emit: Emit) -> None:
+        """Report the settings of the fit's loaders (``(name, loader)``, see ``fit_loaders``) before workers start."""
+        import psutil
+
+        self.loaders.host_total_bytes = int(psutil.virtual_memory().total)
+        for info in self.loaders.start(named):
+            self.report_loader(info, False, emit)
+
+    def measure_loader(self, name: str, batch: Any, emit: Emit) -> str | None:
+        """Report loader ``name`` with the bytes of its first ``batch``; the summary to print, if any."""
+        info = self.loaders.measure(name, batch)
+        return None if info is None else self.report_loader(info, True, emit)
+
     def report_loader(self, info: LoaderMemory, measured: bool, emit: Emit) -> str | None:
         """Emit a loader's ``dataloaders`` record once ``measured``; on rank zero warn (and emit) each finding once.
         Returns the summary to print (rank zero, measured), else ``None``."""

@@ -45,6 +45,9 @@ class LeakSampler:
         clock: Seconds, increasing (``time.perf_counter``).
         walk: ``walk(device, names=...)`` -> live tensors (``live_tensors``).
 
+    Raises:
+        ValueError: if ``window`` is below 3 or ``min_bytes_per_step`` is not a positive int.
+
     Example:
         >>> now = [0.0]
         >>> sampler = LeakSampler(3, 1, 0.5, clock=lambda: now[0], walk=lambda device, names=None: [])
@@ -63,6 +66,14 @@ class LeakSampler:
         clock: Callable[[], float] = time.perf_counter,
         walk: Walk = live_tensors,
     ) -> None:
+        if window < 3:
+            raise ValueError(f"`leak_window` must be at least 3 samples, got {window}: growth needs a trend.")
+        if not isinstance(min_bytes_per_step, int) or isinstance(min_bytes_per_step, bool) or min_bytes_per_step < 1:
+            raise ValueError(
+                f"`leak_min_bytes_per_step` must be a positive int (bytes per optimizer step), got"
+                f" {min_bytes_per_step!r}. Use 1 to report any sustained growth, 16384 to ignore less than"
+                " 16 KiB per step."
+            )
         self.window = window
         self.min_bytes_per_step = min_bytes_per_step
         self.max_overhead = max_overhead
