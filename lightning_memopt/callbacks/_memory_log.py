@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from typing_extensions import override
 
@@ -77,7 +77,7 @@ def position(trainer: pl.Trainer, batch_idx: int | None, epoch: int | None = Non
 def last_train_epoch(trainer: pl.Trainer) -> int:
     """The epoch of the last training batch: after the last epoch, ``current_epoch`` already counts one more."""
     try:
-        started = int(trainer.fit_loop.epoch_progress.current.started)
+        started = int(cast(Any, trainer.fit_loop.epoch_progress.current).started)
     except Exception:  # a trainer without a fit loop's progress (a stand-in): the current epoch
         return trainer.current_epoch
     return max(min(started - 1, trainer.current_epoch), 0)

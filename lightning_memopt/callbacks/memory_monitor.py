@@ -133,7 +133,7 @@ class MemoryMonitor(RankLogCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         device = trainer_device(trainer)
         self._reader.memory = memory = DeviceMemory(device)
-        self._interval = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
+        self._interval = self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
         self._core.rank = trainer.global_rank
         self._world_size = trainer.world_size
         self._open_log(trainer, "MemoryMonitor")

@@ -12,7 +12,7 @@ import itertools
 import types
 from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -173,7 +173,7 @@ def _grad_fn_tensors_sampled(value: Any, max_depth: int) -> tuple[int, int]:
                 else:
                     ends = [*itertools.islice(values, _SAMPLE_ENDS)]
                     with contextlib.suppress(TypeError):  # sets cannot be reversed: their first items stand for all
-                        ends += itertools.islice(reversed(values), _SAMPLE_ENDS)
+                        ends += itertools.islice(reversed(cast(Any, values)), _SAMPLE_ENDS)
                 if not any(count(v, depth + 1, True)[0] for v in ends if type(v) not in _NEVER_HOLD):
                     return 0, 0
                 sampled = False  # this container leads to one: count all of it

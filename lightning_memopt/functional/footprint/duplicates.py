@@ -108,7 +108,7 @@ def _mirroring_keys(module: torch.nn.Module, candidates: Sequence[LiveTensor]) -
                     continue
                 values = _sampled_values(tensor)
                 if any(torch.allclose(values, ref, rtol=1e-2, atol=1e-3) for ref in samples.get(shape, ())):
-                    found.add(key)  # type: ignore[arg-type]
+                    found.add(key)
             except INSPECTION_ERRORS:
                 continue
     finally:
