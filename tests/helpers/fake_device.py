@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from lightning_memopt.functional.memory import MemoryReading
 
 
@@ -15,6 +17,7 @@ class FakeAllocator:
     """
 
     has_device_memory = True
+    device = torch.device("cuda", 0)
 
     def __init__(self, total: int = 10_000) -> None:
         self.total = total
