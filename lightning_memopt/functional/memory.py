@@ -291,7 +291,7 @@ def memory_record(
 ) -> dict[str, Any]:
     """One JSONL record: the reading plus where in training it was taken.
 
-    Keys follow the package's JSONL schema (see the README): ``time``, ``rank``, ``phase``, ``event``,
+    Keys follow the memory log format (``docs/memory-log.md``): ``time``, ``rank``, ``phase``, ``event``,
     ``epoch``, ``global_step``, ``batch_idx``, ``device``, then the memory fields, then ``extra``.
 
     Example:
