@@ -78,6 +78,6 @@ def last_train_epoch(trainer: pl.Trainer) -> int:
     """The epoch of the last training batch: after the last epoch, ``current_epoch`` already counts one more."""
     try:
         started = int(cast(Any, trainer.fit_loop.epoch_progress.current).started)
-    except Exception:  # a trainer without a fit loop's progress (a stand-in): the current epoch
+    except (AttributeError, TypeError, ValueError):  # a trainer without a fit loop's progress: the current epoch
         return trainer.current_epoch
     return max(min(started - 1, trainer.current_epoch), 0)

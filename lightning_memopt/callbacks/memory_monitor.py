@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from lightning_memopt.callbacks._memory_log import GuardedReader, RankLogCallback, last_train_epoch, position
-from lightning_memopt.functional.memory import DeviceMemory
+from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import (
     PEAK_FIELDS,
     STEP_FIELDS,
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryMonitor"]
 _ = (STEP_FIELDS, PEAK_FIELDS)  # importable from here as before; defined in functional.monitoring
+_INTERVAL_HINT = "Pass None to use the trainer's `log_every_n_steps`."
+_CROSS_HINT = "Pass None to never exchange readings between ranks."
 
 
 def _phase_hooks(phase: str) -> tuple[Any, Any, Any]:
@@ -59,29 +61,26 @@ class MemoryMonitor(RankLogCallback):
     ``<dirpath>/memory_rank{rank}.jsonl``, one file per rank (shared with ``MemoryAudit``). Peaks are per phase: a
     nested phase (validation inside fit) has its own. A warning (once per crossing, on the rank that crosses, also
     written as a record) says when allocated or reserved memory goes above ``warn_threshold`` of the device total.
-    It never calls ``torch.cuda.synchronize()`` and runs no collective on steps it does not log. The records, their
-    keys, resuming and what happens when the file cannot be written: ``docs/memory-log.md``.
+    It never calls ``torch.cuda.synchronize()`` and runs no collective on steps it does not log. The records,
+    resuming, file failures and cost: ``docs/memory-log.md``.
 
     Args:
         dirpath: Directory of the JSONL files. Default: ``<trainer.log_dir or default_root_dir>/memory``.
         log_every_n_steps: Reading interval. Default: the trainer's ``log_every_n_steps``.
         warn_threshold: Fraction of the device total in (0, 1] above which a warning is emitted.
         log_to_loggers: Whether to send readings to the trainer's loggers.
-        cross_rank_every_n_steps: When set and training runs on several ranks, the ranks exchange their readings
-            (one ``all_gather`` of three numbers) and rank zero logs their min, max and mean, on the logged steps
-            (every ``log_every_n_steps``) that are also a multiple of this: with 5 and 2, at steps 10, 20, 30...
-            ``None`` (default) never communicates.
+        cross_rank_every_n_steps: With several ranks, on the logged steps that are also a multiple of this (with 5
+            and 2: steps 10, 20, 30...) the ranks exchange their readings (one ``all_gather`` of three numbers) and
+            rank zero logs their min, max and mean. ``None`` (default) never communicates.
 
     Logged metrics (bytes unless the name says otherwise; ``<phase>`` is train/validate/test/predict):
         * ``memory/<phase>/allocated_bytes``, ``reserved_bytes``, ``active_bytes``, ``device_free_bytes``,
           ``host_rss_bytes``, ``num_alloc_retries`` (count), ``num_ooms`` (count): every logged step.
-        * ``memory/<phase>/peak_allocated_bytes``, ``memory/<phase>/peak_reserved_bytes``: once, at the
-          phase end.
-        * ``memory/train/{allocated,reserved,host_rss}_bytes_{min,max,mean}``: with
-          ``cross_rank_every_n_steps``.
+        * ``memory/<phase>/peak_allocated_bytes``, ``memory/<phase>/peak_reserved_bytes``: once, at the phase end.
+        * ``memory/train/{allocated,reserved,host_rss}_bytes_{min,max,mean}``: with ``cross_rank_every_n_steps``.
 
-    Device requirements: CUDA (and XPU) give every field; MPS gives current allocated/reserved bytes and
-    the recommended maximum; on CPU only ``host_rss_bytes`` is known and the rest is ``null``.
+    Device requirements: CUDA (and XPU) give every field; MPS gives allocated/reserved bytes and the recommended
+    maximum; on CPU only ``host_rss_bytes`` is known and the rest is ``null``.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -97,20 +96,10 @@ class MemoryMonitor(RankLogCallback):
         cross_rank_every_n_steps: int | None = None,
     ) -> None:
         check_path("dirpath", dirpath)
-        check_positive_int(
-            "log_every_n_steps",
-            log_every_n_steps,
-            allow_none=True,
-            hint="Pass None to use the trainer's `log_every_n_steps`.",
-        )
+        check_positive_int("log_every_n_steps", log_every_n_steps, allow_none=True, hint=_INTERVAL_HINT)
         check_fraction("warn_threshold", warn_threshold)
         check_bool("log_to_loggers", log_to_loggers)
-        check_positive_int(
-            "cross_rank_every_n_steps",
-            cross_rank_every_n_steps,
-            allow_none=True,
-            hint="Pass None to never exchange readings between ranks.",
-        )
+        check_positive_int("cross_rank_every_n_steps", cross_rank_every_n_steps, allow_none=True, hint=_CROSS_HINT)
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.log_every_n_steps = log_every_n_steps
         self.warn_threshold = float(warn_threshold)
@@ -195,11 +184,18 @@ class MemoryMonitor(RankLogCallback):
         if self._writer is None or self._writer.stopped:
             return
         try:
-            self._write(self._core.event(event, position(trainer, batch_idx), **fields))
+            reading = self._reader.read()
+            if reading is not None:
+                self._write([self._record(trainer, reading, "train", event, batch_idx, **fields)])
         except Exception as err:
             self._warn.warn("event", f"MemoryMonitor: writing a {event!r} record failed ({err!r}); training goes on.")
 
     # ---------------------------------------------------------------- internals
+    def _record(
+        self, trainer: pl.Trainer, reading: MemoryReading, phase: str, event: str, batch_idx: int | None, **extra: Any
+    ) -> dict[str, Any]:
+        return self._core.record(reading, phase, event, position(trainer, batch_idx), **extra)
+
     def _log_metrics(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         if self.log_to_loggers:
             log_to_loggers(trainer, metrics, self._warn, "MemoryMonitor")
@@ -237,12 +233,11 @@ class MemoryMonitor(RankLogCallback):
             self._warn.warn("phase", f"MemoryMonitor: phase bookkeeping failed ({err!r}); training goes on.")
 
     def _cross_rank(self, trainer: pl.Trainer) -> None:
-        reading = self._reader.read()
-        if reading is None:
+        if (reading := self._reader.read()) is None:
             return
-        local = cross_rank_values(reading)
         try:
-            metrics = cross_rank_metrics(trainer.strategy.all_gather(local.to(trainer.strategy.root_device)))
+            local = cross_rank_values(reading).to(trainer.strategy.root_device)
+            metrics = cross_rank_metrics(trainer.strategy.all_gather(local))
         except Exception as err:
             self._warn.warn("cross-rank", f"MemoryMonitor: cross-rank exchange failed ({err!r}); training goes on.")
             return

@@ -264,11 +264,6 @@ class MonitorRecords:
         """One JSONL record of ``reading`` for this rank (see :func:`position_record`)."""
         return position_record(reading, self.rank, phase, event, at, **extra)
 
-    def event(self, event: str, at: Position, **fields: Any) -> list[dict[str, Any]]:
-        """The record of another callback's event (``train`` phase) with a reading taken now."""
-        reading = self.reader.read()
-        return [] if reading is None else [self.record(reading, "train", event, at, **fields)]
-
     def step(self, phase: str, at: Position) -> tuple[list[dict[str, Any]], dict[str, float], list[str]]:
         """A logged step: its records (the step, then a ``warning`` per threshold crossing), metrics and warnings."""
         reading = self.reader.read()
