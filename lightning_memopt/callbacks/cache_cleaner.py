@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import override
 
+from lightning_memopt.functional.collection import TimedCalls
 from lightning_memopt.functional.memory import empty_device_cache, supports_device_memory
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
@@ -79,11 +79,28 @@ class CacheCleaner(Callback):
         self.every_n_train_batches = every_n_train_batches
         self.every_n_val_batches = every_n_val_batches
         self.on_phase_end = on_phase_end
-        self.calls = 0
-        self.seconds = 0.0
+        self._timed = TimedCalls()
         self._device = torch.device("cpu")
         self._enabled = False
         self._warn = WarnOnce()
+
+    @property
+    def calls(self) -> int:
+        """``empty_cache()`` calls made (restored from a checkpoint on resume)."""
+        return self._timed.calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self._timed.calls = value
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent in those calls."""
+        return self._timed.seconds
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._timed.seconds = value
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once
@@ -102,14 +119,11 @@ class CacheCleaner(Callback):
     def _clear(self) -> None:
         if not self._enabled:
             return
-        start = time.perf_counter()
+        device = self._device
         try:
-            empty_device_cache(self._device)
+            self._timed.run(lambda: empty_device_cache(device))
         except Exception as err:
             self._warn.warn("empty", f"CacheCleaner: emptying the cache failed ({err!r}); training goes on.")
-            return
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
 
     @override
     def on_train_batch_end(

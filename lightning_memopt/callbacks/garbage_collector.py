@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
 from lightning_memopt.utilities.checks import check_bool, check_choice, check_non_negative_int, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
@@ -126,13 +126,30 @@ class GarbageCollector(Callback):
         self.disable_automatic = disable_automatic
         self.freeze_after_setup = freeze_after_setup
         self.full_every_n_steps = full_every_n_steps
-        self.calls = 0
-        self.seconds = 0.0
         self.collected = 0
+        self._timed = TimedCalls()
+        self._schedule = CollectionSchedule(every_n_steps, generation, full_every_n_steps)
         self._saved_enabled: bool | None = None
         self._froze = False
-        self._last_step = -1
         self._warn = WarnOnce()
+
+    @property
+    def calls(self) -> int:
+        """Collections run (restored from a checkpoint on resume)."""
+        return self._timed.calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self._timed.calls = value
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent collecting."""
+        return self._timed.seconds
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._timed.seconds = value
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once
@@ -174,20 +191,13 @@ class GarbageCollector(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        full = self.full_every_n_steps
-        if step == self._last_step or step == 0 or (step % self.every_n_steps and (full is None or step % full)):
+        generation = self._schedule.generation_at(trainer.global_step)  # the same step on every rank
+        if generation is None:
             return  # only on optimizer-step boundaries (gradient accumulation calls this per micro-batch)
-        self._last_step = step
-        generation = 2 if full is not None and step % full == 0 else self.generation
-        start = time.perf_counter()
         try:
-            self.collected += gc.collect(generation)
+            self.collected += self._timed.run(lambda: gc.collect(generation))
         except Exception as err:  # pragma: no cover - gc.collect does not raise in practice
             self._warn.warn("collect", f"GarbageCollector: gc.collect failed ({err!r}); training goes on.")
-            return
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.functional.footprint import StorageKey, model_footprint, storage_bytes, storage_key
-from lightning_memopt.functional.memory import read_memory, supports_device_memory
+from lightning_memopt.functional.memory import read_memory, resolve_device, supports_device_memory
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.checks import check_device
 from lightning_memopt.utilities.formatting import format_bytes
@@ -94,21 +94,12 @@ def _needs(tensor: torch.Tensor, device: torch.device | None, dtype: torch.dtype
     return bool(dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype)
 
 
-def _resolve(device: torch.device | str | int | None) -> torch.device | None:
-    if device is None:
-        return None
-    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if device.type in ("cuda", "xpu") and device.index is None:
-        device = torch.device(device.type, getattr(torch, device.type).current_device())
-    return device
-
-
 def _allocated(device: torch.device | None) -> int | None:
     if device is None or not supports_device_memory(device):
         return None
     try:
         return read_memory(device).allocated_bytes
-    except Exception:
+    except RuntimeError:  # a driver error: the figure stays unknown, the conversion is what matters
         return None
 
 
@@ -169,7 +160,7 @@ def to_device_and_dtype(
             f"`dtype` must be a floating-point torch.dtype such as torch.bfloat16 or torch.float16, got {dtype!r}."
             " Integer tensors are never cast by a model conversion."
         )
-    target = _resolve(device)
+    target = None if device is None else resolve_device(device)
     tensors = [*model.parameters(), *model.buffers()]
     pending = [t for t in tensors if _needs(t, target, dtype)]
     before = _bytes_by_device(model)

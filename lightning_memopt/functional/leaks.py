@@ -1,6 +1,6 @@
 """Leak detection: sustained growth over a window of readings, and who holds tensors with autograd history.
 
-Pure functions: :func:`detect_growth` judges a window of ``(step, bytes)`` samples;
+Functions that only read what they are given: :func:`detect_growth` judges a window of ``(step, bytes)`` samples;
 :func:`grad_fn_holders` walks the attributes of a module for tensors that keep an autograd graph alive;
 :func:`metric_states_requiring_grad` finds metric states that hold tensors requiring grad.
 """
@@ -12,11 +12,13 @@ import itertools
 import types
 from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from lightning_memopt.functional.footprint import MODULE_INTERNALS, iter_held_tensors, storage_bytes
+from lightning_memopt.functional.footprint.storage import INSPECTION_ERRORS
+from lightning_memopt.functional.trend import least_squares_slope
 
 __all__ = [
     "GradFnHolder",
@@ -83,12 +85,8 @@ def detect_growth(
     n = len(values)
     if n < 2:
         return Growth(False, 0.0, None, 0, 0.0, n)
-    xs = [float(s) for s in steps]
     ys = [float(v) for v in values]
-    mean_x = sum(xs) / n
-    mean_y = sum(ys) / n
-    var_x = sum((x - mean_x) ** 2 for x in xs)
-    slope = 0.0 if var_x == 0 else sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var_x
+    slope = least_squares_slope(steps, ys)
     rises = [ys[i] > ys[i - 1] for i in range(1, n)]
     rising_fraction = sum(rises) / len(rises)
     first = next((int(steps[i]) for i in range(1, n) if rises[i - 1]), None)
@@ -175,12 +173,12 @@ def _grad_fn_tensors_sampled(value: Any, max_depth: int) -> tuple[int, int]:
                 else:
                     ends = [*itertools.islice(values, _SAMPLE_ENDS)]
                     with contextlib.suppress(TypeError):  # sets cannot be reversed: their first items stand for all
-                        ends += itertools.islice(reversed(values), _SAMPLE_ENDS)
+                        ends += itertools.islice(reversed(cast(Any, values)), _SAMPLE_ENDS)
                 if not any(count(v, depth + 1, True)[0] for v in ends if type(v) not in _NEVER_HOLD):
                     return 0, 0
                 sampled = False  # this container leads to one: count all of it
             items = list(values)
-        except Exception:  # a container that breaks while being listed
+        except INSPECTION_ERRORS:  # a container that breaks while being listed
             return 0, 0
         if not sampled:
             seen.add(id(obj))
@@ -265,7 +263,7 @@ def metric_states_requiring_grad(module: torch.nn.Module, prefix: str = "self") 
         for state in defaults:
             try:
                 value = getattr(mod, state)
-            except Exception:
+            except INSPECTION_ERRORS:  # a state that breaks while being read: not one that holds grad
                 continue
             values = value if isinstance(value, (list, tuple)) else [value]
             if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):

@@ -1,4 +1,4 @@
-"""One device-agnostic memory reading.
+"""One device-agnostic memory reading, and the calls that act on a device's allocator (peak reset, cache release).
 
 This module is the only place in the package that knows how each backend reports memory. Everything
 else (callbacks, reports, analysis) works with :class:`MemoryReading` and the JSONL record built from it.
@@ -29,6 +29,7 @@ from lightning_memopt.utilities.checks import check_device
 
 __all__ = [
     "MEMORY_FIELDS",
+    "DeviceMemory",
     "MemoryReading",
     "empty_device_cache",
     "host_rss_bytes",
@@ -167,12 +168,14 @@ def host_rss_bytes() -> int | None:
     """
     global _PROCESS
     try:
+        import psutil
+    except ImportError:
+        return _statm_rss()
+    try:
         if _PROCESS is None:
-            import psutil
-
             _PROCESS = psutil.Process(os.getpid())
         return int(_PROCESS.memory_info().rss)
-    except Exception:
+    except (psutil.Error, OSError, RuntimeError):
         return _statm_rss()
 
 
@@ -288,7 +291,7 @@ def memory_record(
 ) -> dict[str, Any]:
     """One JSONL record: the reading plus where in training it was taken.
 
-    Keys follow the package's JSONL schema (see the README): ``time``, ``rank``, ``phase``, ``event``,
+    Keys follow the memory log format (``docs/memory-log.md``): ``time``, ``rank``, ``phase``, ``event``,
     ``epoch``, ``global_step``, ``batch_idx``, ``device``, then the memory fields, then ``extra``.
 
     Example:
@@ -343,3 +346,31 @@ def empty_device_cache(device: torch.device | str | int | None = None) -> bool:
     else:
         return False
     return True
+
+
+class DeviceMemory:
+    """The memory of one device, as the monitoring cores read it: :meth:`read`, :meth:`reset_peaks`.
+
+    Whether the device gives allocator readings is decided once, here; on a device without them (CPU) peaks are
+    never reset and readings carry host figures only. Tests pass a fake with the same two methods instead.
+
+    Args:
+        device: The device to read (see :func:`read_memory`).
+
+    Example:
+        >>> memory = DeviceMemory("cpu")
+        >>> memory.has_device_memory, memory.reset_peaks(), memory.read().device
+        (False, False, 'cpu')
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.has_device_memory = supports_device_memory(self.device)
+
+    def read(self) -> MemoryReading:
+        """A reading of the device now (raises what :func:`read_memory` raises)."""
+        return read_memory(self.device)
+
+    def reset_peaks(self) -> bool:
+        """Reset the allocator's peak counters; ``False`` where the device has none."""
+        return self.has_device_memory and reset_peak_memory(self.device)

@@ -1,10 +1,20 @@
-"""Append-only JSON Lines writer used by the callbacks: it never raises into training."""
+"""The per-rank JSON Lines memory log: the one place that opens, appends to and reads back ``memory_rank{r}.jsonl``.
+
+* :class:`JsonlWriter` appends records and never raises into training. Every writer of one path (``MemoryMonitor``
+  and ``MemoryAudit`` of a run write the same file) shares one open file, reference counted: the file is opened by
+  the first writer that writes and closed when the last one closes.
+* :func:`rank_log_writer` resolves a callback's writer in ``setup``.
+* :func:`iter_records` and :func:`last_train_step` read the file back (a resumed run's last written step).
+
+The records themselves are described in ``docs/memory-log.md``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +26,70 @@ from lightning_memopt.utilities.warnings import WarnOnce
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["JsonlWriter", "rank_log_writer"]
+__all__ = ["JsonlWriter", "iter_records", "last_train_step", "rank_log_writer"]
+
+
+class _SharedFile:
+    """One open descriptor of one JSONL path, shared by every :class:`JsonlWriter` of that path."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.users = 0
+        self.fd: int | None = None
+        self.identity: tuple[int, int] | None = None
+
+    def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_regular_file("dirpath", self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            info = os.fstat(fd)
+            if info.st_size > 0 and os.pread(fd, 1, info.st_size - 1) != b"\n":
+                os.write(fd, b"\n")  # a torn last line from a killed run: start on a fresh line
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.identity = (info.st_dev, info.st_ino)
+
+    def at_path(self) -> bool:
+        """Whether the open file is still the one at :attr:`path`."""
+        with contextlib.suppress(OSError):
+            info = os.stat(self.path)
+            return (info.st_dev, info.st_ino) == self.identity
+        return False
+
+    def close(self) -> None:
+        fd, self.fd, self.identity = self.fd, None, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+#: The open JSONL files, by absolute path: one descriptor per file, whoever writes to it.
+_OPEN: dict[Path, _SharedFile] = {}
+
+
+def _acquire(path: Path) -> _SharedFile:
+    """The shared open file of ``path``, opened now if no writer has it open (raises ``OSError`` if it cannot be)."""
+    key = Path(os.path.abspath(path))
+    shared = _OPEN.get(key)
+    if shared is None or not shared.at_path():  # a file replaced since: its writers stop, a new one opens afresh
+        shared = _SharedFile(path)
+        shared.open()
+        _OPEN[key] = shared
+    shared.users += 1
+    return shared
+
+
+def _release(shared: _SharedFile) -> None:
+    shared.users -= 1
+    if shared.users > 0:
+        return
+    key = Path(os.path.abspath(shared.path))
+    if _OPEN.get(key) is shared:
+        del _OPEN[key]
+    shared.close()
 
 
 class JsonlWriter:
@@ -25,6 +98,8 @@ class JsonlWriter:
     * The file is opened lazily in append mode, so a resumed run adds to what is already there. A run killed
       mid-write can leave a torn last line: the next writer starts on a fresh line, so its first record is
       never glued to the torn one.
+    * Writers of the same path share one open file (reference counted), so two callbacks of a run append their
+      lines, each whole, to one descriptor; each writer keeps its own ``owner``, warnings and stopped state.
     * ``write`` never raises. When the file cannot be written (a full disk, the directory removed or replaced
       by a file mid-run), it warns once that records from that step on are not stored, and drops later records;
       a record that cannot be serialised is skipped with one warning.
@@ -47,8 +122,7 @@ class JsonlWriter:
     def __init__(self, path: str | os.PathLike[str], owner: str = "lightning-memopt") -> None:
         self.path = Path(path)
         self.owner = owner
-        self._fd: int | None = None
-        self._identity: tuple[int, int] | None = None
+        self._file: _SharedFile | None = None
         self.stopped_at: Any = None
         self._stopped = False
         self._warn = WarnOnce()
@@ -71,51 +145,40 @@ class JsonlWriter:
             return False
         view = memoryview(line)
         try:
-            if self._fd is None:
-                self._open()
+            if self._file is None:
+                self._file = _acquire(self.path)
             else:
                 self._check_same_file()
+            fd = self._file.fd
+            if fd is None:
+                raise _Replaced(f"{self.path} was closed")
             while view:
-                view = view[os.write(self._fd, view) :]  # type: ignore[arg-type]
+                view = view[os.write(fd, view) :]
             return True
-        except Exception as err:
+        except Exception as err:  # the documented contract: a write never raises into training
             self._drop_partial_line(len(line) - len(view))
             self._stop(record, err)
             return False
 
     def close(self) -> None:
-        """Close the file; never raises."""
-        fd, self._fd, self._identity = self._fd, None, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Let go of the file (closed once no writer of the path holds it); never raises."""
+        shared, self._file = self._file, None
+        if shared is not None:
+            _release(shared)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_fd=None, _identity=None)
+        state.update(_file=None)
         return state
 
     # ---------------------------------------------------------------- internals
-    def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        check_regular_file("dirpath", self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            info = os.fstat(fd)
-            if info.st_size > 0 and os.pread(fd, 1, info.st_size - 1) != b"\n":
-                os.write(fd, b"\n")  # a torn last line from a killed run: start on a fresh line
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._identity = (info.st_dev, info.st_ino)
-
     def _drop_partial_line(self, written: int) -> None:
         """After a failed write, cut off the part of the line that did reach the file: it ends on a whole line."""
-        if written <= 0 or self._fd is None:
+        fd = None if self._file is None else self._file.fd
+        if written <= 0 or fd is None:
             return
         with contextlib.suppress(OSError):
-            os.ftruncate(self._fd, max(os.fstat(self._fd).st_size - written, 0))
+            os.ftruncate(fd, max(os.fstat(fd).st_size - written, 0))
 
     def _check_same_file(self) -> None:
         """Refuse to write on into a file that is no longer at ``path`` (deleted, or its directory replaced)."""
@@ -123,7 +186,7 @@ class JsonlWriter:
             info = os.stat(self.path)
         except OSError as err:
             raise _Replaced(f"{self.path} no longer exists ({err.strerror or err})") from err
-        if (info.st_dev, info.st_ino) != self._identity:
+        if self._file is None or (info.st_dev, info.st_ino) != self._file.identity:
             raise _Replaced(f"{self.path} was replaced by another file")
 
     def _stop(self, record: dict[str, Any], err: Exception) -> None:
@@ -182,3 +245,54 @@ def rank_log_writer(
     if current is not None:
         current.close()
     return JsonlWriter(path, owner=owner)
+
+
+def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The records of a JSONL memory log, in file order; a line that is not a JSON object (a torn line) is skipped.
+
+    Raises:
+        OSError: if the file cannot be opened or read.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "memory_rank0.jsonl"
+        >>> _ = path.write_text('{"event": "step"}\\n{"time": 1, "ra\\n[1]\\n')
+        >>> list(iter_records(path))
+        [{'event': 'step'}]
+    """
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def last_train_step(path: str | os.PathLike[str], run_id: str | None) -> int:
+    """The highest train ``global_step`` that run ``run_id`` already recorded in ``path``; -1 if none or unreadable.
+
+    A resumed run skips the steps up to this one, so no step of a run is written twice; records of another run that
+    shares the file never count.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "memory_rank0.jsonl"
+        >>> _ = path.write_text(
+        ...     '{"run_id": "a", "phase": "train", "event": "step", "global_step": 4}\\n'
+        ...     '{"run_id": "b", "phase": "train", "event": "step", "global_step": 9}\\n'
+        ... )
+        >>> last_train_step(path, "a"), last_train_step(path, "c"), last_train_step(path.with_name("none"), "a")
+        (4, -1, -1)
+    """
+    last = -1
+    try:
+        for record in iter_records(path):
+            if record.get("run_id") == run_id and record.get("phase") == "train" and record.get("event") == "step":
+                step = record.get("global_step")
+                if isinstance(step, int):
+                    last = max(last, step)
+    except OSError:
+        return -1
+    return last

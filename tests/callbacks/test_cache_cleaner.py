@@ -7,6 +7,7 @@ import pytest
 from lightning_memopt.callbacks import CacheCleaner
 from lightning_memopt.callbacks import cache_cleaner as cc
 from tests.helpers.models import TinyModel
+from tests.helpers.monitor_loggers import RecordingLogger
 from tests.helpers.trainer import make_trainer
 
 
@@ -66,8 +67,6 @@ def test_cpu_logs_one_info_then_does_nothing(tmp_path, caplog):
 
 
 def test_time_is_logged_at_fit_end(tmp_path, fake_device):
-    from tests.callbacks.test_memory_monitor import RecordingLogger
-
     logger = RecordingLogger()
     cleaner = CacheCleaner(every_n_train_batches=2)
     start = time.perf_counter()

@@ -1,5 +1,7 @@
 """One healthy 2-process DDP run (gloo, CPU) with MemoryMonitor and GarbageCollector, checked by several tests.
 
+The run is ``tests/scripts/monitor_ddp_run.py``.
+
 Starting two ranks costs most of the time (each imports torch and Lightning), so the callbacks that must be seen
 under DDP share one run.
 """
@@ -10,70 +12,13 @@ import json
 
 import pytest
 
-from tests.helpers.subprocess_run import run_script
-
-SCRIPT = """
-import json
-
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import Logger
-
-from lightning_memopt import GarbageCollector, MemoryMonitor
-from lightning_memopt.callbacks import garbage_collector as gcmod
-from tests.helpers.models import TinyModel
-
-
-class FileLogger(Logger):
-    name = "f"
-    version = 0
-
-    def log_hyperparams(self, *args, **kwargs):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        with open("logged_rank%d.jsonl" % _rank(), "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\\n")
-
-
-def _rank():
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-class Probe:
-    \"\"\"Stands in for the `gc` module inside GarbageCollector: records the global step of each collection.\"\"\"
-
-    def __init__(self, real):
-        self.real, self.steps = real, []
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-    def collect(self, generation=2):
-        self.steps.append(trainer.global_step)
-        return self.real.collect(generation)
-
-
-gcmod.gc = probe = Probe(gcmod.gc)
-
-if __name__ == "__main__":
-    callbacks = [MemoryMonitor(dirpath="mem", log_every_n_steps=1, cross_rank_every_n_steps=2),
-                 GarbageCollector(every_n_steps=2)]
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, limit_train_batches=4,
-                         limit_val_batches=2, num_sanity_val_steps=0, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, logger=FileLogger(),
-                         default_root_dir=".", callbacks=callbacks)
-    trainer.fit(TinyModel())
-    with open("gc_steps_rank%d.json" % trainer.global_rank, "w") as f:
-        json.dump(probe.steps, f)
-"""
+from tests.helpers.subprocess_run import SCRIPTS, run_file
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ddp_run")
-    proc = run_script(SCRIPT, directory, timeout=240)
+    proc = run_file(SCRIPTS / "monitor_ddp_run.py", directory, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return directory
 

@@ -10,6 +10,7 @@ import torch
 from lightning_memopt.callbacks import GarbageCollector, MemoryAudit
 from lightning_memopt.callbacks import garbage_collector as gcmod
 from tests.helpers.models import RandomDataset, TinyModel
+from tests.helpers.monitor_loggers import RecordingLogger
 from tests.helpers.trainer import make_trainer
 
 
@@ -104,8 +105,6 @@ def test_freeze_after_setup_and_unfreeze_at_teardown(tmp_path):
 
 
 def test_time_and_counts_logged_at_fit_end(tmp_path):
-    from tests.callbacks.test_memory_monitor import RecordingLogger
-
     logger = RecordingLogger()
     make_trainer(
         tmp_path, callbacks=[GarbageCollector(every_n_steps=2)], logger=logger, max_steps=4, limit_val_batches=0

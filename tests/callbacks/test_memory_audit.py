@@ -1,4 +1,5 @@
 import copy
+import gc
 import json
 import logging
 import pickle
@@ -10,7 +11,6 @@ import torchmetrics
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-import lightning_memopt.functional.footprint as footprint_mod
 from lightning_memopt import MemoryAudit, MemoryMonitor
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
@@ -223,43 +223,39 @@ def test_clean_model_no_warning_over_200_steps(tmp_path):
         trainer.fit(model)
     assert trainer.global_step == 200
     assert [str(w.message) for w in caught if "MemoryAudit" in str(w.message)] == []
-    assert audit.leak is None and len(audit._samples) == 10
+    assert audit.leak is None and len(audit._session.sampler.samples) == 10
 
 
-def test_leak_samples_only_on_interval(tmp_path, monkeypatch):
-    import lightning_memopt.callbacks.memory_audit as audit_mod
-
+def test_leak_samples_only_on_interval(tmp_path):
     calls = []
-    real = audit_mod.live_tensors
-    monkeypatch.setattr(audit_mod, "live_tensors", lambda *a, **k: calls.append(1) or real(*a, **k))
     audit = MemoryAudit(leak_every_n_steps=5, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=None)
+    real = audit._session.sampler.walk
+    audit._session.sampler.walk = lambda *a, **k: calls.append(1) or real(*a, **k)  # the object walk, counted
     make_trainer(tmp_path, callbacks=[audit], max_steps=20, accumulate_grad_batches=2, limit_train_batches=40).fit(
         TinyModel()
     )
     assert len(calls) == 4  # steps 5, 10, 15, 20: one gc walk each, none in between
-    assert [s for s, _ in audit._samples] == [5, 10, 15, 20]
+    assert [s for s, _ in audit._session.sampler.samples] == [5, 10, 15, 20]
 
 
-def test_cpu_samples_wait_until_training_time_pays_for_the_walk(tmp_path, monkeypatch):
-    import lightning_memopt.callbacks.memory_audit as audit_mod
-
+def test_cpu_samples_wait_until_training_time_pays_for_the_walk(tmp_path):
     now = [0.0]  # a fake clock: each training batch takes 0.125 s, each object walk 1 s (exact in binary)
-    monkeypatch.setattr(audit_mod.time, "perf_counter", lambda: now[0])
-    real_walk = audit_mod.live_tensors
+    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=0.5)
+    sampler = audit._session.sampler
+    real_walk = sampler.walk
 
     def slow_walk(*args, **kwargs):
         now[0] += 1.0
         return real_walk(*args, **kwargs)
 
-    monkeypatch.setattr(audit_mod, "live_tensors", slow_walk)
+    sampler.clock, sampler.walk = (lambda: now[0]), slow_walk
 
     class Clock(Callback):
         def on_train_batch_start(self, *args):
             now[0] += 0.125
 
-    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=0.5)
     make_trainer(tmp_path, callbacks=[Clock(), audit], max_steps=60, limit_train_batches=60).fit(TinyModel())
-    steps = [s for s, _ in audit._samples]
+    steps = [s for s, _ in audit._session.sampler.samples]
     # the first walk is free to measure; after it a 1 s walk needs 1 / 0.5 = 2 s = 16 batches of training
     assert steps == [1, 17, 33, 49]
     walk_time, train_time = len(steps) * 1.0, 60 * 0.125
@@ -313,7 +309,7 @@ def test_audit_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     def broken():
         raise RuntimeError("gc walk broke")
 
-    monkeypatch.setattr(footprint_mod.gc, "get_objects", broken)
+    monkeypatch.setattr(gc, "get_objects", broken)
     audit = MemoryAudit(leak_every_n_steps=1, leak_window=3, leak_max_overhead=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -5,12 +5,12 @@ from unittest import mock
 
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
 
 from lightning_memopt.callbacks import MemoryMonitor
 from lightning_memopt.callbacks import memory_monitor as mm
 from tests.helpers.fake_device import FakeAllocator
 from tests.helpers.models import TinyModel
+from tests.helpers.monitor_loggers import RecordingLogger
 from tests.helpers.trainer import make_trainer
 
 SCHEMA = {
@@ -33,26 +33,6 @@ SCHEMA = {
     "num_alloc_retries",
     "num_ooms",
 }
-
-
-class RecordingLogger(Logger):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    @property
-    def name(self):
-        return "rec"
-
-    @property
-    def version(self):
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def log_metrics(self, metrics, step=None):
-        self.calls.append((step, dict(metrics)))
 
 
 def read_jsonl(path):
@@ -220,7 +200,7 @@ def test_no_synchronize_and_no_reading_on_steps_it_does_not_log(tmp_path, monkey
     fake = FakeAllocator().install(monkeypatch, mm)
     reads = []
     original = fake.read
-    monkeypatch.setattr(mm, "read_memory", lambda device=None: reads.append(1) or original(device))
+    monkeypatch.setattr(fake, "read", lambda: reads.append(1) or original())
     with mock.patch.object(torch.cuda, "synchronize") as sync:
         trainer = make_trainer(
             tmp_path,

@@ -146,9 +146,13 @@ def test_live_tensors_finds_dedups_and_names():
 def test_live_tensors_grad_fn_and_requires_grad():
     w = torch.randn(3, 3, requires_grad=True)
     kept = (w * 2).sum()
-    entry = next(t for t in live_tensors("cpu") if t.shape == () and t.has_grad_fn)
-    assert entry.requires_grad
-    del kept, w, entry
+    detached = kept.detach().clone()
+    by_key = {t.key: t for t in live_tensors("cpu")}
+    entry, leaf, plain = by_key[storage_key(kept)], by_key[storage_key(w)], by_key[storage_key(detached)]
+    assert entry.shape == () and entry.requires_grad and entry.has_grad_fn  # the tensor it means, not any scalar
+    assert leaf.shape == (3, 3) and leaf.requires_grad and not leaf.has_grad_fn
+    assert not plain.requires_grad and not plain.has_grad_fn
+    del kept, w, detached, entry, leaf, plain, by_key
 
 
 class _Exploding:
@@ -174,7 +178,7 @@ def test_live_tensors_never_raises_on_misbehaving_objects():
     bad_tensor = torch.zeros(3).as_subclass(_BadTensor)
     ok = torch.zeros(7, 7, dtype=torch.float64)
     found = live_tensors()
-    assert any(t.shape == (7, 7) and t.dtype == "torch.float64" for t in found)
+    assert any(t.key == storage_key(ok) and t.shape == (7, 7) and t.dtype == "torch.float64" for t in found)
     del bad, bad_tensor, ok
 
 

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from lightning_memopt.functional.memory import MemoryReading
 
 
 class FakeAllocator:
-    """Tracks allocated/reserved bytes and their peaks the way the CUDA caching allocator reports them."""
+    """Tracks allocated/reserved bytes and their peaks the way the CUDA caching allocator reports them.
+
+    It has the two methods of a :class:`~lightning_memopt.functional.monitoring.MemoryReader` (``read``,
+    ``reset_peaks``): pass it to a core directly, or :meth:`install` it where a callback builds its reader.
+    """
+
+    has_device_memory = True
+    device = torch.device("cuda", 0)
 
     def __init__(self, total: int = 10_000) -> None:
         self.total = total
@@ -25,7 +34,7 @@ class FakeAllocator:
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
-    def read(self, device=None) -> MemoryReading:
+    def read(self) -> MemoryReading:
         if self.fail:
             raise RuntimeError("driver went away")
         return MemoryReading(
@@ -43,15 +52,14 @@ class FakeAllocator:
             num_ooms=0,
         )
 
-    def reset(self, device=None) -> bool:
+    def reset_peaks(self) -> bool:
         self.resets += 1
         self.peak_allocated = self.allocated
         self.peak_reserved = self.reserved
         return True
 
     def install(self, monkeypatch, module) -> FakeAllocator:
-        """Make ``module`` (a callback module) read this allocator instead of the real device."""
-        monkeypatch.setattr(module, "read_memory", self.read)
-        monkeypatch.setattr(module, "reset_peak_memory", self.reset)
-        monkeypatch.setattr(module, "supports_device_memory", lambda device: True)
+        """Make ``module`` (a callback module) read this allocator instead of the real device: the callback's
+        ``DeviceMemory(device)`` becomes this fake."""
+        monkeypatch.setattr(module, "DeviceMemory", lambda device: self)
         return self

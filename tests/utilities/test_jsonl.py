@@ -107,3 +107,55 @@ def test_pickling_drops_the_open_file_and_the_copy_writes_on(tmp_path):
     assert copy.write(_record(2))
     copy.close()
     assert [json.loads(line)["global_step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_writers_of_one_path_share_one_open_file_until_the_last_closes(tmp_path):
+    path = tmp_path / "memory_rank0.jsonl"
+    monitor, audit = JsonlWriter(path, owner="MemoryMonitor"), JsonlWriter(tmp_path / "." / "memory_rank0.jsonl")
+    assert monitor.write(_record(1)) and audit.write({"event": "audit"}) and monitor.write(_record(2))
+    assert monitor._file is audit._file and monitor._file.users == 2  # one descriptor for the path
+    fd = monitor._file.fd
+    monitor.close()
+    os.fstat(fd)  # still open: the audit writes on
+    assert audit.write(_record(3))
+    audit.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the last writer closed it
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("global_step", r.get("event")) for r in lines] == [1, "audit", 2, 3]
+
+
+def test_each_writer_of_a_shared_file_warns_with_its_own_name(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    first, second = JsonlWriter(path, owner="First"), JsonlWriter(path, owner="Second")
+    assert first.write(_record(1)) and second.write(_record(1))
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jsonl, "os", SimpleNamespace(**{**vars(os), "write": full}))
+    with pytest.warns(UserWarning) as caught:
+        assert first.write(_record(2)) is False and second.write(_record(3)) is False
+    messages = [str(w.message) for w in caught]
+    assert [m.split(":")[0] for m in messages] == ["First", "Second"]
+    assert "train step 2" in messages[0] and "train step 3" in messages[1]
+    monkeypatch.undo()
+    first.close()
+    second.close()
+
+
+def test_last_train_step_counts_only_the_runs_own_train_steps(tmp_path):
+    path = tmp_path / "memory_rank0.jsonl"
+    lines = [
+        {"run_id": "a", "phase": "train", "event": "step", "global_step": 3},
+        {"run_id": "a", "phase": "validate", "event": "step", "global_step": 8},
+        {"run_id": "a", "phase": "train", "event": "warning", "global_step": 9},
+        {"run_id": "b", "phase": "train", "event": "step", "global_step": 7},
+        {"run_id": "a", "phase": "train", "event": "step", "global_step": "5"},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"run_id": "a", "phase": "tr')
+    assert jsonl.last_train_step(path, "a") == 3
+    assert jsonl.last_train_step(path, "b") == 7
+    assert jsonl.last_train_step(path, None) == -1
+    assert jsonl.last_train_step(tmp_path / "missing.jsonl", "a") == -1
+    assert [r["global_step"] for r in jsonl.iter_records(path)] == [3, 8, 9, 7, "5"]  # the torn line is skipped

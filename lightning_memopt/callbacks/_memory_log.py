@@ -1,0 +1,83 @@
+"""What ``MemoryMonitor`` and ``MemoryAudit`` share: the per-rank log writer, positions and guarded readings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from typing_extensions import override
+
+from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.functional.monitoring import MemoryReader, Position
+from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
+from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
+from lightning_memopt.utilities.warnings import WarnOnce
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["GuardedReader", "RankLogCallback", "last_train_epoch", "position"]
+
+
+class RankLogCallback(RunIdCallback):
+    """Base of the callbacks that write ``<dirpath>/memory_rank{rank}.jsonl``: one writer, opened in ``setup``
+    (:meth:`_open_log`), closed at teardown and when training stops with an exception."""
+
+    dirpath: Path | None = None
+    _writer: JsonlWriter | None = None
+
+    @property
+    def path(self) -> Path | None:
+        """The JSONL file of this rank, known after ``setup``."""
+        return None if self._writer is None else self._writer.path
+
+    def _open_log(self, trainer: pl.Trainer, owner: str) -> None:
+        self._writer = rank_log_writer(trainer, self.dirpath, trainer.global_rank, self._writer, owner)
+        ensure_run_id(trainer)
+
+    def _write(self, records: Iterable[dict[str, Any]]) -> None:
+        for record in records:
+            if self._writer is not None:
+                self._writer.write(record)  # never raises: warns once and carries on
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class GuardedReader:
+    """Reads through ``memory``; a failed reading warns once (as ``owner``) and gives ``None``: training goes on."""
+
+    def __init__(self, memory: MemoryReader, warn: WarnOnce, owner: str) -> None:
+        self.memory, self.warn, self.owner = memory, warn, owner
+
+    def read(self) -> MemoryReading | None:
+        try:
+            return self.memory.read()
+        except Exception as err:
+            self.warn.warn("read", f"{self.owner}: reading memory failed ({err!r}); training goes on.")
+            return None
+
+    def reset_peaks(self) -> bool:
+        return self.memory.reset_peaks()
+
+
+def position(trainer: pl.Trainer, batch_idx: int | None, epoch: int | None = None) -> Position:
+    """Where training is now (``epoch`` defaults to ``current_epoch``), for a record."""
+    return Position(trainer.current_epoch if epoch is None else epoch, trainer.global_step, batch_idx, run_id(trainer))
+
+
+def last_train_epoch(trainer: pl.Trainer) -> int:
+    """The epoch of the last training batch: after the last epoch, ``current_epoch`` already counts one more."""
+    try:
+        started = int(cast(Any, trainer.fit_loop.epoch_progress.current).started)
+    except (AttributeError, TypeError, ValueError):  # a trainer without a fit loop's progress: the current epoch
+        return trainer.current_epoch
+    return max(min(started - 1, trainer.current_epoch), 0)

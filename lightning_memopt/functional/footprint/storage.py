@@ -1,0 +1,116 @@
+"""Storages: the key and size of the storage behind a tensor, and the tensors among the garbage collector's objects.
+
+Every byte figure of :mod:`lightning_memopt.functional.footprint` is *storage* bytes
+(``tensor.untyped_storage().nbytes()``), and a storage shared by several tensors (views, tied weights, a gradient
+that aliases another tensor) is counted once. A storage is identified by its :data:`StorageKey`:
+``(device string, data pointer of the storage)``.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+__all__ = [
+    "INSPECTION_ERRORS",
+    "StorageKey",
+    "device_matches",
+    "gc_tensors",
+    "plain_tensor",
+    "storage_bytes",
+    "storage_key",
+]
+
+#: What inspecting an arbitrary tensor or object found through the garbage collector may raise (a tensor without
+#: storage, a subclass whose properties raise): such an object is skipped, never a reason to fail.
+INSPECTION_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, AttributeError, TypeError, ValueError)
+
+#: ``(device string, untyped_storage().data_ptr())``; identifies one storage (CPU tensors included).
+StorageKey = tuple[str, int]
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor behind a wrapper subclass (e.g. a ``DTensor`` shard), else the tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def storage_key(tensor: torch.Tensor) -> StorageKey | None:
+    """The :data:`StorageKey` of ``tensor``, or ``None`` when it has no addressable storage.
+
+    Tensors without data (meta tensors, empty storages) have no key: they cannot alias anything.
+
+    Example:
+        >>> t = torch.zeros(4)
+        >>> storage_key(t) == storage_key(t[2:]), storage_key(torch.empty(0, device="meta"))
+        (True, None)
+    """
+    try:
+        tensor = plain_tensor(tensor)
+        if tensor.device.type == "meta":
+            return None
+        ptr = int(tensor.untyped_storage().data_ptr())
+    except INSPECTION_ERRORS:
+        return None
+    if ptr == 0:
+        return None
+    return (str(tensor.device), ptr)
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the whole storage behind ``tensor`` (a view reports its base's storage).
+
+    Example:
+        >>> storage_bytes(torch.zeros(10, 10)[0])
+        400
+    """
+    tensor = plain_tensor(tensor)
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except INSPECTION_ERRORS:
+        return int(tensor.numel() * tensor.element_size())
+
+
+def device_matches(row_device: str, device: str | torch.device | None) -> bool:
+    """Whether ``row_device`` (``"cuda:0"``) is ``device``: exact with an index, any index with a bare type.
+
+    Example:
+        >>> device_matches("cuda:1", "cuda"), device_matches("cuda:1", "cuda:0"), device_matches("cpu", None)
+        (True, False, True)
+    """
+    if device is None:
+        return True
+    wanted = str(device)
+    if ":" in wanted:
+        return row_device == wanted
+    return row_device.split(":", 1)[0] == wanted
+
+
+def _is_tensor_type(tp: type) -> bool:
+    try:
+        return issubclass(tp, torch.Tensor)
+    except INSPECTION_ERRORS:
+        return False
+
+
+def gc_tensors() -> list[Any]:
+    """The tensors among ``gc.get_objects()``; one dict lookup per object, one ``issubclass`` per type.
+
+    ``type(obj)`` never runs user code (``isinstance`` may call a proxy's ``__class__`` property).
+    """
+    known: dict[type, bool] = {}
+    found: list[Any] = []
+    objects = gc.get_objects()
+    try:
+        for obj in objects:
+            tp = type(obj)
+            flag = known.get(tp)
+            if flag is None:
+                flag = known[tp] = _is_tensor_type(tp)
+            if flag:
+                found.append(obj)
+    finally:
+        del objects
+    return found

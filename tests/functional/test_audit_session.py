@@ -1,0 +1,110 @@
+"""The MemoryAudit core, driven by a fake allocator and a list that collects what it emits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memopt.functional.audit import fit_loaders, named_loaders
+from lightning_memopt.functional.audit_session import AuditSession
+from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
+from lightning_memopt.functional.footprint import live_tensors
+from lightning_memopt.functional.leak_watch import LeakSampler
+from lightning_memopt.functional.memory import DeviceMemory
+from tests.helpers.fake_device import FakeAllocator
+
+
+class Sink(list):
+    """The ``emit`` of a session: keeps ``(event, batch_idx, keys)`` and returns a record like the callback's."""
+
+    def __call__(self, reading, event, batch_idx, **keys):
+        self.append((event, batch_idx, keys))
+        return {"event": event, **keys}
+
+
+def _session(memory, window=3, rank=0, **kwargs):
+    sampler = LeakSampler(window, 1, None, walk=lambda device, names=None: [])
+    return AuditSession(memory, sampler, 0.5, 5, collect_garbage=False, rank=rank, **kwargs)
+
+
+def test_allocated_bytes_rising_every_sample_are_a_leak_reported_once_with_the_holders():
+    fake = FakeAllocator()
+    session, sink = _session(fake), Sink()
+
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+            self.kept = [self.lin(torch.ones(1, 2)).sum()]
+
+    for step in (10, 20, 30):
+        fake.set(1000 * step)
+        session.leak_sample(Leaky(), step, batch_idx=step - 1, emit=sink)
+    [(event, batch_idx, keys)] = sink
+    assert (event, batch_idx, keys["check"]) == ("warning", 29, "leak")
+    assert keys["bytes_per_step"] == 1000.0 and keys["first_step"] == 20
+    assert keys["samples"] == [(10, 10000), (20, 20000), (30, 30000)]
+    assert keys["grad_fn_holders"] == [{"path": "self.kept", "num_tensors": 1, "bytes": 4}]
+    assert "Allocated memory on cuda:0 grows by" in keys["message"] and session.leak_reported
+    assert session.leak is not None and session.leak.bytes_per_step == 1000.0
+    session.new_fit(resumed=True)  # a resumed run keeps its samples and verdict
+    assert session.leak_reported and len(session.sampler.samples) == 3
+    session.new_fit(resumed=False)
+    assert not session.leak_reported and session.leak is None and not session.sampler.samples
+
+
+def test_the_fit_start_audit_emits_one_record_and_the_duplicates_warning_once():
+    model = nn.Linear(64, 32)
+    stray = [p.detach().double().clone() for p in model.parameters()]  # a leftover copy in another dtype
+    session, sink = _session(DeviceMemory("cpu")), Sink()
+    session.sampler.walk = live_tensors
+    result = session.audit(model, [], "fit_start", sink)
+    session.audit(model, [], "first_step", sink)
+    events = [(event, keys.get("audit", keys.get("check"))) for event, _, keys in sink]
+    assert events == [("audit", "fit_start"), ("warning", "duplicates"), ("audit", "first_step")]
+    assert result.duplicates.bytes >= (64 * 32 + 32) * 8 and session.warn_duplicates
+    assert session.last_audit == {"event": "audit", **sink[2][2]}
+    audit = sink[0][2]
+    assert audit["footprint_device_bytes"] == (64 * 32 + 32) * 4 and audit["unexplained_bytes"] is None
+    assert list(audit["largest_unowned"][0]) == ["shape", "dtype", "device", "bytes", "requires_grad", "has_grad_fn"]
+    json.dumps(sink)
+    del stray
+
+
+def test_loader_findings_warn_once_on_rank_zero_and_other_ranks_only_write():
+    loader = DataLoader(TensorDataset(torch.zeros(8, 4)), batch_size=4, num_workers=1, persistent_workers=True)
+    named = fit_loaders(DataLoader(TensorDataset(torch.zeros(8, 4))), [loader])
+    for rank, expected in ((0, ["warning", "dataloaders"]), (1, ["dataloaders"])):
+        session, sink = _session(DeviceMemory("cpu"), rank=rank), Sink()
+        session.start_loaders(named, sink)
+        assert session.measure_loader("val", [torch.zeros(4, 4)], sink) == (
+            None if rank else "MemoryAudit: DataLoader " + session.loaders.loaders[-1].summary()
+        )
+        assert session.measure_loader("val", [torch.zeros(4, 4)], sink) is None  # measured once
+        assert [event for event, _, _ in sink] == expected
+        assert [info.name for info in session.loaders.loaders] == ["train", "val"]
+    assert named_loaders("val", {"a": 1}) == [("val[a]", 1)]
+
+
+def test_timed_calls_and_the_collection_schedule():
+    now = [10.0]
+
+    def work():
+        now[0] += 0.25
+        return 7
+
+    def broken():
+        now[0] += 5.0
+        raise RuntimeError("no")
+
+    timed = TimedCalls(clock=lambda: now[0])
+    assert timed.run(work) == 7 and (timed.calls, timed.seconds) == (1, 0.25)
+    with pytest.raises(RuntimeError, match="no"):
+        timed.run(broken)
+    assert (timed.calls, timed.seconds) == (1, 0.25)  # a failed call is not counted
+    schedule = CollectionSchedule(every_n_steps=25, generation=1, full_every_n_steps=None)
+    assert [schedule.generation_at(s) for s in (0, 25, 25, 30, 50)] == [None, 1, None, None, 1]
