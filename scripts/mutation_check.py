@@ -178,6 +178,34 @@ MUTANTS = (
         "            pass",
         ("tests/callbacks/test_contract.py", "tests/callbacks/test_allocator_settings.py"),
     ),
+    Mutant(
+        "monitor-outer-peak-not-folded",
+        "lightning_memopt/functional/monitoring.py",
+        "            self._fold(self.active[-1], self.reader.read())\n",
+        "            self.reader.read()\n",
+        ("tests/functional/test_monitoring.py", "tests/callbacks/test_memory_monitor.py"),
+    ),
+    Mutant(
+        "audit-walk-budget-ignored",
+        "lightning_memopt/functional/leak_watch.py",
+        "return self._walk_s <= self.max_overhead * (self.clock() - self._last_walk_end)",
+        "return True",
+        ("tests/functional/test_leak_watch.py", "tests/callbacks/test_memory_audit.py"),
+    ),
+    Mutant(
+        "jsonl-shared-file-closed-by-first-writer",
+        "lightning_memopt/utilities/jsonl.py",
+        "    if shared.users > 0:\n        return\n",
+        "",
+        ("tests/utilities/test_jsonl.py",),
+    ),
+    Mutant(
+        "live-tensor-grad-fn-lost",
+        "lightning_memopt/functional/footprint/live.py",
+        "has_grad_fn=obj.grad_fn is not None,",
+        "has_grad_fn=False,",
+        ("tests/functional/test_footprint.py",),
+    ),
 )
 
 
