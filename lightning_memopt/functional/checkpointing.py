@@ -231,7 +231,7 @@ def wrap_modules(model: nn.Module, modules: ModuleSpec | None = None) -> Checkpo
         if not module_matches(name, module, modules):
             continue
         original = module.__dict__.get("forward")
-        module.forward = _CheckpointedForward(module, original)  # type: ignore[method-assign]
+        module.forward = _CheckpointedForward(module, original)
         handle._wrapped.append((module, original))
         covered.append(name)
     return handle
