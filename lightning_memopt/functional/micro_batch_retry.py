@@ -118,6 +118,10 @@ class Agreement:
         active: whether a process group is there to agree with (``False``: one process, nothing is sent).
         device: where the flags are reduced (the process group's device).
         no_sync: a context manager factory that keeps the DDP reducer from syncing (``strategy.block_backward_sync``).
+
+    Example:
+        >>> Agreement().max(2)  # one process: nothing to agree with
+        2
     """
 
     def __init__(
