@@ -1,6 +1,5 @@
 """AutoMicroBatch on two DDP processes (gloo) where only rank 1 has a memory budget; run by test_auto_micro_batch."""
 
-
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
