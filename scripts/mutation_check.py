@@ -68,14 +68,14 @@ MUTANTS = (
     ),
     Mutant(
         "checkpointing-use-cache-kept",
-        "lightning_memopt/callbacks/gradient_checkpointing.py",
-        "            config.use_cache = False\n",
-        "            pass\n",
+        "lightning_memopt/functional/checkpointing.py",
+        "        config.use_cache = False\n",
+        "        pass\n",
         ("tests/callbacks/test_gradient_checkpointing_hf.py",),
     ),
     Mutant(
         "checkpointing-old-switch-first",
-        "lightning_memopt/callbacks/gradient_checkpointing.py",
+        "lightning_memopt/functional/checkpointing.py",
         "    for api in SWITCH_APIS:",
         "    for api in reversed(SWITCH_APIS):",
         ("tests/callbacks/test_gradient_checkpointing_hf.py",),

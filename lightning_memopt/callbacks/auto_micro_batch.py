@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
-import importlib
-import math
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
 from typing_extensions import override
 
+from lightning_memopt.callbacks._micro_batch_loop import MicroBatchOptimization, optimization_class
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
-from lightning_memopt.functional.memory import empty_device_cache
-from lightning_memopt.functional.micro_batch import batch_size_of, slice_batch
 from lightning_memopt.utilities.checks import check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
@@ -26,7 +17,7 @@ from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult, _AutomaticOptimization
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 
 __all__ = ["AutoMicroBatch"]
 
@@ -72,9 +63,9 @@ class AutoMicroBatch(Callback):
         batch_size: ``fn(batch)`` returning the number of samples of a batch (default: the first dim of the first
             tensor in it).
 
-    Logged metrics (from rank zero, at each change and at the end of fit):
-        * ``memory/micro_batch_size``: the micro-batch size in use (samples).
-        * ``memory/micro_batch_retries``: batches run again after an out-of-memory error (count).
+    Logged metrics (to the Trainer's loggers):
+        * ``memory/micro_batch_size``: the micro-batch size in use (samples), at each change and at the end of fit.
+        * ``memory/micro_batch_retries``: batches run again after an out-of-memory error (count), at the end of fit.
 
     Each change is printed once by rank zero with its reason and, when a ``MemoryMonitor`` is among the callbacks,
     written by every rank to its memory log as a record with ``event: "micro_batch"`` and the fields
@@ -82,6 +73,10 @@ class AutoMicroBatch(Callback):
     (``lightning-memopt analyze`` lists the changes and marks them on the timeline).
 
     Device requirements: none; on CPU a simulated ``torch.OutOfMemoryError`` is handled the same way.
+
+    The splitting, the retry decision and the loss weights are Trainer-free:
+    :func:`~lightning_memopt.functional.micro_batch_retry.run_micro_batches` and
+    :mod:`lightning_memopt.functional.micro_batch`.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -101,7 +96,7 @@ class AutoMicroBatch(Callback):
             hint = 'Use a positive int, or "auto" to start with the whole batch.'
             check_positive_int("micro_batch_size", micro_batch_size, hint=hint)
         check_positive_int("min_micro_batch_size", min_micro_batch_size)
-        if micro_batch_size != "auto" and micro_batch_size < min_micro_batch_size:
+        if isinstance(micro_batch_size, int) and micro_batch_size < min_micro_batch_size:
             raise ValueError(
                 f"`micro_batch_size` ({micro_batch_size}) must be >= `min_micro_batch_size` ({min_micro_batch_size})."
                 " Lower `min_micro_batch_size` or start with a larger micro-batch."
@@ -114,13 +109,19 @@ class AutoMicroBatch(Callback):
         self.split_batch = split_batch
         self.batch_size = batch_size
         #: The micro-batch size in use (``None`` until the first batch with ``"auto"``).
-        self.micro_batch_size: int | None = None if micro_batch_size == "auto" else int(micro_batch_size)
+        self.micro_batch_size: int | None = None
         self.retries = 0
+        self._reset()
         self._first_size: int | None = None
         self._restored = False
         self._original: _AutomaticOptimization | None = None
         self._monitors: list[MemoryMonitor] = []
         self._warn = WarnOnce()
+
+    def _reset(self) -> None:
+        start = self.start_micro_batch_size
+        self.micro_batch_size = None if start == "auto" else int(start)
+        self.retries = 0
 
     @cached_property
     def state_key(self) -> str:
@@ -149,21 +150,20 @@ class AutoMicroBatch(Callback):
                 ' one device and with DDP (`strategy="ddp"`); remove the callback for this strategy.'
             )
         if not self._restored:
-            self.micro_batch_size = None if self.start_micro_batch_size == "auto" else int(self.start_micro_batch_size)
-            self.retries = 0
+            self._reset()
         self._first_size = None
-        self._monitors = [c for c in trainer.callbacks if isinstance(c, MemoryMonitor)]
+        callbacks: list[Any] = getattr(trainer, "callbacks", [])
+        self._monitors = [c for c in callbacks if isinstance(c, MemoryMonitor)]
         epoch_loop = trainer.fit_loop.epoch_loop
         current = epoch_loop.automatic_optimization
-        if not isinstance(current, _MicroBatchOptimization):
+        if not isinstance(current, MicroBatchOptimization):
             self._original = current
-            epoch_loop.automatic_optimization = _optimization_class(namespace_of(trainer).__name__)(
-                trainer, self, current
-            )
+            loop_class = optimization_class(namespace_of(trainer).__name__)
+            epoch_loop.automatic_optimization = loop_class(trainer, self, current)
 
     def _give_back(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
-        if isinstance(epoch_loop.automatic_optimization, _MicroBatchOptimization) and self._original is not None:
+        if isinstance(epoch_loop.automatic_optimization, MicroBatchOptimization) and self._original is not None:
             epoch_loop.automatic_optimization = self._original
         self._original = None
         self._restored = False
@@ -200,36 +200,10 @@ class AutoMicroBatch(Callback):
         self.retries = int(state_dict.get("retries", 0))
         self._restored = True
 
-    # ------------------------------------------------------------------------------------------- splitting
+    # ------------------------------------------------------------------------------------------- a halving
 
-    def _size_of(self, batch: Any) -> int:
-        size = self.batch_size(batch) if self.batch_size is not None else batch_size_of(batch)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"AutoMicroBatch: the batch size of a batch must be a positive int, got {size!r}.")
-        return size
-
-    def _slice(self, batch: Any, start: int, stop: int, size: int) -> Any:
-        if start == 0 and stop == size:
-            return batch
-        if self.split_batch is not None:
-            return self.split_batch(batch, start, stop)
-        return slice_batch(batch, start, stop, size)
-
-    def _give_up(self, err: BaseException, size: int, n: int) -> None:
-        """Extend the out-of-memory error's message with what was tried (the caller re-raises the same object)."""
-        note = (
-            f" [AutoMicroBatch: a micro-batch of {size} sample(s) of a batch of {n} still ran out of memory and the"
-            f" smallest allowed is min_micro_batch_size={self.min_micro_batch_size}; tried micro-batches down from"
-            f" {self._first_size or size} after {self.retries} earlier halving(s).]"
-        )
-        if err.args and isinstance(err.args[0], str):
-            err.args = (err.args[0] + note, *err.args[1:])
-        else:
-            err.args = (*err.args, note)
-
-    def _shrink(self, trainer: pl.Trainer, size: int, n: int, here: bool, batch_idx: int | None) -> None:
-        """Halve the micro-batch after an out-of-memory error; say why (rank zero), log it, and record it."""
-        new = max(self.min_micro_batch_size, size // 2)
+    def _shrink(self, trainer: pl.Trainer, size: int, new: int, n: int, here: bool, batch_idx: int | None) -> None:
+        """Take the halved micro-batch; say why (rank zero), log it, and record it in every rank's memory log."""
         self.micro_batch_size = new
         self.retries += 1
         reason = "out of memory" if here else "out of memory on another process"
@@ -250,226 +224,3 @@ class AutoMicroBatch(Callback):
                 retries=self.retries,
                 reason=reason,
             )
-
-
-class _MicroBatchClosure:
-    """Lightning's closure, with training_step + backward run once per micro-batch (mixed into the Trainer's own)."""
-
-    def __init__(self, run: Callable[[], ClosureResult]) -> None:
-        super().__init__(step_fn=run)  # type: ignore[call-arg]
-
-    @torch.enable_grad()
-    def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
-        return self._step_fn()  # type: ignore[attr-defined]
-
-
-@functools.cache
-def _optimization_class(namespace: str) -> type:
-    """:class:`_MicroBatchOptimization` on the automatic-optimization loop of ``namespace`` (the Trainer's own)."""
-    automatic = importlib.import_module(f"{namespace}.loops.optimization.automatic")
-    closure = type("_MicroBatchClosure", (_MicroBatchClosure, automatic.Closure), {})
-    return type(
-        "_MicroBatchOptimization",
-        (_MicroBatchOptimization, automatic._AutomaticOptimization),
-        {
-            "_closure_class": closure,
-            "_result_class": automatic.ClosureResult,
-            "_call": importlib.import_module(f"{namespace}.trainer.call"),
-        },
-    )
-
-
-class _MicroBatchOptimization:
-    """Lightning's automatic optimization with the closure replaced; its progress counters are the original's.
-
-    A mixin: :func:`_optimization_class` puts it in front of the loop class of the Trainer's namespace.
-    """
-
-    _closure_class: type
-    _result_class: type[ClosureResult]
-    _call: Any
-
-    def __init__(self, trainer: pl.Trainer, owner: AutoMicroBatch, original: _AutomaticOptimization) -> None:
-        super().__init__(trainer)  # type: ignore[call-arg]
-        self.optim_progress = original.optim_progress  # checkpointed: the same object keeps counting
-        self._skip_backward = original._skip_backward
-        self._owner = owner
-
-    def _make_closure(self, kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
-        zero_grad_fn = self._make_zero_grad_fn(batch_idx, optimizer)  # type: ignore[attr-defined]
-        backward_fn = self._make_backward_fn(optimizer)  # type: ignore[attr-defined]
-        return self._closure_class(lambda: self._run_batch(kwargs, zero_grad_fn, backward_fn))
-
-    def _run_batch(
-        self,
-        kwargs: OrderedDict,
-        zero_grad_fn: Callable[[], None] | None,
-        backward_fn: Callable[[Tensor], None] | None,
-    ) -> ClosureResult:
-        trainer, owner = self.trainer, self._owner
-        pl_module = trainer.lightning_module
-        batch = kwargs["batch"]
-        n = owner._size_of(batch)
-        if owner.micro_batch_size is None:
-            owner.micro_batch_size = n
-        if owner._first_size is None:
-            owner._first_size = owner.micro_batch_size
-        accumulate = trainer.accumulate_grad_batches
-        params = [p for p in pl_module.parameters() if p.requires_grad]
-        comm = _Agreement(trainer)
-        # the gradients to go back to after an out-of-memory error: those accumulated by the window's earlier batches
-        saved = None
-        if zero_grad_fn is None and backward_fn is not None and accumulate > 1:
-            saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end
-        sync_at_end = comm.active and backward_fn is not None and not trainer.fit_loop._should_accumulate()
-        results = trainer._results
-        # logs after the closure (on_before_optimizer_step, on_train_batch_end) are weighted by the whole batch again
-        whole = (results.batch, results.batch_size) if results is not None else None
-        try:
-            return self._run_micro_batches(
-                kwargs, batch, n, accumulate, params, comm, saved, sync_at_end, zero_grad_fn, backward_fn
-            )
-        finally:
-            if whole is not None:
-                results.batch, results.batch_size = whole
-
-    def _run_micro_batches(
-        self,
-        kwargs: OrderedDict,
-        batch: Any,
-        n: int,
-        accumulate: int,
-        params: list[torch.nn.Parameter],
-        comm: _Agreement,
-        saved: list[Tensor | None] | None,
-        sync_at_end: bool,
-        zero_grad_fn: Callable[[], None] | None,
-        backward_fn: Callable[[Tensor], None] | None,
-    ) -> ClosureResult:
-        trainer, owner = self.trainer, self._owner
-        pl_module = trainer.lightning_module
-        results = trainer._results
-        zeroed = False
-        while True:
-            parts: list[tuple[int, Tensor | None, dict[str, Any]]] = []
-            size = owner.micro_batch_size
-            flag, error, here = _OK, None, False
-            # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
-            for k in range(comm.max(math.ceil(n / size))):
-                start, stop = k * size, min(n, (k + 1) * size)
-                if start < n:
-                    micro_kwargs = OrderedDict(kwargs)
-                    micro_kwargs["batch"] = owner._slice(batch, start, stop, n)
-                    if results is not None:  # epoch means weighted by micro-batch size (what Lightning infers)
-                        results.batch = micro_kwargs["batch"]
-                        results.batch_size = stop - start
-                    fx_name = pl_module._current_fx_name
-                    try:
-                        with comm.no_sync():
-                            output = self._call._call_strategy_hook(trainer, "training_step", *micro_kwargs.values())
-                            trainer.strategy.post_training_step()
-                            step = self._result_class.from_training_step_output(output, 1)
-                            del output
-                            if zero_grad_fn is not None and not zeroed:
-                                zero_grad_fn()
-                                zeroed = True
-                            if backward_fn is not None and step.closure_loss is not None:
-                                backward_fn(step.closure_loss * ((stop - start) / (n * accumulate)))
-                        parts.append((stop - start, step.loss, step.extra))
-                        del step
-                    except torch.OutOfMemoryError as err:
-                        here = True
-                        if size <= owner.min_micro_batch_size:
-                            owner._give_up(err, size, n)
-                            if not comm.active:
-                                raise
-                            flag, error = _GIVE_UP, err
-                        else:
-                            flag = _RETRY
-                    finally:
-                        pl_module._current_fx_name = fx_name
-                flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
-                if flag != _OK:
-                    break
-            if flag == _GIVE_UP:
-                if error is not None:
-                    raise error
-                raise torch.OutOfMemoryError(
-                    f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
-                    f" smallest allowed (min_micro_batch_size={owner.min_micro_batch_size}); every process stops."
-                )
-            if flag == _OK:
-                break
-            # out of the except block: the failed attempt's activations are unreachable now
-            self._restore_grads(params, saved, zeroed)
-            gc.collect()
-            empty_device_cache(pl_module.device)
-            owner._shrink(trainer, size, n, here, kwargs.get("batch_idx"))
-        if sync_at_end:
-            comm.average_gradients(params)
-        return _combine(self._result_class, parts, n, accumulate)
-
-    @staticmethod
-    def _restore_grads(params: list[torch.nn.Parameter], saved: list[Tensor | None] | None, zeroed: bool) -> None:
-        if saved is not None:
-            for p, g in zip(params, saved):
-                p.grad = None if g is None else g.clone()
-        elif zeroed:  # the window starts with this batch: back to "just zeroed"
-            for p in params:
-                p.grad = None
-
-
-_OK, _RETRY, _GIVE_UP = 0, 1, 2
-
-
-class _Agreement:
-    """The few collectives every rank runs in the same order, whatever happened locally (no-ops on one process)."""
-
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.strategy = trainer.strategy
-        self.active = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.device = trainer.strategy.root_device
-
-    def max(self, value: int) -> int:
-        if not self.active:
-            return value
-        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item())
-
-    def no_sync(self) -> Any:
-        return self.strategy.block_backward_sync() if self.active else contextlib.nullcontext()
-
-    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """One all-reduce for the step (per dtype), averaged as DDP does; a gradient no rank has stays ``None``."""
-        world = torch.distributed.get_world_size()
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(has, op=torch.distributed.ReduceOp.MAX)
-        synced = [p for p, h in zip(params, has.tolist()) if h]
-        for p in synced:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in synced:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            torch.distributed.all_reduce(flat)
-            flat.div_(world)
-            offset = 0
-            for p in group:
-                count = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + count].view_as(p.grad))
-                offset += count
-
-
-def _combine(
-    result: type[ClosureResult], parts: list[tuple[int, Tensor | None, dict[str, Any]]], n: int, accumulate: int
-) -> ClosureResult:
-    """One result for the batch: the loss as Lightning reports it (the batch mean over accumulation), detached."""
-    losses = [(m, loss) for m, loss, _ in parts if loss is not None]
-    if not losses:
-        return result(None, extra=parts[-1][2] if parts else {})
-    total = sum(loss.detach().double() * (m / n) for m, loss in losses) / accumulate
-    return result(total.to(losses[0][1].dtype), extra=parts[-1][2])

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
-import fnmatch
-import functools
-import inspect
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
+from lightning_memopt.functional.checkpointing import (
+    DEFAULT_BLOCKS,
+    SWITCH_APIS,
+    CheckpointingHandle,
+    _CheckpointedForward,
+    _SwitchAPI,
+    enable_switch,
+    find_switches,
+    is_checkpointed,
+    switch_api,
+    wrap_checkpointing,
+    wrap_modules,
+)
 from lightning_memopt.utilities.checks import check_bool
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -20,80 +28,15 @@ from lightning_memopt.utilities.warnings import WarnOnce
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["GradientCheckpointing"]
-
-#: Block classes wrapped when no ``modules`` are given and the model has no checkpointing switch of its own.
-DEFAULT_BLOCKS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-
-
-class _SwitchAPI(NamedTuple):
-    """A model's own checkpointing switch: the names of its methods, its property and its keyword argument."""
-
-    enable: str
-    disable: str
-    is_on: str
-    kwargs: str
-
-
-#: The switch APIs, newest first: Hugging Face transformers 5 renamed ``gradient_checkpointing_*`` to
-#: ``activation_checkpointing_*`` (the old names still work there, with a FutureWarning on every call).
-SWITCH_APIS = (
-    _SwitchAPI(
-        "activation_checkpointing_enable",
-        "activation_checkpointing_disable",
-        "is_activation_checkpointing",
-        "activation_checkpointing_kwargs",
-    ),
-    _SwitchAPI(
-        "gradient_checkpointing_enable",
-        "gradient_checkpointing_disable",
-        "is_gradient_checkpointing",
-        "gradient_checkpointing_kwargs",
-    ),
-)
-
-
-def switch_api(module: nn.Module) -> _SwitchAPI | None:
-    """The newest checkpointing switch ``module`` has, or ``None``; models that say they do not support it: ``None``.
-
-    Only methods are looked up (``is_*`` properties, which warn on old names, are not read here).
-    """
-    if getattr(type(module), "supports_gradient_checkpointing", True) is False:
-        return None  # a Hugging Face model whose switch would raise: its blocks are wrapped instead
-    for api in SWITCH_APIS:
-        if callable(getattr(module, api.enable, None)):
-            return api
-    return None
-
-
-class _CheckpointedForward:
-    """Instance-level ``forward`` that recomputes the module's forward in backward (non-reentrant).
-
-    A plain object (not a closure) so that ``copy.deepcopy`` and pickling of the module carry it along correctly.
-    Outside training or without grad it calls the original forward directly.
-    """
-
-    def __init__(self, module: nn.Module, original: Any = None) -> None:
-        self.module = module
-        self.original = original  # an instance-level forward that was there before, if any
-
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.original is not None:
-            return self.original(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.module.training and torch.is_grad_enabled():
-            # The block's keyword arguments are bound here, never handed to `checkpoint`: it would consume the ones
-            # that share a name with its own options (`debug`, `context_fn`, `determinism_check`, ...).
-            forward = functools.partial(self._forward, **kwargs) if kwargs else self._forward
-            return checkpoint(forward, *args, use_reentrant=False)
-        return self._forward(*args, **kwargs)
-
-
-def is_checkpointed(module: nn.Module) -> bool:
-    """Whether ``module``'s forward is wrapped by :class:`GradientCheckpointing` (and not unwrapped since)."""
-    return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
+# The functional names stay importable from here (lightning_memopt.callbacks.oom_reporter, lightning_memopt.planner).
+__all__ = [
+    "DEFAULT_BLOCKS",
+    "SWITCH_APIS",
+    "GradientCheckpointing",
+    "_CheckpointedForward",
+    "is_checkpointed",
+    "switch_api",
+]
 
 
 class GradientCheckpointing(Callback):
@@ -125,11 +68,15 @@ class GradientCheckpointing(Callback):
     Everything changed at setup is given back at teardown and when fit stops with an exception: the original forwards
     return, and a model switch that this callback turned on is turned off again (a switch that was already on,
     according to the model's ``is_gradient_checkpointing``, is left on). Blocks that are already checkpointed by
-    another :meth:`wrap` are counted as checkpointed and left to whoever wrapped them.
+    another :meth:`wrap` are counted as checkpointed and left to whoever wrapped them. Without a Trainer, the same is
+    :func:`~lightning_memopt.functional.checkpointing.wrap_checkpointing`: it returns a handle whose ``restore()``
+    gives everything back.
 
     Args:
         modules: which submodules to checkpoint (see above); ``None`` for the defaults.
         use_model_switch: without ``modules``, turn on the model's own switch when it has one.
+
+    Logged metrics: none. The path taken is printed at setup; a warning says when nothing matched.
 
     Device requirements: any.
 
@@ -171,24 +118,12 @@ class GradientCheckpointing(Callback):
                     )
         self.modules = list(modules) if modules is not None else None
         self.use_model_switch = use_model_switch
+        #: Qualified names of the submodules wrapped by this callback (setup or :meth:`wrap`), until given back.
         self.wrapped_names: list[str] = []
+        #: Submodules that the last wrap found checkpointed already (left to whoever wrapped them).
         self.already_wrapped_names: list[str] = []
-        self._wrapped: list[tuple[nn.Module, Any]] = []
-        self._switched: list[tuple[nn.Module, _SwitchAPI]] = []
-        self._caches: list[Any] = []  # configs whose use_cache this callback turned off
+        self._handles: list[CheckpointingHandle] = []
         self._warn = WarnOnce()
-
-    # ---------------------------------------------------------------------------------------------- matching
-    def _matches(self, name: str, module: nn.Module) -> bool:
-        if self.modules is None:
-            return isinstance(module, DEFAULT_BLOCKS)
-        for entry in self.modules:
-            if isinstance(entry, type):
-                if isinstance(module, entry):
-                    return True
-            elif entry == type(module).__name__ or (name and fnmatch.fnmatchcase(name, entry)):
-                return True
-        return False
 
     def wrap(self, model: nn.Module) -> list[str]:
         """Wrap the matching submodules of ``model`` (outermost match only); returns their qualified names.
@@ -196,91 +131,34 @@ class GradientCheckpointing(Callback):
         Submodules that are checkpointed already (wrapped before and not unwrapped) are skipped with everything
         inside them; they are listed in ``already_wrapped_names``.
         """
-        covered: list[str] = []
-        skipped: list[str] = []
-        for name, module in model.named_modules():
-            if module is model or any(name.startswith(prefix + ".") for prefix in covered + skipped):
-                continue
-            if is_checkpointed(module):
-                skipped.append(name)
-                continue
-            if not self._matches(name, module):
-                continue
-            original = module.__dict__.get("forward")
-            module.forward = _CheckpointedForward(module, original)  # type: ignore[method-assign]
-            self._wrapped.append((module, original))
-            covered.append(name)
-        self.wrapped_names.extend(covered)
-        self.already_wrapped_names = skipped
-        return covered
+        handle = wrap_modules(model, self.modules)
+        self._handles.append(handle)
+        self.wrapped_names.extend(handle.wrapped_names)
+        self.already_wrapped_names = list(handle.already_wrapped_names)
+        return list(handle.wrapped_names)
 
     def unwrap(self) -> None:
         """Restore the original forwards of everything :meth:`wrap` changed."""
-        for module, original in reversed(self._wrapped):
-            if original is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = original  # type: ignore[method-assign]
-        self._wrapped.clear()
+        for handle in reversed(self._handles):
+            handle.unwrap()
         self.wrapped_names.clear()
         self.already_wrapped_names = []
 
-    @staticmethod
-    def _find_switches(model: nn.Module) -> list[tuple[str, nn.Module, _SwitchAPI]]:
-        """The outermost submodules (or the model itself) with a checkpointing switch: ``(name, module, api)``."""
-        found: list[tuple[str, nn.Module, _SwitchAPI]] = []
-        prefixes: list[str] = []
-        for name, module in model.named_modules():
-            if any(p == "" or name.startswith(p + ".") for p in prefixes):
-                continue
-            api = switch_api(module)
-            if api is None:
-                continue
-            found.append((name, module, api))
-            prefixes.append(name)
-        return found
+    # lightning_memopt.planner prepares a model as setup does, through these two
+    _find_switches = staticmethod(find_switches)
 
     def _enable_switch(self, module: nn.Module, api: _SwitchAPI) -> None:
-        enable = getattr(module, api.enable)
-        try:
-            params = inspect.signature(enable).parameters
-        except (TypeError, ValueError):
-            params = {}  # type: ignore[assignment]
-        if api.kwargs in params:
-            enable(**{api.kwargs: {"use_reentrant": False}})
-        else:
-            enable()
-        self._switched.append((module, api))
-
-    def _turn_off_caches(self, model: nn.Module) -> list[str]:
-        """``config.use_cache = False`` on every submodule's config that has it on; returns where (for the message)."""
-        where = []
-        seen: set[int] = set()
-        for name, module in model.named_modules():
-            config = getattr(module, "config", None)
-            if config is None or id(config) in seen or getattr(config, "use_cache", None) is not True:
-                continue
-            seen.add(id(config))
-            config.use_cache = False
-            self._caches.append(config)
-            where.append(name or type(module).__name__)
-        return where
+        enable_switch(module, api)
 
     # ---------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self._wrapped or self._switched:
+        if stage != "fit" or any(h._wrapped or h._switched for h in self._handles):
             return
-        switches = self._find_switches(pl_module) if self.use_model_switch else []
-        if switches and self.modules is None:
-            turned, already = [], []
-            for name, module, api in switches:
-                label = f"{name or type(module).__name__}.{api.enable}()"
-                if bool(getattr(module, api.is_on, False)):
-                    already.append(label)
-                else:
-                    self._enable_switch(module, api)
-                    turned.append(label)
+        handle = wrap_checkpointing(pl_module, self.modules, self.use_model_switch)
+        self._handles.append(handle)
+        if handle.used_switch:
+            turned, already = handle.turned_on, handle.already_on
             rank_zero_info(
                 "GradientCheckpointing: the model's own switch"
                 + (f" turned on: {', '.join(turned)}" if turned else "")
@@ -288,8 +166,9 @@ class GradientCheckpointing(Callback):
                 + " (pass `modules=` to wrap blocks yourself instead)."
             )
             return
-        names = self.wrap(pl_module)
-        caches = self._turn_off_caches(pl_module) if names else []
+        names = handle.wrapped_names
+        self.wrapped_names.extend(names)
+        self.already_wrapped_names = list(handle.already_wrapped_names)
         if not names and self.already_wrapped_names:
             rank_zero_info(
                 f"GradientCheckpointing: {len(self.already_wrapped_names)} module(s) were checkpointed already and are"
@@ -304,12 +183,12 @@ class GradientCheckpointing(Callback):
             )
         else:
             why = f"`modules={self.modules!r}`" if self.modules is not None else "PyTorch transformer layers"
-            own = ", ".join(f"{n or type(m).__name__}.{a.enable}()" for n, m, a in switches)
-            over = f", instead of the model's own switch ({own})" if switches else ""
+            own = ", ".join(f"{n or type(m).__name__}.{a.enable}()" for n, m, a in handle.switches)
+            over = f", instead of the model's own switch ({own})" if handle.switches else ""
             cache = (
-                f"; `config.use_cache=False` for the fit on {', '.join(caches)} (a cache filled inside a"
+                f"; `config.use_cache=False` for the fit on {', '.join(handle.caches)} (a cache filled inside a"
                 " checkpointed block breaks its recomputation)"
-                if caches
+                if handle.caches
                 else ""
             )
             rank_zero_info(
@@ -318,15 +197,11 @@ class GradientCheckpointing(Callback):
 
     def restore(self) -> None:
         """Give back everything setup changed: the original forwards, and model switches turned on by this callback."""
-        self.unwrap()
-        caches, self._caches = self._caches, []
-        for config in caches:
-            config.use_cache = True
-        switched, self._switched = self._switched, []
-        for module, api in switched:
-            disable = getattr(module, api.disable, None)
-            if callable(disable):
-                disable()
+        handles, self._handles = self._handles, []
+        for handle in reversed(handles):
+            handle.restore()
+        self.wrapped_names.clear()
+        self.already_wrapped_names = []
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -10,12 +10,12 @@ sits in the batch and how to pass a slicer of your own.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["batch_size_of", "slice_batch"]
+__all__ = ["batch_size_of", "count_samples", "micro_batch_of", "slice_batch"]
 
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 _OVERRIDE = (
@@ -90,8 +90,9 @@ def _slice(batch: Any, start: int, stop: int, size: int, path: str) -> Any:
         return batch
     if isinstance(batch, Mapping):
         items = {key: _slice(value, start, stop, size, f"{path}[{key!r}]") for key, value in batch.items()}
+        cls: Any = type(batch)  # a Mapping subclass; its constructor is not Mapping's
         try:
-            return type(batch)(items) if type(batch) is not dict else items
+            return cls(items) if cls is not dict else items
         except TypeError:
             return items
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -132,3 +133,34 @@ def slice_batch(batch: Any, start: int, stop: int, size: int | None = None) -> A
     """
     size = batch_size_of(batch) if size is None else size
     return _slice(batch, start, stop, size, "batch")
+
+
+def count_samples(batch: Any, batch_size: Callable[[Any], int] | None = None) -> int:
+    """The number of samples of ``batch``: ``batch_size(batch)`` if given, else :func:`batch_size_of`.
+
+    Raises:
+        ValueError: when that is not a positive int.
+    """
+    size = batch_size(batch) if batch_size is not None else batch_size_of(batch)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"AutoMicroBatch: the batch size of a batch must be a positive int, got {size!r}.")
+    return size
+
+
+def micro_batch_of(
+    batch: Any, start: int, stop: int, size: int, split_batch: Callable[[Any, int, int], Any] | None = None
+) -> Any:
+    """The samples ``[start, stop)`` of a batch of ``size``: the batch itself when that is all of it, else
+    ``split_batch(batch, start, stop)`` if given, else :func:`slice_batch`.
+
+    Example:
+        >>> import torch
+        >>> x = torch.arange(4)
+        >>> micro_batch_of(x, 0, 4, 4) is x, micro_batch_of(x, 1, 3, 4).tolist()
+        (True, [1, 2])
+    """
+    if start == 0 and stop == size:
+        return batch
+    if split_batch is not None:
+        return split_batch(batch, start, stop)
+    return slice_batch(batch, start, stop, size)

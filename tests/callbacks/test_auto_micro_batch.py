@@ -7,115 +7,14 @@ from collections import namedtuple
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_memopt import OOMReporter
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from lightning_memopt.functional.micro_batch import batch_size_of, slice_batch
-from tests.helpers.lightning import lightning_module, pl
+from tests.helpers.amb import N_SAMPLES, Data, Net, fit, weights
+from tests.helpers.lightning import lightning_module
 from tests.helpers.trainer import make_trainer
-
-N_SAMPLES = 64
-
-
-class _BackwardBudget(torch.autograd.Function):
-    """Identity whose backward runs out of memory when it sees more than ``limit`` samples."""
-
-    @staticmethod
-    def forward(ctx, x, limit):
-        ctx.n, ctx.limit = x.shape[0], limit
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.limit is not None and ctx.n > ctx.limit:
-            raise torch.OutOfMemoryError(f"simulated: backward of {ctx.n} samples, budget {ctx.limit}")
-        return grad, None
-
-
-class Data(Dataset):
-    def __init__(self, kind="tuple"):
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(N_SAMPLES, 4, generator=g), torch.randn(N_SAMPLES, generator=g)
-        self.kind = kind
-
-    def __len__(self):
-        return N_SAMPLES
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i], i
-
-
-class Net(pl.LightningModule):
-    """A linear model plus a per-sample probe: ``probe.grad[i] * N * accumulate`` counts how often sample i was used."""
-
-    def __init__(
-        self,
-        forward_budget=None,
-        backward_budget=None,
-        optimizer="sgd",
-        batch_size=16,
-        accumulate=1,
-        budget_from_batch=0,
-    ):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(4, 3)
-        self.head = nn.Linear(3, 1)
-        self.probe = nn.Parameter(torch.zeros(N_SAMPLES))
-        self.forward_budget, self.backward_budget = forward_budget, backward_budget
-        self.budget_from_batch = budget_from_batch
-        self.optimizer, self.batch_size, self.accumulate = optimizer, batch_size, accumulate
-        self.seen_sizes: list[int] = []
-        self.counts: list[torch.Tensor] = []
-
-    def unpack(self, batch):
-        return batch
-
-    def training_step(self, batch, batch_idx):
-        x, y, idx = self.unpack(batch)
-        self.seen_sizes.append(x.shape[0])
-        active = batch_idx >= self.budget_from_batch
-        if active and self.forward_budget is not None and x.shape[0] > self.forward_budget:
-            raise torch.OutOfMemoryError(f"simulated: forward of {x.shape[0]} samples")
-        h = _BackwardBudget.apply(self.layer(x), self.backward_budget if active else None)
-        out = self.head(torch.tanh(h)).squeeze(1)
-        loss = nn.functional.mse_loss(out, y) + self.probe[idx].mean()
-        self.log("train_loss", loss, on_step=False, on_epoch=True)
-        return loss
-
-    def on_before_optimizer_step(self, optimizer):
-        self.counts.append(self.probe.grad.detach().clone())
-
-    def configure_optimizers(self):
-        if self.optimizer == "adamw":
-            opt = torch.optim.AdamW(self.parameters(), lr=0.01)
-        else:
-            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def train_dataloader(self):
-        return DataLoader(Data(), batch_size=self.batch_size, shuffle=False)
-
-
-def weights(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def fit(tmp_path, model, callbacks=(), accumulate=1, max_steps=4, **kwargs):
-    trainer = make_trainer(
-        tmp_path,
-        callbacks=list(callbacks),
-        accumulate_grad_batches=accumulate,
-        max_steps=max_steps,
-        limit_train_batches=None,
-        limit_val_batches=0,
-        **kwargs,
-    )
-    trainer.fit(model)
-    return trainer
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -324,56 +223,12 @@ def test_manual_optimization_is_refused_in_setup(tmp_path):
         fit(tmp_path, Manual(), [AutoMicroBatch()])
 
 
-DDP_SCRIPT = """
-import sys
-
-from tests.helpers.lightning import pl
-import torch
-from torch.utils.data import DataLoader, DistributedSampler
-
-from lightning_memopt import MemoryMonitor
-from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from tests.callbacks.test_auto_micro_batch import Data, Net
-
-
-class RankBudget(Net):
-    # only rank 1 has a memory budget
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank != 1:
-            self.forward_budget = self.backward_budget = None
-        return super().training_step(batch, batch_idx)
-
-    def train_dataloader(self):
-        sampler = DistributedSampler(Data(), shuffle=False)
-        return DataLoader(Data(), batch_size=self.batch_size, sampler=sampler)
-
-
-if __name__ == "__main__":
-    for where in ("forward", "backward"):
-        budget = {"forward_budget": 2} if where == "forward" else {"backward_budget": 2}
-        model = RankBudget(optimizer="adamw", batch_size=8, **budget)
-        callback = AutoMicroBatch()
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, use_distributed_sampler=False,
-                             limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, logger=False,
-                             default_root_dir=".", callbacks=[callback, MemoryMonitor(dirpath=where)])
-        trainer.fit(model)
-        torch.save({"weights": model.state_dict(), "micro": callback.micro_batch_size, "retries": callback.retries,
-                    "step": trainer.global_step, "sizes": model.seen_sizes},
-                   f"{where}_rank{trainer.global_rank}.pt")
-    # Lightning keeps the process group; one left to interpreter exit sometimes aborts there (gloo's threads)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
 def test_two_ddp_processes_where_only_rank_1_runs_out_of_memory(tmp_path):
     from lightning_memopt.analysis.memory_log import load_memory_log
-    from tests.helpers.subprocess_run import run_script
+    from tests.helpers.subprocess_run import SCRIPTS, run_file
 
-    proc = run_script(DDP_SCRIPT, tmp_path, timeout=300)
+    proc = run_file(SCRIPTS / "amb_ddp.py", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = Net(optimizer="adamw", batch_size=16)  # one process, the global batch
     fit(tmp_path / "ref", reference, max_steps=3)

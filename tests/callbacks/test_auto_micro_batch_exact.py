@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from tests.callbacks.test_auto_micro_batch import N_SAMPLES, Net, fit, weights
+from tests.helpers.amb import N_SAMPLES, Net, fit, weights
 from tests.helpers.lightning import lightning_module
 
 ModelCheckpoint = lightning_module("callbacks").ModelCheckpoint

@@ -11,7 +11,7 @@ from lightning_memopt import MemoryMonitor
 from lightning_memopt.analysis.memory_log import analyze_memory_logs, load_memory_log
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from lightning_memopt.cli import main
-from tests.callbacks.test_auto_micro_batch import Net, fit
+from tests.helpers.amb import Net, fit
 from tests.helpers.plots import plotted_figure
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_memopt import GradientCheckpointing
-from lightning_memopt.callbacks.gradient_checkpointing import _CheckpointedForward
+from lightning_memopt.functional.checkpointing import _CheckpointedForward
 from tests.helpers.subprocess_run import run_script
 from tests.helpers.trainer import make_trainer
 

@@ -376,7 +376,7 @@ def test_lightning_cli_yaml_config_runs(tmp_path, spectra_file, capsys):
             f"--trainer.logger.init_args.save_dir={out_dir}",
             f"--data.data_path={spectra_file}",
             "--data.num_spectra=6000",
-            "--memory.preset=max-savings",
+            "--memory.name=max-savings",
             "--memory.effective_batch_size=64",
         ]
     )
@@ -482,7 +482,7 @@ def test_lightning_cli_auto_micro_batch_gives_the_datamodule_the_per_device_batc
             "--trainer.accelerator=cpu",
             f"--trainer.default_root_dir={out_dir}",
             f"--trainer.logger.init_args.save_dir={out_dir}",
-            "--memory.preset=max-speed",
+            "--memory.name=max-speed",
             "--memory.effective_batch_size=64",
             "--memory.auto_micro_batch=true",
         ],

@@ -1,0 +1,246 @@
+"""Run one batch as micro-batches and halve the micro-batch on out-of-memory: the core of ``AutoMicroBatch``.
+
+No Trainer here: :func:`run_micro_batches` drives a ``step(start, stop)`` function over the samples of a batch,
+catches ``torch.OutOfMemoryError``, decides with :func:`next_micro_batch_size` whether to halve or give up, puts the
+gradients back (:func:`restore_grads`) and runs the batch again from its first sample. :class:`Agreement` makes
+every rank of a process group take the same decision with the same sequence of collectives; inactive, it costs
+nothing. :func:`micro_batch_weight` and :func:`combine_losses` are the effective-batch arithmetic: each
+micro-batch's loss weighted by its share of the batch and of the accumulation window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Agreement",
+    "MicroBatchPart",
+    "combine_losses",
+    "extend_message",
+    "give_up_note",
+    "micro_batch_weight",
+    "next_micro_batch_size",
+    "restore_grads",
+    "run_micro_batches",
+    "snapshot_grads",
+]
+
+OK, RETRY, GIVE_UP = 0, 1, 2
+
+
+class MicroBatchPart(NamedTuple):
+    """What one micro-batch gave: its number of samples, its loss (or ``None``) and the step's extra outputs."""
+
+    samples: int
+    loss: Tensor | None
+    extra: dict[str, Any]
+
+
+def micro_batch_weight(samples: int, batch_size: int, accumulate: int = 1) -> float:
+    """The factor on a micro-batch's loss so that the micro-batches add up to the batch's mean over the window.
+
+    Example:
+        >>> micro_batch_weight(4, 16, accumulate=2)  # 4 of 16 samples, in a window of 2 batches
+        0.125
+    """
+    return samples / (batch_size * accumulate)
+
+
+def next_micro_batch_size(size: int, min_size: int) -> int | None:
+    """The micro-batch to try after ``size`` ran out of memory: half of it, never below ``min_size``; ``None``: give up.
+
+    Example:
+        >>> next_micro_batch_size(16, 1), next_micro_batch_size(3, 2), next_micro_batch_size(2, 2)
+        (8, 2, None)
+    """
+    return None if size <= min_size else max(min_size, size // 2)
+
+
+def give_up_note(size: int, batch_size: int, min_size: int, first_size: int | None, retries: int) -> str:
+    """The text appended to the final out-of-memory error: what was tried."""
+    return (
+        f" [AutoMicroBatch: a micro-batch of {size} sample(s) of a batch of {batch_size} still ran out of memory and"
+        f" the smallest allowed is min_micro_batch_size={min_size}; tried micro-batches down from"
+        f" {first_size or size} after {retries} earlier halving(s).]"
+    )
+
+
+def extend_message(err: BaseException, note: str) -> None:
+    """Append ``note`` to ``err``'s message in place (the caller re-raises the same object)."""
+    if err.args and isinstance(err.args[0], str):
+        err.args = (err.args[0] + note, *err.args[1:])
+    else:
+        err.args = (*err.args, note)
+
+
+def snapshot_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor | None]:
+    """A copy of every parameter's gradient (``None`` where there is none), for :func:`restore_grads`."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def restore_grads(params: Sequence[torch.nn.Parameter], saved: Sequence[Tensor | None] | None, zeroed: bool) -> None:
+    """Put the gradients back to the batch's start: ``saved``, or ``None`` when the batch zeroed them (``zeroed``)."""
+    if saved is not None:
+        for p, g in zip(params, saved):
+            p.grad = None if g is None else g.clone()
+    elif zeroed:  # the window starts with this batch: back to "just zeroed"
+        for p in params:
+            p.grad = None
+
+
+def combine_losses(parts: Sequence[MicroBatchPart], batch_size: int, accumulate: int = 1) -> Tensor | None:
+    """The batch's loss as Lightning reports it (the sample-weighted mean over the window), detached.
+
+    Example:
+        >>> parts = [MicroBatchPart(3, torch.tensor(1.0), {}), MicroBatchPart(1, torch.tensor(5.0), {})]
+        >>> combine_losses(parts, 4).item()
+        2.0
+    """
+    losses = [(p.samples, p.loss) for p in parts if p.loss is not None]
+    if not losses:
+        return None
+    total = sum((loss.detach().double() * (m / batch_size) for m, loss in losses), torch.zeros((), dtype=torch.double))
+    return (total / accumulate).to(losses[0][1].dtype)
+
+
+class Agreement:
+    """The few collectives every rank runs in the same order, whatever happened locally (no-ops when inactive).
+
+    Args:
+        active: whether a process group is there to agree with (``False``: one process, nothing is sent).
+        device: where the flags are reduced (the process group's device).
+        no_sync: a context manager factory that keeps the DDP reducer from syncing (``strategy.block_backward_sync``).
+
+    Example:
+        >>> Agreement().max(2)  # one process: nothing to agree with
+        2
+    """
+
+    def __init__(
+        self,
+        active: bool = False,
+        device: torch.device | str | None = None,
+        no_sync: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        self.active = active
+        self.device = device
+        self._no_sync = no_sync
+
+    def max(self, value: int) -> int:
+        """The largest ``value`` over the ranks."""
+        if not self.active:
+            return value
+        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item())
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """Backward without the DDP reducer's sync (only when active)."""
+        return self._no_sync() if self.active and self._no_sync is not None else contextlib.nullcontext()
+
+    def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """One all-reduce for the step (per dtype), averaged as DDP does; a gradient no rank has stays ``None``."""
+        world = torch.distributed.get_world_size()
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(has, op=torch.distributed.ReduceOp.MAX)
+        grads: dict[torch.dtype, list[tuple[torch.nn.Parameter, Tensor]]] = {}
+        for p, h in zip(params, has.tolist()):
+            if not h:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.setdefault(p.grad.dtype, []).append((p, p.grad))
+        for group in grads.values():
+            flat = torch.cat([g.reshape(-1) for _, g in group])
+            torch.distributed.all_reduce(flat)
+            flat.div_(world)
+            offset = 0
+            for _, g in group:
+                count = g.numel()
+                g.copy_(flat[offset : offset + count].view_as(g))
+                offset += count
+
+
+def run_micro_batches(
+    batch_size: int,
+    micro_batch_size: int,
+    min_micro_batch_size: int,
+    step: Callable[[int, int], MicroBatchPart],
+    *,
+    agreement: Agreement | None = None,
+    restore: Callable[[], None] = lambda: None,
+    release: Callable[[], object] = lambda: None,
+    on_halve: Callable[[int, int, bool], None] = lambda size, new, here: None,
+    give_up: Callable[[BaseException, int], None] = lambda err, size: None,
+) -> tuple[list[MicroBatchPart], int]:
+    """Run ``step(start, stop)`` over the samples ``[0, batch_size)`` in micro-batches; halve on out-of-memory.
+
+    After a ``torch.OutOfMemoryError`` in a step (and once out of the ``except`` block, so that the failed attempt's
+    activations are unreachable): ``restore()`` puts the gradients back, ``gc.collect()`` and ``release()`` free
+    memory, ``on_halve(size, new_size, here)`` is told (``here``: this process ran out of memory, not only another
+    rank) and the batch runs again from its first sample. At ``min_micro_batch_size``, ``give_up(err, size)`` may
+    extend the error before the original error is raised (on another rank's give-up, a new one saying so). Other
+    errors pass through untouched.
+
+    Returns:
+        The parts of the run that went through, and the micro-batch size it used.
+
+    Example:
+        >>> def step(start, stop):
+        ...     if stop - start > 2:
+        ...         raise torch.OutOfMemoryError("simulated")
+        ...     return MicroBatchPart(stop - start, None, {})
+        >>> parts, size = run_micro_batches(8, 8, 1, step)
+        >>> size, [p.samples for p in parts]
+        (2, [2, 2, 2, 2])
+    """
+    comm = agreement or Agreement()
+    size = micro_batch_size
+    while True:
+        parts: list[MicroBatchPart] = []
+        flag, error, here = OK, None, False
+        # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
+        for k in range(comm.max(math.ceil(batch_size / size))):
+            start, stop = k * size, min(batch_size, (k + 1) * size)
+            if start < batch_size:
+                try:
+                    with comm.no_sync():
+                        part = step(start, stop)
+                    parts.append(part)
+                    del part
+                except torch.OutOfMemoryError as err:
+                    here = True
+                    if next_micro_batch_size(size, min_micro_batch_size) is None:
+                        give_up(err, size)
+                        if not comm.active:
+                            raise
+                        flag, error = GIVE_UP, err
+                    else:
+                        flag = RETRY
+            flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
+            if flag != OK:
+                break
+        if flag == GIVE_UP:
+            if error is not None:
+                raise error
+            raise torch.OutOfMemoryError(
+                f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
+                f" smallest allowed (min_micro_batch_size={min_micro_batch_size}); every process stops."
+            )
+        if flag == OK:
+            return parts, size
+        # out of the except block: the failed attempt's activations are unreachable now
+        restore()
+        gc.collect()
+        release()
+        new = next_micro_batch_size(size, min_micro_batch_size) or min_micro_batch_size  # a retry: size > min
+        on_halve(size, new, here)
+        size = new

@@ -1,0 +1,132 @@
+"""run_micro_batches without a Trainer: a fake step with a memory budget, the halving rule and the arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memopt.functional.micro_batch import count_samples, micro_batch_of
+from lightning_memopt.functional.micro_batch_retry import (
+    Agreement,
+    MicroBatchPart,
+    combine_losses,
+    extend_message,
+    give_up_note,
+    micro_batch_weight,
+    next_micro_batch_size,
+    restore_grads,
+    run_micro_batches,
+    snapshot_grads,
+)
+
+
+class Budget:
+    """A step that runs out of memory above ``limit`` samples and records every call."""
+
+    def __init__(self, limit: int, error: type[BaseException] = torch.OutOfMemoryError) -> None:
+        self.limit, self.error, self.calls = limit, error, []
+
+    def __call__(self, start: int, stop: int) -> MicroBatchPart:
+        self.calls.append((start, stop))
+        if stop - start > self.limit:
+            raise self.error(f"simulated: {stop - start} samples")
+        return MicroBatchPart(stop - start, torch.tensor(float(start)), {"stop": stop})
+
+
+def test_halves_until_it_fits_then_runs_every_sample_once_from_the_start():
+    events = []
+    step = Budget(limit=3)
+    parts, size = run_micro_batches(
+        10,
+        10,
+        1,
+        step,
+        restore=lambda: events.append("restore"),
+        release=lambda: events.append("release"),
+        on_halve=lambda old, new, here: events.append((old, new, here)),
+    )
+    assert size == 2
+    assert step.calls == [(0, 10), (0, 5), (0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert [(p.samples, p.extra["stop"]) for p in parts] == [(2, 2), (2, 4), (2, 6), (2, 8), (2, 10)]
+    assert events == ["restore", "release", (10, 5, True), "restore", "release", (5, 2, True)]
+
+
+def test_uneven_last_micro_batch_and_no_retry_when_it_fits():
+    step = Budget(limit=8)
+    parts, size = run_micro_batches(10, 4, 1, step, on_halve=lambda *a: pytest.fail("no halving expected"))
+    assert size == 4 and [p.samples for p in parts] == [4, 4, 2]
+
+
+def test_at_the_smallest_size_the_original_error_is_raised_extended():
+    step = Budget(limit=0)
+    notes = []
+
+    def give_up(err, size):
+        notes.append(size)
+        extend_message(err, give_up_note(size, 8, 2, 8, 2))
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"simulated: 2 samples \[AutoMicroBatch: a micro-batch of 2 "):
+        run_micro_batches(8, 8, 2, step, give_up=give_up)
+    assert [b - a for a, b in step.calls] == [8, 4, 2] and notes == [2]
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError])
+def test_other_errors_pass_through_untouched(error):
+    step = Budget(limit=1, error=error)
+    with pytest.raises(error, match="simulated: 4 samples$"):
+        run_micro_batches(4, 4, 1, step)
+    assert step.calls == [(0, 4)]
+
+
+def test_halving_rule_weights_and_notes():
+    assert [next_micro_batch_size(s, 1) for s in (9, 2, 1)] == [4, 1, None]
+    assert next_micro_batch_size(5, 3) == 3 and next_micro_batch_size(3, 3) is None
+    assert micro_batch_weight(3, 12, 2) == 3 / 24
+    assert "down from 16 after 3 earlier halving(s)" in give_up_note(2, 16, 2, 16, 3)
+    assert "down from 2 after 0" in give_up_note(2, 16, 2, None, 0)
+    err = torch.OutOfMemoryError()
+    extend_message(err, " note")
+    assert err.args == (" note",)
+
+
+def test_combined_loss_is_the_sample_weighted_mean_over_the_window():
+    parts = [
+        MicroBatchPart(4, torch.tensor(2.0), {}),
+        MicroBatchPart(2, torch.tensor(5.0), {}),
+        MicroBatchPart(2, None, {}),
+    ]
+    loss = combine_losses(parts, 8, accumulate=2)
+    assert loss is not None and loss.dtype == torch.float32 and loss.item() == pytest.approx((4 * 2 + 2 * 5) / 8 / 2)
+    assert combine_losses([MicroBatchPart(1, None, {})], 1) is None
+
+
+def test_gradients_go_back_to_the_snapshot_or_to_none():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    a.grad = torch.full((2,), 3.0)
+    saved = snapshot_grads([a, b])
+    a.grad += 1
+    b.grad = torch.ones(2)
+    restore_grads([a, b], saved, zeroed=True)
+    assert a.grad.tolist() == [3.0, 3.0] and b.grad is None
+    restore_grads([a, b], None, zeroed=True)
+    assert a.grad is None
+    a.grad = torch.ones(2)
+    restore_grads([a], None, zeroed=False)  # nothing to go back to: left as it is
+    assert a.grad.tolist() == [1.0, 1.0]
+
+
+def test_an_inactive_agreement_sends_nothing():
+    comm = Agreement(no_sync=lambda: pytest.fail("no reducer to hold back on one process"))
+    assert comm.max(2) == 2 and not comm.active
+    with comm.no_sync():
+        pass
+
+
+def test_micro_batches_and_sample_counts():
+    x = torch.arange(6)
+    assert micro_batch_of(x, 0, 6, 6) is x and micro_batch_of(x, 2, 4, 6).tolist() == [2, 3]
+    assert micro_batch_of(x, 2, 4, 6, split_batch=lambda b, s, e: ("mine", s, e)) == ("mine", 2, 4)
+    assert count_samples({"x": x}) == 6 and count_samples(x, lambda b: 3) == 3
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            count_samples(x, lambda b, bad=bad: bad)

@@ -1,0 +1,58 @@
+"""AutoMicroBatch on two DDP processes (gloo) where only rank 1 has a memory budget; run by test_auto_micro_batch."""
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_memopt import MemoryMonitor
+from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
+from tests.helpers.amb import Data, Net
+from tests.helpers.lightning import pl
+
+
+class RankBudget(Net):
+    # only rank 1 has a memory budget
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank != 1:
+            self.forward_budget = self.backward_budget = None
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        sampler = DistributedSampler(Data(), shuffle=False)
+        return DataLoader(Data(), batch_size=self.batch_size, sampler=sampler)
+
+
+if __name__ == "__main__":
+    for where in ("forward", "backward"):
+        budget = {"forward_budget": 2} if where == "forward" else {"backward_budget": 2}
+        model = RankBudget(optimizer="adamw", batch_size=8, **budget)
+        callback = AutoMicroBatch()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            max_steps=3,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+            default_root_dir=".",
+            callbacks=[callback, MemoryMonitor(dirpath=where)],
+        )
+        trainer.fit(model)
+        torch.save(
+            {
+                "weights": model.state_dict(),
+                "micro": callback.micro_batch_size,
+                "retries": callback.retries,
+                "step": trainer.global_step,
+                "sizes": model.seen_sizes,
+            },
+            f"{where}_rank{trainer.global_rank}.pt",
+        )
+    # Lightning keeps the process group; one left to interpreter exit sometimes aborts there (gloo's threads)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
