@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from typing_extensions import override
 
+from lightning_memopt.analysis import MemoryLogError, iter_memory_records
 from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.monitoring import MemoryReader, Position
 from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
@@ -17,7 +19,7 @@ from lightning_memopt.utilities.warnings import WarnOnce
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["GuardedReader", "RankLogCallback", "last_train_epoch", "position"]
+__all__ = ["GuardedReader", "RankLogCallback", "last_train_epoch", "last_train_step", "position"]
 
 
 class RankLogCallback(RunIdCallback):
@@ -81,3 +83,36 @@ def last_train_epoch(trainer: pl.Trainer) -> int:
     except (AttributeError, TypeError, ValueError):  # a trainer without a fit loop's progress: the current epoch
         return trainer.current_epoch
     return max(min(started - 1, trainer.current_epoch), 0)
+
+
+def last_train_step(path: str | os.PathLike[str], run_id: str | None) -> int:
+    """The highest train ``global_step`` that run ``run_id`` already recorded in ``path``; -1 if none or unreadable.
+
+    A resumed run skips the steps up to this one, so no step of a run is written twice; records of another run that
+    shares the file never count. The log is read by the one reader of its format,
+    :func:`lightning_memopt.analysis.iter_memory_records`.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "memory_rank0.jsonl"
+        >>> _ = path.write_text(
+        ...     '{"time": 1, "rank": 0, "run_id": "a", "phase": "train", "event": "step", "global_step": 4}\\n'
+        ...     '{"time": 2, "rank": 0, "run_id": "b", "phase": "train", "event": "step", "global_step": 9}\\n'
+        ... )
+        >>> last_train_step(path, "a"), last_train_step(path, "c"), last_train_step(path.with_name("none"), "a")
+        (4, -1, -1)
+    """
+    try:
+        return max(
+            (
+                record["global_step"]
+                for record in iter_memory_records(path)
+                if record.get("run_id") == run_id
+                and record["phase"] == "train"
+                and record["event"] == "step"
+                and isinstance(record.get("global_step"), int)
+            ),
+            default=-1,
+        )
+    except MemoryLogError:
+        return -1

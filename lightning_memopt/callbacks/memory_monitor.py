@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from lightning_memopt.callbacks._memory_log import GuardedReader, RankLogCallback, last_train_epoch, position
+from lightning_memopt.callbacks._memory_log import (
+    GuardedReader,
+    RankLogCallback,
+    last_train_epoch,
+    last_train_step,
+    position,
+)
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import (
     PEAK_FIELDS,
@@ -20,7 +26,6 @@ from lightning_memopt.functional.monitoring import (
 )
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
-from lightning_memopt.utilities.jsonl import last_train_step
 from lightning_memopt.utilities.namespaces import rank_zero_only
 from lightning_memopt.utilities.run_id import run_id
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device

@@ -4,7 +4,6 @@
   and ``MemoryAudit`` of a run write the same file) shares one open file, reference counted: the file is opened by
   the first writer that writes and closed when the last one closes.
 * :func:`rank_log_writer` resolves a callback's writer in ``setup``.
-* :func:`iter_records` and :func:`last_train_step` read the file back (a resumed run's last written step).
 
 The records themselves are described in ``docs/memory-log.md``.
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +24,7 @@ from lightning_memopt.utilities.warnings import WarnOnce
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["JsonlWriter", "iter_records", "last_train_step", "rank_log_writer"]
+__all__ = ["JsonlWriter", "rank_log_writer"]
 
 
 class _SharedFile:
@@ -245,54 +243,3 @@ def rank_log_writer(
     if current is not None:
         current.close()
     return JsonlWriter(path, owner=owner)
-
-
-def iter_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """The records of a JSONL memory log, in file order; a line that is not a JSON object (a torn line) is skipped.
-
-    Raises:
-        OSError: if the file cannot be opened or read.
-
-    Example:
-        >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "memory_rank0.jsonl"
-        >>> _ = path.write_text('{"event": "step"}\\n{"time": 1, "ra\\n[1]\\n')
-        >>> list(iter_records(path))
-        [{'event': 'step'}]
-    """
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                yield record
-
-
-def last_train_step(path: str | os.PathLike[str], run_id: str | None) -> int:
-    """The highest train ``global_step`` that run ``run_id`` already recorded in ``path``; -1 if none or unreadable.
-
-    A resumed run skips the steps up to this one, so no step of a run is written twice; records of another run that
-    shares the file never count.
-
-    Example:
-        >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "memory_rank0.jsonl"
-        >>> _ = path.write_text(
-        ...     '{"run_id": "a", "phase": "train", "event": "step", "global_step": 4}\\n'
-        ...     '{"run_id": "b", "phase": "train", "event": "step", "global_step": 9}\\n'
-        ... )
-        >>> last_train_step(path, "a"), last_train_step(path, "c"), last_train_step(path.with_name("none"), "a")
-        (4, -1, -1)
-    """
-    last = -1
-    try:
-        for record in iter_records(path):
-            if record.get("run_id") == run_id and record.get("phase") == "train" and record.get("event") == "step":
-                step = record.get("global_step")
-                if isinstance(step, int):
-                    last = max(last, step)
-    except OSError:
-        return -1
-    return last

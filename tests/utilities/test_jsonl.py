@@ -142,20 +142,3 @@ def test_each_writer_of_a_shared_file_warns_with_its_own_name(tmp_path, monkeypa
     monkeypatch.undo()
     first.close()
     second.close()
-
-
-def test_last_train_step_counts_only_the_runs_own_train_steps(tmp_path):
-    path = tmp_path / "memory_rank0.jsonl"
-    lines = [
-        {"run_id": "a", "phase": "train", "event": "step", "global_step": 3},
-        {"run_id": "a", "phase": "validate", "event": "step", "global_step": 8},
-        {"run_id": "a", "phase": "train", "event": "warning", "global_step": 9},
-        {"run_id": "b", "phase": "train", "event": "step", "global_step": 7},
-        {"run_id": "a", "phase": "train", "event": "step", "global_step": "5"},
-    ]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"run_id": "a", "phase": "tr')
-    assert jsonl.last_train_step(path, "a") == 3
-    assert jsonl.last_train_step(path, "b") == 7
-    assert jsonl.last_train_step(path, None) == -1
-    assert jsonl.last_train_step(tmp_path / "missing.jsonl", "a") == -1
-    assert [r["global_step"] for r in jsonl.iter_records(path)] == [3, 8, 9, 7, "5"]  # the torn line is skipped
