@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from lightning_memopt.callbacks.gradient_checkpointing import is_checkpointed
 from lightning_memopt.callbacks.oom_trainer import trainer_optimizers, trainer_position, trainer_settings
 from lightning_memopt.functional import oom
+from lightning_memopt.functional.checkpointing import is_checkpointed
 from lightning_memopt.functional.memory import read_memory
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.checks import (
