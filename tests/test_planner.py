@@ -268,6 +268,33 @@ def batch_of(size):
     return torch.randn(size, 64, 32)
 
 
+@pytest.mark.parametrize(
+    ("limit", "expected", "tried"),
+    [
+        (16, 16, [16]),  # the whole batch fits: one estimate
+        (0, None, [16, 1]),  # not even the smallest: two
+        (1, 1, [16, 1, 4, 2]),
+        (2, 2, [16, 1, 4, 2]),
+        (4, 4, [16, 1, 4, 8]),
+        (8, 8, [16, 1, 4, 8]),
+    ],
+)
+def test_the_micro_batch_search_tries_the_largest_then_the_smallest_then_halves(limit, expected, tried):
+    from lightning_memopt.planner.search import divisors, largest_fitting
+
+    calls = []
+
+    def fits(size):
+        calls.append(size)
+        return size <= limit
+
+    assert divisors(16) == [1, 2, 4, 8, 16] and divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert largest_fitting(divisors(16), fits) == expected
+    assert calls == tried
+    calls.clear()
+    assert largest_fitting([16], fits) == (16 if limit >= 16 else None) and calls == [16]  # one candidate: one try
+
+
 @pytest.mark.slow
 def test_the_plan_keeps_the_effective_batch_with_the_largest_micro_batch_that_fits():
     model = encoder()

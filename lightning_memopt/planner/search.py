@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from lightning_memopt.planner.estimate import MemoryEstimate, estimate_memory
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["PlanTrial", "Trials", "divisors", "needed_bytes"]
+__all__ = ["PlanTrial", "Trials", "divisors", "largest_fitting", "needed_bytes"]
 
 
 @dataclass(frozen=True)
@@ -107,17 +107,29 @@ class Trials:
         return ok
 
     def largest_fitting(self, option: Any, candidates: list[int]) -> int | None:
-        """The largest of ``candidates`` (ascending) that fits, or ``None``: the need grows with the micro-batch, so
-        the largest is tried first, then the smallest, then a binary search between them."""
-        if self.fits(candidates[-1], option):
-            return candidates[-1]
-        if len(candidates) == 1 or not self.fits(candidates[0], option):
-            return None
-        lo, hi = 0, len(candidates) - 1  # candidates[lo] fits, candidates[hi] does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.fits(candidates[mid], option):
-                lo = mid
-            else:
-                hi = mid
-        return candidates[lo]
+        """The largest of ``candidates`` that fits with checkpointing ``option`` (see :func:`largest_fitting`)."""
+        return largest_fitting(candidates, lambda size: self.fits(size, option))
+
+
+def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
+    """The largest of ``candidates`` (ascending) for which ``fits`` holds, or ``None``; ``fits`` must hold up to a
+    size and not beyond (the need grows with the micro-batch). Tries the largest first, then the smallest, then a
+    binary search between them.
+
+    Example:
+        >>> tried = []
+        >>> largest_fitting([1, 2, 4, 8, 16], lambda size: tried.append(size) or size <= 4), tried
+        (4, [16, 1, 4, 8])
+    """
+    if fits(candidates[-1]):
+        return candidates[-1]
+    if len(candidates) == 1 or not fits(candidates[0]):
+        return None
+    lo, hi = 0, len(candidates) - 1  # candidates[lo] fits, candidates[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return candidates[lo]
