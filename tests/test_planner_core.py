@@ -87,6 +87,15 @@ def test_two_steps_of_a_linear_layer_peak_in_the_second_forward_with_the_first_g
     assert rounded.peak_bytes == count.peak_bytes - 4 + 512  # the 4-byte loss takes a whole block
 
 
+def test_states_made_by_the_optimizer_step_that_peaks_count_as_optimizer_states():
+    """AdamW over one large weight: step 0's update peaks with both moments and the step counter made."""
+    model = nn.Linear(256, 256, bias=False)
+    count = count_training_steps(model, torch.randn(2, 256), summed, lambda m: [torch.optim.AdamW(m.parameters())])
+    assert (count.peak_phase, count.peak_step) == ("optimizer step", 0)
+    assert count.at_peak["optimizer_states"] == count.optimizer_state_bytes == 2 * 4 * 256 * 256 + 4
+    assert count.at_peak["temporaries"] > 0
+
+
 def test_a_step_that_reads_a_value_raises_fake_step_error_naming_the_operator():
     def reads(model, batch, step):
         y = model(batch)
