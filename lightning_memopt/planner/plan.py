@@ -124,6 +124,8 @@ class MemoryPlan:
 
 
 def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool) -> str:
+    """What would fit when micro-batch 1 does not (``estimate``): 8-bit optimizer states, FSDP over N GPUs, or
+    nothing but shorter samples or a larger device."""
     needed = needed_bytes(estimate, world)
     states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
     rest = needed - states
