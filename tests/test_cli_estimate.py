@@ -119,7 +119,7 @@ def test_shape_spec_estimate_prints_the_same_breakdown_as_estimate_memory(capsys
 
 
 def test_named_shape_specs_make_a_dict_and_integer_tensors_are_zeros():
-    from lightning_memopt.utilities.cli_estimate import EstimateInputError, parse_batch_shape
+    from lightning_memopt.cli_estimate import EstimateInputError, parse_batch_shape
 
     batch = parse_batch_shape(["ids=B,7:int64", "mask = B,7:bool", "x=B,3,2"])(5)
     assert list(batch) == ["ids", "mask", "x"]

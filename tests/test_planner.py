@@ -268,6 +268,33 @@ def batch_of(size):
     return torch.randn(size, 64, 32)
 
 
+@pytest.mark.parametrize(
+    ("limit", "expected", "tried"),
+    [
+        (16, 16, [16]),  # the whole batch fits: one estimate
+        (0, None, [16, 1]),  # not even the smallest: two
+        (1, 1, [16, 1, 4, 2]),
+        (2, 2, [16, 1, 4, 2]),
+        (4, 4, [16, 1, 4, 8]),
+        (8, 8, [16, 1, 4, 8]),
+    ],
+)
+def test_the_micro_batch_search_tries_the_largest_then_the_smallest_then_halves(limit, expected, tried):
+    from lightning_memopt.planner.search import divisors, largest_fitting
+
+    calls = []
+
+    def fits(size):
+        calls.append(size)
+        return size <= limit
+
+    assert divisors(16) == [1, 2, 4, 8, 16] and divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert largest_fitting(divisors(16), fits) == expected
+    assert calls == tried
+    calls.clear()
+    assert largest_fitting([16], fits) == (16 if limit >= 16 else None) and calls == [16]  # one candidate: one try
+
+
 @pytest.mark.slow
 def test_the_plan_keeps_the_effective_batch_with_the_largest_micro_batch_that_fits():
     model = encoder()
@@ -451,55 +478,6 @@ def test_a_plain_module_does_not_import_lightning(tmp_path):
     proc = run_script(script, tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
-
-
-def test_a_softmax_kernel_s_own_copy_of_a_non_contiguous_input_is_counted_while_it_runs():
-    from lightning_memopt.functional.planning import LiveBytes, kernel_scratch
-
-    n = 256 * 256
-    x, y, grad = torch.randn(256, 256), torch.randn(256, 256).softmax(1), torch.ones(256, 256)
-
-    def peak(run):
-        with LiveBytes(scratch=kernel_scratch) as counter:
-            for t in (x, y, grad):
-                counter.track(t)
-            run()
-        return counter.peak - 3 * n * 4
-
-    assert peak(lambda: torch.log_softmax(x, 1)) == n * 4  # contiguous: the output only
-    assert peak(lambda: torch.log_softmax(x.T, 1)) == 2 * n * 4  # transposed: and a contiguous copy inside
-    assert peak(lambda: torch.softmax(x.T, 1)) == 2 * n * 4
-    backward = torch.ops.aten._softmax_backward_data
-    assert peak(lambda: backward(grad, y, 1, torch.float32)) == n * 4
-    assert peak(lambda: backward(grad.T, y.T, 1, torch.float32)) == 3 * n * 4  # both copied inside
-
-
-def test_cuda_autocast_runs_cuda_s_float32_functions_in_float32():
-    from lightning_memopt.functional.planning import cuda_autocast
-
-    x, weight = torch.randn(4, 8), torch.randn(8, 8)
-    ln = nn.LayerNorm(8)
-
-    def dtypes():
-        h = nn.functional.linear(x, weight)
-        return (
-            h.dtype,
-            ln(h).dtype,
-            torch.softmax(h, -1).dtype,
-            h.sum().dtype,
-            (h**2).dtype,
-            h.exp().dtype,
-            h.sum(dtype=torch.bfloat16).dtype,
-        )
-
-    bf16, fp32 = torch.bfloat16, torch.float32
-    with torch.autocast("cpu", dtype=bf16):
-        assert dtypes() == (bf16, bf16, bf16, bf16, bf16, bf16, bf16)  # the CPU's lists
-        with cuda_autocast():
-            assert dtypes() == (bf16, fp32, fp32, fp32, fp32, fp32, bf16)  # CUDA's (explicit dtype= is kept)
-    with cuda_autocast():  # without autocast nothing changes
-        assert dtypes()[:2] == (fp32, fp32)
-        assert nn.functional.linear(x.bfloat16(), weight.bfloat16()).sum().dtype == bf16
 
 
 def test_a_cuda_bf16_estimate_keeps_layer_norm_outputs_in_float32_also_when_checkpointed():

@@ -78,7 +78,8 @@ def dump_memory_snapshot(path: str | os.PathLike[str]) -> bool:
 
 
 def storage_weak_ref(tensor: torch.Tensor) -> Any:
-    """A weak reference to ``tensor``'s storage with ``expired()``, or ``None`` where this torch has none.
+    """A weak reference to ``tensor``'s storage with ``expired()``; ``None`` where this torch has none or the tensor
+    has no storage (sparse layouts).
 
     Tells whether a storage is still alive after its tensor was replaced (someone else holds it).
 
@@ -87,12 +88,14 @@ def storage_weak_ref(tensor: torch.Tensor) -> Any:
         >>> ref = storage_weak_ref(t)
         >>> ref is None or (ref.expired(), (t := None), ref.expired())[::2] == (False, True)
         True
+        >>> storage_weak_ref(torch.ones(2, 2).to_sparse()) is None
+        True
     """
     try:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         return StorageWeakRef(tensor.untyped_storage())
-    except Exception:
+    except (ImportError, AttributeError, RuntimeError):  # moved in this torch; no storage (NotImplementedError)
         return None
 
 

@@ -1,0 +1,207 @@
+"""Batches of any micro-batch size: from ``--batch-shape`` specs or from a datamodule's training set."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sized
+from typing import Any, cast
+
+from lightning_memopt.cli_estimate.classes import build
+from lightning_memopt.cli_estimate.common import NAME, EstimateInputError, squash
+
+__all__ = ["batch_source", "describe_batch", "loader_batch_fn", "parse_batch_shape"]
+
+
+def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
+    """``batch_fn(B)`` for ``--batch-shape`` specs such as ``"B,128,64:float32"``, ``"ids=B,512:int64"``.
+
+    ``B`` is the micro-batch size; the dtype is optional (default ``float32``). One unnamed spec gives a tensor,
+    several a tuple, named ones (``name=...``) a dict. Floating tensors are left uninitialised (their values are
+    never read: the estimate runs on fake tensors), the others are zeros (valid indices for embeddings).
+
+    Example:
+        >>> fn = parse_batch_shape(["ids=B,16:int64", "mask=B,16:bool"])
+        >>> {k: (tuple(v.shape), str(v.dtype)) for k, v in fn(4).items()}
+        {'ids': ((4, 16), 'torch.int64'), 'mask': ((4, 16), 'torch.bool')}
+    """
+    import torch
+
+    parsed: list[tuple[str | None, list[int | None], Any]] = []
+    for spec in specs:
+        where = f"--batch-shape {spec!r}"
+        name, sep, rest = spec.partition("=")
+        if not sep:
+            name, rest = "", spec
+        name = name.strip()
+        if sep and not NAME.match(name):
+            raise EstimateInputError(f"{where}: {name!r} is not a name (letters, digits, _).")
+        dims_text, colon, dtype_text = rest.partition(":")
+        dtype = torch.float32
+        if colon:
+            named = getattr(torch, dtype_text.strip(), None)
+            if not isinstance(named, torch.dtype):
+                raise EstimateInputError(
+                    f"{where}: {dtype_text.strip()!r} is not a torch dtype (float32, bfloat16,"
+                    " float16, int64, int32, bool, ...)."
+                )
+            dtype = named
+        dims: list[int | None] = []
+        for dim in dims_text.split(","):
+            dim = dim.strip()
+            if dim in ("B", "b"):
+                dims.append(None)
+            elif dim.isdigit() and int(dim) > 0:
+                dims.append(int(dim))
+            else:
+                raise EstimateInputError(
+                    f"{where}: dimension {dim!r} is neither B (the micro-batch) nor a positive"
+                    " int. Example: --batch-shape B,128,64:float32"
+                )
+        parsed.append((name or None, dims, dtype))
+    named = [p[0] is not None for p in parsed]
+    if any(named) and not all(named):
+        raise EstimateInputError("--batch-shape: name all tensors (name=B,...: a dict) or none (a tensor or tuple).")
+    names = [p[0] for p in parsed if p[0] is not None]
+    if len(set(names)) != len(names):
+        raise EstimateInputError(f"--batch-shape: a name given twice ({', '.join(names)}).")
+    if not any(None in dims for _, dims, _ in parsed):
+        raise EstimateInputError(
+            "--batch-shape: no tensor has the micro-batch dimension B; write it where the batch goes, e.g. B,128,64."
+        )
+
+    def make(b: int) -> Any:
+        tensors = []
+        for name, dims, dtype in parsed:
+            shape = [b if d is None else d for d in dims]
+            tensor = torch.empty(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+            tensors.append((name, tensor))
+        if names:
+            return dict(tensors)
+        return tensors[0][1] if len(tensors) == 1 else tuple(t for _, t in tensors)
+
+    return make
+
+
+def describe_batch(batch: Any) -> str:
+    """The tensors of a batch in a few words: ``peaks float32[8, 101, 2], substructures float32[8, 32]``."""
+    import torch
+
+    parts: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            dtype = str(value.dtype).replace("torch.", "")
+            parts.append(f"{path + ' ' if path else ''}{dtype}[{', '.join(str(s) for s in value.shape)}]")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    walk(batch, "")
+    text = ", ".join(parts[:8]) + (f", ... ({len(parts)} tensors)" if len(parts) > 8 else "")
+    return text or f"no tensors ({type(batch).__name__})"
+
+
+def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int | None]:
+    """``batch_fn(b)``: the first ``b`` samples of ``source.train_dataloader()``'s dataset, in order, collated.
+
+    ``source`` is a datamodule (``prepare_data()`` and ``setup("fit")`` run first) or a LightningModule that defines
+    its own ``train_dataloader``. Returns the function and the loader's own batch size (``None`` if it has none).
+    """
+    from torch.utils.data import DataLoader, IterableDataset
+
+    name = type(source).__name__
+    for hook, call in (
+        ("prepare_data", lambda: source.prepare_data()),
+        ("setup('fit')", lambda: source.setup("fit")),
+        ("train_dataloader()", lambda: source.train_dataloader()),
+    ):
+        try:
+            loader = call()
+        except Exception as err:  # the user's hook, outside a Trainer: one line naming the flag
+            raise EstimateInputError(
+                f"{where}: {name}.{hook} failed outside a Trainer ({type(err).__name__}: {squash(err)})."
+                " Fix its init args, or describe the batch with --batch-shape instead."
+            ) from None
+    if not isinstance(loader, DataLoader):
+        raise EstimateInputError(
+            f"{where}: {name}.train_dataloader() returned a {type(loader).__name__}, not one"
+            " DataLoader; describe the batch with --batch-shape instead."
+        )
+    if loader.batch_size is None and loader.batch_sampler is None:
+        raise EstimateInputError(
+            f"{where}: {name}'s DataLoader has automatic batching off (its dataset yields whole"
+            " batches), so batches of another size cannot be made; use --batch-shape instead."
+        )
+    dataset, collate = loader.dataset, loader.collate_fn
+    iterable = isinstance(dataset, IterableDataset)
+    last: dict[int, Any] = {}
+
+    def batch_fn(b: int) -> Any:
+        if b not in last:
+            if iterable:
+                new = DataLoader(dataset, batch_size=b, collate_fn=collate)
+            else:
+                n = len(cast(Sized, dataset))  # a map-style dataset: its length (a TypeError where it has none)
+                if n == 0:
+                    raise EstimateInputError(f"{where}: {name}'s training set is empty.")
+                # the first b samples in order; a set smaller than b is cycled so the batch has b samples
+                new = DataLoader(
+                    dataset, batch_size=b, sampler=range(b) if b <= n else [i % n for i in range(b)], collate_fn=collate
+                )
+            try:
+                batch = next(iter(new))
+            except StopIteration:
+                raise EstimateInputError(f"{where}: {name}'s training set is empty.") from None
+            except Exception as err:  # the user's dataset or collate_fn: one line naming the flag
+                raise EstimateInputError(
+                    f"{where}: reading the first {b} samples of {name}'s training set failed"
+                    f" ({type(err).__name__}: {squash(err)})."
+                ) from None
+            last.clear()  # keep one batch: the planner asks for each size once, or twice in a row
+            last[b] = batch
+        return last[b]
+
+    return batch_fn, loader.batch_size
+
+
+def batch_source(
+    args: argparse.Namespace, specs: dict[str, Any], model: Any
+) -> tuple[Callable[[int], Any], int | None, str]:
+    """``(batch_fn, the datamodule's batch size or None, the source in words)``."""
+    if args.batch_shape:
+        return parse_batch_shape(args.batch_shape), None, f"--batch-shape {' '.join(args.batch_shape)}"
+    data_spec = specs["data"]
+    if data_spec is not None and not data_spec.get("class_path"):
+        raise EstimateInputError(
+            "--data: the config's data section has no class_path; pass --data CLASS_PATH (the"
+            " LightningDataModule, e.g. examples.dreams.module.SpectraDataModule), or"
+            " --batch-shape."
+        )
+    if data_spec is not None:
+        holder = build(data_spec, "--data")
+        if not callable(getattr(holder, "train_dataloader", None)):
+            raise EstimateInputError(
+                f"--data: {data_spec['class_path']} built a {type(holder).__name__}, which has no train_dataloader()."
+            )
+        where = "--data"
+    elif _own_train_dataloader(model):
+        holder, where = model, "--model"
+    else:
+        raise EstimateInputError(
+            "no batch: pass --data CLASS_PATH (or --config with a data section) to take it from"
+            " the datamodule, or --batch-shape B,128,64:float32 to describe it."
+        )
+    batch_fn, batch_size = loader_batch_fn(holder, where)
+    return batch_fn, batch_size, f"the first samples of {type(holder).__name__}.train_dataloader()'s dataset, in order"
+
+
+def _own_train_dataloader(model: Any) -> bool:
+    """Whether a LightningModule defines its own ``train_dataloader`` (LightningCLI runs without a datamodule)."""
+    from lightning_memopt.utilities.namespaces import classes
+
+    method = getattr(type(model), "train_dataloader", None)
+    hooks = classes("core.hooks.DataHooks")
+    return method is not None and all(method is not getattr(base, "train_dataloader", None) for base in hooks)

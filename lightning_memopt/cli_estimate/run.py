@@ -1,0 +1,208 @@
+"""``lightning-memopt estimate`` from the parsed arguments to the printed estimate or plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from lightning_memopt.cli_estimate.batches import batch_source, describe_batch
+from lightning_memopt.cli_estimate.classes import build
+from lightning_memopt.cli_estimate.common import EstimateInputError, squash
+from lightning_memopt.cli_estimate.config import read_sections
+from lightning_memopt.cli_estimate.settings import (
+    budget_setting,
+    check_flags,
+    checkpointing_setting,
+    int_setting,
+    optimizer_setting,
+    precision_setting,
+)
+
+__all__ = ["run_estimate", "say"]
+
+
+def say(line: str) -> None:
+    """A progress, note or warning line on stderr, after ``lightning-memopt estimate:``."""
+    print(f"lightning-memopt estimate: {line}", file=sys.stderr, flush=True)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """The ``estimate`` subcommand; returns the exit code (0 fits or estimated, 1 nothing fits)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _run(args)
+        finally:
+            seen = set()
+            for warning in caught:
+                if issubclass(warning.category, DeprecationWarning):
+                    continue
+                message = squash(warning.message)
+                if message not in seen:
+                    seen.add(message)
+                    say(f"warning: {message}")
+
+
+_PLANNER_NAMES = {
+    "`effective_batch_size`": "--effective-batch-size",
+    "`margin`": "--margin",
+    "`devices`": "--devices",
+    "`num_nodes`": "--num-nodes",
+    "`precision`": "--precision",
+    "`checkpointing`": "--checkpointing",
+    "`optimizer`": "--optimizer",
+}
+
+
+def _one_line(err: BaseException, budget_flag: str | None = None) -> str:
+    """The planner's message on one line, its argument names replaced by the flags that set them."""
+    text = squash(err)
+    for name, flag in {**_PLANNER_NAMES, "`budget_bytes`": budget_flag or "the budget"}.items():
+        text = text.replace(name, flag)
+    return text
+
+
+def _run(args: argparse.Namespace) -> int:
+    specs, trainer = read_sections(args)
+    check_flags(args)
+    model_spec = specs["model"]
+    if model_spec is None or not model_spec.get("class_path"):
+        where = "the config's model section has no class_path; " if model_spec is not None else ""
+        raise EstimateInputError(
+            f"--model: {where}pass --model CLASS_PATH (the LightningModule, e.g."
+            " examples.dreams.module.SpectraFineTuner), or --config FILE with model.class_path."
+        )
+
+    # ---- torch from here on
+    from torch import nn
+
+    from lightning_memopt.planner import estimate_memory, plan_memory
+    from lightning_memopt.utilities.formatting import format_bytes
+
+    where = "--precision" if args.precision is not None else "trainer.precision (config)"
+    precision = precision_setting(
+        args.precision if args.precision is not None else trainer.get("precision") or "auto", where
+    )
+    devices = args.devices or int_setting(trainer.get("devices")) or 1
+    num_nodes = args.num_nodes or int_setting(trainer.get("num_nodes")) or 1
+    world = devices * num_nodes
+    accumulate = trainer.get("accumulate_grad_batches")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        accumulate = 1
+    budget, budget_flag = budget_setting(args)
+    checkpointing = checkpointing_setting(args.checkpointing, planning=budget is not None)
+
+    model = build(model_spec, "--model")
+    if not isinstance(model, nn.Module):
+        raise EstimateInputError(
+            f"--model: {model_spec['class_path']} built a {type(model).__name__}, not a"
+            " LightningModule or torch.nn.Module."
+        )
+    optimizer = optimizer_setting(specs)
+    batch_fn, own_batch_size, source = batch_source(args, specs, model)
+    batch_size = args.batch_size or own_batch_size
+    params = list(model.parameters())
+    out = [
+        f"Model: {model_spec['class_path']} ({sum(p.numel() for p in params):,} parameters,"
+        f" {sum(p.numel() for p in params if p.requires_grad):,} trainable)"
+    ]
+
+    if budget is None:
+        if batch_size is None:
+            raise EstimateInputError(
+                "--batch-size: needed for the estimate (B of --batch-shape); or pass --gpu /"
+                " --device-memory and --effective-batch-size to plan the micro-batch."
+            )
+        batch = batch_fn(batch_size)
+        estimate = _guarded(
+            lambda: estimate_memory(
+                model,
+                batch,
+                precision="32-true" if precision == "auto" else precision,
+                optimizer=optimizer,
+                device=args.device,
+                checkpointing=checkpointing,
+            ),
+            model,
+            source,
+            budget_flag,
+        )
+        print("\n".join([*out, f"Batch {batch_size}: {source}: {describe_batch(batch)}", str(estimate)]))
+        return 0
+
+    effective = args.effective_batch_size
+    if effective is None:
+        if batch_size is None:
+            raise EstimateInputError(
+                "--effective-batch-size: needed to plan (samples per optimizer step over all"
+                " devices); there is no batch size to take it from."
+            )
+        effective = batch_size * accumulate * world
+        how = f"batch size {batch_size}" + (f" x accumulate {accumulate}" if accumulate > 1 else "")
+        how += f" x {world} devices" if world > 1 else ""
+        out.append(f"Effective batch: {effective} ({how}; --effective-batch-size sets it)")
+    elif args.batch_size is not None:
+        say("note: --batch-size is not used when planning; the plan chooses the micro-batch.")
+    if effective % world:
+        raise EstimateInputError(
+            f"--effective-batch-size: {effective} must divide by devices x num nodes = {world}"
+            f" (every device gets the same batch); use a multiple of {world}."
+        )
+    say(f"planning {type(model).__name__} for {budget}, effective batch {effective}: one line per estimate")
+    started = time.perf_counter()
+    plan = _guarded(
+        lambda: plan_memory(
+            model,
+            batch_fn,
+            effective_batch_size=effective,
+            budget_bytes=budget,
+            devices=devices,
+            num_nodes=num_nodes,
+            margin=args.margin,
+            precision=precision,
+            checkpointing=checkpointing,
+            optimizer=optimizer,
+            device=args.device,
+            progress=say,
+        ),
+        model,
+        source,
+        budget_flag,
+    )
+    count = len(plan.trials)
+    say(f"{count} estimate{'s' if count != 1 else ''} in {time.perf_counter() - started:.1f} s")
+    size = plan.micro_batch_size or 1
+    role = "the micro-batch" if plan.feasible else "the smallest tried"
+    out.append(f"Batch {size} ({role}): {source}: {describe_batch(batch_fn(size))}")
+    if plan.estimate is not None:
+        if not plan.feasible:
+            out.append(
+                f"The smallest setting tried (micro-batch {size}, activation checkpointing"
+                f" {'on' if plan.gradient_checkpointing else 'off'}) does not fit"
+                f" {format_bytes(plan.usable_bytes)}:"
+            )
+        out += [str(plan.estimate), ""]
+    out.append(str(plan))
+    print("\n".join(out))
+    return 0 if plan.feasible else 1
+
+
+def _guarded(call: Callable[[], Any], model: Any, source: str, budget_flag: str | None) -> Any:
+    """Run the estimate or the plan; what goes wrong in them becomes one line."""
+    from lightning_memopt.planner import MemoryEstimateError
+
+    try:
+        return call()
+    except EstimateInputError:
+        raise
+    except MemoryEstimateError as err:
+        raise EstimateInputError(_one_line(err, budget_flag)) from None
+    except Exception as err:  # the user's training step failed on the batch (the planner's arguments are checked)
+        raise EstimateInputError(
+            f"the training step of {type(model).__name__} failed on the batch from {source} ({type(err).__name__}:"
+            f" {_one_line(err)}). Check the batch (--batch-shape) or the model's init args."
+        ) from None

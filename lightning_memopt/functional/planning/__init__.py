@@ -1,0 +1,45 @@
+"""Byte accounting of a training step without the memory: a live-storage counter over fake CPU tensors.
+
+The engine behind :func:`lightning_memopt.estimate_memory`. A twin of the model is built on fake tensors
+(``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and strides, no data), training steps run on it in
+Lightning's order (:func:`count_training_steps`, in ``steps.py``), and :class:`LiveBytes` (``counter.py``) adds a
+storage's bytes when it first appears and subtracts them when the storage is freed. On CPU this counts the same bytes
+a real step holds (the tests compare with the same counter over real tensors); what CUDA does differently is modelled
+in ``cuda.py`` (:func:`cuda_attention`, :func:`cuda_autocast`, :func:`use_foreach`, the allocator's 512-byte blocks,
+cuBLAS workspaces) and listed in the estimate's ``assumptions``.
+
+Nothing here imports Lightning: the step is given as plain callables.
+"""
+
+from lightning_memopt.functional.planning.counter import LiveBytes, kernel_scratch
+from lightning_memopt.functional.planning.cuda import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_AUTOCAST_FP32,
+    CUDA_BLOCK_BYTES,
+    cuda_attention,
+    cuda_autocast,
+    use_foreach,
+)
+from lightning_memopt.functional.planning.steps import (
+    PEAK_PARTS,
+    FakeStepError,
+    StepCount,
+    count_training_steps,
+    fake_twin,
+)
+
+__all__ = [
+    "CUDA_BLOCK_BYTES",
+    "CUBLAS_WORKSPACE_BYTES",
+    "CUDA_AUTOCAST_FP32",
+    "PEAK_PARTS",
+    "FakeStepError",
+    "LiveBytes",
+    "StepCount",
+    "count_training_steps",
+    "cuda_attention",
+    "cuda_autocast",
+    "fake_twin",
+    "kernel_scratch",
+    "use_foreach",
+]

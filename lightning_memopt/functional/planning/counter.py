@@ -1,0 +1,156 @@
+"""The live-storage counter: the bytes of the tensor storages alive at every moment, and their peak."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytes", "kernel_scratch", "unique_storages"]
+
+
+def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
+    """Bytes a softmax kernel holds inside itself: a contiguous copy of each non-contiguous input.
+
+    ``softmax``/``log_softmax`` and their backward make their inputs contiguous inside the kernel, on the CPU and on
+    CUDA alike (``F.cross_entropy(logits.T, ...)`` in a CLIP loss copies the whole logits matrix; its backward
+    copies the gradient and the output). No operator shows these copies, so they are counted while the kernel runs.
+    Measured as process RSS on torch 2.13 (``benchmarks/planner.py``).
+
+    Example:
+        >>> x = torch.randn(4, 8)
+        >>> kernel_scratch(torch.ops.aten._softmax.default, (x, 1, False), {})  # contiguous: no copy
+        0
+        >>> kernel_scratch(torch.ops.aten._softmax.default, (x.T, 1, False), {})  # the whole input copied
+        128
+    """
+    packet = getattr(func, "overloadpacket", None)
+    aten = torch.ops.aten
+    if packet in (aten._softmax, aten._log_softmax):
+        tensors = args[:1]
+    elif packet in (aten._softmax_backward_data, aten._log_softmax_backward_data):
+        tensors = args[:2]
+    else:
+        return 0
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and not t.is_contiguous())
+
+
+def unique_storages(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """One tensor per storage: tied weights and views are counted once."""
+    return list({id(t.untyped_storage()): t for t in tensors}.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensor storages alive, and their peak, as operators create and free them.
+
+    Each storage is counted once, when an operator's output shows it first (views and in-place results share it),
+    and leaves the count when torch frees it. Storages are labelled with the phase that created them; a label can
+    change later (a gradient, an optimizer state), so the totals at the peak say what the peak was made of.
+
+    Args:
+        block_bytes: round each storage up to a multiple of this (512 models the CUDA caching allocator; 1: none).
+        scratch: ``scratch(op, args, kwargs) -> bytes`` a kernel holds inside itself beside its outputs while it runs
+            (no operator shows them); counted at that moment only (e.g. :func:`kernel_scratch`).
+
+    Outputs (attributes): ``now`` and ``peak`` (bytes), ``peak_phase``/``peak_step``/``peak_seq`` (when the peak
+    happened), ``peak_totals`` (bytes by label at the peak), ``phase_peaks`` (the highest count in each phase),
+    ``totals`` (bytes by label now). The caller sets ``phase`` and ``step`` as the training step goes on.
+
+    Example:
+        >>> with LiveBytes() as counter:
+        ...     x = torch.ones(256)  # 1024 bytes
+        ...     y = (x * 2).sum()  # x * 2 (1024 bytes) is freed once summed
+        >>> counter.peak, counter.now
+        (2052, 1028)
+    """
+
+    def __init__(self, block_bytes: int = 1, scratch: Callable[[Any, tuple, dict], int] | None = None) -> None:
+        super().__init__()
+        self.block_bytes = block_bytes
+        self.scratch = scratch
+        self.phase = "setup"
+        self.step = 0
+        self.now = 0
+        self.peak = 0
+        self.peak_phase = "setup"
+        self.peak_step = 0
+        self.peak_seq = 0
+        self.peak_totals: dict[str, int] = {}
+        self.phase_peaks: dict[str, int] = {}
+        self.totals: dict[str, int] = {}
+        self._seq = 0
+        self._info: dict[int, list[Any]] = {}  # id(storage) -> [bytes, label, seq, step]
+
+    def rounded(self, nbytes: int) -> int:
+        """``nbytes`` rounded up to whole blocks of ``block_bytes``."""
+        block = self.block_bytes
+        return nbytes if block <= 1 else -(-nbytes // block) * block
+
+    def storage_bytes(self, tensor: Tensor) -> int:
+        """The counted (rounded) bytes of ``tensor``'s whole storage."""
+        return self.rounded(tensor.untyped_storage().nbytes())
+
+    def track(self, tensor: Tensor, label: str | None = None) -> None:
+        """Count ``tensor``'s storage if it is new; ``label`` (default: the current phase) says what it is."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._info:
+            return
+        nbytes = self.rounded(storage.nbytes())
+        label = label or self.phase
+        self._seq += 1
+        self._info[key] = [nbytes, label, self._seq, self.step]
+        self.totals[label] = self.totals.get(label, 0) + nbytes
+        self.now += nbytes
+        weakref.finalize(storage, self._free, key)
+        self._record(self.now, self.totals)
+
+    def relabel(self, tensor: Tensor, label: str) -> None:
+        """Say what an already counted storage is (e.g. ``"gradients"``); unknown storages are counted first."""
+        info = self._info.get(id(tensor.untyped_storage()))
+        if info is None:
+            self.track(tensor, label)
+            return
+        if info[1] != label:
+            self.totals[info[1]] -= info[0]
+            self.totals[label] = self.totals.get(label, 0) + info[0]
+            info[1] = label
+
+    def info(self, tensor: Tensor) -> tuple[int, str, int, int] | None:
+        """(bytes, label, creation number, step) of ``tensor``'s storage, if it is counted and alive."""
+        found = self._info.get(id(tensor.untyped_storage()))
+        if found is None:
+            return None
+        nbytes, label, seq, step = found
+        return nbytes, label, seq, step
+
+    def _free(self, key: int) -> None:
+        info = self._info.pop(key, None)
+        if info is not None:
+            self.now -= info[0]
+            self.totals[info[1]] -= info[0]
+
+    def _record(self, level: int, totals: dict[str, int]) -> None:
+        """A new high of the current phase and of the whole run, with what it is made of."""
+        if level > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = level
+        if level > self.peak:
+            self.peak, self.peak_phase, self.peak_step, self.peak_seq = level, self.phase, self.step, self._seq
+            self.peak_totals = dict(totals)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, Tensor):
+                self.track(value)
+        if self.scratch is not None:
+            extra = self.scratch(func, args, kwargs)
+            if extra:  # held inside the kernel beside what is alive now, gone when it returns
+                self._record(self.now + self.rounded(extra), {**self.totals, "scratch": self.rounded(extra)})
+        return out

@@ -1,0 +1,287 @@
+"""Training steps on a fake twin of the model, counted by :class:`~.counter.LiveBytes`."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses import fake_tensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_memopt.functional.planning.counter import LiveBytes, unique_storages
+from lightning_memopt.utilities._torch_private import backward_outside_torch_function
+
+__all__ = ["PEAK_PARTS", "FakeStepError", "StepCount", "count_training_steps", "fake_twin"]
+
+#: What the bytes alive at the peak are, in the order they are reported.
+PEAK_PARTS = ("parameters", "buffers", "batch", "gradients", "optimizer_states", "activations", "temporaries")
+
+#: The part of the peak a storage counts as, by the phase that created it (other labels are parts already).
+_PHASE_PARTS = {
+    "forward": "activations",
+    "backward": "temporaries",
+    "optimizer step": "temporaries",
+    "zero_grad": "temporaries",
+    "setup": "temporaries",
+    "scratch": "temporaries",
+}
+
+#: Why an operator cannot run on fake tensors, by the exception fake tensors raise.
+_FAKE_FAILURES: dict[type[Exception], str] = {
+    fake_tensor.DataDependentOutputException: "its output depends on the data (e.g. `.item()`, `.tolist()`, a Python"
+    " `if` on a tensor)",
+    fake_tensor.DynamicOutputShapeException: "its output shape depends on the data (e.g. `nonzero`, boolean masking,"
+    " `unique`)",
+    fake_tensor.UnsupportedOperatorException: "it has no fake (meta) implementation (a custom C++/CUDA op?)",
+}
+_FAKE_EXCEPTIONS: tuple[type[Exception], ...] = (*_FAKE_FAILURES, fake_tensor.UnsupportedFakeTensorException)
+
+
+class FakeStepError(RuntimeError):
+    """A training step that cannot run on fake tensors (data-dependent shapes, ``.item()``, custom ops).
+
+    Args:
+        message: what failed, in words.
+        op: the operator's name (e.g. ``"aten.nonzero.default"``), where one is to blame.
+    """
+
+    def __init__(self, message: str, op: str | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCount:
+    """What :func:`count_training_steps` counted, in bytes.
+
+    Attributes:
+        peak_bytes: the most bytes alive at once.
+        peak_phase: ``"forward"``, ``"zero_grad"``, ``"backward"`` or ``"optimizer step"``.
+        peak_step: the step of the peak (counted from 0).
+        at_peak: what the peak is made of, by :data:`PEAK_PARTS`; adds up to ``peak_bytes``.
+        parameter_bytes / trainable_parameter_bytes / buffer_bytes / gradient_bytes / optimizer_state_bytes /
+            batch_bytes: the totals after the last step.
+        phase_peaks: the highest count seen in ``forward``, ``backward`` and ``optimizer step``.
+    """
+
+    peak_bytes: int
+    peak_phase: str
+    peak_step: int
+    at_peak: dict[str, int]
+    parameter_bytes: int
+    trainable_parameter_bytes: int
+    buffer_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    batch_bytes: int
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+
+
+def _optimizer_state_tensors(optimizers: list[torch.optim.Optimizer]) -> Iterator[Tensor]:
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor):
+                    yield value
+
+
+def _fake_step_error(err: Exception) -> FakeStepError:
+    for kind, why in _FAKE_FAILURES.items():
+        if isinstance(err, kind):
+            op = str(getattr(err, "func", "?"))
+            return FakeStepError(f"operator `{op}` cannot run on fake tensors: {why}.", op)
+    return FakeStepError(f"the step cannot run on fake tensors: {err}", None)
+
+
+def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are fake tensors of ``mode`` (no data copied).
+
+    Tied weights stay tied; the module itself is not changed. Parameters and buffers that are fake already (a model
+    built inside ``mode``) are used as they are. ``dtype`` casts the floating ones (``"bf16-true"``); with ``mode``
+    ``None`` the copy holds real copies of the tensors. A model built on the meta device (``with torch.device("meta")``)
+    gets fake CPU tensors of the same shapes: a large model can be estimated without ever holding its weights.
+
+    Raises:
+        FakeStepError: ``mode`` is ``None`` (a real copy) but the model is on the meta device.
+
+    Example:
+        >>> twin = fake_twin(nn.Linear(4, 4), fake_tensor.FakeTensorMode())
+        >>> type(twin.weight.data).__name__, twin.weight.shape
+        ('FakeTensor', torch.Size([4, 4]))
+    """
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) in memo:
+            continue
+        if tensor.device.type == "meta":
+            if mode is None:
+                raise FakeStepError(
+                    "a model on the meta device has no data to run a real step with; estimate it on"
+                    " fake tensors (fake=True)"
+                )
+            with mode:  # a model built on the meta device: the same shapes on fake CPU tensors
+                twin = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+        elif mode is None:
+            twin = tensor.detach().clone()
+        else:
+            twin = tensor if getattr(tensor, "fake_mode", None) is mode else mode.from_tensor(tensor)
+        if dtype is not None and twin.is_floating_point():
+            twin = twin.to(dtype)
+        if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
+            twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = twin
+    return copy.deepcopy(module, memo)
+
+
+def count_training_steps(
+    module: nn.Module,
+    batch: Any,
+    step_fn: Callable[[nn.Module, Any, int], Tensor],
+    make_optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]],
+    *,
+    fake: bool = True,
+    steps: int = 2,
+    block_bytes: int = 1,
+    scratch: Callable[[Any, tuple, dict], int] | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    prepare_optimizers: Callable[[list[torch.optim.Optimizer]], None] | None = None,
+    batch_fn: Callable[[Any], Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> StepCount:
+    """Run ``steps`` training steps in Lightning's order and count the bytes alive at every moment.
+
+    Lightning's order is: ``step_fn`` (the training step), ``zero_grad(set_to_none=True)``, backward, the optimizer
+    step; the previous step's gradients are alive during the next forward, and optimizer states appear at the first
+    step, so two steps see every peak.
+
+    Args:
+        module: the model; never changed: a fake twin runs (``fake=False``: a real copy).
+        batch: the batch (any nesting of tensors); with ``fake=True`` real tensors are faked (no data copied).
+        step_fn: ``step_fn(model, batch, step_index) -> loss``.
+        make_optimizers: builds the optimizers over the model that runs.
+        fake: run on fake CPU tensors (no memory); ``False`` runs a real step on the CPU and counts its bytes.
+        steps: training steps to run.
+        block_bytes: round storages up to this many bytes.
+        scratch: bytes a kernel holds inside itself (see :class:`LiveBytes`).
+        prepare: called with the model that runs, before counting (checkpointing, ``train()``).
+        step_context: a fresh context around each step's ``step_fn`` (autocast).
+        prepare_optimizers: called with the optimizers once they exist (e.g. :func:`use_foreach`).
+        batch_fn: called with the (faked) batch before counting (e.g. a dtype cast).
+        dtype: cast the model's floating parameters and buffers to it (``"bf16-true"``).
+
+    Returns:
+        a :class:`StepCount`.
+
+    Raises:
+        FakeStepError: an operator of the step cannot run on fake tensors; the message names it.
+
+    Example:
+        >>> model = nn.Linear(64, 64, bias=False)
+        >>> count = count_training_steps(
+        ...     model, torch.randn(32, 64), lambda m, b, i: m(b).sum(), lambda m: [torch.optim.SGD(m.parameters())]
+        ... )
+        >>> count.peak_bytes == 4 * (2 * 64 * 64 + 2 * 32 * 64) + 4, count.peak_phase  # W, its grad, x, y, the loss
+        (True, 'forward')
+    """
+    counter = LiveBytes(block_bytes, scratch)
+    mode = None
+    if fake:
+        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
+        batch = tree_map(
+            lambda t: t if not isinstance(t, Tensor) or getattr(t, "fake_mode", None) is mode else mode.from_tensor(t),
+            batch,
+        )
+    model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
+    handles = []
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            if prepare is not None:
+                prepare(model)
+            if batch_fn is not None:
+                batch = batch_fn(batch)
+            params = list(model.parameters())
+            trainable = [p for p in params if p.requires_grad]
+            for p in params:
+                counter.track(p, "parameters")
+            for b in model.buffers():
+                counter.track(b, "buffers")
+            for t in _tensors(batch):
+                counter.track(t, "batch")
+            # sizes before the steps run (a module may replace its buffers in forward)
+            parameter_bytes = sum(counter.storage_bytes(p) for p in unique_storages(params))
+            trainable_bytes = sum(counter.storage_bytes(p) for p in unique_storages(trainable))
+            buffer_bytes = sum(counter.storage_bytes(b) for b in model.buffers())
+            batch_bytes = sum(counter.storage_bytes(t) for t in unique_storages(_tensors(batch)))
+            for p in trainable:
+                handles.append(p.register_post_accumulate_grad_hook(lambda p: counter.relabel(p.grad, "gradients")))
+            with counter:
+                optimizers = make_optimizers(model)
+                if prepare_optimizers is not None:
+                    prepare_optimizers(optimizers)
+                for step in range(steps):
+                    counter.step = step
+                    counter.phase = "forward"
+                    with step_context() if step_context is not None else contextlib.nullcontext():
+                        loss = step_fn(model, batch, step)
+                    counter.phase = "zero_grad"
+                    for optimizer in optimizers:
+                        optimizer.zero_grad(set_to_none=True)
+                    counter.phase = "backward"
+                    backward_outside_torch_function(loss)  # CUDA modes stay on for checkpointed recomputes
+                    del loss
+                    counter.phase = "optimizer step"
+                    for optimizer in optimizers:
+                        optimizer.step()
+                    for state in _optimizer_state_tensors(optimizers):
+                        counter.relabel(state, "optimizer_states")
+                    counter.phase = "setup"
+            states = unique_storages(_optimizer_state_tensors(optimizers))
+            count = StepCount(
+                peak_bytes=counter.peak,
+                peak_phase=counter.peak_phase,
+                peak_step=counter.peak_step,
+                at_peak=_parts_at_peak(counter, states),
+                parameter_bytes=parameter_bytes,
+                trainable_parameter_bytes=trainable_bytes,
+                buffer_bytes=buffer_bytes,
+                gradient_bytes=sum(counter.storage_bytes(p.grad) for p in trainable if p.grad is not None),
+                optimizer_state_bytes=sum(counter.storage_bytes(t) for t in states),
+                batch_bytes=batch_bytes,
+                phase_peaks={
+                    k: v for k, v in counter.phase_peaks.items() if k in ("forward", "backward", "optimizer step")
+                },
+            )
+    except _FAKE_EXCEPTIONS as err:
+        if not fake:
+            raise
+        raise _fake_step_error(err) from err
+    finally:
+        for handle in handles:
+            handle.remove()
+    return count
+
+
+def _parts_at_peak(counter: LiveBytes, states: list[Tensor]) -> dict[str, int]:
+    """The peak's bytes by :data:`PEAK_PARTS` (a storage's phase label says which part it is)."""
+    totals = dict(counter.peak_totals)
+    if counter.peak_phase == "optimizer step":
+        # states created by the peak's own optimizer step before the peak were still labelled as its temporaries
+        for t in states:
+            info = counter.info(t)
+            if info is not None and info[3] == counter.peak_step and info[2] <= counter.peak_seq:
+                totals["optimizer step"] = totals.get("optimizer step", 0) - info[0]
+                totals["optimizer_states"] = totals.get("optimizer_states", 0) + info[0]
+    parts = dict.fromkeys(PEAK_PARTS, 0)
+    for label, nbytes in totals.items():
+        parts[_PHASE_PARTS.get(label, label)] += nbytes
+    return parts

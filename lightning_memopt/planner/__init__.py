@@ -1,0 +1,28 @@
+"""Will it fit? A training step's peak memory, predicted before training, without the GPU and without the memory.
+
+:func:`estimate_memory` (``estimate.py``) runs two training steps of a fake twin of the model (fake CPU tensors:
+shapes and dtypes, no data) in Lightning's order and counts the bytes of every tensor alive, to the byte on the CPU;
+for a CUDA target it models what CUDA does differently and says so in :attr:`MemoryEstimate.assumptions`. The engine
+is Trainer-free and lives in :mod:`lightning_memopt.functional.planning`; ``model_step.py`` says how the user's model
+is trained there (its loss, optimizers, checkpointing). :func:`plan_memory` (``plan.py``) searches the micro-batch,
+accumulation, precision and checkpointing that fit a budget (``budget.py``: bytes, a size or a GPU's name).
+"""
+
+from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_MEMORY, parse_budget
+from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate, estimate_memory
+from lightning_memopt.planner.model_step import MemoryEstimateError
+from lightning_memopt.planner.plan import MemoryPlan, plan_memory
+from lightning_memopt.planner.search import PlanTrial
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "ESTIMATE_PRECISIONS",
+    "GPU_MEMORY",
+    "MemoryEstimate",
+    "MemoryEstimateError",
+    "MemoryPlan",
+    "PlanTrial",
+    "estimate_memory",
+    "parse_budget",
+    "plan_memory",
+]

@@ -1,0 +1,299 @@
+"""Will it fit? A training step's peak memory, predicted before training, without the GPU and without the memory."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from lightning_memopt.functional.planning import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_BLOCK_BYTES,
+    FakeStepError,
+    StepCount,
+    count_training_steps,
+    cuda_attention,
+    cuda_autocast,
+    kernel_scratch,
+    use_foreach,
+)
+from lightning_memopt.planner.model_step import (
+    MemoryEstimateError,
+    checkpointing_prepare,
+    is_lightning_module,
+    make_optimizers,
+    step_function,
+)
+from lightning_memopt.utilities.checks import check_choice, check_positive_int
+from lightning_memopt.utilities.formatting import format_bytes
+
+__all__ = ["ESTIMATE_PRECISIONS", "MemoryEstimate", "estimate_memory"]
+
+#: Precisions :func:`estimate_memory` models (Lightning's strings).
+ESTIMATE_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+_DTYPES = {"16": torch.float16, "bf16": torch.bfloat16}
+_PART_TEXT = {
+    "parameters": "parameters",
+    "buffers": "buffers",
+    "batch": "batch",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations (forward, kept for backward)",
+    "temporaries": "temporaries (backward, optimizer step)",
+    "workspace": "cuBLAS workspaces",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate(StepCount):
+    """Bytes of one training step, predicted by :func:`estimate_memory`.
+
+    ``str(estimate)`` is the report: a head line, :meth:`table` and the assumptions.
+
+    Attributes:
+        peak_bytes: the most bytes alive at once over the simulated steps (for CUDA: allocated bytes, in 512-byte
+            blocks, plus cuBLAS workspaces); what ``torch.cuda.max_memory_allocated`` would report.
+        peak_phase: where the peak happens: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
+        peak_step: 0 or 1 (optimizer states appear at step 0; gradients of step 0 are alive in step 1's forward).
+        at_peak: what the peak is made of (``parameters``, ``buffers``, ``batch``, ``gradients``,
+            ``optimizer_states``, ``activations``, ``temporaries``, ``workspace``); adds up to ``peak_bytes``.
+        parameter_bytes / trainable_parameter_bytes / buffer_bytes / gradient_bytes / optimizer_state_bytes /
+            batch_bytes: the totals.
+        phase_peaks: the highest count seen in each phase.
+        device / precision: the target the estimate models.
+        fake: whether it ran on fake tensors (``False``: a real step on the CPU, the fallback).
+        assumptions: what was modelled and assumed, in words.
+        seconds: how long the estimate took.
+        steps: how many training steps were simulated.
+        extra: free-form details (not compared).
+
+    Example:
+        >>> est = estimate_memory(nn.Linear(64, 64, bias=False), torch.randn(32, 64), device="cpu")
+        >>> est.peak_phase, est.at_peak["parameters"] == est.parameter_bytes == 4 * 64 * 64
+        ('optimizer step', True)
+    """
+
+    device: str
+    precision: str
+    fake: bool
+    assumptions: tuple[str, ...] = ()
+    seconds: float = 0.0
+    steps: int = 2
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes the forward created that are alive at the peak (saved for backward, outputs, the loss)."""
+        return self.at_peak.get("activations", 0)
+
+    @property
+    def temporary_bytes(self) -> int:
+        """Bytes of backward and optimizer-step temporaries alive at the peak."""
+        return self.at_peak.get("temporaries", 0)
+
+    def table(self) -> str:
+        """The breakdown as a plain-text table."""
+        rows = [("at the peak", "bytes", "")]
+        for part, nbytes in self.at_peak.items():
+            if nbytes:
+                rows.append((_PART_TEXT.get(part, part), format_bytes(nbytes), f"{nbytes / self.peak_bytes:6.1%}"))
+        rows.append((f"peak ({self.peak_phase}, step {self.peak_step})", format_bytes(self.peak_bytes), "100.0%"))
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{a:<{width}}  {b:>11}  {c}".rstrip() for a, b, c in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        totals = (
+            f"totals: parameters {format_bytes(self.parameter_bytes)}"
+            f" ({format_bytes(self.trainable_parameter_bytes)} trainable),"
+            f" gradients {format_bytes(self.gradient_bytes)},"
+            f" optimizer states {format_bytes(self.optimizer_state_bytes)}, batch {format_bytes(self.batch_bytes)}"
+        )
+        return "\n".join([*lines, totals])
+
+    def __str__(self) -> str:
+        how = "fake tensors" if self.fake else "a real CPU step"
+        head = (
+            f"Estimated peak memory of a training step on {self.device} at {self.precision}:"
+            f" {format_bytes(self.peak_bytes)} ({how}, {self.seconds:.1f} s)"
+        )
+        notes = [f"  - {a}" for a in self.assumptions]
+        return "\n".join([head, self.table(), *(["assumed:", *notes] if notes else [])])
+
+
+def _check_arguments(module: Any, precision: str, optimizer: Any, device: str, steps: int, fake: bool) -> None:
+    check_choice("precision", precision, ESTIMATE_PRECISIONS)
+    check_choice("device", device, ("cuda", "cpu"), hint="The CPU run models a CUDA target with `device='cuda'`.")
+    check_positive_int("steps", steps)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"`module` must be an nn.Module (or LightningModule), got {type(module).__name__}.")
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError(
+            f"`optimizer` must be a callable that builds an optimizer from parameters, got {optimizer!r}."
+            " Example: `optimizer=functools.partial(torch.optim.AdamW, lr=1e-4)`."
+        )
+    if not fake and any(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()]):
+        raise ValueError(
+            "`fake=False` runs a real CPU step, but the model is on the meta device (no data). Estimate it with"
+            " `fake=True`, or build it on the CPU."
+        )
+
+
+def _assumptions(cuda: bool, fake: bool, foreach: bool, mode: str, dtype: torch.dtype | None) -> tuple[str, ...]:
+    """What the estimate modelled and assumed, in words (:attr:`MemoryEstimate.assumptions`)."""
+    said = []
+    if cuda:
+        said.append("CUDA allocator: every tensor in 512-byte blocks (allocated bytes, not reserved)")
+        said.append(f"cuBLAS workspaces {format_bytes(CUBLAS_WORKSPACE_BYTES)} (default config, not sm90)")
+        if fake:
+            said.append("attention (scaled_dot_product_attention) through CUDA's fused kernels: no L x L matrix")
+        if foreach:
+            said.append("optimizer foreach=True (torch's default on CUDA)")
+        said.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
+    if mode == "mixed":
+        lists = "CUDA's float32 list (layer_norm, softmax, sum, ...) in float32" if cuda else "the CPU's op lists"
+        said.append(f"autocast to {dtype} around the training step, {lists}")
+    if not fake:
+        said.append("a real step on the CPU (fallback)")
+    return tuple(said)
+
+
+def estimate_memory(
+    module: nn.Module,
+    batch: Any,
+    *,
+    precision: str = "32-true",
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    device: str = "cuda",
+    checkpointing: bool | Sequence[type[nn.Module] | str] | Any | None = None,
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+    fake: bool = True,
+    steps: int = 2,
+) -> MemoryEstimate:
+    """Predict the peak memory of a training step, without allocating it and without a GPU.
+
+    Runs ``steps`` training steps in Lightning's order (training step, ``zero_grad``, backward, optimizer step) on a
+    fake twin of ``module``: fake CPU tensors have shapes and dtypes but no data, so a model that needs 16 GiB is
+    estimated in a process of a few hundred MiB. The user's module is not changed. On the CPU the count equals a real
+    step's bytes. For ``device="cuda"`` it models what CUDA does differently: attention through fused kernels (no
+    ``L x L`` matrix), CUDA's autocast float32 list, ``foreach`` optimizers, 512-byte allocator blocks and cuBLAS
+    workspaces; not modelled: the CUDA context, the gap between reserved and allocated memory (fragmentation), cuDNN
+    and NCCL buffers, DDP gradient buckets (about one more copy of the gradients per process). Leave a margin for
+    them (:func:`plan_memory` does).
+
+    Args:
+        module: a ``LightningModule`` (its ``training_step`` and ``configure_optimizers`` run) or a plain
+            ``nn.Module`` (called on the batch: ``module(**batch)`` for a dict, ``module(*batch)`` for a tuple).
+        batch: one batch as the training step gets it, on the CPU (real tensors are faked; no data is copied).
+        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"`` (autocast around the training step, as Lightning
+            does), ``"16-true"`` or ``"bf16-true"`` (weights and floating inputs cast).
+        optimizer: ``optimizer(params) -> Optimizer``, e.g. ``functools.partial(torch.optim.SGD, lr=0.1,
+            momentum=0.9)``; default: the LightningModule's ``configure_optimizers``, else ``AdamW``.
+        device: ``"cuda"`` (modelled) or ``"cpu"``.
+        checkpointing: ``True`` checkpoints as :class:`~lightning_memopt.GradientCheckpointing` does by default
+            (the model's own switch, else PyTorch transformer layers); a list of block classes or name patterns, or a
+            ``GradientCheckpointing``, chooses the blocks; ``None``/``False``: the model as it is.
+        loss_fn: ``loss_fn(model, batch) -> loss`` instead of the training step; for a plain module the default is
+            the output's ``.loss``, a scalar output itself, or the sum of the output.
+        fake: ``False`` runs a real step on the CPU instead (the fallback for a step that cannot run on fake tensors;
+            it allocates the memory, so use a small batch).
+        steps: training steps to simulate (2 sees every peak: optimizer states appear at the first).
+
+    Returns:
+        a :class:`MemoryEstimate`; ``print(estimate)`` shows its breakdown and assumptions.
+
+    Raises:
+        ValueError: an argument is not one the function takes (the message names it).
+        MemoryEstimateError: the step cannot run on fake tensors (the message names the operator and the
+            fallback), the optimizer cannot be built, the training step returns no loss, or ``checkpointing``
+            matches no submodule.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        >>> est = estimate_memory(model, torch.randn(32, 256), device="cpu")
+        >>> est.parameter_bytes == 4 * (256 * 1024 + 1024 + 1024 * 10 + 10)
+        True
+        >>> est.optimizer_state_bytes == 2 * est.parameter_bytes + 4 * 4  # AdamW: two moments, a step per tensor
+        True
+    """
+    _check_arguments(module, precision, optimizer, device, steps, fake)
+    lightning = is_lightning_module(module)
+    cuda = device == "cuda"
+    kind, _, mode = precision.partition("-")  # "bf16-mixed": autocast; "bf16-true": weights and inputs cast
+    dtype = _DTYPES.get(kind)
+    checkpoint = checkpointing_prepare(checkpointing)
+
+    def prepare(model: nn.Module) -> None:
+        model.train()
+        if checkpoint is not None:
+            checkpoint(model)
+
+    def cast_batch(b: Any) -> Any:
+        if mode == "true" and dtype is not None:
+            return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, b)
+        return b
+
+    def step_context() -> contextlib.AbstractContextManager:
+        if mode == "mixed" and dtype is not None:
+            return torch.autocast("cpu", dtype=dtype)
+        return contextlib.nullcontext()
+
+    foreach_set: list[bool] = []
+
+    def prepare_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+        if cuda:
+            foreach_set.append(use_foreach(optimizers))
+
+    started = time.perf_counter()
+    # the CUDA models hold for the whole run: checkpointing recomputes the forward inside backward (under autocast
+    # when the forward was); cuda_autocast acts only where autocast is on
+    with (
+        warnings.catch_warnings(),
+        cuda_attention() if cuda and fake else contextlib.nullcontext(),
+        cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
+    ):
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        warnings.filterwarnings("ignore", message=".*reference is not registered.*")
+        try:
+            counted = count_training_steps(
+                module,
+                batch,
+                step_function(loss_fn, lightning),
+                make_optimizers(optimizer, lightning),
+                fake=fake,
+                steps=steps,
+                block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
+                scratch=kernel_scratch,
+                prepare=prepare,
+                step_context=step_context,
+                prepare_optimizers=prepare_optimizers,
+                batch_fn=cast_batch,
+                dtype=dtype if mode == "true" else None,
+            )
+        except FakeStepError as err:
+            raise MemoryEstimateError(
+                f"{type(module).__name__}'s training step cannot be estimated on fake tensors: {err} Make that"
+                " step shape-static, or estimate with a real CPU step at a small batch: `estimate_memory(...,"
+                " fake=False, device='cpu')` (it allocates the memory)."
+            ) from err
+    seconds = time.perf_counter() - started
+    counts = {f.name: getattr(counted, f.name) for f in dataclasses.fields(StepCount)}
+    if cuda:  # the workspaces are taken once, beside every tensor
+        counts["peak_bytes"] = counted.peak_bytes + CUBLAS_WORKSPACE_BYTES
+        counts["at_peak"] = {**counted.at_peak, "workspace": CUBLAS_WORKSPACE_BYTES}
+    return MemoryEstimate(
+        **counts,
+        device=device,
+        precision=precision,
+        fake=fake,
+        assumptions=_assumptions(cuda, fake, any(foreach_set), mode, dtype),
+        seconds=seconds,
+        steps=steps,
+    )

@@ -1,0 +1,175 @@
+"""How :func:`~lightning_memopt.planner.estimate_memory` trains the user's model: loss, optimizers, checkpointing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["MemoryEstimateError", "checkpointing_prepare", "is_lightning_module", "make_optimizers", "step_function"]
+
+
+class MemoryEstimateError(RuntimeError):
+    """The step could not be estimated; the message says why and what to do.
+
+    Raised by :func:`~lightning_memopt.estimate_memory` (and :func:`~lightning_memopt.plan_memory`) when the step
+    cannot run on fake tensors (the cause is a :class:`~lightning_memopt.functional.planning.FakeStepError`), the
+    optimizer cannot be built, the training step returns no loss, or ``checkpointing`` matches no submodule.
+
+    Example:
+        >>> try:
+        ...     raise MemoryEstimateError("the training step returned str, not a loss tensor.")
+        ... except RuntimeError as err:
+        ...     print(err)
+        the training step returned str, not a loss tensor.
+    """
+
+
+def is_lightning_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a LightningModule, by its class hierarchy (Lightning is not imported for a plain module).
+
+    Example:
+        >>> is_lightning_module(nn.Linear(2, 2))
+        False
+    """
+    return any(
+        cls.__name__ == "LightningModule" and cls.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
+        for cls in type(module).__mro__
+    )
+
+
+def _loss_of(output: Any) -> Tensor:
+    """The loss in a step's output: ``output["loss"]``, ``output.loss``, ``output[0]`` or the output; summed if not
+    a scalar."""
+    if isinstance(output, dict) and "loss" in output:
+        output = output["loss"]
+    elif getattr(output, "loss", None) is not None and not isinstance(output, Tensor):
+        output = output.loss
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        output = output[0]
+    if not isinstance(output, Tensor):
+        raise MemoryEstimateError(
+            f"the training step returned {type(output).__name__}, not a loss tensor. Return the loss (or a dict with"
+            " 'loss'), or pass `loss_fn=`."
+        )
+    return output if output.dim() == 0 else output.float().sum()
+
+
+def _call_module(module: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)
+
+
+def step_function(
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None, lightning: bool
+) -> Callable[[nn.Module, Any, int], Tensor]:
+    """``step_fn(model, batch, batch_idx) -> loss``: ``loss_fn``, else ``training_step``, else the model's call.
+
+    Example:
+        >>> step = step_function(None, lightning=False)
+        >>> step(nn.Linear(3, 2), torch.ones(4, 3), 0).shape  # the output summed to a scalar
+        torch.Size([])
+    """
+    if loss_fn is not None:
+        return lambda model, batch, batch_idx: _loss_of(loss_fn(model, batch))
+    if lightning:
+        # a LightningModule (found by its class hierarchy): its training_step, as the Trainer calls it
+        return lambda model, batch, batch_idx: _loss_of(cast(Any, model).training_step(batch, batch_idx))
+    return lambda model, batch, batch_idx: _loss_of(_call_module(model, batch))
+
+
+def _lightning_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``module.configure_optimizers()`` (any of Lightning's return forms), outside a Trainer."""
+    try:
+        config = cast(Any, module).configure_optimizers()
+    except Exception as err:  # the user's hook, run without a Trainer: the documented answer is `optimizer=`
+        raise MemoryEstimateError(
+            f"`{type(module).__name__}.configure_optimizers()` failed outside a Trainer ({type(err).__name__}: {err})."
+            " Pass `optimizer=` (e.g. `functools.partial(torch.optim.AdamW, lr=1e-4)`)."
+        ) from err
+    found: list[torch.optim.Optimizer] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, torch.optim.Optimizer):
+            found.append(value)
+        elif isinstance(value, dict):
+            collect(value.get("optimizer"))
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                collect(item)
+
+    collect(config)
+    if not found:
+        raise MemoryEstimateError(
+            f"`{type(module).__name__}.configure_optimizers()` returned no optimizer ({config!r}). Pass `optimizer=`."
+        )
+    return found
+
+
+def make_optimizers(
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None, lightning: bool
+) -> Callable[[nn.Module], list[torch.optim.Optimizer]]:
+    """``make(model) -> optimizers``: ``optimizer(trainable parameters)``, else ``configure_optimizers()`` of a
+    LightningModule, else ``AdamW`` over the trainable parameters.
+
+    Example:
+        >>> [type(o).__name__ for o in make_optimizers(None, lightning=False)(nn.Linear(2, 2))]
+        ['AdamW']
+    """
+
+    def make(model: nn.Module) -> list[torch.optim.Optimizer]:
+        if optimizer is None:
+            if lightning:
+                return _lightning_optimizers(model)
+            return [torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)]
+        built = optimizer(p for p in model.parameters() if p.requires_grad)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise MemoryEstimateError(
+                f"`optimizer` must build a torch.optim.Optimizer from the parameters, got {type(built).__name__}."
+                " Example: `optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)`."
+            )
+        return [built]
+
+    return make
+
+
+def checkpointing_prepare(
+    checkpointing: bool | Sequence[type[nn.Module] | str] | Any | None,
+) -> Callable[[nn.Module], None] | None:
+    """``prepare(model)`` that turns activation checkpointing on as ``checkpointing`` asks; ``None`` for none.
+
+    ``True``: as :class:`~lightning_memopt.GradientCheckpointing` does by default (the model's own switch, else
+    PyTorch transformer layers); block classes or name patterns: those blocks (wrapped even where the model has a
+    switch); a ``GradientCheckpointing``: its settings. ``prepare`` raises :class:`MemoryEstimateError` when nothing
+    is checkpointed.
+    """
+    if checkpointing is None or checkpointing is False:
+        return None
+    from lightning_memopt.callbacks.gradient_checkpointing import GradientCheckpointing
+
+    if checkpointing is True:
+        callback = GradientCheckpointing()
+    elif isinstance(checkpointing, GradientCheckpointing):
+        callback = GradientCheckpointing(checkpointing.modules, checkpointing.use_model_switch)
+    else:
+        callback = GradientCheckpointing(modules=checkpointing, use_model_switch=False)  # the blocks asked for
+
+    def prepare(model: nn.Module) -> None:
+        switches = callback._find_switches(model) if callback.use_model_switch and callback.modules is None else []
+        if switches:
+            for _, module, api in switches:
+                if not getattr(module, api.is_on, False):
+                    callback._enable_switch(module, api)
+            return
+        if not callback.wrap(model) and not callback.already_wrapped_names:
+            raise MemoryEstimateError(
+                f"`checkpointing`={checkpointing!r} matched no submodule of {type(model).__name__}. Pass the block"
+                " classes or name patterns to checkpoint, e.g. `checkpointing=[nn.TransformerEncoderLayer]`."
+            )
+
+    return prepare

@@ -1,0 +1,334 @@
+"""Plans: the micro-batch, accumulation, precision and checkpointing that fit a memory budget."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, parse_budget
+from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate
+from lightning_memopt.planner.model_step import MemoryEstimateError
+from lightning_memopt.planner.search import PlanTrial, Trials, divisors, needed_bytes
+from lightning_memopt.utilities.checks import check_choice, check_positive_int
+from lightning_memopt.utilities.formatting import format_bytes
+
+__all__ = ["MemoryPlan", "plan_memory"]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What :func:`plan_memory` chose, why, and what it tried.
+
+    ``trainer_kwargs()`` gives ``Trainer`` arguments through :attr:`preset` (precision plugin, accumulation,
+    checkpointing); give the DataLoader :attr:`micro_batch_size`. When nothing fits, :attr:`feasible` is ``False``
+    and :attr:`advice` says what would (8-bit optimizer states, or sharding over N GPUs). ``str(plan)`` is the
+    report: the budget, :meth:`table` and the verdict.
+
+    Attributes:
+        feasible: whether a setting fits.
+        effective_batch_size: samples per optimizer step over all devices, as asked.
+        micro_batch_size / accumulate_grad_batches: the chosen split per device (``None`` when nothing fits).
+        precision / gradient_checkpointing: the chosen settings (when nothing fits: the most saving ones tried).
+        budget_bytes / budget_label: the device's memory and its name or size as given.
+        usable_bytes: the budget less the CUDA context (for CUDA) and the margin.
+        margin / devices / num_nodes / device: as given to :func:`plan_memory`.
+        estimate: the :class:`MemoryEstimate` of the chosen setting (when nothing fits: of the smallest tried).
+        trials: every estimate run, in order.
+        advice: what would fit, when nothing does.
+        preset: the :class:`~lightning_memopt.MemoryPreset` of the plan (``None`` when nothing fits).
+
+    Example:
+        >>> model = nn.Linear(64, 64)
+        >>> plan = plan_memory(model, lambda b: torch.randn(b, 64), effective_batch_size=8, budget_bytes="1GB",
+        ...                    device="cpu")
+        >>> plan.feasible, plan.micro_batch_size, plan.accumulate_grad_batches, len(plan.trials)
+        (True, 8, 1, 1)
+    """
+
+    feasible: bool
+    effective_batch_size: int
+    micro_batch_size: int | None
+    accumulate_grad_batches: int | None
+    precision: str
+    gradient_checkpointing: bool
+    budget_bytes: int
+    budget_label: str
+    usable_bytes: int
+    margin: float
+    devices: int
+    num_nodes: int
+    device: str
+    estimate: MemoryEstimate | None
+    trials: tuple[PlanTrial, ...]
+    advice: str = ""
+    preset: Any = None
+
+    @property
+    def batch_size(self) -> int | None:
+        """The DataLoader's batch size per device (the micro-batch)."""
+        return self.micro_batch_size
+
+    def trainer_kwargs(self, **trainer_kwargs: Any) -> dict[str, Any]:
+        """``Trainer`` arguments for the plan (see :meth:`MemoryPreset.trainer_kwargs`).
+
+        Raises:
+            ValueError: nothing fits (the message is the advice).
+        """
+        if not self.feasible or self.preset is None:
+            raise ValueError(f"No setting fits {self.budget_label}: {self.advice}")
+        return self.preset.trainer_kwargs(**trainer_kwargs)
+
+    def table(self) -> str:
+        """What was tried, one row per estimate."""
+        rows = [("micro-batch", "precision", "checkpointing", "needs", "fits")]
+        for t in self.trials:
+            rows.append(
+                (
+                    str(t.micro_batch_size),
+                    t.precision,
+                    "yes" if t.checkpointing else "no",
+                    format_bytes(t.needed_bytes),
+                    "yes" if t.fits else "no",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(f"{c:>{w}}" for c, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        head = (
+            f"Budget {self.budget_label}: {format_bytes(self.budget_bytes)},"
+            f" usable {format_bytes(self.usable_bytes)} ("
+            f"{'the CUDA context and ' if self.device == 'cuda' else ''}a {self.margin:.0%} margin left free)"
+        )
+        if self.feasible:
+            assert self.estimate is not None
+            world = self.devices * self.num_nodes
+            verdict = (
+                f"Plan: micro-batch {self.micro_batch_size} x accumulate {self.accumulate_grad_batches}"
+                f"{f' x {world} devices' if world > 1 else ''} = {self.effective_batch_size}, {self.precision},"
+                f" activation checkpointing {'on' if self.gradient_checkpointing else 'off'};"
+                f" needs {format_bytes(needed_bytes(self.estimate, world))} of {format_bytes(self.usable_bytes)}"
+            )
+        else:
+            verdict = f"Nothing fits: {self.advice}"
+        return "\n".join([head, self.table(), verdict])
+
+
+def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool) -> str:
+    """What would fit when micro-batch 1 does not (``estimate``): 8-bit optimizer states, FSDP over N GPUs, or
+    nothing but shorter samples or a larger device."""
+    needed = needed_bytes(estimate, world)
+    states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
+    rest = needed - states
+    how = " and activation checkpointing" if checkpointing else ""
+    text = (
+        f"even micro-batch 1 with {estimate.precision}{how} needs {format_bytes(needed)};"
+        f" the model states (parameters, gradients, optimizer states) alone take {format_bytes(states)}."
+    )
+    optimizer = estimate.at_peak.get("optimizer_states", 0)
+    if optimizer and needed - 0.75 * optimizer <= usable:
+        if importlib.util.find_spec("bitsandbytes") is not None:
+            return (
+                f"{text} 8-bit optimizer states (bitsandbytes, e.g. `bnb.optim.AdamW8bit`) would need about"
+                f" {format_bytes(int(needed - 0.75 * optimizer))}: that fits."
+            )
+        text += (
+            f" 8-bit optimizer states would need about {format_bytes(int(needed - 0.75 * optimizer))} and fit"
+            " (install bitsandbytes);"
+        )
+    if usable > rest:
+        shards = max(2, math.ceil(states / (usable - rest)))
+        return (
+            f"{text} Needs sharding: {shards} GPUs with FSDP (model states split {shards} ways, plus"
+            f" {format_bytes(rest)} of activations and temporaries per GPU)."
+        )
+    return (
+        f"{text} Even sharded, the activations and temporaries of one sample ({format_bytes(rest)}) exceed the"
+        " usable memory: shorten the sequences or use a larger device."
+    )
+
+
+def _check_plan_arguments(
+    batch_fn: Any, effective_batch_size: int, devices: int, num_nodes: int, margin: Any, device: str, precision: str
+) -> None:
+    if not callable(batch_fn):
+        raise ValueError(f"`batch_fn` must be a callable `batch_fn(micro_batch_size) -> batch`, got {batch_fn!r}.")
+    check_positive_int("effective_batch_size", effective_batch_size)
+    check_positive_int("devices", devices)
+    check_positive_int("num_nodes", num_nodes)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"`margin` must be a fraction in [0, 1), got {margin!r}. `margin=0.1` keeps 10 % free.")
+    check_choice("device", device, ("cuda", "cpu"))
+    if precision != "auto":
+        check_choice("precision", precision, ESTIMATE_PRECISIONS)
+    world = devices * num_nodes
+    if effective_batch_size % world:
+        raise ValueError(
+            f"`effective_batch_size`={effective_batch_size} must divide by devices x num_nodes = {world}: every device"
+            f" gets the same batch. Use a multiple of {world}."
+        )
+
+
+def plan_memory(
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    *,
+    effective_batch_size: int,
+    budget_bytes: int | float | str | None = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    margin: float = 0.1,
+    precision: str = "auto",
+    checkpointing: bool | str | Sequence[type[nn.Module] | str] = "auto",
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+    device: str = "cuda",
+    progress: Callable[[str], None] | None = None,
+) -> MemoryPlan:
+    """Choose micro-batch, accumulation, precision and checkpointing so a training step fits a memory budget.
+
+    Every candidate is estimated with :func:`estimate_memory` at its own micro-batch (peaks are not linear in the
+    batch, so nothing is extrapolated): first the whole per-device batch, then micro-batch 1, then a binary search
+    over the divisors of the per-device batch (the effective batch is kept exactly). Activation checkpointing is
+    chosen only when it at least doubles the micro-batch (it costs about a third more compute; halving the
+    accumulation saves more). Under DDP one more copy of the gradients (the buckets) is counted per device.
+
+    Args:
+        module: as for :func:`estimate_memory`.
+        batch_fn: ``batch_fn(micro_batch_size)`` -> a batch of that many samples (CPU tensors; they are faked).
+        effective_batch_size: samples per optimizer step over all devices; kept exactly.
+        budget_bytes: the device's memory: bytes, a size (``"40GB"``, ``"24GiB"``) or a GPU name from
+            :data:`GPU_MEMORY` (``"A100-40GB"``); ``None`` reads the current CUDA device.
+        devices / num_nodes: the data-parallel world (``effective_batch_size`` must divide by it).
+        margin: fraction of the usable memory left free for what is not modelled (fragmentation, cuDNN, NCCL).
+        precision: ``"auto"`` (``bf16-mixed`` where the GPU computes bf16, else ``16-mixed``; ``32-true`` for
+            ``device="cpu"``; a budget given as a size says nothing about the GPU, so bf16 is assumed: pass
+            ``precision="16-mixed"`` for a V100 or T4 given by size) or one precision to use.
+        checkpointing: ``"auto"`` tries without and with; ``True``/``False`` or block classes/name patterns fix it.
+            "Without" is the model as it is: a model that checkpoints itself (e.g. an HF model with gradient
+            checkpointing enabled) stays checkpointed.
+        optimizer / loss_fn / device: as for :func:`estimate_memory`.
+        progress: called with one line per estimate (the CLI prints them).
+
+    Returns:
+        a :class:`MemoryPlan`; ``plan.trainer_kwargs()`` builds the Trainer arguments. When even micro-batch 1
+        with the most saving settings does not fit, ``plan.feasible`` is ``False`` and ``plan.advice`` says what
+        would (8-bit optimizer states, or FSDP over N GPUs).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
+        >>> plan = plan_memory(model, lambda b: torch.randn(b, 128, 512), effective_batch_size=64,
+        ...                    budget_bytes="20MB", device="cpu")
+        >>> plan.micro_batch_size, plan.accumulate_grad_batches, plan.precision
+        (8, 8, '32-true')
+        >>> print(plan.table())
+        micro-batch  precision  checkpointing      needs  fits
+        ------------------------------------------------------
+                 64    32-true             no  72.02 MiB    no
+                  1    32-true             no  10.27 MiB   yes
+                  8    32-true             no  16.02 MiB   yes
+                 16    32-true             no  24.02 MiB    no
+    """
+    from lightning_memopt.functional.presets import tier_for_memory
+    from lightning_memopt.plugins.presets import MemoryPreset
+
+    _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision)
+    world = devices * num_nodes
+    total, label, bf16 = parse_budget(budget_bytes)
+    context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
+    usable = int((total - context) * (1 - margin))
+    if usable <= 0:
+        raise ValueError(
+            f"`budget_bytes` ({format_bytes(total)}) leaves nothing once the CUDA context"
+            f" ({format_bytes(context)}) and the margin are taken off. Pass the device's whole memory."
+        )
+    if precision == "auto":
+        precision = "32-true" if device == "cpu" else ("16-mixed" if bf16 is False else "bf16-mixed")
+    options: list[Any] = [False, True] if checkpointing == "auto" else [checkpointing]
+    sizes = divisors(effective_batch_size // world)
+    runs = Trials(
+        module,
+        batch_fn,
+        usable=usable,
+        world=world,
+        precision=precision,
+        optimizer=optimizer,
+        device=device,
+        loss_fn=loss_fn,
+        progress=progress,
+    )
+
+    best: dict[bool, int | None] = {}
+    last_option: Any = options[-1]
+    for option in options:
+        plain = best.get(False)
+        # checkpointing is only worth it from twice the micro-batch that fits without it
+        candidates = [s for s in sizes if plain is None or not option or s >= 2 * plain]
+        if not candidates:
+            break
+        try:
+            best[bool(option)] = runs.largest_fitting(option, candidates)
+        except MemoryEstimateError as err:
+            if checkpointing == "auto" and option and "matched no submodule" in str(err):
+                last_option = False  # nothing to checkpoint: the plan is made without
+                break
+            raise
+    plain, checkpointed = best.get(False), best.get(True)
+    if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
+        chosen, option = checkpointed, True
+    elif plain is not None:
+        chosen, option = plain, False
+    else:
+        chosen, option = None, bool(last_option)
+    make_plan = functools.partial(
+        MemoryPlan,
+        effective_batch_size=effective_batch_size,
+        precision=precision,
+        budget_bytes=total,
+        budget_label=label,
+        usable_bytes=usable,
+        margin=margin,
+        devices=devices,
+        num_nodes=num_nodes,
+        device=device,
+        trials=tuple(runs.trials),
+    )
+    if chosen is None:
+        smallest = runs.estimates.get((1, option)) or runs.estimates[min(runs.estimates)]
+        return make_plan(
+            feasible=False,
+            micro_batch_size=None,
+            accumulate_grad_batches=None,
+            gradient_checkpointing=option,
+            estimate=smallest,
+            advice=_advice(smallest, usable, world, option),
+        )
+    blocks = checkpointing if isinstance(checkpointing, (list, tuple)) else None
+    preset = MemoryPreset.from_name(
+        tier_for_memory(total / 1024**3)[1],
+        effective_batch_size=effective_batch_size,
+        micro_batch_size=chosen,
+        devices=devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        gradient_checkpointing=option,
+        checkpoint_modules=tuple(blocks) if option and blocks and all(isinstance(b, str) for b in blocks) else None,
+        tier=label,
+    )
+    return make_plan(
+        feasible=True,
+        micro_batch_size=chosen,
+        accumulate_grad_batches=preset.accumulate_grad_batches,
+        gradient_checkpointing=option,
+        estimate=runs.estimates[(chosen, option)],
+        preset=preset,
+    )

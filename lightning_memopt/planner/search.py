@@ -1,0 +1,135 @@
+"""The search behind :func:`~lightning_memopt.planner.plan_memory`: one estimate per micro-batch tried."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memopt.planner.estimate import MemoryEstimate, estimate_memory
+from lightning_memopt.utilities.formatting import format_bytes
+
+__all__ = ["PlanTrial", "Trials", "divisors", "largest_fitting", "needed_bytes"]
+
+
+@dataclass(frozen=True)
+class PlanTrial:
+    """One estimate :func:`plan_memory` ran: the settings, the bytes needed and whether they fit.
+
+    Attributes:
+        micro_batch_size / precision / checkpointing: the settings estimated.
+        needed_bytes: the estimate's peak, plus one more copy of the gradients under DDP (its buckets).
+        fits: whether ``needed_bytes`` is within the plan's usable bytes.
+        seconds: how long the estimate took.
+    """
+
+    micro_batch_size: int
+    precision: str
+    checkpointing: bool
+    needed_bytes: int
+    fits: bool
+    seconds: float
+
+
+def needed_bytes(estimate: MemoryEstimate, world: int) -> int:
+    """The estimate's peak, and under DDP its gradient buckets: about one more copy of the gradients per process."""
+    return estimate.peak_bytes + (estimate.gradient_bytes if world > 1 else 0)
+
+
+def divisors(n: int) -> list[int]:
+    """The micro-batches that split ``n`` samples evenly, smallest first."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Trials:
+    """Runs the estimates of a plan, one per (micro-batch, checkpointing), and keeps them in the order they ran.
+
+    Args:
+        module / batch_fn: as for :func:`~lightning_memopt.plan_memory`.
+        usable: the bytes a step may need (the budget less the CUDA context and the margin).
+        world: devices x nodes (over 1, DDP's gradient buckets are counted).
+        precision / optimizer / device / loss_fn: as for :func:`~lightning_memopt.estimate_memory`.
+        progress: called with one line per estimate.
+
+    Outputs (attributes): ``trials`` (a :class:`PlanTrial` per estimate) and ``estimates`` (by ``(micro-batch,
+    checkpointing)``).
+
+    Example:
+        >>> runs = Trials(nn.Linear(8, 8), lambda b: torch.randn(b, 8), usable=10**6, world=1, precision="32-true",
+        ...               optimizer=None, device="cpu", loss_fn=None)
+        >>> runs.largest_fitting(False, divisors(4)), [t.micro_batch_size for t in runs.trials]
+        (4, [4])
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        batch_fn: Callable[[int], Any],
+        *,
+        usable: int,
+        world: int,
+        precision: str,
+        optimizer: Callable[[Any], torch.optim.Optimizer] | None,
+        device: str,
+        loss_fn: Callable[[nn.Module, Any], Tensor] | None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.module, self.batch_fn, self.usable, self.world = module, batch_fn, usable, world
+        self.precision, self.optimizer, self.device, self.loss_fn = precision, optimizer, device, loss_fn
+        self.progress = progress
+        self.trials: list[PlanTrial] = []
+        self.estimates: dict[tuple[int, bool], MemoryEstimate] = {}
+
+    def fits(self, size: int, option: Any) -> bool:
+        """Estimate micro-batch ``size`` with checkpointing ``option`` (``False``: the model as it is); whether it
+        fits."""
+        est = estimate_memory(
+            self.module,
+            self.batch_fn(size),
+            precision=self.precision,
+            optimizer=self.optimizer,
+            device=self.device,
+            checkpointing=option or None,
+            loss_fn=self.loss_fn,
+        )
+        needed = needed_bytes(est, self.world)
+        ok = needed <= self.usable
+        self.trials.append(PlanTrial(size, self.precision, bool(option), needed, ok, est.seconds))
+        self.estimates[(size, bool(option))] = est
+        if self.progress is not None:
+            self.progress(
+                f"micro-batch {size:>5}, {self.precision}, checkpointing {'on' if option else 'off'}:"
+                f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)"
+            )
+        return ok
+
+    def largest_fitting(self, option: Any, candidates: list[int]) -> int | None:
+        """The largest of ``candidates`` that fits with checkpointing ``option`` (see :func:`largest_fitting`)."""
+        return largest_fitting(candidates, lambda size: self.fits(size, option))
+
+
+def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
+    """The largest of ``candidates`` (ascending) for which ``fits`` holds, or ``None``; ``fits`` must hold up to a
+    size and not beyond (the need grows with the micro-batch). Tries the largest first, then the smallest, then a
+    binary search between them.
+
+    Example:
+        >>> tried = []
+        >>> largest_fitting([1, 2, 4, 8, 16], lambda size: tried.append(size) or size <= 4), tried
+        (4, [16, 1, 4, 8])
+    """
+    if fits(candidates[-1]):
+        return candidates[-1]
+    if len(candidates) == 1 or not fits(candidates[0]):
+        return None
+    lo, hi = 0, len(candidates) - 1  # candidates[lo] fits, candidates[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return candidates[lo]

@@ -1,0 +1,153 @@
+"""The Trainer-free estimation core (``lightning_memopt.functional.planning``), driven directly."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memopt.functional.planning import (
+    FakeStepError,
+    LiveBytes,
+    count_training_steps,
+    cuda_autocast,
+    kernel_scratch,
+    use_foreach,
+)
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def sgd(model):
+    return [SGD(model.parameters())]
+
+
+def summed(model, batch, step):
+    return model(batch).sum()
+
+
+# ------------------------------------------------------------------------------------------------ the counter
+
+
+def test_the_counter_follows_a_storage_from_creation_to_free_under_its_latest_label():
+    counter = LiveBytes(block_bytes=512)
+    x = torch.ones(100)  # 400 bytes: one 512-byte block
+    counter.track(x, "batch")
+    counter.track(x[10:], "other")  # a view: the same storage, counted once
+    assert (counter.now, counter.totals) == (512, {"batch": 512})
+    assert counter.info(x) == (512, "batch", 1, 0)
+    counter.relabel(x, "gradients")
+    assert counter.totals == {"batch": 0, "gradients": 512} and counter.info(x)[1] == "gradients"
+    y = torch.ones(200)  # 800 bytes: two blocks
+    counter.relabel(y, "optimizer_states")  # unknown: counted first
+    assert (counter.now, counter.peak) == (1536, 1536) and counter.peak_totals["optimizer_states"] == 1024
+    del x
+    assert counter.now == 1024 and counter.totals["gradients"] == 0 and counter.peak == 1536
+    assert LiveBytes().storage_bytes(y) == 800 and LiveBytes(512).storage_bytes(y) == 1024
+
+
+def test_a_softmax_kernel_s_own_copy_of_a_non_contiguous_input_is_counted_while_it_runs():
+    n = 256 * 256
+    x, y, grad = torch.randn(256, 256), torch.randn(256, 256).softmax(1), torch.ones(256, 256)
+
+    def peak(run):
+        with LiveBytes(scratch=kernel_scratch) as counter:
+            for t in (x, y, grad):
+                counter.track(t)
+            run()
+        return counter.peak - 3 * n * 4
+
+    assert peak(lambda: torch.log_softmax(x, 1)) == n * 4  # contiguous: the output only
+    assert peak(lambda: torch.log_softmax(x.T, 1)) == 2 * n * 4  # transposed: and a contiguous copy inside
+    assert peak(lambda: torch.softmax(x.T, 1)) == 2 * n * 4
+    backward = torch.ops.aten._softmax_backward_data
+    assert peak(lambda: backward(grad, y, 1, torch.float32)) == n * 4
+    assert peak(lambda: backward(grad.T, y.T, 1, torch.float32)) == 3 * n * 4  # both copied inside
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+
+
+@pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
+def test_two_steps_of_a_linear_layer_peak_in_the_second_forward_with_the_first_gradients_alive(fake):
+    d, b = 64, 32
+    model = nn.Linear(d, d, bias=False)
+    count = count_training_steps(model, torch.randn(b, d), summed, sgd, fake=fake)
+    assert count.peak_bytes == 4 * (2 * d * d + 2 * b * d) + 4  # W, its gradient, x, y and the loss
+    assert (count.peak_phase, count.peak_step) == ("forward", 1)
+    assert count.at_peak["gradients"] == count.gradient_bytes == 4 * d * d
+    assert count.parameter_bytes == count.trainable_parameter_bytes == 4 * d * d and count.batch_bytes == 4 * b * d
+    assert sum(count.at_peak.values()) == count.peak_bytes
+    assert model.weight.grad is None  # a twin ran, not the model
+    one = count_training_steps(model, torch.randn(b, d), summed, sgd, fake=fake, steps=1)
+    assert one.peak_bytes < count.peak_bytes and one.peak_step == 0  # no gradient yet in the first forward
+    rounded = count_training_steps(model, torch.randn(b, d), summed, sgd, fake=fake, block_bytes=512)
+    assert rounded.peak_bytes == count.peak_bytes - 4 + 512  # the 4-byte loss takes a whole block
+
+
+def test_states_made_by_the_optimizer_step_that_peaks_count_as_optimizer_states():
+    """AdamW over one large weight: step 0's update peaks with both moments and the step counter made."""
+    model = nn.Linear(256, 256, bias=False)
+    count = count_training_steps(model, torch.randn(2, 256), summed, lambda m: [torch.optim.AdamW(m.parameters())])
+    assert (count.peak_phase, count.peak_step) == ("optimizer step", 0)
+    assert count.at_peak["optimizer_states"] == count.optimizer_state_bytes == 2 * 4 * 256 * 256 + 4
+    assert count.at_peak["temporaries"] > 0
+
+
+def test_a_step_that_reads_a_value_raises_fake_step_error_naming_the_operator():
+    def reads(model, batch, step):
+        y = model(batch)
+        return y.sum() * float(y.max().item() > 0)
+
+    with pytest.raises(FakeStepError, match=r"operator `aten._local_scalar_dense[^`]*` cannot run") as info:
+        count_training_steps(nn.Linear(8, 8), torch.randn(4, 8), reads, sgd)
+    assert info.value.op.startswith("aten._local_scalar_dense")
+    assert count_training_steps(nn.Linear(8, 8), torch.randn(4, 8), reads, sgd, fake=False).peak_bytes > 0
+
+
+def test_the_step_s_own_errors_pass_through_unchanged():
+    def broken(model, batch, step):
+        raise KeyError("labels")
+
+    with pytest.raises(KeyError, match="labels"):
+        count_training_steps(nn.Linear(8, 8), torch.randn(4, 8), broken, sgd)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA modelling
+
+
+def test_cuda_autocast_runs_cuda_s_float32_functions_in_float32():
+    x, weight = torch.randn(4, 8), torch.randn(8, 8)
+    ln = nn.LayerNorm(8)
+
+    def dtypes():
+        h = nn.functional.linear(x, weight)
+        return (
+            h.dtype,
+            ln(h).dtype,
+            torch.softmax(h, -1).dtype,
+            h.sum().dtype,
+            (h**2).dtype,
+            h.exp().dtype,
+            h.sum(dtype=torch.bfloat16).dtype,
+        )
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    with torch.autocast("cpu", dtype=bf16):
+        assert dtypes() == (bf16, bf16, bf16, bf16, bf16, bf16, bf16)  # the CPU's lists
+        with cuda_autocast():
+            assert dtypes() == (bf16, fp32, fp32, fp32, fp32, fp32, bf16)  # CUDA's (explicit dtype= is kept)
+    with cuda_autocast():  # without autocast nothing changes
+        assert dtypes()[:2] == (fp32, fp32)
+        assert nn.functional.linear(x.bfloat16(), weight.bfloat16()).sum().dtype == bf16
+
+
+def test_foreach_is_set_only_where_it_was_left_to_torch():
+    params = [nn.Parameter(torch.zeros(2))]
+    default, explicit = torch.optim.AdamW(params), torch.optim.AdamW(params, foreach=False)
+    fused = torch.optim.AdamW(params, fused=True)
+    assert use_foreach([explicit, fused]) is False
+    assert explicit.param_groups[0]["foreach"] is False and fused.param_groups[0]["foreach"] is None
+    assert use_foreach([explicit, default]) is True and default.param_groups[0]["foreach"] is True
