@@ -206,6 +206,48 @@ MUTANTS = (
         "has_grad_fn=False,",
         ("tests/functional/test_footprint.py",),
     ),
+    Mutant(
+        "micro-batch-grads-not-restored",
+        "lightning_memopt/functional/micro_batch_retry.py",
+        "            p.grad = None if g is None else g.clone()\n",
+        "            pass\n",
+        ("tests/functional/test_micro_batch_retry.py", "tests/callbacks/test_auto_micro_batch.py"),
+    ),
+    Mutant(
+        "micro-batch-weight-ignores-accumulate",
+        "lightning_memopt/functional/micro_batch_retry.py",
+        "    return samples / (batch_size * accumulate)",
+        "    return samples / batch_size",
+        ("tests/functional/test_micro_batch_retry.py", "tests/callbacks/test_auto_micro_batch.py"),
+    ),
+    Mutant(
+        "micro-batch-halving-by-one",
+        "lightning_memopt/functional/micro_batch_retry.py",
+        "max(min_size, size // 2)",
+        "max(min_size, size - 1)",
+        ("tests/functional/test_micro_batch_retry.py", "tests/callbacks/test_auto_micro_batch.py"),
+    ),
+    Mutant(
+        "planning-blocks-rounded-down",
+        "lightning_memopt/functional/planning/counter.py",
+        "else -(-nbytes // block) * block",
+        "else nbytes // block * block",
+        ("tests/test_planner_core.py",),
+    ),
+    Mutant(
+        "planning-softmax-copies-contiguous-inputs",
+        "lightning_memopt/functional/planning/counter.py",
+        "if isinstance(t, Tensor) and not t.is_contiguous())",
+        "if isinstance(t, Tensor) and t.is_contiguous())",
+        ("tests/test_planner_core.py",),
+    ),
+    Mutant(
+        "planning-early-states-left-as-temporaries",
+        "lightning_memopt/functional/planning/steps.py",
+        "info[3] == counter.peak_step",
+        "info[3] != counter.peak_step",
+        ("tests/test_planner_core.py",),
+    ),
 )
 
 
