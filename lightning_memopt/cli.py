@@ -16,7 +16,7 @@ Each subcommand is one ``_add_<name>(subparsers)`` function that registers its p
 input never ends in a traceback: an error is one line on stderr naming the file or the argument, and a warning
 (records ``analyze`` skipped) is one line on stderr before the output. ``analyze`` starts without importing torch or
 Lightning, ``report`` without Lightning (it reads reports with ``lightning_memopt.functional.oom``, which imports
-torch); ``estimate`` imports both when it runs (in ``lightning_memopt.utilities.cli_estimate``).
+torch); ``estimate`` imports both when it runs (in ``lightning_memopt.cli_estimate``).
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_estimate(args: argparse.Namespace) -> int:
     # Imported when the subcommand runs: it imports torch and Lightning.
-    from lightning_memopt.utilities.cli_estimate import EstimateInputError, run_estimate
+    from lightning_memopt.cli_estimate import EstimateInputError, run_estimate
 
     try:
         return run_estimate(args)

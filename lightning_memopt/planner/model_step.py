@@ -150,7 +150,8 @@ def checkpointing_prepare(
     """
     if checkpointing is None or checkpointing is False:
         return None
-    from lightning_memopt.callbacks.gradient_checkpointing import GradientCheckpointing
+    from lightning_memopt.callbacks.gradient_checkpointing import GradientCheckpointing  # an accepted argument
+    from lightning_memopt.functional.checkpointing import enable_switch, find_switches, wrap_modules
 
     if checkpointing is True:
         callback = GradientCheckpointing()
@@ -159,14 +160,17 @@ def checkpointing_prepare(
     else:
         callback = GradientCheckpointing(modules=checkpointing, use_model_switch=False)  # the blocks asked for
 
+    modules, use_model_switch = callback.modules, callback.use_model_switch  # checked by the callback's constructor
+
     def prepare(model: nn.Module) -> None:
-        switches = callback._find_switches(model) if callback.use_model_switch and callback.modules is None else []
+        switches = find_switches(model) if use_model_switch and modules is None else []
         if switches:
             for _, module, api in switches:
                 if not getattr(module, api.is_on, False):
-                    callback._enable_switch(module, api)
+                    enable_switch(module, api)
             return
-        if not callback.wrap(model) and not callback.already_wrapped_names:
+        handle = wrap_modules(model, modules)
+        if not handle.wrapped_names and not handle.already_wrapped_names:
             raise MemoryEstimateError(
                 f"`checkpointing`={checkpointing!r} matched no submodule of {type(model).__name__}. Pass the block"
                 " classes or name patterns to checkpoint, e.g. `checkpointing=[nn.TransformerEncoderLayer]`."

@@ -239,7 +239,7 @@ def plan_memory(
                  16    32-true             no  24.02 MiB    no
     """
     from lightning_memopt.functional.presets import tier_for_memory
-    from lightning_memopt.plugins.presets import MemoryPreset
+    from lightning_memopt.presets import MemoryPreset
 
     _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision)
     world = devices * num_nodes
