@@ -25,64 +25,32 @@ __all__ = ["AutoMicroBatch"]
 class AutoMicroBatch(Callback):
     """Runs each training batch as micro-batches and halves the micro-batch when one runs out of memory.
 
-    The DataLoader yields the batch that defines the effective batch (per device); ``training_step`` is unchanged and
-    is called once per micro-batch with a slice of the batch. Each micro-batch's loss is weighted by its share of the
-    batch's samples, so the gradients, the optimizer step, the step count, gradient clipping, LR schedulers and
-    ``accumulate_grad_batches`` are those of the whole batch. When a micro-batch raises ``torch.OutOfMemoryError``
-    (in forward or backward), the gradients are put back to what they were at the start of the batch, memory is
-    released, the micro-batch size is halved and the batch is run again from its first sample: no sample is skipped
-    or counted twice, and the optimizer steps exactly as often as without the callback.
-
-    The micro-batch size never grows back within a run: a size that ran out of memory once would likely do so again
-    (the peak of a step varies with the data), and every failed attempt costs a forward pass. It is saved in the
-    checkpoint, so a resumed run starts at the size that worked; a new ``fit`` starts from ``micro_batch_size``.
-
-    Under DDP every rank agrees after each micro-batch (a 1-element all-reduce): an out-of-memory error on one rank
-    makes every rank restore its gradients and halve, so nothing hangs. Micro-batches run without DDP's gradient
-    sync, and the gradients are all-reduced once, after the last micro-batch of a batch that steps the optimizer.
-    Strategies that run collectives inside forward or backward (FSDP, DeepSpeed, model or tensor parallel) are
-    refused in ``setup``. Collectives inside ``training_step`` itself (``self.log(..., sync_dist=True)`` on step
-    logs, an ``all_gather`` of negatives, ``SyncBatchNorm``) cannot be made safe: a rank that ran out of memory
-    before reaching one leaves the others waiting in it.
-
-    Below ``min_micro_batch_size`` the original ``torch.OutOfMemoryError`` ends the run, its message extended with
-    what was tried (``OOMReporter`` then writes its report). Other errors are never retried, nor are CUDA errors that
-    are not allocator out-of-memory errors (``RuntimeError: CUDA error: out of memory`` from a kernel).
-
-    Known differences to a run at the feasible micro-batch: ``self.log`` values of a failed attempt stay in the epoch
-    aggregates, BatchNorm running statistics see the failed attempt's forward, and with ``accumulate_grad_batches >
-    1`` a copy of the gradients is kept during a batch that is not the first of its window (to restore them on an
-    out-of-memory error). Out-of-memory errors outside ``training_step`` and backward (the optimizer step, validation,
-    checkpointing) are not retried.
+    ``training_step`` is unchanged and is called once per micro-batch with a slice of the batch. Each micro-batch's loss
+    is weighted by its share of the batch, so the gradients, the optimizer step count, clipping, LR schedulers and
+    ``accumulate_grad_batches`` are those of the whole batch. On ``torch.OutOfMemoryError`` in forward or backward the
+    gradients go back to the batch's start, the micro-batch is halved and the batch runs again from its first sample.
 
     Args:
-        micro_batch_size: The micro-batch size to start with; ``"auto"`` starts with the whole batch.
-        min_micro_batch_size: The smallest micro-batch size to try before giving up.
-        split_batch: ``fn(batch, start, stop)`` returning the samples ``[start, stop)`` of a batch, for batch types the
-            default slicer does not handle (see :mod:`lightning_memopt.functional.micro_batch`).
-        batch_size: ``fn(batch)`` returning the number of samples of a batch (default: the first dim of the first
-            tensor in it).
+        micro_batch_size: The micro-batch size to start with; ``"auto"`` (default) starts with the whole batch.
+        min_micro_batch_size: The smallest micro-batch size to try (default 1); an out-of-memory error at this size or
+            below ends the run.
+        split_batch: ``fn(batch, start, stop)`` returning the samples ``[start, stop)`` of a batch; ``None`` (default):
+            the default slicer of :mod:`lightning_memopt.functional.micro_batch`.
+        batch_size: ``fn(batch)`` returning the number of samples of a batch; ``None`` (default): the first dim of the
+            first tensor in it.
 
-    Logged metrics (to the Trainer's loggers):
-        * ``memory/micro_batch_size``: the micro-batch size in use (samples), at each change and at the end of fit.
-        * ``memory/micro_batch_retries``: batches run again after an out-of-memory error (count), at the end of fit.
-
-    Each change is printed once by rank zero with its reason and, when a ``MemoryMonitor`` is among the callbacks,
-    written by every rank to its memory log as a record with ``event: "micro_batch"`` and the fields
-    ``micro_batch_size``, ``previous_micro_batch_size``, ``batch_size``, ``retries`` and ``reason``
-    (``lightning-memopt analyze`` lists the changes and marks them on the timeline).
-
-    Device requirements: none; on CPU a simulated ``torch.OutOfMemoryError`` is handled the same way.
-
-    The splitting, the retry decision and the loss weights are Trainer-free:
-    :func:`~lightning_memopt.functional.micro_batch_retry.run_micro_batches` and
-    :mod:`lightning_memopt.functional.micro_batch`.
+    Logs (rank zero, to the Trainer's loggers): ``memory/micro_batch_size`` (samples) at each change and at the end of
+    fit, ``memory/micro_batch_retries`` (count) at the end of fit. Each change is also printed by rank zero and, with a
+    ``MemoryMonitor`` among the callbacks, written to every rank's memory log as an ``event: "micro_batch"`` record.
+    The checkpoint holds the micro-batch size and the retry count.
 
     Example:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[AutoMicroBatch()], logger=False, enable_checkpointing=False)
         >>> AutoMicroBatch(micro_batch_size=8).micro_batch_size
         8
+
+    More: docs/auto-micro-batch.md
     """
 
     def __init__(

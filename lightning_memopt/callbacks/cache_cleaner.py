@@ -24,37 +24,27 @@ __all__ = ["CacheCleaner"]
 class CacheCleaner(Callback):
     """Returns the caching allocator's unused blocks to the driver every N batches and at phase ends.
 
-    What it does and does not do: ``empty_cache()`` releases *cached, unreferenced* blocks only. It
-    never lowers peak allocated memory, never frees a tensor that is still referenced, and so never
-    prevents an out-of-memory error caused by live tensors. It helps when another process (or a library
-    with its own allocator, e.g. NCCL or cuDNN workspaces) needs memory this process holds in its cache,
-    or to make ``nvidia-smi``'s figure reflect what is really in use. What it costs: the call itself
-    (microseconds to milliseconds; it synchronises the device) and, afterwards, fresh ``cudaMalloc``
-    calls for blocks the allocator would otherwise have reused. Clear rarely; measure with
-    ``benchmarks/callback_overhead.py``. Calls are made under the device's context so the right GPU's
-    cache is emptied.
-
-    Measured cost (``python benchmarks/callback_overhead.py``: CPU, one thread, 1,000-step fits at a 32 ms
-    step): 0.002 ms per step, the interval check, since there is no cache to empty on CPU. On a GPU the same
-    script with ``--accelerator gpu`` prints the cost of one call and of the next allocation after it.
+    ``empty_cache()`` releases cached, unreferenced blocks only: it never lowers peak allocated memory and never
+    prevents an out-of-memory error caused by live tensors. Each call is timed and counted. On CPU it does nothing.
 
     Args:
-        every_n_train_batches: Empty the cache after every this many training batches. ``None``: never
-            during training batches.
-        every_n_val_batches: Empty the cache after every this many validation batches. ``None`` (default):
-            never during validation batches.
-        on_phase_end: Also empty the cache at the end of each train epoch, validation, test and predict loop.
+        every_n_train_batches: Empty the cache after every this many training batches of an epoch (default 10);
+            ``None``: never during training batches.
+        every_n_val_batches: Empty the cache after every this many validation batches; ``None`` (default): never
+            during validation batches.
+        on_phase_end: Also empty the cache at the end of each train epoch, validation, test and predict loop (default
+            ``True``).
 
-    Logged metrics (at the end of fit, from rank zero):
-        * ``memory/cache_cleaner/empty_cache_calls``: number of calls (count).
-        * ``memory/cache_cleaner/empty_cache_seconds``: total seconds spent in the calls.
-
-    Device requirements: CUDA, XPU or MPS. On CPU it logs one info message and does nothing.
+    Logs (rank zero, at the end of fit, on CUDA, XPU or MPS only): ``memory/cache_cleaner/empty_cache_calls`` (count),
+    ``memory/cache_cleaner/empty_cache_seconds`` (total seconds in the calls), and a one-line summary. The checkpoint
+    holds both totals. On a device without an allocator cache it prints one info message instead.
 
     Example:
         >>> cleaner = CacheCleaner(every_n_train_batches=10)
         >>> cleaner.calls, cleaner.seconds
         (0, 0.0)
+
+    More: docs/memory-callbacks.md
     """
 
     def __init__(

@@ -38,68 +38,33 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere workers are spawned and 
 
 
 class GarbageCollector(Callback):
-    """Runs Python's garbage collector on a fixed optimizer-step interval during training.
+    """Runs Python's garbage collector every N optimizer steps during training, at the same step on every rank.
 
-    Python's automatic collector runs whenever allocation counts cross its thresholds: at different moments
-    on each rank, and now and then as a full collection that scans every tracked object (hundreds of
-    milliseconds in a process holding a million objects, e.g. a tokenised dataset kept in lists), which makes
-    the other ranks wait at the next collective. By default this callback switches the automatic collector
-    off during fit and runs ``gc.collect(1)`` every ``every_n_steps`` optimizer steps instead, at the same
-    step on every rank (``global_step`` is the same on all ranks). With the automatic collector off,
-    everything created since the last collection waits in the two young generations, so a generation-1
-    collection finds all the garbage made in between, and it never scans the oldest generation, where the
-    long-lived objects (the model, the data) live: it costs what the steps allocated, not what the process
-    holds. Collecting also frees tensors kept alive only by reference cycles, whose device memory the caching
-    allocator cannot reuse until then.
-
-    A full collection runs only where asked (``generation=2``, or ``full_every_n_steps``). With the automatic
-    collector off, nothing else runs one during fit: a reference cycle still in use at a collection moves to
-    the oldest generation, and if it becomes garbage later, it stays until a full collection or until the
-    automatic collector is given back at teardown. Lightning's own loop leaves no such garbage behind (a full
-    collection after a 1,000-step fit at the defaults found no unreachable object, in the benchmark below);
-    code that keeps reference cycles across steps and drops them later (caches, epoch-long histories with
-    back references) can bound them with ``full_every_n_steps``, together with ``freeze_after_setup=True``
-    so that a full collection skips what existed at setup.
-
-    DataLoader workers forked while the automatic collector is off get the application's setting back in
-    the child (``os.register_at_fork``), so a worker collects its own garbage as it would without this callback.
-
-    The process's gc state (automatic collection on/off, frozen objects) is recorded at setup and
-    restored at teardown and when training stops with an exception. Thresholds are never changed.
-
-    Measured cost (``python benchmarks/callback_overhead.py``: one CPU thread, 1.36M objects tracked by the
-    collector, 1,000-step fits at a 13.6 ms step): the default ``gc.collect(1)`` took 0.035 ms per call, 0.0014 ms
-    per step; a full ``gc.collect(2)`` (``generation=2``) took 252 ms per call, 9.4 ms per step at every 25 steps
-    (+86 % fit time), and under 0.001 ms per call once ``gc.freeze()`` had frozen the process's objects.
+    By default it switches the automatic collector off during fit and runs ``gc.collect(1)`` every ``every_n_steps``
+    optimizer steps instead: a young collection that costs what the steps allocated, not what the process holds. What
+    it changed (automatic collection on/off, its freeze) is given back at teardown and on an exception during fit.
 
     Args:
-        every_n_steps: Collect every this many optimizer steps.
-        generation: The generation to collect (0, 1 or 2). 1 (default) collects the two young generations;
-            2 is a full collection that scans every tracked object.
-        disable_automatic: Switch the automatic collector off during fit (restored afterwards). With it on,
-            the automatic collector still runs its own collections, full ones included, at its own moments.
-        freeze_after_setup: Call ``gc.collect()`` and ``gc.freeze()`` after setup, so that the objects that exist
-            then (the model, the data) are never scanned again, which makes full collections cheap. Unfrozen at
-            teardown. Off by default: a young collection never scans those objects anyway, and frozen objects are
-            invisible to ``gc.get_objects()``, so the live-tensor lists of ``MemoryAudit`` and ``OOMReporter``
-            miss every tensor that existed at setup (a stray copy of the weights made before fit among them).
-            Python can only unfreeze everything at once, so when the application has already frozen objects
-            itself (``gc.get_freeze_count() > 0`` at setup), nothing is frozen here, a warning says so, and the
-            application's frozen objects stay frozen after fit.
-        full_every_n_steps: Also run a full collection (generation 2) every this many optimizer steps, in place
-            of the regular collection when both fall on the same step. ``None`` (default): never.
+        every_n_steps: Collect every this many optimizer steps (default 25).
+        generation: The generation to collect: 0, 1 (default, the two young generations) or 2 (a full collection that
+            scans every tracked object).
+        disable_automatic: Switch the automatic collector off during fit, restored afterwards (default ``True``).
+        freeze_after_setup: Call ``gc.collect()`` and ``gc.freeze()`` after setup so that a full collection skips what
+            existed then; unfrozen at teardown (default ``False``; not done, with a warning, if the application froze
+            objects itself).
+        full_every_n_steps: Also run a full collection every this many optimizer steps, in place of the regular one on
+            the same step; ``None`` (default): never.
 
-    Logged metrics (at the end of fit, from rank zero):
-        * ``memory/gc/collect_calls``: number of collections (count).
-        * ``memory/gc/collect_seconds``: total seconds spent collecting.
-        * ``memory/gc/collected_objects``: unreachable objects found (count).
-
-    Device requirements: none (host-side).
+    Logs (rank zero, at the end of fit): ``memory/gc/collect_calls`` (count), ``memory/gc/collect_seconds`` (total
+    seconds collecting), ``memory/gc/collected_objects`` (unreachable objects found), and a one-line summary. The
+    checkpoint holds the three totals.
 
     Example:
         >>> collector = GarbageCollector(every_n_steps=25, full_every_n_steps=10_000)
         >>> collector.calls, collector.generation, collector.disable_automatic
         (0, 1, True)
+
+    More: docs/memory-callbacks.md
     """
 
     def __init__(
