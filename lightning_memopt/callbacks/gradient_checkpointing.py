@@ -13,9 +13,6 @@ from lightning_memopt.functional.checkpointing import (
     SWITCH_APIS,
     CheckpointingHandle,
     _CheckpointedForward,
-    _SwitchAPI,
-    enable_switch,
-    find_switches,
     is_checkpointed,
     switch_api,
     wrap_checkpointing,
@@ -42,43 +39,20 @@ __all__ = [
 class GradientCheckpointing(Callback):
     """Turns activation (gradient) checkpointing on at setup and off again at teardown.
 
-    Activations inside each wrapped block are not kept for backward but recomputed from the block's input, trading
-    roughly one extra forward pass for much less activation memory. At ``setup``:
-
-    1. with ``modules`` given, every submodule that matches is wrapped with non-reentrant
-       ``torch.utils.checkpoint.checkpoint``, also where the model has a switch of its own: your choice wins. Entries
-       of ``modules`` are classes (``nn.TransformerEncoderLayer``), class names (``"TransformerEncoderLayer"``,
-       ``"T5Block"``, handy in YAML) or ``fnmatch`` patterns over qualified submodule names (``"encoder.layers.*"``).
-       Models whose ``config.use_cache`` is on (Hugging Face decoders) get ``use_cache=False`` for the fit: a cache
-       filled inside a checkpointed block makes its recomputation differ (``CheckpointError``). It is restored at
-       teardown;
-    2. without ``modules``, if the LightningModule or a submodule has a switch of its own (Hugging Face
-       ``PreTrainedModel``: ``activation_checkpointing_enable()`` in transformers 5, ``gradient_checkpointing_enable()``
-       before; the newest name is used, so transformers 5 does not warn), that is turned on, non-reentrant; models
-       that say ``supports_gradient_checkpointing = False`` are skipped;
-    3. otherwise PyTorch's transformer encoder/decoder layers are wrapped.
-
-    The path taken is said at setup (rank zero, at Lightning's default log level): what was wrapped, or which
-    switch was turned on.
-
-    Wrapping replaces the instance's ``forward`` only (parameter names and ``state_dict`` keys do not change) and
-    is active only in training mode with grad enabled; validation runs the plain forward. RNG state is preserved,
-    so dropout masks in the recomputation match the first pass.
-
-    Everything changed at setup is given back at teardown and when fit stops with an exception: the original forwards
-    return, and a model switch that this callback turned on is turned off again (a switch that was already on,
-    according to the model's ``is_gradient_checkpointing``, is left on). Blocks that are already checkpointed by
-    another :meth:`wrap` are counted as checkpointed and left to whoever wrapped them. Without a Trainer, the same is
-    :func:`~lightning_memopt.functional.checkpointing.wrap_checkpointing`: it returns a handle whose ``restore()``
-    gives everything back.
+    Activations inside each checkpointed block are recomputed in backward instead of kept, for roughly one extra
+    forward pass. At setup it wraps the submodules named by ``modules``; without ``modules`` it turns on the model's own
+    switch (Hugging Face ``activation_checkpointing_enable()`` / ``gradient_checkpointing_enable()``) when there is one,
+    else it wraps PyTorch's transformer encoder and decoder layers. Everything it changed is given back at teardown and
+    when fit stops with an exception.
 
     Args:
-        modules: which submodules to checkpoint (see above); ``None`` for the defaults.
-        use_model_switch: without ``modules``, turn on the model's own switch when it has one.
+        modules: Which submodules to wrap: ``nn.Module`` classes, class names (``"T5Block"``) or ``fnmatch`` patterns
+            over qualified submodule names (``"encoder.layers.*"``); ``None`` (default): the model's switch or the
+            default layers.
+        use_model_switch: Without ``modules``, turn on the model's own switch when it has one (default ``True``).
 
-    Logged metrics: none. The path taken is printed at setup; a warning says when nothing matched.
-
-    Device requirements: any.
+    Logs: no metrics. Rank zero prints at setup what was wrapped or which switch was turned on; a warning says when
+    nothing matched.
 
     Example:
         >>> from torch import nn
@@ -89,6 +63,8 @@ class GradientCheckpointing(Callback):
         ['layers.0', 'layers.1']
         >>> cb.unwrap(); cb.wrapped_names
         []
+
+    More: docs/memory-callbacks.md
     """
 
     def __init__(self, modules: Sequence[type[nn.Module] | str] | None = None, use_model_switch: bool = True) -> None:
@@ -143,12 +119,6 @@ class GradientCheckpointing(Callback):
             handle.unwrap()
         self.wrapped_names.clear()
         self.already_wrapped_names = []
-
-    # lightning_memopt.planner prepares a model as setup does, through these two
-    _find_switches = staticmethod(find_switches)
-
-    def _enable_switch(self, module: nn.Module, api: _SwitchAPI) -> None:
-        enable_switch(module, api)
 
     # ---------------------------------------------------------------------------------------------- hooks
     @override
