@@ -10,17 +10,7 @@ import json
 
 import pytest
 
-from tests.helpers.subprocess_run import REPO_ROOT, run_script
-
-SCRIPT = r"""
-import sys
-sys.path.insert(0, {root!r})
-from examples.dreams.as_is import main
-
-if __name__ == "__main__":
-    main(["--variant", sys.argv[1], "--devices", "2", "--max_steps", "4", "--root_dir", sys.argv[1],
-          "--data_path", "spectra.hdf5", "--result", sys.argv[1] + "_rank"])
-"""
+from tests.helpers.subprocess_run import SCRIPTS, run_file
 
 
 def _code_lines(*objects) -> int:
@@ -43,7 +33,7 @@ def test_dreams_as_it_is_under_two_ddp_processes(tmp_path):
     generate_spectra_h5(tmp_path / "spectra.hdf5", num_spectra=200, seed=0)
     results = {}
     for variant in ("package", "hand"):
-        proc = run_script(SCRIPT.format(root=str(REPO_ROOT)), tmp_path, timeout=240, args=(variant,))
+        proc = run_file(SCRIPTS / "dreams_as_is_ddp.py", tmp_path, timeout=240, args=(variant,))
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[variant] = [json.loads((tmp_path / f"{variant}_rank{r}.json").read_text()) for r in (0, 1)]
     for variant, ranks in results.items():
