@@ -6,7 +6,7 @@ a full ``gc.collect()`` on the 25th has a perfect median and a 2x mean. So this 
 * the process holds a tokenised dataset as Python lists of ints (``--objects`` lists, 1,000,000 by default),
   built before any fit and used as the training data, because a full collection scans every one of them;
 * one torch thread (``--threads``), a small token model whose step takes about 25 ms on an idle 2-core
-  AMD EPYC machine, 32 ms in the committed result taken while other work ran (``--width``, ``--batch``),
+  AMD EPYC machine, 13.6 ms in the committed result (``--width``, ``--batch``),
   ``--steps`` optimizer steps per fit (1,000);
 * configurations interleaved in one process: no callbacks against MemoryMonitor + CacheCleaner +
   GarbageCollector + OOMReporter at their defaults, in alternating order, ``--rounds`` pairs; and each
