@@ -12,6 +12,7 @@ exits 1 when any survives.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -292,4 +293,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The mutated file is put back on Ctrl-C and on a kill (the finally in run()).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     raise SystemExit(main())

@@ -6,7 +6,8 @@ of ``lightning_memopt/functional`` and ``lightning_memopt/analysis``, lists the 
 (``<`` / ``<=``, ``==`` / ``!=``, ``+`` / ``-``, ``and`` / ``or``, ``not x`` -> ``x``, an integer ``n`` -> ``n + 1``,
 ``True`` / ``False``), draws ``--count`` of them, and for each one writes the mutated module (``ast.unparse``),
 runs the fast tests (``-m "not slow"``) of the test files that use one of the module's names, and puts the file
-back. A mutant that no test notices "survives". Some survivors are equivalent mutants (no behaviour changed), so
+back (also when the script is stopped). A mutant that neither those tests nor the module's doctests notice
+"survives". Some survivors are equivalent mutants (no behaviour changed), so
 the rate is an upper bound on what the tests miss; each survivor is printed for a reader to judge.
 
     .venv/bin/python scripts/mutation_sample.py --count 40 --seed 0
@@ -18,6 +19,7 @@ import argparse
 import ast
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -167,7 +169,8 @@ def run(site: Site, timeout: float) -> tuple[str, float, list[str]]:
     start = time.perf_counter()
     try:
         site.path.write_text(mutated, encoding="utf-8")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+        module = str(site.path.relative_to(ROOT))  # its doctests too
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", module, *tests]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         outcome = "survived" if proc.returncode == 0 else "killed"
     except subprocess.TimeoutExpired:
@@ -208,5 +211,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # The original file is put back even on Ctrl-C (the finally in run()).
+    # The original file is put back on Ctrl-C and on a kill (the finally in run()).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     raise SystemExit(main())

@@ -35,6 +35,7 @@ def test_summary_per_phase(good_log):
     assert (train.growth_readings, train.growth_first_step, train.growth_last_step) == (27, 140, 400)
     assert train.growth_field == "allocated_bytes"
     assert train.mean_allocated_bytes == pytest.approx(sum(100 + 3 * s for s in TRAIN_STEPS) / 40)
+    assert train.mean_reserved_bytes == pytest.approx(2 * train.mean_allocated_bytes)
     assert train.warnings == 1 and val.warnings == 0
     assert train.warnings_by_check == {"threshold": 1}
     assert val.peak_allocated_bytes == 2500 and val.peak_global_step == 40 and val.peak_seconds == pytest.approx(4.6)
@@ -50,6 +51,7 @@ def test_cpu_log_falls_back_to_host_rss(tmp_path):
     assert s.peak_allocated_bytes is None
     assert s.peak_host_rss_bytes == 1400 and s.peak_global_step == 400
     assert s.growth_field == "host_rss_bytes" and s.growth_bytes_per_1k_steps == pytest.approx(1000.0)
+    assert s.mean_host_rss_bytes == pytest.approx(sum(1000 + step for step in range(0, 401, 10)) / 41)
 
 
 def test_audit_findings_are_listed_with_their_text(tmp_path):

@@ -138,3 +138,15 @@ def test_a_dataset_kept_as_an_attribute_is_not_walked_but_a_history_beside_it_is
         module.splits["history"].append({"step": i, "loss": w * i})
     holders = grad_fn_holders(module)
     assert [(h.path, h.num_tensors) for h in holders] == [("self.splits", 500)]
+
+
+def test_a_climb_that_falls_back_to_where_it_started_is_not_growth():
+    # Rises in 4 of 5 intervals with a slope of about 29 bytes per step, but ends where it began.
+    g = detect_growth(list(range(6)), [0, 100, 200, 300, 400, 0], min_bytes_per_step=10)
+    assert g.rising_fraction == 0.8 and g.bytes_per_step > 10 and g.total_bytes == 0
+    assert not g.growing
+
+
+def test_one_sample_says_nothing():
+    g = detect_growth([7], [5000], min_bytes_per_step=1)
+    assert (g.growing, g.bytes_per_step, g.first_step, g.total_bytes, g.num_samples) == (False, 0.0, None, 0, 1)
