@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
+from lightning_memopt.callbacks._timed import TimedCallsCounters
 from lightning_memopt.functional.collection import TimedCalls
 from lightning_memopt.functional.memory import empty_device_cache, supports_device_memory
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["CacheCleaner"]
 
 
-class CacheCleaner(Callback):
+class CacheCleaner(TimedCallsCounters, Callback):
     """Returns the caching allocator's unused blocks to the driver every N batches and at phase ends.
 
     ``empty_cache()`` releases cached, unreferenced blocks only: it never lowers peak allocated memory and never
@@ -73,24 +74,6 @@ class CacheCleaner(Callback):
         self._device = torch.device("cpu")
         self._enabled = False
         self._warn = WarnOnce()
-
-    @property
-    def calls(self) -> int:
-        """``empty_cache()`` calls made (restored from a checkpoint on resume)."""
-        return self._timed.calls
-
-    @calls.setter
-    def calls(self, value: int) -> None:
-        self._timed.calls = value
-
-    @property
-    def seconds(self) -> float:
-        """Seconds spent in those calls."""
-        return self._timed.seconds
-
-    @seconds.setter
-    def seconds(self, value: float) -> None:
-        self._timed.seconds = value
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightning_memopt.callbacks._timed import TimedCallsCounters
 from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
 from lightning_memopt.utilities.checks import check_bool, check_choice, check_non_negative_int, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
@@ -37,7 +38,7 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere workers are spawned and 
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class GarbageCollector(Callback):
+class GarbageCollector(TimedCallsCounters, Callback):
     """Runs Python's garbage collector every N optimizer steps during training, at the same step on every rank.
 
     By default it switches the automatic collector off during fit and runs ``gc.collect(1)`` every ``every_n_steps``
@@ -97,24 +98,6 @@ class GarbageCollector(Callback):
         self._saved_enabled: bool | None = None
         self._froze = False
         self._warn = WarnOnce()
-
-    @property
-    def calls(self) -> int:
-        """Collections run (restored from a checkpoint on resume)."""
-        return self._timed.calls
-
-    @calls.setter
-    def calls(self, value: int) -> None:
-        self._timed.calls = value
-
-    @property
-    def seconds(self) -> float:
-        """Seconds spent collecting."""
-        return self._timed.seconds
-
-    @seconds.setter
-    def seconds(self, value: float) -> None:
-        self._timed.seconds = value
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once
