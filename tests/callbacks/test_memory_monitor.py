@@ -9,30 +9,10 @@ import torch
 from lightning_memopt.callbacks import MemoryMonitor
 from lightning_memopt.callbacks import memory_monitor as mm
 from tests.helpers.fake_device import FakeAllocator
+from tests.helpers.memory_records import RECORD_KEYS
 from tests.helpers.models import TinyModel
 from tests.helpers.monitor_loggers import RecordingLogger
 from tests.helpers.trainer import make_trainer
-
-SCHEMA = {
-    "time",
-    "rank",
-    "phase",
-    "event",
-    "epoch",
-    "global_step",
-    "batch_idx",
-    "device",
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "peak_allocated_bytes",
-    "peak_reserved_bytes",
-    "device_total_bytes",
-    "device_free_bytes",
-    "host_rss_bytes",
-    "num_alloc_retries",
-    "num_ooms",
-}
 
 
 def read_jsonl(path):
@@ -94,7 +74,7 @@ def test_jsonl_schema_in_every_phase(tmp_path):
     assert monitor.path == path
     records = read_jsonl(path)
     for rec in records:
-        assert set(rec) >= SCHEMA
+        assert set(rec) >= set(RECORD_KEYS)
         assert rec["rank"] == 0 and rec["device"] == "cpu"
         assert rec["allocated_bytes"] is None and rec["host_rss_bytes"] > 0
     phases = {(r["phase"], r["event"]) for r in records}

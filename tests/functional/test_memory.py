@@ -13,27 +13,7 @@ from lightning_memopt.functional.memory import (
     read_memory,
     reset_peak_memory,
 )
-
-SCHEMA = [
-    "time",
-    "rank",
-    "phase",
-    "event",
-    "epoch",
-    "global_step",
-    "batch_idx",
-    "device",
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "peak_allocated_bytes",
-    "peak_reserved_bytes",
-    "device_total_bytes",
-    "device_free_bytes",
-    "host_rss_bytes",
-    "num_alloc_retries",
-    "num_ooms",
-]
+from tests.helpers.memory_records import RECORD_KEYS
 
 
 def test_cpu_reading_has_host_figures_and_null_device_figures():
@@ -105,7 +85,7 @@ def test_missing_allocator_keys_are_null_not_invented(monkeypatch):
 def test_record_follows_the_jsonl_schema_and_serialises():
     reading = read_memory("cpu")
     record = memory_record(reading, rank=1, phase="validate", event="step", epoch=2, global_step=7, batch_idx=3)
-    assert list(record) == SCHEMA
+    assert list(record) == RECORD_KEYS
     assert json.loads(json.dumps(record)) == record
     assert record["rank"] == 1 and record["phase"] == "validate" and record["device"] == "cpu"
 
