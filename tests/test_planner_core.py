@@ -151,3 +151,18 @@ def test_foreach_is_set_only_where_it_was_left_to_torch():
     assert use_foreach([explicit, fused]) is False
     assert explicit.param_groups[0]["foreach"] is False and fused.param_groups[0]["foreach"] is None
     assert use_foreach([explicit, default]) is True and default.param_groups[0]["foreach"] is True
+
+
+def test_cuda_attention_repeats_grouped_key_value_heads_as_torch_does():
+    """Grouped-query attention (``enable_gqa``): 4 query heads share 2 key/value heads; the fused stand-in gives
+    torch's own result, and 4-d inputs with other head counts and no ``enable_gqa`` still reach torch (its error)."""
+    from lightning_memopt.functional.planning import cuda_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 5, 8, generator=g) for heads in (4, 2, 2))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with cuda_attention():
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(got, expected)

@@ -201,6 +201,11 @@ def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: in
     buffers and submodule registries, walking lists, tuples, sets, dicts and deques. Use it when memory
     grows step by step: a loss kept with its graph (``self.losses.append(loss)``) shows up here.
 
+    Args:
+        module: The module whose attributes (and its submodules') are searched.
+        prefix: How paths start (``"self"``).
+        max_depth: How many levels of nested containers are walked (a tensor in a list in a dict is 2 deep).
+
     Returns:
         Holders, most tensors first.
 

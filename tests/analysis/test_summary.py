@@ -203,3 +203,11 @@ def test_peak_rss_of_analyze_grows_less_than_twice_the_logs(tmp_path):
     assert result["code"] == 0
     growth = result["peak"] - result["base"]
     assert growth < 2 * size, f"RSS grew {growth / 2**20:.1f} MiB for {size / 2**20:.1f} MiB of logs"
+
+
+def test_a_warning_with_an_empty_check_falls_back_to_what_its_fields_say():
+    from lightning_memopt.analysis.findings import finding_check
+
+    assert finding_check({"check": "", "field": "allocated_bytes"}) == "threshold"
+    assert finding_check({"check": "", "field": ""}) == "warning"
+    assert finding_check({"check": "leak", "field": "allocated_bytes"}) == "leak"

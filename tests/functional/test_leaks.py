@@ -150,3 +150,17 @@ def test_a_climb_that_falls_back_to_where_it_started_is_not_growth():
 def test_one_sample_says_nothing():
     g = detect_growth([7], [5000], min_bytes_per_step=1)
     assert (g.growing, g.bytes_per_step, g.first_step, g.total_bytes, g.num_samples) == (False, 0.0, None, 0, 1)
+
+
+def test_grad_fn_holders_walk_as_many_container_levels_as_asked():
+    def net_keeping(depth):
+        net = nn.Linear(2, 1)
+        kept = net(torch.ones(1, 2)).sum()
+        for _ in range(depth):
+            kept = [kept]
+        net.kept = kept
+        return net
+
+    assert [h.path for h in grad_fn_holders(net_keeping(4))] == ["self.kept"]
+    assert grad_fn_holders(net_keeping(5)) == []  # deeper than the default max_depth=4
+    assert [h.path for h in grad_fn_holders(net_keeping(5), max_depth=5)] == ["self.kept"]
