@@ -223,3 +223,16 @@ def test_step_fit_needs_four_blocks_of_readings():
     for step in [0] * 5 + [150] * 6 + [450] * 6:
         fit.add(step, 10 * step)
     assert fit.growth().verdict == "too short"
+
+
+def test_ten_readings_after_the_warm_up_are_enough_nine_are_not():
+    def fit_of(readings):
+        fit = StepFit()
+        fit.add(0, 1000)  # the warm-up third is cut away
+        for i in range(readings):  # 20 steps apart: 9 readings span 160 steps, 10 span 180
+            fit.add(1000 + 20 * i, 5000 + 100 * i + (7 if i % 2 else 0))
+        return fit.growth()
+
+    assert fit_of(9).verdict == "too short"
+    ten = fit_of(10)
+    assert ten.verdict == "growing" and (ten.readings, ten.first_step, ten.last_step) == (10, 1000, 1180)

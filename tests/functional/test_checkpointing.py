@@ -107,3 +107,24 @@ def test_use_cache_is_off_while_blocks_are_wrapped_and_on_again_after():
     assert model.config.use_cache is True
     nothing = wrap_checkpointing(model, ["no.such.*"])
     assert nothing.wrapped_names == [] and model.config.use_cache is True and not nothing.changed
+
+
+def test_a_switch_without_an_is_on_property_counts_as_off_and_is_turned_on():
+    class NoProperty(nn.Module):  # enable/disable methods, nothing that says whether it is on
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.TransformerEncoderLayer(8, 2, 16)
+            self.on = False
+
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+            self.on = True
+
+        def activation_checkpointing_disable(self):
+            self.on = False
+
+    model = NoProperty()
+    handle = wrap_checkpointing(model)
+    assert handle.turned_on == ["NoProperty.activation_checkpointing_enable()"] and not handle.already_on
+    assert model.on
+    handle.restore()
+    assert not model.on

@@ -476,3 +476,22 @@ def test_load_report_refuses_what_is_not_a_regular_file(tmp_path):
     finally:
         watchdog.stop()
     assert not watchdog.fired, "the named pipe was opened"
+
+
+def test_parameters_and_gradients_dominate_sharding_saves_all_but_one_share():
+    cats = {"parameters": 3 * GiB, "gradients": 3 * GiB, "optimizer_states": 0, "buffers": 0}
+    common = dict(
+        stage="train",
+        allocated_bytes=8 * GiB,
+        reserved_bytes=8 * GiB,
+        bytes_by_category=cats,
+        unexplained_bytes=2 * GiB,
+        micro_batch_size=8,
+    )
+    sharded = {t["action"]: t for t in suggest_fixes(**common, world_size=4)}
+    fsdp = next(t for a, t in sharded.items() if a.startswith("Shard parameters and gradients"))
+    assert fsdp["saves_bytes"] == 6 * GiB * 3 // 4  # each of 4 processes keeps a quarter
+    two = next(t for t in suggest_fixes(**common, world_size=2) if t["action"].startswith("Shard parameters"))
+    assert two["saves_bytes"] == 3 * GiB
+    alone = [t for t in suggest_fixes(**common) if "parameters" in t["action"].lower()]
+    assert [t["saves_bytes"] for t in alone if t["action"].startswith("Train fewer parameters")] == [None]
