@@ -216,7 +216,11 @@ def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps:
     audit_parts: dict[str, list[float]] = {}
     for cb in callbacks:
         if isinstance(cb, MemoryAudit):
-            audit_parts = time_methods(cb, ("_audit", "_holder_sample", "_leak_sample"))
+            # the audits are the callback's; the per-interval samples are its Trainer-free session's
+            audit_parts = {
+                **time_methods(cb, ("_audit",)),
+                **time_methods(cb._session, ("holder_sample", "leak_sample")),
+            }
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
             accelerator=args.accelerator,
@@ -267,8 +271,8 @@ def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps:
                 fit_start_audit_s=clock.one_off_s.get("on_fit_start", 0.0),
                 first_step_audit_s=sum(first),
                 audits_s=audit_parts["_audit"],
-                holder_samples_s=audit_parts["_holder_sample"],
-                leak_walks_s=audit_parts["_leak_sample"],
+                holder_samples_s=audit_parts["holder_sample"],
+                leak_walks_s=audit_parts["leak_sample"],
                 batch_end_after_first_step_s=sum(s for step, s in clock.batch_end if step != 1),
                 leak_every_n_steps=cb.leak_every_n_steps,
             )
