@@ -100,8 +100,38 @@ class _CheckpointedForward:
             # The block's keyword arguments are bound here, never handed to `checkpoint`: it would consume the ones
             # that share a name with its own options (`debug`, `context_fn`, `determinism_check`, ...).
             forward = functools.partial(self._forward, **kwargs) if kwargs else self._forward
-            return checkpoint(forward, *args, use_reentrant=False)
+            norms = [m for m in self.module.modules() if _tracks_running_stats(m)]
+            return checkpoint(_StatsOnce(forward, norms) if norms else forward, *args, use_reentrant=False)
         return self._forward(*args, **kwargs)
+
+
+def _tracks_running_stats(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm layer that updates running statistics in a training forward (BatchNorm, ...)."""
+    return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats and module.training
+
+
+class _StatsOnce:
+    """A checkpointed forward whose recomputation in backward leaves the running statistics as the forward left them.
+
+    Without it a checkpointed BatchNorm counts every batch twice (``num_batches_tracked``) and moves its running mean
+    and variance twice; in training mode the output uses the batch's statistics, so the recomputed activations do
+    not depend on the running ones and putting them back changes nothing else.
+    """
+
+    def __init__(self, forward: Any, norms: list[nn.Module]) -> None:
+        self.forward, self.norms, self.calls = forward, norms, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            return self.forward(*args, **kwargs)
+        saved = [(buf, buf.clone()) for m in self.norms for buf in m.buffers(recurse=False)]
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buf, value in saved:
+                    buf.copy_(value)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

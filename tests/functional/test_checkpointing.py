@@ -128,3 +128,26 @@ def test_a_switch_without_an_is_on_property_counts_as_off_and_is_turned_on():
     assert model.on
     handle.restore()
     assert not model.on
+
+
+def test_recomputation_leaves_batchnorm_running_stats_as_one_forward_left_them():
+    """A checkpointed block with BatchNorm runs its forward twice (forward, recomputation in backward); the running
+    statistics must move once, as without checkpointing: same buffers, same gradients."""
+
+    def block() -> nn.Module:
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Dropout(0.3))
+        return nn.Sequential(inner, nn.Linear(6, 1))
+
+    x = torch.randn(8, 6)
+    plain, wrapped = block().train(), block().train()
+    assert wrap_modules(wrapped, ["0"]).wrapped_names == ["0"]
+    torch.manual_seed(1)
+    plain(x).sum().backward()
+    torch.manual_seed(1)
+    wrapped(x).sum().backward()
+    assert int(wrapped[0][1].num_batches_tracked) == 1
+    for (name, a), b in zip(plain.state_dict().items(), wrapped.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(a.grad, b.grad)
