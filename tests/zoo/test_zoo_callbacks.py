@@ -26,6 +26,7 @@ from lightning_memopt import (
     MemoryPreset,
     OOMReporter,
 )
+from lightning_memopt.analysis import summarize_memory_log
 from tests.helpers.lightning import pl
 from tests.helpers.trainer import make_trainer
 from tests.helpers.zoo import ZooModel, zoo_params
@@ -81,8 +82,12 @@ def test_watching_callbacks_leave_training_bitwise_unchanged(entry: ZooModel, tm
     _assert_same_weights(module, reference)
     assert _metrics(trainer) == _metrics(ref_trainer)
     records = [json.loads(line) for line in callbacks[0].path.read_text().splitlines()]
-    train_steps = {r["global_step"] for r in records if r.get("phase") == "train" and "global_step" in r}
-    assert train_steps, "no train reading"
+    train = [r for r in records if r.get("phase") == "train"]
+    batches = ref_trainer.fit_loop.epoch_loop.batch_progress.total.completed  # manual: 2 optimizer steps a batch
+    assert len([r for r in train if r["event"] == "step"]) == batches  # a reading per batch (log_every_n_steps=1)
+    (summary,) = [s for s in summarize_memory_log(records) if s.phase == "train"]
+    assert summary.num_readings == batches
+    assert summary.peak_host_rss_bytes == max(r["host_rss_bytes"] for r in train)
     assert not (tmp_path / "oom").exists()  # no out-of-memory: no report
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # given back at teardown
 
