@@ -25,6 +25,7 @@ from lightning_memopt import (
     MemoryPrecision,
     MemoryPreset,
     OOMReporter,
+    to_device_and_dtype,
 )
 from lightning_memopt.analysis import summarize_memory_log
 from tests.helpers.lightning import pl
@@ -182,3 +183,18 @@ def test_preset_equals_lightning_accumulation_at_its_micro_batch(entry: ZooModel
     module, trainer = _fit(entry, tmp_path / "preset", batch_size=preset.batch_size, **kwargs)
     _assert_same_weights(module, reference)
     assert trainer.global_step == ref_trainer.global_step == STEPS
+
+
+@pytest.mark.parametrize("entry", zoo_params())
+def test_to_device_and_dtype_equals_module_to_and_counts_its_bytes(entry: ZooModel):
+    reference, module = entry.build(), entry.build()
+    before = _bytes(module.parameters()) + _bytes(module.buffers())
+    reference.to(torch.bfloat16)
+    result = to_device_and_dtype(module, "cpu", torch.bfloat16)
+    _assert_same_weights(module, reference)
+    assert result.converted
+    assert (result.total_bytes_before, result.total_bytes_after) == (
+        before,
+        _bytes(module.parameters()) + _bytes(module.buffers()),
+    )
+    assert not to_device_and_dtype(module, "cpu", torch.bfloat16).converted
