@@ -1,0 +1,139 @@
+"""The zoo's LightningCLI project (``tests/helpers/zoo_cli``): ``MemoryPresetCLI`` with the configs users write
+(``class_path`` + ``init_args``, or a CLI given the classes), trained and estimated, against plain Lightning."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from lightning_memopt import (
+    AllocatorSettings,
+    CacheCleaner,
+    GarbageCollector,
+    GradientCheckpointing,
+    MemoryMonitor,
+    MemoryPresetCLI,
+)
+from tests.helpers.lightning import lightning_module, pl
+from tests.helpers.models import TinyModel
+from tests.helpers.presets_env import give_back_allocator_settings
+from tests.helpers.zoo_cli import CONFIG, CONFIG_FIXED, ZooClassifier, ZooCLI, ZooDataModule, main
+
+pytestmark = pytest.mark.zoo
+
+STYLES = {"class_path": (CONFIG, True), "fixed": (CONFIG_FIXED, False)}
+
+
+def _config(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def _cli(tmp_path, style: str, *args: str, run: bool = False, target: str | None = "auto", config=None) -> Any:
+    path, subclass_mode = STYLES[style]
+
+    class CLI(ZooCLI):
+        memory_batch_size_target = target
+
+    argv = [f"--config={config or path}", f"--trainer.default_root_dir={tmp_path}", *args]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return main(
+            ["fit", *argv] if run else argv,
+            subclass_mode=subclass_mode,
+            run=run,
+            cli=CLI,
+            save_config_callback=None,
+        )
+
+
+def _first_batch(cli) -> int:
+    return len(next(iter(cli.datamodule.train_dataloader()))[0])
+
+
+# ---------------------------------------------------------------------------------------- memory_batch_size_target
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("target", ["auto", "data.batch_size", "data.init_args.batch_size"])
+def test_the_preset_s_batch_reaches_the_dataloader_in_either_config_style(tmp_path, style, target):
+    cli = _cli(tmp_path, style, target=target)
+    give_back_allocator_settings(cli.trainer.callbacks)  # never fit, never torn down
+    preset = cli.config_init.memory
+    assert _config(STYLES[style][0])["data"].get("init_args", {"batch_size": 16})["batch_size"] == 16
+    assert preset.micro_batch_size == 4 and cli.datamodule.batch_size == 4
+    assert _first_batch(cli) == preset.micro_batch_size
+    assert cli.trainer.accumulate_grad_batches == 4
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_the_fit_subcommand_trains_like_plain_lightning_with_the_preset_s_trainer_arguments(tmp_path, style):
+    """Two optimizer steps of 4 x 4 samples with the preset's callbacks (checkpointed blocks with dropout among
+    them) give the weights of a plain Trainer(accumulate_grad_batches=4, precision="32-true") at batch 4."""
+    cli = _cli(tmp_path / "cli", style, run=True)
+    assert cli.trainer.global_step == 2
+    assert cli.trainer.train_dataloader.batch_size == 4 and cli.trainer.accumulate_grad_batches == 4
+    kinds = [type(c) for c in cli.trainer.callbacks]
+    for kind in (MemoryMonitor, CacheCleaner, GarbageCollector, GradientCheckpointing, AllocatorSettings):
+        assert kind in kinds, kind
+    assert cli.trainer.precision == "32-true"
+
+    config = _config(STYLES[style][0])
+    init = {k: v for k, v in config["model"].items() if k not in ("class_path", "init_args")}
+    init.update(config["model"].get("init_args", {}))
+    pl.seed_everything(config["seed_everything"], workers=True)
+    data = ZooDataModule(batch_size=4)
+    reference = ZooClassifier(**init)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path / "plain", accumulate_grad_batches=4, precision="32-true", **config["trainer"]
+    )
+    trainer.fit(reference, data)
+    assert trainer.global_step == 2
+    got, expected = cli.model.state_dict(), reference.state_dict()
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    assert not torch.equal(expected["head.weight"], ZooClassifier(**init).head.weight)  # it trained
+
+
+def test_auto_finds_the_model_s_batch_size_when_there_is_no_datamodule(tmp_path):
+    """The documented default target, data.batch_size, crashed a CLI given only a model (data is then optional)."""
+
+    class CLI(MemoryPresetCLI, lightning_module("cli").LightningCLI):
+        pass
+
+    args = ["--memory.effective_batch_size=16", "--memory.micro_batch_size=2", "--trainer.accelerator=cpu"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = CLI(TinyModel, run=False, args=[*args, f"--trainer.default_root_dir={tmp_path}"])
+    give_back_allocator_settings(cli.trainer.callbacks)
+    assert cli.datamodule is None
+    assert cli.model.batch_size == 2 and cli.trainer.accumulate_grad_batches == 8
+
+
+class NoBatchSize(ZooDataModule):
+    """A datamodule whose batch is not an init argument."""
+
+    def __init__(self, samples: int = 32) -> None:
+        super().__init__(batch_size=8, samples=samples)
+
+
+def test_a_class_path_without_the_target_argument_is_refused_by_name(tmp_path):
+    config = _config(CONFIG)
+    config["data"] = {"class_path": f"{__name__}.NoBatchSize"}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"`memory_batch_size_target`='data.batch_size': .*NoBatchSize .*has no"):
+        _cli(tmp_path, "class_path", target="data.batch_size", config=path)
+    with pytest.warns(UserWarning, match="no `batch_size` init argument in NoBatchSize or ZooClassifier"):
+        cli = _default_cli(tmp_path, path)
+    give_back_allocator_settings(cli.trainer.callbacks)
+
+
+def _default_cli(tmp_path, path) -> Any:
+    """``ZooCLI`` as the project defines it (target ``"auto"``), its warnings left to the test."""
+    return main([f"--config={path}", f"--trainer.default_root_dir={tmp_path}"], run=False, save_config_callback=None)
