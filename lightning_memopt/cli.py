@@ -269,11 +269,12 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     how.add_argument(
         "--checkpointing",
         metavar="auto|on|off|BLOCKS",
-        default="auto",
+        default=None,
         help="activation checkpointing: auto (the plan tries without and with; no budget: the model as"
         " it is), on (the model's own switch, activation_checkpointing_enable() or the older"
         " gradient_checkpointing_enable(), where it has one, else"
-        " PyTorch transformer layers), off, or block class names / name patterns, comma-separated",
+        " PyTorch transformer layers), off, or block class names / name patterns, comma-separated;"
+        " default: the memory: section's preset, else auto",
     )
     how.add_argument(
         "--device",
@@ -292,6 +293,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
         return run_estimate(args)
     except EstimateInputError as err:
         raise CLIError(str(err)) from None
+    except Exception as err:  # the last line of defence: one line, never a traceback
+        raise CLIError(f"the estimate stopped unexpectedly ({type(err).__name__}: {err}); please report this") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

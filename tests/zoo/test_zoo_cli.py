@@ -19,6 +19,9 @@ from lightning_memopt import (
     MemoryMonitor,
     MemoryPresetCLI,
 )
+from lightning_memopt.cli import main as memopt_main
+from lightning_memopt.planner import estimate_memory, plan_memory
+from lightning_memopt.utilities.formatting import format_bytes
 from tests.helpers.lightning import lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.presets_env import give_back_allocator_settings
@@ -137,3 +140,87 @@ def test_a_class_path_without_the_target_argument_is_refused_by_name(tmp_path):
 def _default_cli(tmp_path, path) -> Any:
     """``ZooCLI`` as the project defines it (target ``"auto"``), its warnings left to the test."""
     return main([f"--config={path}", f"--trainer.default_root_dir={tmp_path}"], run=False, save_config_callback=None)
+
+
+# ------------------------------------------------------------------------------------------ lightning-memopt estimate
+
+
+def _estimate(capsys, *argv) -> tuple[int, str, str]:
+    code = memopt_main(["estimate", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_estimate_reads_the_memory_section_and_equals_a_real_cpu_step(capsys, monkeypatch):
+    """The preset's micro-batch (4, not the datamodule's 16) and its checkpointed blocks are what is estimated; the
+    estimate is the byte count of a real CPU step with those settings."""
+    import lightning_memopt.planner as planner
+
+    seen = []
+
+    def spy(module, batch, **kwargs):
+        seen.append((len(batch[0]), kwargs))
+        seen.append(estimate_memory(module, batch, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(planner, "estimate_memory", spy)
+    code, out, err = _estimate(capsys, "--config", str(CONFIG), "--device", "cpu")
+    assert code == 0, err
+    (size, kwargs), predicted = seen
+    assert size == 4 and kwargs["checkpointing"] == ["ZooBlock"] and kwargs["precision"] == "32-true"
+    init = _config(CONFIG)["model"]["init_args"]
+    data = ZooDataModule(batch_size=4)
+    batch = next(iter(data.train_dataloader()))
+    measured = estimate_memory(ZooClassifier(**init), batch, device="cpu", checkpointing=["ZooBlock"], fake=False)
+    assert predicted.fake and not measured.fake
+    assert predicted.peak_bytes == measured.peak_bytes > 0
+    assert f"on cpu at 32-true: {format_bytes(measured.peak_bytes)} (fake tensors" in out
+    assert "Batch 4: " in out
+
+
+def test_the_planned_snippet_pasted_into_the_config_gives_the_planned_trainer_arguments(tmp_path, capsys):
+    init = _config(CONFIG)["model"]["init_args"]
+
+    def batch_fn(b):  # the first b samples, collated as the DataLoader does it
+        return next(iter(ZooDataModule(batch_size=b).train_dataloader()))
+
+    needs = {
+        b: estimate_memory(ZooClassifier(**init), batch_fn(b), device="cpu", checkpointing=["ZooBlock"])
+        for b in (8, 16)
+    }
+    assert needs[8].peak_bytes < needs[16].peak_bytes
+    budget = (needs[8].peak_bytes + needs[16].peak_bytes) // 2  # 8 fits, 16 does not
+    code, out, err = _estimate(
+        capsys, "--config", str(CONFIG), "--device", "cpu", "--device-memory", str(budget), "--margin", "0"
+    )
+    assert code == 0, err
+    plan = plan_memory(
+        ZooClassifier(**init),
+        batch_fn,
+        effective_batch_size=16,
+        budget_bytes=budget,
+        margin=0,
+        checkpointing=["ZooBlock"],
+        device="cpu",
+    )
+    assert plan.micro_batch_size == 8 and plan.accumulate_grad_batches == 2
+    snippet = yaml.safe_load(out.split("to paste into the config:\n", 1)[1])
+    assert list(snippet) == ["memory"]
+    config = _config(CONFIG)
+    config["memory"] = snippet["memory"]
+    pasted = tmp_path / "pasted.yaml"
+    pasted.write_text(yaml.safe_dump(config))
+
+    cli = _cli(tmp_path, "class_path", config=pasted)
+    expected = plan.trainer_kwargs()
+    give_back_allocator_settings(cli.trainer.callbacks, expected["callbacks"])
+    assert cli.datamodule.batch_size == plan.micro_batch_size == _first_batch(cli)
+    assert cli.trainer.accumulate_grad_batches == expected["accumulate_grad_batches"] == 2
+    assert cli.trainer.precision == plan.precision == expected["plugins"][0].precision
+    wrapped = [c for c in cli.trainer.callbacks if isinstance(c, GradientCheckpointing)]
+    assert (
+        [c.modules for c in wrapped]
+        == [["ZooBlock"]]
+        == [c.modules for c in expected["callbacks"] if isinstance(c, GradientCheckpointing)]
+    )
+    assert cli.config_init.memory.name == config["memory"]["name"] == "max-savings"  # yours, not the plan's tier
