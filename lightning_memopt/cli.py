@@ -136,7 +136,10 @@ from overrides --model.NAME VALUE (also --model.init_args.NAME VALUE; values are
 too. The working directory is importable (examples.dreams.module.SpectraFineTuner from the repository root).
 The config's optimizer: section (or --optimizer CLASS_PATH, --optimizer.NAME VALUE) replaces the module's
 configure_optimizers; trainer: gives defaults for --precision, --devices, --num-nodes and accumulate_grad_batches;
-other sections (seed_everything, a LightningCLI subclass's own, ...) are ignored. link_arguments are not applied.
+memory: (MemoryPresetCLI's preset; --memory.NAME VALUE) gives the micro-batch, precision, checkpointing and
+effective batch (flags win; when planning, what it leaves null the plan chooses) and a plan that fits ends with the
+memory: section to paste back. Other sections (seed_everything, a LightningCLI subclass's own, ...) are ignored.
+link_arguments are not applied.
 
 batch: from the datamodule (--data CLASS_PATH, --data.NAME VALUE, or the config's data: section): prepare_data(),
 setup("fit"), then the first B samples of train_dataloader()'s dataset in order (a smaller set is cycled),
