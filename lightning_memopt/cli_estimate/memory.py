@@ -64,9 +64,10 @@ def preset_checkpointing(preset: Any) -> Any:
 def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:
     """The ``memory:`` section to paste back into the config: yours, with what the plan chose.
 
-    Keeps the keys you wrote (the preset's name, its other knobs) and sets ``effective_batch_size``,
-    ``micro_batch_size``, ``precision`` and ``gradient_checkpointing`` (and ``checkpoint_modules`` for blocks given
-    by name) as planned; ``devices`` and ``num_nodes`` stay under ``trainer:``, where MemoryPresetCLI reads them.
+    Keeps the keys you wrote (the preset's name, its other knobs; not those left null) and sets
+    ``effective_batch_size``, ``micro_batch_size``, ``precision`` and ``gradient_checkpointing`` (and
+    ``checkpoint_modules`` for blocks given by name) as planned; ``devices`` and ``num_nodes`` stay under
+    ``trainer:``, where MemoryPresetCLI reads them.
     """
     import yaml
 
@@ -80,6 +81,7 @@ def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:
     }
     if plan.gradient_checkpointing and preset.checkpoint_modules:
         memory["checkpoint_modules"] = [m if isinstance(m, str) else m.__name__ for m in preset.checkpoint_modules]
-    memory.update({k: v for k, v in yours.items() if k not in memory and k not in _WORLD})
+    # null is the preset's value, as if not written (a config LightningCLI saved lists every field)
+    memory.update({k: v for k, v in yours.items() if k not in memory and k not in _WORLD and v is not None})
     text = yaml.safe_dump({MEMORY_SECTION: memory}, sort_keys=False, default_flow_style=None)
     return text.rstrip("\n")

@@ -67,7 +67,8 @@ def test_the_preset_s_batch_reaches_the_dataloader_in_either_config_style(tmp_pa
     cli = _cli(tmp_path, style, target=target)
     give_back_allocator_settings(cli.trainer.callbacks)  # never fit, never torn down
     preset = cli.config_init.memory
-    assert _config(STYLES[style][0])["data"].get("init_args", {"batch_size": 16})["batch_size"] == 16
+    data = _config(STYLES[style][0])["data"]
+    assert data.get("init_args", data)["batch_size"] == 16  # what the config says; the preset decides
     assert preset.micro_batch_size == 4 and cli.datamodule.batch_size == 4
     assert _first_batch(cli) == preset.micro_batch_size
     assert cli.trainer.accumulate_grad_batches == 4
