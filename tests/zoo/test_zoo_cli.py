@@ -74,7 +74,7 @@ def test_the_preset_s_batch_reaches_the_dataloader_in_either_config_style(tmp_pa
     assert cli.trainer.accumulate_grad_batches == 4
 
 
-@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("style", ["class_path", pytest.param("fixed", marks=pytest.mark.slow)])
 def test_the_fit_subcommand_trains_like_plain_lightning_with_the_preset_s_trainer_arguments(tmp_path, style):
     """Two optimizer steps of 4 x 4 samples with the preset's callbacks (checkpointed blocks with dropout among
     them) give the weights of a plain Trainer(accumulate_grad_batches=4, precision="32-true") at batch 4."""
