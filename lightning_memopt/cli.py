@@ -136,7 +136,10 @@ from overrides --model.NAME VALUE (also --model.init_args.NAME VALUE; values are
 too. The working directory is importable (examples.dreams.module.SpectraFineTuner from the repository root).
 The config's optimizer: section (or --optimizer CLASS_PATH, --optimizer.NAME VALUE) replaces the module's
 configure_optimizers; trainer: gives defaults for --precision, --devices, --num-nodes and accumulate_grad_batches;
-other sections (seed_everything, a LightningCLI subclass's own, ...) are ignored. link_arguments are not applied.
+memory: (MemoryPresetCLI's preset; --memory.NAME VALUE) gives the micro-batch, precision, checkpointing and
+effective batch (flags win; when planning, what it leaves null the plan chooses) and a plan that fits ends with the
+memory: section to paste back. Other sections (seed_everything, a LightningCLI subclass's own, ...) are ignored.
+link_arguments are not applied.
 
 batch: from the datamodule (--data CLASS_PATH, --data.NAME VALUE, or the config's data: section): prepare_data(),
 setup("fit"), then the first B samples of train_dataloader()'s dataset in order (a smaller set is cycled),
@@ -269,11 +272,12 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     how.add_argument(
         "--checkpointing",
         metavar="auto|on|off|BLOCKS",
-        default="auto",
+        default=None,
         help="activation checkpointing: auto (the plan tries without and with; no budget: the model as"
         " it is), on (the model's own switch, activation_checkpointing_enable() or the older"
         " gradient_checkpointing_enable(), where it has one, else"
-        " PyTorch transformer layers), off, or block class names / name patterns, comma-separated",
+        " PyTorch transformer layers), off, or block class names / name patterns, comma-separated;"
+        " default: the memory: section's preset, else auto",
     )
     how.add_argument(
         "--device",
@@ -292,6 +296,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
         return run_estimate(args)
     except EstimateInputError as err:
         raise CLIError(str(err)) from None
+    except Exception as err:  # the last line of defence: one line, never a traceback
+        raise CLIError(f"the estimate stopped unexpectedly ({type(err).__name__}: {err}); please report this") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,9 +12,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_memopt import MemoryPreset
 from lightning_memopt.cli import main
 from lightning_memopt.planner import ESTIMATE_PRECISIONS, estimate_memory, plan_memory
 from lightning_memopt.utilities.formatting import format_bytes
@@ -344,6 +346,208 @@ def test_the_dreams_example_from_its_lightningcli_config(tmp_path, capsys, monke
         assert plan.micro_batch_size < 64  # 54 MiB usable: accumulation needed
 
 
+# ------------------------------------------------------------------------------------ MemoryPresetCLI's memory:
+
+
+def _preset_config(tmp_path, memory: str, data_batch: int = 8):
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"model:\n  class_path: {TINY}\n"
+        f"data:\n  class_path: {TINY_DATA}\n  init_args: {{batch_size: {data_batch}}}\n"
+        f"memory: {memory}\n"
+    )
+    return str(path)
+
+
+def _pair(b, width=16):
+    return (torch.empty(b, width), torch.empty(b, width))
+
+
+def test_the_memory_section_is_what_the_estimate_models_unless_a_flag_says_otherwise(tmp_path, capsys):
+    """The preset's micro-batch (not the datamodule's batch_size, which MemoryPresetCLI overrides), its precision and
+    its checkpointing; --batch-size, --precision and --checkpointing override them."""
+    config = _preset_config(
+        tmp_path, "{name: balanced, effective_batch_size: 24, micro_batch_size: 3, precision: bf16}"
+    )
+    code, out, err = _run(capsys, "--config", config, "--device", "cpu")
+    assert code == 0, err
+    assert out.splitlines()[1].startswith("Batch 3: ")
+    expected = estimate_memory(TinyModule(), _pair(3), precision="bf16-mixed", device="cpu")
+    assert f"on cpu at bf16-mixed: {format_bytes(expected.peak_bytes)}" in out and expected.table() in out
+    code, out, err = _run(capsys, "--config", config, "--device", "cpu", "--batch-size", "5", "--precision", "32")
+    assert code == 0, err
+    assert out.splitlines()[1].startswith("Batch 5: ")
+    assert estimate_memory(TinyModule(), _pair(5), device="cpu").table() in out
+
+    checkpointed = _preset_config(tmp_path, "{name: max-savings, micro_batch_size: 128, checkpoint_modules: ['net.*']}")
+    code, out, err = _run(capsys, "--config", checkpointed, "--device", "cpu")
+    assert code == 0, err
+    with_blocks = estimate_memory(TinyModule(), _pair(128), device="cpu", checkpointing=["net.*"])
+    without = estimate_memory(TinyModule(), _pair(128), device="cpu")
+    assert with_blocks.table() != without.table()
+    assert with_blocks.table() in out
+    code, out, err = _run(capsys, "--config", checkpointed, "--device", "cpu", "--checkpointing", "off")
+    assert code == 0 and without.table() in out
+
+
+def test_a_plan_fills_what_the_memory_section_leaves_open_and_prints_the_section_to_paste(tmp_path, capsys):
+    config = _preset_config(
+        tmp_path, "{name: max-speed, effective_batch_size: 24, monitor: true, gc_every_n_steps: null}"
+    )
+    budget = str(estimate_memory(TinyModule(), _pair(6), device="cpu").peak_bytes)
+    argv = ["--config", config, "--device", "cpu", "--device-memory", budget, "--margin", "0"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    plan = plan_memory(TinyModule(), _pair, effective_batch_size=24, budget_bytes=budget, margin=0, device="cpu")
+    assert plan.feasible and plan.micro_batch_size < 24  # the budget makes the plan choose
+    assert "Effective batch: 24 (memory.effective_batch_size" in out and str(plan) in out
+    snippet = yaml.safe_load(out.split("to paste into the config:\n", 1)[1])
+    assert snippet == {
+        "memory": {
+            "name": "max-speed",
+            "effective_batch_size": 24,
+            "micro_batch_size": plan.micro_batch_size,
+            "precision": "32-true",
+            "gradient_checkpointing": plan.gradient_checkpointing,
+            "monitor": True,
+        }
+    }
+    pasted = MemoryPreset(**snippet["memory"])
+    assert (pasted.batch_size, pasted.accumulate_grad_batches) == (plan.micro_batch_size, plan.accumulate_grad_batches)
+    # a precision written in the section (here from the command line) is kept, not chosen
+    code, out, err = _run(capsys, *argv, "--memory.precision", "bf16-mixed")
+    assert code == 0, err
+    fixed = plan_memory(
+        TinyModule(),
+        _pair,
+        effective_batch_size=24,
+        budget_bytes=budget,
+        margin=0,
+        device="cpu",
+        precision="bf16-mixed",
+    )
+    assert str(fixed) in out and "precision: bf16-mixed" in out
+
+
+def test_a_memory_section_of_another_cli_is_ignored_with_a_note(tmp_path, capsys):
+    config = _preset_config(tmp_path, "{snapshot_every: 100}")
+    code, out, err = _run(capsys, "--config", config, "--device", "cpu")
+    assert code == 0 and out.splitlines()[1].startswith("Batch 8: ")  # the datamodule's batch
+    assert "memory: section holds no MemoryPreset field" in err
+
+
+def test_an_unexpected_error_is_one_line_too(capsys, monkeypatch):
+    from lightning_memopt.cli_estimate import run
+
+    def broken(args):
+        raise KeyError("a bug\nover two lines")
+
+    monkeypatch.setattr(run, "_run", broken)
+    code, out, err = _run(capsys, "--model", TINY, "--batch-shape", "B,16", "--device", "cpu")
+    assert code == 2 and out == ""
+    assert err == f"{ERROR}the estimate stopped unexpectedly (KeyError: 'a bug\\nover two lines'); please report this\n"
+
+
+def test_torch_logs_nothing_while_a_shape_fails_on_fake_tensors(capsys):
+    """torch logged a 20-line traceback (torch._subclasses.fake_tensor) before the command's one-line error."""
+    import logging
+
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep()
+    fake_tensor.log.addHandler(handler)
+    try:
+        code, _, err = _run(
+            capsys, "--model", TINY, "--batch-shape", "B,5", "--batch-shape", "B,16", "--batch-size", "2"
+        )
+    finally:
+        fake_tensor.log.removeHandler(handler)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(ERROR) and "[2, 5]" in err
+    assert records == []
+    # the logger works again afterwards
+    fake_tensor.log.addHandler(handler)
+    try:
+        fake_tensor.log.error("after")
+    finally:
+        fake_tensor.log.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["after"]
+
+
+_TWO_SHAPES = ["--batch-shape", "B,16", "--batch-shape", "B,16"]
+FAILURES = {
+    "bad config": ("config", "model:\n  class_path: [unclosed\n", [], "not valid YAML"),
+    "unimportable class_path": ("config", "model: {class_path: no_such_package.Model}\n", _TWO_SHAPES, "cannot import"),
+    "forward raises": ("argv", None, ["--model", "tests.test_cli_estimate.Raises", *_TWO_SHAPES], "ZeroDivisionError"),
+    "shape that cannot run": (
+        "argv",
+        None,
+        ["--model", TINY, "--batch-shape", "B,5", *["--batch-shape", "B,16"]],
+        "[2, 5]",
+    ),
+    "bad --batch-shape": ("argv", None, ["--model", TINY, "--batch-shape", "B,x"], "dimension 'x'"),
+    "bad memory section": (
+        "config",
+        f"model: {{class_path: {TINY}}}\nmemory: {{name: balanced, micro_batch_sise: 2}}\n",
+        _TWO_SHAPES,
+        "unknown key(s) micro_batch_sise",
+    ),
+}
+
+_DRIVER = """
+import json, os, sys
+from lightning_memopt import MemoryPreset
+from lightning_memopt.cli import main
+out = []
+for i, argv in enumerate(json.loads(sys.argv[1])):
+    path = os.path.join(sys.argv[2], f"stderr{i}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        code = main(["estimate", *argv])
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(fd)
+    out.append([code, open(path).read()])
+print(json.dumps(out))
+"""
+
+
+class Raises(TinyModule):
+    def training_step(self, batch, batch_idx):
+        return 1 / 0
+
+
+@pytest.mark.slow
+def test_every_failure_is_one_line_on_stderr_without_a_traceback_or_a_torch_log(tmp_path):
+    runs = []
+    for name, (kind, text, argv, _) in FAILURES.items():
+        if kind == "config":
+            path = tmp_path / f"{name.replace(' ', '_')}.yaml"
+            path.write_text(text)
+            argv = ["--config", str(path), *argv]
+        runs.append([*argv, "--batch-size", "2", "--device", "cuda"])
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(runs), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for (name, (*_, words)), (code, err) in zip(FAILURES.items(), json.loads(proc.stdout.splitlines()[-1])):
+        assert code == 2, (name, err)
+        assert err.count("\n") == 1 and err.startswith(ERROR), (name, err)
+        assert words in err, (name, err)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 
@@ -441,6 +645,26 @@ SHAPES = ["--batch-shape", "B,16", "--batch-shape", "B,16"]
         (lambda tmp: ["--model", TINY, *SHAPES, "--model.width"], "--model.width: expected a value after it"),
         (lambda tmp: [*SHAPES, "--batch-size", "2"], "--model: pass --model CLASS_PATH"),
         (_fixed_class_config, "--model: the config's model section has no class_path; pass --model CLASS_PATH"),
+        (
+            lambda tmp: [
+                "--config",
+                _preset_config(tmp, "{name: max-savings, effective_batch_size: 100, micro_batch_size: 16}"),
+            ],
+            "--config: memory: `memory.effective_batch_size`=100 is not divisible by `memory.micro_batch_size`",
+        ),
+        (
+            lambda tmp: ["--config", _preset_config(tmp, "{name: max-sped}")],
+            "--config: memory: Unknown preset `memory.name`='max-sped'",
+        ),
+        (
+            lambda tmp: ["--config", _preset_config(tmp, "{name: balanced, micro_batch_sise: 4}")],
+            "--config: memory: unknown key(s) micro_batch_sise; MemoryPreset's fields are",
+        ),
+        (lambda tmp: ["--config", _preset_config(tmp, "[max-savings]")], "the memory: section must be a mapping"),
+        (
+            lambda tmp: ["--config", _preset_config(tmp, "{effective_batch_size: 9}"), "--devices", "2"],
+            "`memory.effective_batch_size`=9 is not divisible by the world size 2 (`devices`=2",
+        ),
         (_bad_yaml, "bad.yaml: not valid YAML"),
         (_list_yaml, "list.yaml: holds a list, not a mapping of sections"),
         (lambda tmp: ["--config", str(tmp / "missing.yaml")], "missing.yaml: no such file"),

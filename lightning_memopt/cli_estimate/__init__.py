@@ -5,15 +5,18 @@ never imports it; ``_run_estimate`` does, and torch and the planner are imported
 
 What it does, in the order :func:`run_estimate` (``run.py``) does it:
 
-* read the LightningCLI config files (``--config``: sections ``model``, ``data``, ``optimizer`` and ``trainer``;
-  any other section is ignored) and apply the command line's ``--model CLASS``, ``--data CLASS``,
-  ``--optimizer CLASS`` and dotted overrides (``--model.init_args.lr 0.1`` or ``--model.lr 0.1``) (``config.py``);
-* check the flags and read the settings: precision, devices, budget, checkpointing, optimizer (``settings.py``);
+* read the LightningCLI config files (``--config``: sections ``model``, ``data``, ``optimizer``, ``trainer`` and
+  MemoryPresetCLI's ``memory``; any other section is ignored) and apply the command line's ``--model CLASS``,
+  ``--data CLASS``, ``--optimizer CLASS`` and dotted overrides (``--model.init_args.lr 0.1`` or ``--model.lr 0.1``)
+  (``config.py``);
+* check the flags and read the settings: precision, devices, budget, checkpointing, optimizer (``settings.py``),
+  and the ``memory:`` preset's micro-batch, precision, checkpointing and effective batch (``memory.py``);
 * build the classes with :mod:`importlib` (nested ``class_path``/``init_args`` dicts are built too) (``classes.py``);
 * make ``batch_fn(micro_batch_size)``: from the datamodule's training set (the first samples in order, collated by
   its ``train_dataloader``'s ``collate_fn``) or from ``--batch-shape`` specs (``batches.py``);
 * run :func:`~lightning_memopt.planner.estimate_memory` (no budget) or
-  :func:`~lightning_memopt.planner.plan_memory` (a budget) and print the result.
+  :func:`~lightning_memopt.planner.plan_memory` (a budget) and print the result; a plan that fits ends with the
+  ``memory:`` section to paste back into the config (``memory.py``).
 
 Every error a user can cause is an :class:`EstimateInputError` whose message is one line naming the argument.
 """

@@ -11,13 +11,14 @@ import re
 from typing import Any
 
 from lightning_memopt.cli_estimate.common import EstimateInputError
+from lightning_memopt.cli_estimate.memory import MEMORY_SECTION
 
 __all__ = ["CLASS_SECTIONS", "class_spec", "load_config", "parse_overrides", "read_sections", "yaml_value"]
 
 #: Config sections that name a class to build (``class_path`` + ``init_args``).
 CLASS_SECTIONS = ("model", "data", "optimizer")
 #: Sections the estimate reads or accepts on the command line besides the class sections (LightningCLI's).
-_OTHER_SECTIONS = ("trainer", "lr_scheduler")
+_OTHER_SECTIONS = ("trainer", "lr_scheduler", MEMORY_SECTION)
 #: YAML 1.1 (PyYAML) reads ``1e-4`` as a string; LightningCLI converts it by the parameter's type. Done here for all.
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 _OVERRIDE = re.compile(r"^--(?P<section>[A-Za-z_][A-Za-z_0-9]*)\.(?P<keys>[^=\s]+?)(?:=(?P<value>.*))?$", re.S)
@@ -173,8 +174,11 @@ def parse_overrides(tokens: list[str], sections: set[str]) -> list[tuple[str, li
     return out
 
 
-def read_sections(args: argparse.Namespace) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any]]:
-    """The class specs (``model``, ``data``, ``optimizer``) and the ``trainer`` section, configs then command line."""
+def read_sections(
+    args: argparse.Namespace,
+) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any], dict[str, Any] | None]:
+    """The class specs (``model``, ``data``, ``optimizer``), the ``trainer`` section and the ``memory`` section
+    (``MemoryPresetCLI``'s preset; ``None`` without one), configs then command line."""
     config: dict[str, Any] = {}
     for path in args.config or []:
         for key, value in load_config(path).items():
@@ -195,6 +199,15 @@ def read_sections(args: argparse.Namespace) -> tuple[dict[str, dict[str, Any] | 
         else:
             specs[section] = _merge_specs(specs[section], {"class_path": text, "init_args": {}})
     trainer = dict(config["trainer"]) if isinstance(config.get("trainer"), dict) else {}
+    memory = config.get(MEMORY_SECTION)
+    if isinstance(memory, dict):
+        memory = dict(memory)
+    elif memory is not None:
+        raise EstimateInputError(
+            f"--config: the {MEMORY_SECTION}: section must be a mapping of MemoryPreset fields (e.g. {{name:"
+            f" max-savings, effective_batch_size: 256, micro_batch_size: 16}}), got {type(memory).__name__}"
+            f" {memory!r}."
+        )
     sections = {*CLASS_SECTIONS, *_OTHER_SECTIONS, *(k for k, v in config.items() if isinstance(v, dict))}
     for section, keys, value in parse_overrides(list(getattr(args, "overrides", None) or []), sections):
         if section in CLASS_SECTIONS:
@@ -202,5 +215,8 @@ def read_sections(args: argparse.Namespace) -> tuple[dict[str, dict[str, Any] | 
             _set_init_arg(spec, keys, value)
         elif section == "trainer":
             trainer[keys[0]] = value  # read: precision, devices, num_nodes, accumulate_grad_batches
-        # other sections (lr_scheduler, a LightningCLI subclass's own such as `memory:`) are accepted and ignored
-    return specs, trainer
+        elif section == MEMORY_SECTION:
+            memory = memory if memory is not None else {}
+            memory[keys[0]] = value  # the preset's fields are flat
+        # other sections (lr_scheduler, a LightningCLI subclass's own) are accepted and ignored
+    return specs, trainer, memory

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import time
 import warnings
@@ -13,6 +15,13 @@ from lightning_memopt.cli_estimate.batches import batch_source, describe_batch
 from lightning_memopt.cli_estimate.classes import build
 from lightning_memopt.cli_estimate.common import EstimateInputError, squash
 from lightning_memopt.cli_estimate.config import read_sections
+from lightning_memopt.cli_estimate.memory import (
+    MEMORY_SECTION,
+    is_preset_section,
+    memory_preset,
+    memory_snippet,
+    preset_checkpointing,
+)
 from lightning_memopt.cli_estimate.settings import (
     budget_setting,
     check_flags,
@@ -30,9 +39,32 @@ def say(line: str) -> None:
     print(f"lightning-memopt estimate: {line}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def quiet_torch_logs() -> Any:
+    """Drop the records of torch's loggers while the estimate runs; the command says what failed in one line.
+
+    torch logs a traceback (``torch._subclasses.fake_tensor``) when an operator fails on fake tensors, before the
+    error reaches the command; the error itself is not lost (it becomes the command's one-line message).
+    """
+    import torch._subclasses.fake_tensor  # noqa: F401  (its logger exists from here on)
+
+    def drop(record: logging.LogRecord) -> bool:
+        return False
+
+    names = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    loggers = [logging.getLogger(n) for n in names]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     """The ``estimate`` subcommand; returns the exit code (0 fits or estimated, 1 nothing fits)."""
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, quiet_torch_logs():
         warnings.simplefilter("always")
         try:
             return _run(args)
@@ -46,6 +78,9 @@ def run_estimate(args: argparse.Namespace) -> int:
                     seen.add(message)
                     say(f"warning: {message}")
 
+
+#: The ``memory:`` keys that decide activation checkpointing.
+_CHECKPOINTING_KEYS = frozenset({"gradient_checkpointing", "checkpoint_modules"})
 
 _PLANNER_NAMES = {
     "`effective_batch_size`": "--effective-batch-size",
@@ -67,7 +102,7 @@ def _one_line(err: BaseException, budget_flag: str | None = None) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    specs, trainer = read_sections(args)
+    specs, trainer, memory = read_sections(args)
     check_flags(args)
     model_spec = specs["model"]
     if model_spec is None or not model_spec.get("class_path"):
@@ -83,18 +118,50 @@ def _run(args: argparse.Namespace) -> int:
     from lightning_memopt.planner import estimate_memory, plan_memory
     from lightning_memopt.utilities.formatting import format_bytes
 
-    where = "--precision" if args.precision is not None else "trainer.precision (config)"
-    precision = precision_setting(
-        args.precision if args.precision is not None else trainer.get("precision") or "auto", where
-    )
-    devices = args.devices or int_setting(trainer.get("devices")) or 1
-    num_nodes = args.num_nodes or int_setting(trainer.get("num_nodes")) or 1
+    in_memory = memory if memory is not None else {}
+    devices = args.devices or int_setting(trainer.get("devices")) or int_setting(in_memory.get("devices")) or 1
+    num_nodes = args.num_nodes or int_setting(trainer.get("num_nodes")) or int_setting(in_memory.get("num_nodes")) or 1
     world = devices * num_nodes
-    accumulate = trainer.get("accumulate_grad_batches")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        accumulate = 1
     budget, budget_flag = budget_setting(args)
-    checkpointing = checkpointing_setting(args.checkpointing, planning=budget is not None)
+    planning = budget is not None
+    if memory is not None and not is_preset_section(memory):
+        say(
+            f"note: the config's {MEMORY_SECTION}: section holds no MemoryPreset field (name, effective_batch_size,"
+            " micro_batch_size, ...); it is not MemoryPresetCLI's and is ignored."
+        )
+        memory = None
+    preset = None if memory is None else memory_preset(memory, devices, num_nodes, f"--config: {MEMORY_SECTION}")
+    # when planning, what the memory: section leaves to the preset (null) the plan chooses; what it sets is kept
+    written = {k for k, v in (memory or {}).items() if v is not None}
+    if args.precision is not None:
+        precision = precision_setting(args.precision, "--precision")
+    elif preset is not None and planning and "precision" not in written:
+        precision = "auto"
+    elif preset is not None:
+        precision = precision_setting(preset.precision, f"{MEMORY_SECTION}.precision (config)")
+        if precision == "auto" and not planning and args.device == "cuda":
+            precision = "bf16-mixed"
+            say(
+                f"note: {MEMORY_SECTION}.precision auto is estimated as bf16-mixed, what MemoryPrecision picks on a"
+                " GPU that computes bf16 (compute capability 8.0+); pass --precision 16-mixed for an older GPU."
+            )
+    else:
+        precision = precision_setting(trainer.get("precision") or "auto", "trainer.precision (config)")
+    if args.checkpointing is None and preset is not None and (not planning or written & _CHECKPOINTING_KEYS):
+        checkpointing = preset_checkpointing(preset)
+        if checkpointing is False and not planning:
+            checkpointing = None  # the model as it is
+    else:
+        checkpointing = checkpointing_setting(args.checkpointing or "auto", planning=planning)
+    if preset is not None:
+        accumulate = preset.accumulate_grad_batches
+        start = preset.auto_micro_batch_start  # with auto_micro_batch the step runs at the micro-batch it starts at
+        preset_batch: int | None = start if isinstance(start, int) else preset.batch_size
+    else:
+        accumulate = trainer.get("accumulate_grad_batches")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            accumulate = 1
+        preset_batch = None
 
     model = build(model_spec, "--model")
     if not isinstance(model, nn.Module):
@@ -104,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     optimizer = optimizer_setting(specs)
     batch_fn, own_batch_size, source = batch_source(args, specs, model)
-    batch_size = args.batch_size or own_batch_size
+    batch_size = args.batch_size or preset_batch or own_batch_size
     params = list(model.parameters())
     out = [
         f"Model: {model_spec['class_path']} ({sum(p.numel() for p in params):,} parameters,"
@@ -135,7 +202,13 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
     effective = args.effective_batch_size
-    if effective is None:
+    if effective is None and preset is not None and preset.effective_batch_size is not None:
+        effective = preset.effective_batch_size
+        where = f"{MEMORY_SECTION}.effective_batch_size; --effective-batch-size sets it"
+        out.append(f"Effective batch: {effective} ({where})")
+        if args.batch_size is not None:
+            say("note: --batch-size is not used when planning; the plan chooses the micro-batch.")
+    elif effective is None:
         if batch_size is None:
             raise EstimateInputError(
                 "--effective-batch-size: needed to plan (samples per optimizer step over all"
@@ -187,6 +260,9 @@ def _run(args: argparse.Namespace) -> int:
             )
         out += [str(plan.estimate), ""]
     out.append(str(plan))
+    if plan.feasible:
+        out += ["", f"# the plan as MemoryPresetCLI's {MEMORY_SECTION}: section, to paste into the config:"]
+        out.append(memory_snippet(memory, plan))
     print("\n".join(out))
     return 0 if plan.feasible else 1
 
