@@ -255,9 +255,9 @@ def run_micro_batches(
             on_halve(size, new, here)
             size = new
         except BaseException as error:  # re-raised, chained to the out-of-memory error being recovered from
-            if first_oom is None or isinstance(error, torch.OutOfMemoryError) or error.__cause__ is not None:
-                raise
-            raise error from first_oom
+            if first_oom is not None and not isinstance(error, torch.OutOfMemoryError) and error.__cause__ is None:
+                error.__cause__, error.__suppress_context__ = first_oom, True  # as `raise error from first_oom`
+            raise
 
 
 def _attempt(

@@ -5,12 +5,13 @@ every initialised accelerator generator, Python's ``random`` and NumPy's global 
 :class:`MetricStates` the states of ``torchmetrics`` metrics (Lightning's logged results are metrics too),
 :class:`BufferKeeper` the module's buffers, and :class:`RetrySnapshot` all of them for one batch.
 
-Buffers are kept without copying the ones that batches do not change: every buffer is copied before the first batch
-that may be retried; once a batch went through, the buffers whose contents it changed (BatchNorm's running statistics
-and counter) are learned, and later batches copy only those. A buffer an attempt replaced by another tensor is put
-back without a copy. A buffer not copied that an attempt changed in place is named by :meth:`RetrySnapshot.restore`
-when its version counter shows it (and copied from then on); one changed by a kernel that does not move the counter
-(as BatchNorm's does not) is not seen: such buffers are caught only by the first batch's comparison.
+Buffers are kept without copying the ones that batches do not change: every buffer is copied (to host memory) before
+the first batch that may be retried; once a batch went through, the buffers whose contents it changed (BatchNorm's
+running statistics and counter) are learned, and later batches copy only those. A buffer an attempt replaced by
+another tensor is put back without a copy. A buffer not copied that an attempt changed in place is named by
+:meth:`RetrySnapshot.restore` when its version counter shows it (and copied from then on); one changed by a kernel
+that does not move the counter (as BatchNorm's does not) is not seen: such buffers are caught only by the first
+batch's comparison.
 """
 
 from __future__ import annotations
@@ -150,8 +151,13 @@ class BufferKeeper:
             for name, tensor in owner.named_buffers(recurse=False):
                 key = f"{prefix}.{name}" if prefix else name
                 version = tensor_version(tensor)
-                copy = version is None or self.changing is None or key in self.changing
-                kept.append(_Buffer(owner, name, key, tensor, version, tensor.detach().clone() if copy else None))
+                if self.changing is None:  # every buffer, once: in host memory, off the device that may be full
+                    copy: Tensor | None = tensor.detach().to("cpu", copy=True)
+                elif version is None or key in self.changing:
+                    copy = tensor.detach().clone()
+                else:
+                    copy = None
+                kept.append(_Buffer(owner, name, key, tensor, version, copy))
         return kept
 
     def learn(self, kept: list[_Buffer]) -> None:
@@ -164,7 +170,7 @@ class BufferKeeper:
         changing = self.changing or set()
         for b in kept:
             if b.copy is not None and first:
-                if b.version is None or not torch.equal(b.tensor, b.copy):
+                if b.version is None or not torch.equal(b.tensor.detach().to(b.copy.device), b.copy):
                     changing.add(b.key)
             elif b.copy is None and tensor_version(b.tensor) != b.version:
                 changing.add(b.key)
@@ -243,6 +249,18 @@ class RetrySnapshot:
         if self._metrics is not None:
             self._metrics.restore()
         return self._keeper.restore(self._buffers) if self._keeper is not None else []
+
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors this snapshot copied: the torch random states, the metric tensor states (list states are
+        not copied, only the lists) and the buffers."""
+        tensors: list[Tensor] = []
+        if self._rng is not None:
+            tensors = [self._rng.torch, *(t for states in self._rng.accelerators.values() for t in states)]
+        for _, states, _ in self._metrics._kept if self._metrics is not None else []:
+            for value in states.values():
+                tensors += [value] if isinstance(value, Tensor) else []
+        tensors += [b.copy for b in self._buffers if b.copy is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def succeeded(self) -> None:
         """The batch went through: learn which buffers it changed, for the next batches."""
