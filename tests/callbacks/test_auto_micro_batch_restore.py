@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
 
 from lightning_memopt import OOMReporter
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
@@ -20,6 +21,41 @@ from tests.helpers.lightning import pl
 def test_a_restore_switch_that_is_not_a_bool_is_refused_by_name(name, value):
     with pytest.raises(ValueError, match=rf"`{name}` must be a bool \(True or False\), got {value!r}"):
         AutoMicroBatch(**{name: value})
+
+
+class Noisy(Net):
+    """Net with dropout, BatchNorm and a torchmetrics mean logged per epoch: what a failed attempt changes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm, self.drop = torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.3)
+        self.mean_target = MeanMetric()
+
+    def unpack(self, batch):
+        x, y, idx = batch
+        return self.drop(self.norm(x)), y, idx
+
+    def training_step(self, batch, batch_idx):
+        self.mean_target(batch[1])
+        self.log("mean_target", self.mean_target, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_recovered_run_equals_lightning_accumulation_bitwise(tmp_path, where):
+    budget = {f"{where}_budget": 4}
+    torch.manual_seed(7)
+    ours = Noisy(batch_size=16, **budget)
+    trainer = fit(tmp_path / "ours", ours, [AutoMicroBatch()], max_steps=2)
+    torch.manual_seed(7)
+    reference = Noisy(batch_size=4, **budget)
+    ref_trainer = fit(tmp_path / "ref", reference, accumulate=4, max_steps=2)
+    assert ours.seen_sizes == [16, 8] + [4] * 8  # 16 and 8 ran out of memory, then two batches of 16 in fours
+    for name, value in reference.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value), name
+    assert set(ref_trainer.callback_metrics) == {"mean_target", "train_loss"}
+    for key, value in ref_trainer.callback_metrics.items():
+        assert torch.equal(trainer.callback_metrics[key], value), key
 
 
 # ------------------------------------------------------------------------------------------------ the first batch
