@@ -8,9 +8,10 @@ CPU time is printed (target: <= 1.03). A third run starts at the whole batch und
 optimizer step, next to a normal step.
 
 The snapshot a retry restores from (random states, metric states and ``self.log`` results, changed buffers) is
-taken before every batch that may be retried; its cost is measured without a Trainer on four modules (this MLP, a
-BatchNorm CNN, the CNN with a 64 MiB constant buffer, an MLP with torchmetrics metrics and 20 logged results): time
-to take it and learn from it, and bytes copied, on the first batch (every buffer copied) and after it.
+taken before every batch that may be retried; its cost is measured without a Trainer on five modules (this MLP, a
+BatchNorm CNN, the CNN with a 64 MiB constant buffer, an MLP with torchmetrics metrics and 20 logged results, a
+12-layer BERT when transformers is installed): time to take it and learn from it, and bytes copied, on the first
+batch (every buffer copied, the module walked) and after it.
 
     python benchmarks/auto_microbatch.py --out benchmarks/results/auto_microbatch_cpu.json
     python benchmarks/auto_microbatch.py --quick
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _machine import machine_info  # benchmarks/_machine.py
 
 from lightning_memopt import AutoMicroBatch
-from lightning_memopt.functional.retry_state import BufferKeeper, RetrySnapshot
+from lightning_memopt.functional.retry_state import BufferKeeper, RetrySnapshot, find_parts
 
 
 def _cnn(big_buffer_mib: int = 0) -> nn.Module:
@@ -86,20 +87,31 @@ def snapshot_cost(repeats: int) -> list[dict]:
         ("CNN + 64 MiB constant buffer", big, None, torch.randn(2, 3, 8, 8)),
         ("MLP + 2 torchmetrics + 20 logged", metrics_model, results, torch.randn(8, 64)),
     ]
+    try:
+        import transformers
+
+        config = transformers.BertConfig(
+            num_hidden_layers=12, hidden_size=64, num_attention_heads=4, intermediate_size=128
+        )
+        bert = transformers.BertModel(config)
+        cases.append(("BERT structure, 12 layers, 231 modules", bert, None, torch.randint(0, 100, (2, 16))))
+    except ImportError:
+        pass
     rows = []
     for name, module, logged, x in cases:
-        keeper = BufferKeeper()
+        keeper, parts = BufferKeeper(), None
         timings, sizes = [], []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            snapshot = RetrySnapshot(module, logged, buffers=keeper)
+            snapshot = RetrySnapshot(module, logged, buffers=keeper, parts=parts)
             taken = time.perf_counter() - start
             module(x)  # the batch: BatchNorm statistics change
             start = time.perf_counter()
             snapshot.succeeded()
+            parts = parts or find_parts(module)  # as AutoMicroBatch does: found again after the first batch only
             timings.append(taken + time.perf_counter() - start)
             sizes.append(snapshot.tensor_bytes())
-        snapshot = RetrySnapshot(module, logged, buffers=keeper)
+        snapshot = RetrySnapshot(module, logged, buffers=keeper, parts=parts)
         module(x)
         start = time.perf_counter()
         snapshot.restore()
@@ -116,7 +128,7 @@ def snapshot_cost(repeats: int) -> list[dict]:
             }
         )
         print(
-            f"  snapshot, {name:33s}: first batch {timings[0] * 1e6:9.0f} us {sizes[0]:>10,d} B;"
+            f"  snapshot, {name:38s}: first batch {timings[0] * 1e6:9.0f} us {sizes[0]:>10,d} B;"
             f" later {later * 1e6:7.0f} us {sizes[-1]:>8,d} B; restore {restore * 1e6:7.0f} us",
             flush=True,
         )

@@ -164,8 +164,7 @@ class MicroBatchOptimization:
                 on_halve=lambda old, new, here: owner._shrink(trainer, old, new, n, here, kwargs.get("batch_idx")),
                 give_up=give_up,
             )
-            if snapshot is not None:
-                snapshot.succeeded()
+            owner._went_through(snapshot, pl_module)
             if sync_at_end:
                 comm.average_gradients(params)
             return self._result_class(combine_losses(parts, n, accumulate), extra=parts[-1].extra if parts else {})

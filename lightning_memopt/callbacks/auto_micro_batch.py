@@ -11,7 +11,7 @@ from typing_extensions import override
 from lightning_memopt.callbacks._micro_batch_loop import MicroBatchOptimization, optimization_class
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.functional.micro_batch import check_first_batch, loader_batch_size
-from lightning_memopt.functional.retry_state import BufferKeeper, RetrySnapshot
+from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
@@ -89,7 +89,6 @@ class AutoMicroBatch(Callback):
         for name, flag in flags.items():
             check_bool(name, flag)
         self.restore_rng, self.restore_metrics, self.restore_buffers = restore_rng, restore_metrics, restore_buffers
-        self._buffers = BufferKeeper()
         self.start_micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
         self.split_batch = split_batch
@@ -139,6 +138,7 @@ class AutoMicroBatch(Callback):
             self._reset()
         self._first_size = None
         self._buffers = BufferKeeper()  # learned again: another fit may train another module
+        self._parts: ModuleParts | None = None  # found after the fit's first batch that went through
         callbacks: list[Any] = getattr(trainer, "callbacks", [])
         self._monitors = [c for c in callbacks if isinstance(c, MemoryMonitor)]
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -192,8 +192,7 @@ class AutoMicroBatch(Callback):
     def _check_first(self, trainer: pl.Trainer, batch: Any, n: int) -> None:
         """Refuse a first batch that cannot be split; warn when its size is not the DataLoader's batch_size."""
         expected = loader_batch_size(trainer.train_dataloader)
-        warning = check_first_batch(batch, n, self.split_batch, self.batch_size, expected)
-        if warning is not None:
+        if (warning := check_first_batch(batch, n, self.split_batch, self.batch_size, expected)) is not None:
             self._warn.warn("split-dim", warning)
 
     def _keep(self, pl_module: pl.LightningModule, results: Any, size: int) -> RetrySnapshot | None:
@@ -206,15 +205,23 @@ class AutoMicroBatch(Callback):
             rng=self.restore_rng,
             metrics=self.restore_metrics,
             buffers=self._buffers if self.restore_buffers else None,
+            parts=self._parts,
         )
+
+    def _went_through(self, snapshot: RetrySnapshot | None, pl_module: pl.LightningModule) -> None:
+        """A batch went through: learn the buffers it changed; find the module's parts once, after the first."""
+        if snapshot is not None:
+            snapshot.succeeded()
+            if self._parts is None:
+                self._parts = find_parts(pl_module)
 
     def _restore(self, snapshot: RetrySnapshot | None) -> None:
         lost = snapshot.restore() if snapshot is not None else []
         if lost:
             self._warn.warn(
                 f"lost:{lost}",
-                f"AutoMicroBatch could not put back the buffers {lost} after an out-of-memory error: no batch before"
-                " had changed them, so they were not copied. They are copied before every batch from now on.",
+                f"AutoMicroBatch could not put back the buffers {lost} after an out-of-memory error: no earlier batch"
+                " had changed them, so they were not copied (they are from now on).",
             )
 
     # ------------------------------------------------------------------------------------------- a halving

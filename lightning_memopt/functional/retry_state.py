@@ -23,11 +23,21 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torchmetrics import Metric
 
 from lightning_memopt.utilities._torch_private import tensor_version
 
-__all__ = ["BufferKeeper", "MetricStates", "RetrySnapshot", "RngStates", "collect_rng_states", "set_rng_states"]
+__all__ = [
+    "BufferKeeper",
+    "MetricStates",
+    "ModuleParts",
+    "RetrySnapshot",
+    "RngStates",
+    "collect_rng_states",
+    "find_parts",
+    "set_rng_states",
+]
 
 #: Accelerator modules of torch whose generators are kept once they are initialised.
 _ACCELERATORS = ("cuda", "xpu")
@@ -128,6 +138,33 @@ class MetricStates:
                 setattr(metric, name, value)
 
 
+class ModuleParts(NamedTuple):
+    """What a snapshot keeps of a module, found by one walk of its submodules (:func:`find_parts`)."""
+
+    metrics: list[Metric]
+    buffers: list[tuple[nn.Module, str, str]]  # (owner, attribute name, dotted name)
+
+
+def find_parts(module: nn.Module) -> ModuleParts:
+    """The ``torchmetrics`` metrics among ``module``'s submodules and the places of its buffers.
+
+    One walk costs about 1 ms on a 12-layer BERT (231 submodules); ``AutoMicroBatch`` walks until a batch went through,
+    then reuses the parts found after it (lazy modules are materialised by then).
+
+    Example:
+        >>> parts = find_parts(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+        >>> parts.metrics, [key for _, _, key in parts.buffers]
+        ([], ['1.running_mean', '1.running_var', '1.num_batches_tracked'])
+    """
+    metrics, places = [], []
+    for prefix, owner in module.named_modules():
+        if isinstance(owner, Metric):
+            metrics.append(owner)
+        for name, _ in owner.named_buffers(recurse=False):
+            places.append((owner, name, f"{prefix}.{name}" if prefix else name))
+    return ModuleParts(metrics, places)
+
+
 class _Buffer(NamedTuple):
     owner: nn.Module
     name: str
@@ -144,20 +181,21 @@ class BufferKeeper:
         #: Buffers seen changing in place; ``None`` until a batch went through (every buffer is copied).
         self.changing: set[str] | None = None
 
-    def keep(self, module: nn.Module) -> list[_Buffer]:
-        """The module's buffers now, with a copy of those that may change in place."""
+    def keep(self, places: Iterable[tuple[nn.Module, str, str]]) -> list[_Buffer]:
+        """The buffers at ``places`` (:attr:`ModuleParts.buffers`) now, with a copy of those that may change."""
         kept = []
-        for prefix, owner in module.named_modules():
-            for name, tensor in owner.named_buffers(recurse=False):
-                key = f"{prefix}.{name}" if prefix else name
-                version = tensor_version(tensor)
-                if self.changing is None:  # every buffer, once: in host memory, off the device that may be full
-                    copy: Tensor | None = tensor.detach().to("cpu", copy=True)
-                elif version is None or key in self.changing:
-                    copy = tensor.detach().clone()
-                else:
-                    copy = None
-                kept.append(_Buffer(owner, name, key, tensor, version, copy))
+        for owner, name, key in places:
+            tensor = getattr(owner, name, None)
+            if not isinstance(tensor, Tensor) or is_lazy(tensor):  # removed, or a lazy module not materialised yet
+                continue
+            version = tensor_version(tensor)
+            if self.changing is None:  # every buffer, once: in host memory, off the device that may be full
+                copy: Tensor | None = tensor.detach().to("cpu", copy=True)
+            elif version is None or key in self.changing:
+                copy = tensor.detach().clone()
+            else:
+                copy = None
+            kept.append(_Buffer(owner, name, key, tensor, version, copy))
         return kept
 
     def learn(self, kept: list[_Buffer]) -> None:
@@ -203,6 +241,7 @@ class RetrySnapshot:
         rng: keep the random states (:func:`collect_rng_states`).
         metrics: keep the metric states and the logged results.
         buffers: a :class:`BufferKeeper` to keep the buffers with, or ``None`` to leave buffers alone.
+        parts: the module's metrics and buffer places (:func:`find_parts`), if already found; ``None``: found now.
 
     Example:
         >>> bn = nn.BatchNorm1d(2)
@@ -222,19 +261,22 @@ class RetrySnapshot:
         rng: bool = True,
         metrics: bool = True,
         buffers: BufferKeeper | None = None,
+        parts: ModuleParts | None = None,
     ) -> None:
         self._rng = collect_rng_states() if rng else None
         self._results = results
         self._keys: dict[str, Any] | None = None
         self._metrics: MetricStates | None = None
-        if metrics:
-            found = [m for m in module.modules() if isinstance(m, Metric)]
+        if (metrics or buffers is not None) and parts is None:
+            parts = find_parts(module)
+        if metrics and parts is not None:
+            found = list(parts.metrics)
             if results is not None:
                 self._keys = dict(results)
                 found += [m for m in self._keys.values() if isinstance(m, Metric)]
             self._metrics = MetricStates(found)
         self._keeper = buffers
-        self._buffers = buffers.keep(module) if buffers is not None else []
+        self._buffers = buffers.keep(parts.buffers) if buffers is not None and parts is not None else []
 
     def restore(self) -> list[str]:
         """Put everything back; returns the buffers that could not be (see :meth:`BufferKeeper.restore`)."""

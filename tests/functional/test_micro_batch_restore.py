@@ -15,6 +15,7 @@ from lightning_memopt.functional.retry_state import (
     MetricStates,
     RetrySnapshot,
     collect_rng_states,
+    find_parts,
     set_rng_states,
 )
 
@@ -135,12 +136,12 @@ class WithBuffers(nn.Module):
 
 def test_buffers_are_copied_once_then_only_those_batches_change():
     model, keeper = WithBuffers(), BufferKeeper()
-    kept = keeper.keep(model)
+    kept = keeper.keep(find_parts(model).buffers)
     assert all(b.copy is not None for b in kept)  # nothing learned yet: every buffer
     model(torch.randn(8, 3))
     keeper.learn(kept)
     assert keeper.changing == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
-    copied = {b.key for b in keeper.keep(model) if b.copy is not None}
+    copied = {b.key for b in keeper.keep(find_parts(model).buffers) if b.copy is not None}
     assert copied == keeper.changing  # the large table is no longer copied
 
 
@@ -148,7 +149,7 @@ def test_batchnorm_statistics_are_put_back_after_one_and_after_two_failed_attemp
     model, keeper = WithBuffers(), BufferKeeper()
     model(torch.randn(8, 3))  # some statistics to go back to
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    kept = keeper.keep(model)
+    kept = keeper.keep(find_parts(model).buffers)
     for _ in range(2):
         model(torch.randn(8, 3))
         assert keeper.restore(kept) == []
@@ -158,8 +159,8 @@ def test_batchnorm_statistics_are_put_back_after_one_and_after_two_failed_attemp
 
 def test_a_replaced_buffer_is_put_back_and_one_changed_in_place_without_a_copy_is_named():
     model, keeper = WithBuffers(), BufferKeeper()
-    keeper.learn(keeper.keep(model))  # a batch that changed nothing
-    kept = keeper.keep(model)
+    keeper.learn(keeper.keep(find_parts(model).buffers))  # a batch that changed nothing
+    kept = keeper.keep(find_parts(model).buffers)
     table = model.table
     model.table = torch.zeros(1000)  # replaced: put back without a copy
     model.steps.add_(1)  # changed in place, never before: cannot be put back
@@ -167,3 +168,11 @@ def test_a_replaced_buffer_is_put_back_and_one_changed_in_place_without_a_copy_i
     assert model.table is table and torch.equal(table, torch.arange(1000.0))
     assert "steps" in keeper.changing  # copied from now on
     assert keeper.restore(kept) == []  # said once
+
+
+def test_buffers_of_a_lazy_module_not_materialised_yet_are_left_alone():
+    model = nn.LazyBatchNorm1d()
+    snapshot = RetrySnapshot(model, None, rng=False, buffers=BufferKeeper())  # running_mean is not a tensor yet
+    model(torch.randn(4, 3))
+    assert snapshot.restore() == []
+    assert int(model.num_batches_tracked) == 0  # the counter was a tensor from the start: put back
