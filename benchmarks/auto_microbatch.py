@@ -7,8 +7,15 @@ CPU time is printed (target: <= 1.03). A third run starts at the whole batch und
 ``--micro`` samples and measures what one recovery costs: seconds from the out-of-memory error to the end of that
 optimizer step, next to a normal step.
 
+The snapshot a retry restores from (random states, metric states and ``self.log`` results, changed buffers) is
+taken before every batch that may be retried; its cost is measured without a Trainer on five modules (this MLP, a
+BatchNorm CNN, the CNN with a 64 MiB constant buffer, an MLP with torchmetrics metrics and 20 logged results, a
+12-layer BERT when transformers is installed): time to take it and learn from it, and bytes copied, on the first
+batch (every buffer copied, the module walked) and after it.
+
     python benchmarks/auto_microbatch.py --out benchmarks/results/auto_microbatch_cpu.json
     python benchmarks/auto_microbatch.py --quick
+    python benchmarks/auto_microbatch.py --snapshot-only
 """
 
 from __future__ import annotations
@@ -29,6 +36,103 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _machine import machine_info  # benchmarks/_machine.py
 
 from lightning_memopt import AutoMicroBatch
+from lightning_memopt.functional.retry_state import BufferKeeper, RetrySnapshot, find_parts
+
+
+def _cnn(big_buffer_mib: int = 0) -> nn.Module:
+    layers: list[nn.Module] = []
+    for c_in, c_out in ((3, 32), (32, 64), (64, 64), (64, 128)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    if big_buffer_mib:
+        model.register_buffer("table", torch.zeros(big_buffer_mib * 2**20 // 4))  # a constant lookup table
+    return model
+
+
+class _WithMetrics(nn.Module):
+    def __init__(self, results: dict) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1), nn.Linear(64, 10))
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
+        self.f1 = torchmetrics.classification.MulticlassF1Score(num_classes=10, average="macro")
+        self.results = results
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        target = torch.randint(0, 10, (x.shape[0],))
+        self.accuracy(logits, target)
+        self.f1(logits, target)
+        for metric in self.results.values():
+            metric.update(logits.mean())
+        return logits
+
+
+def _with_metrics() -> tuple[nn.Module, dict]:
+    import torchmetrics
+
+    results = {f"training_step.value_{i}": torchmetrics.MeanMetric() for i in range(20)}
+    return _WithMetrics(results), results
+
+
+def snapshot_cost(repeats: int) -> list[dict]:
+    """Seconds and bytes of the retry snapshot per batch, first batch and later batches, on four modules."""
+    mlp = Model(512, 256, 256).net
+    cnn, big = _cnn(), _cnn(64)
+    metrics_model, results = _with_metrics()
+    cases = [
+        ("MLP 512 (no buffers)", mlp, None, torch.randn(8, 512)),
+        ("CNN with BatchNorm", cnn, None, torch.randn(2, 3, 8, 8)),
+        ("CNN + 64 MiB constant buffer", big, None, torch.randn(2, 3, 8, 8)),
+        ("MLP + 2 torchmetrics + 20 logged", metrics_model, results, torch.randn(8, 64)),
+    ]
+    try:
+        import transformers
+
+        config = transformers.BertConfig(
+            num_hidden_layers=12, hidden_size=64, num_attention_heads=4, intermediate_size=128
+        )
+        bert = transformers.BertModel(config)
+        cases.append(("BERT structure, 12 layers, 231 modules", bert, None, torch.randint(0, 100, (2, 16))))
+    except ImportError:
+        pass
+    rows = []
+    for name, module, logged, x in cases:
+        keeper, parts = BufferKeeper(), None
+        timings, sizes = [], []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            snapshot = RetrySnapshot(module, logged, buffers=keeper, parts=parts)
+            taken = time.perf_counter() - start
+            module(x)  # the batch: BatchNorm statistics change
+            start = time.perf_counter()
+            snapshot.succeeded()
+            parts = parts or find_parts(module)  # as AutoMicroBatch does: found again after the first batch only
+            timings.append(taken + time.perf_counter() - start)
+            sizes.append(snapshot.tensor_bytes())
+        snapshot = RetrySnapshot(module, logged, buffers=keeper, parts=parts)
+        module(x)
+        start = time.perf_counter()
+        snapshot.restore()
+        restore = time.perf_counter() - start
+        later = sorted(timings[1:])[len(timings[1:]) // 2]
+        rows.append(
+            {
+                "module": name,
+                "first_batch_seconds": timings[0],
+                "first_batch_bytes": sizes[0],
+                "later_batch_seconds_median": later,
+                "later_batch_bytes": sizes[-1],
+                "restore_seconds": restore,
+            }
+        )
+        print(
+            f"  snapshot, {name:38s}: first batch {timings[0] * 1e6:9.0f} us {sizes[0]:>10,d} B;"
+            f" later {later * 1e6:7.0f} us {sizes[-1]:>8,d} B; restore {restore * 1e6:7.0f} us",
+            flush=True,
+        )
+    return rows
 
 
 class Model(pl.LightningModule):
@@ -90,10 +194,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a few seconds, for smoke tests")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--snapshot-only", action="store_true", help="only the retry snapshot's cost")
     args = parser.parse_args()
     if args.quick:
         args.width, args.batch, args.micro, args.steps, args.repeats = 64, 32, 8, 4, 1
     torch.set_num_threads(1)
+    snapshots = snapshot_cost(5 if args.quick else 50)
+    if args.snapshot_only:
+        return 0
     root = Path("/tmp/auto_microbatch_bench")
     n = args.batch * args.steps
     accumulate = args.batch // args.micro
@@ -150,6 +258,7 @@ def main() -> int:
             "oom_errors": len(model.oom_at),
             "micro_batch_size": callback.micro_batch_size,
         },
+        "snapshot": snapshots,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -25,6 +25,7 @@ from lightning_memopt.functional.micro_batch_retry import (
     combine_losses,
     extend_message,
     give_up_note,
+    mark_micro_batch,
     micro_batch_weight,
     restore_grads,
     run_micro_batches,
@@ -102,6 +103,7 @@ class MicroBatchOptimization:
         size = owner.micro_batch_size if owner.micro_batch_size is not None else n
         owner.micro_batch_size = size
         if owner._first_size is None:
+            owner._check_first(trainer, batch, n)
             owner._first_size = size
         accumulate = trainer.accumulate_grad_batches
         params = [p for p in pl_module.parameters() if p.requires_grad]
@@ -115,6 +117,7 @@ class MicroBatchOptimization:
         # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end
         sync_at_end = comm.active and backward_fn is not None and not trainer.fit_loop._should_accumulate()
         results = trainer._results
+        snapshot = owner._keep(pl_module, results, size)  # before the first attempt: what a retry puts back
         zeroed = [False]
 
         def step(start: int, stop: int) -> MicroBatchPart:
@@ -141,6 +144,11 @@ class MicroBatchOptimization:
         def give_up(err: BaseException, at: int) -> None:
             min_size = owner.min_micro_batch_size
             extend_message(err, give_up_note(at, n, min_size, owner._first_size, owner.retries))
+            mark_micro_batch(err, n, at)  # the OOM report reads the whole batch here, its frames hold the slice
+
+        def restore() -> None:
+            restore_grads(params, saved, zeroed[0])
+            owner._restore(snapshot)
 
         # logs after the closure (on_before_optimizer_step, on_train_batch_end) are weighted by the whole batch again
         whole = (results.batch, results.batch_size) if results is not None else None
@@ -151,11 +159,12 @@ class MicroBatchOptimization:
                 owner.min_micro_batch_size,
                 step,
                 agreement=comm,
-                restore=lambda: restore_grads(params, saved, zeroed[0]),
+                restore=restore,
                 release=lambda: empty_device_cache(pl_module.device),
                 on_halve=lambda old, new, here: owner._shrink(trainer, old, new, n, here, kwargs.get("batch_idx")),
                 give_up=give_up,
             )
+            owner._went_through(snapshot, pl_module)
             if sync_at_end:
                 comm.average_gradients(params)
             return self._result_class(combine_losses(parts, n, accumulate), extra=parts[-1].extra if parts else {})

@@ -10,7 +10,9 @@ from typing_extensions import override
 
 from lightning_memopt.callbacks._micro_batch_loop import MicroBatchOptimization, optimization_class
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
-from lightning_memopt.utilities.checks import check_positive_int
+from lightning_memopt.functional.micro_batch import check_first_batch, loader_batch_size
+from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
+from lightning_memopt.utilities.checks import check_bool, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -38,6 +40,14 @@ class AutoMicroBatch(Callback):
             the default slicer of :mod:`lightning_memopt.functional.micro_batch`.
         batch_size: ``fn(batch)`` returning the number of samples of a batch; ``None`` (default): the first dim of the
             first tensor in it.
+        restore_rng: Put the random states (torch CPU and accelerators, ``random``, NumPy) back to the batch's start
+            before a retry, so that dropout draws what a run at the smaller micro-batch draws (default ``True``).
+        restore_metrics: Put the states of the ``torchmetrics`` metrics among the module's submodules and the
+            ``self.log`` results back before a retry (default ``True``).
+        restore_buffers: Put the module's buffers (BatchNorm running statistics) back before a retry (default
+            ``True``); each batch copies the buffers that batches change (all of them before the first batch).
+
+    A retry cannot undo what ``training_step`` does outside these: Python attributes it sets, prints, logger calls.
 
     Logs (rank zero, to the Trainer's loggers): ``memory/micro_batch_size`` (samples) at each change and at the end of
     fit, ``memory/micro_batch_retries`` (count) at the end of fit. Each change is also printed by rank zero and, with a
@@ -59,6 +69,9 @@ class AutoMicroBatch(Callback):
         min_micro_batch_size: int = 1,
         split_batch: Callable[[Any, int, int], Any] | None = None,
         batch_size: Callable[[Any], int] | None = None,
+        restore_rng: bool = True,
+        restore_metrics: bool = True,
+        restore_buffers: bool = True,
     ) -> None:
         if micro_batch_size != "auto":
             hint = 'Use a positive int, or "auto" to start with the whole batch.'
@@ -72,6 +85,10 @@ class AutoMicroBatch(Callback):
         for name, fn in (("split_batch", split_batch), ("batch_size", batch_size)):
             if fn is not None and not callable(fn):
                 raise ValueError(f"`{name}` must be a function or None, got {fn!r} ({type(fn).__name__}).")
+        flags = {"restore_rng": restore_rng, "restore_metrics": restore_metrics, "restore_buffers": restore_buffers}
+        for name, flag in flags.items():
+            check_bool(name, flag)
+        self.restore_rng, self.restore_metrics, self.restore_buffers = restore_rng, restore_metrics, restore_buffers
         self.start_micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
         self.split_batch = split_batch
@@ -120,6 +137,8 @@ class AutoMicroBatch(Callback):
         if not self._restored:
             self._reset()
         self._first_size = None
+        self._buffers = BufferKeeper()  # learned again: another fit may train another module
+        self._parts: ModuleParts | None = None  # found after the fit's first batch that went through
         callbacks: list[Any] = getattr(trainer, "callbacks", [])
         self._monitors = [c for c in callbacks if isinstance(c, MemoryMonitor)]
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -167,6 +186,43 @@ class AutoMicroBatch(Callback):
         self.micro_batch_size = int(size) if size is not None else self.micro_batch_size
         self.retries = int(state_dict.get("retries", 0))
         self._restored = True
+
+    # ------------------------------------------------------------------------------------------- a batch
+
+    def _check_first(self, trainer: pl.Trainer, batch: Any, n: int) -> None:
+        """Refuse a first batch that cannot be split; warn when its size is not the DataLoader's batch_size."""
+        expected = loader_batch_size(trainer.train_dataloader)
+        if (warning := check_first_batch(batch, n, self.split_batch, self.batch_size, expected)) is not None:
+            self._warn.warn("split-dim", warning)
+
+    def _keep(self, pl_module: pl.LightningModule, results: Any, size: int) -> RetrySnapshot | None:
+        """What the batch's attempts may change, kept before the first; ``None`` when no retry can follow."""
+        if size <= self.min_micro_batch_size:  # an out-of-memory error at this size ends the run
+            return None
+        return RetrySnapshot(
+            pl_module,
+            results if self.restore_metrics else None,
+            rng=self.restore_rng,
+            metrics=self.restore_metrics,
+            buffers=self._buffers if self.restore_buffers else None,
+            parts=self._parts,
+        )
+
+    def _went_through(self, snapshot: RetrySnapshot | None, pl_module: pl.LightningModule) -> None:
+        """A batch went through: learn the buffers it changed; find the module's parts once, after the first."""
+        if snapshot is not None:
+            snapshot.succeeded()
+            if self._parts is None:
+                self._parts = find_parts(pl_module)
+
+    def _restore(self, snapshot: RetrySnapshot | None) -> None:
+        lost = snapshot.restore() if snapshot is not None else []
+        if lost:
+            self._warn.warn(
+                f"lost:{lost}",
+                f"AutoMicroBatch could not put back the buffers {lost} after an out-of-memory error: no earlier batch"
+                " had changed them, so they were not copied (they are from now on).",
+            )
 
     # ------------------------------------------------------------------------------------------- a halving
 

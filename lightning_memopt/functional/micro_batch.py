@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["batch_size_of", "count_samples", "micro_batch_of", "slice_batch"]
+__all__ = ["batch_size_of", "check_first_batch", "count_samples", "loader_batch_size", "micro_batch_of", "slice_batch"]
 
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 _OVERRIDE = (
@@ -32,27 +32,22 @@ def _is_flat_sequence(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and not _is_namedtuple(x) and all(isinstance(v, _PLAIN) for v in x) and bool(x)
 
 
-def _first_size(batch: Any, path: str) -> int | None:
+def _first_size(batch: Any, path: str) -> tuple[int, str] | None:
+    """The first dim of the first tensor with one (depth first), and where that tensor sits in the batch."""
     if isinstance(batch, Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else None
+        return (int(batch.shape[0]), path) if batch.dim() > 0 else None
     if isinstance(batch, Mapping):
-        for key, value in batch.items():
-            size = _first_size(value, f"{path}[{key!r}]")
-            if size is not None:
-                return size
+        children: Any = ((f"{path}[{key!r}]", value) for key, value in batch.items())
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        children = ((f"{path}.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(batch))
+    elif _is_namedtuple(batch) or (isinstance(batch, (list, tuple)) and not _is_flat_sequence(batch)):
+        children = ((f"{path}[{i}]", value) for i, value in enumerate(batch))
+    else:
         return None
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            size = _first_size(getattr(batch, f.name), f"{path}.{f.name}")
-            if size is not None:
-                return size
-        return None
-    if _is_namedtuple(batch) or (isinstance(batch, (list, tuple)) and not _is_flat_sequence(batch)):
-        for i, value in enumerate(batch):
-            size = _first_size(value, f"{path}[{i}]")
-            if size is not None:
-                return size
-        return None
+    for child_path, value in children:
+        found = _first_size(value, child_path)
+        if found is not None:
+            return found
     return None
 
 
@@ -67,13 +62,13 @@ def batch_size_of(batch: Any) -> int:
         >>> batch_size_of({"x": torch.zeros(8, 3), "ids": list(range(8))})
         8
     """
-    size = _first_size(batch, "batch")
-    if size is None:
+    found = _first_size(batch, "batch")
+    if found is None:
         raise TypeError(
             f"AutoMicroBatch cannot tell the batch size of a batch of type {type(batch).__name__}: it holds no tensor"
             " with a first dim." + _OVERRIDE
         )
-    return size
+    return found[0]
 
 
 def _slice(batch: Any, start: int, stop: int, size: int, path: str) -> Any:
@@ -164,3 +159,67 @@ def micro_batch_of(
     if split_batch is not None:
         return split_batch(batch, start, stop)
     return slice_batch(batch, start, stop, size)
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """The ``batch_size`` of a DataLoader (or of its batch sampler); ``None`` for anything else.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader_batch_size(DataLoader(range(10), batch_size=4)), loader_batch_size([1, 2])
+        (4, None)
+    """
+    for source in (loader, getattr(loader, "batch_sampler", None)):
+        size = getattr(source, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+    return None
+
+
+def check_first_batch(
+    batch: Any,
+    size: int,
+    split_batch: Callable[[Any, int, int], Any] | None = None,
+    batch_size: Callable[[Any], int] | None = None,
+    expected_size: int | None = None,
+) -> str | None:
+    """Check, on the first batch, that it can be split: cut one sample off it and count that sample.
+
+    Args:
+        batch: the first batch.
+        size: its number of samples (:func:`count_samples`).
+        split_batch: the user's slicer (``None``: :func:`slice_batch`).
+        batch_size: the user's batch-size function (``None``: :func:`batch_size_of`).
+        expected_size: the DataLoader's ``batch_size``, if known.
+
+    Returns:
+        A warning when the default slicer would split along a first dim that is not the DataLoader's batch size
+        (e.g. the time dim of a ``(T, B, F)`` batch), naming the tensor; else ``None``.
+
+    Raises:
+        TypeError: the default slicer cannot split the batch (naming the element and the ``split_batch`` fix).
+        ValueError: the one-sample slice does not count as one sample.
+
+    Example:
+        >>> import torch
+        >>> check_first_batch({"x": torch.zeros(5, 32, 3)}, 5, expected_size=32)[:65]
+        "AutoMicroBatch splits batches along the first dim of `batch['x']`"
+    """
+    if size > 1:
+        one = micro_batch_of(batch, 0, 1, size, split_batch)
+        counted = count_samples(one, batch_size)
+        if counted != 1:
+            raise ValueError(
+                f"AutoMicroBatch: the first sample of the first batch, cut off by `split_batch`, counts as {counted}"
+                " samples by `batch_size`, not 1. `split_batch(batch, start, stop)` must return the samples"
+                " [start, stop) and `batch_size(batch)` count them."
+            )
+    if split_batch is not None or batch_size is not None or expected_size is None or size == expected_size:
+        return None
+    found = _first_size(batch, "batch")
+    where = f"`{found[1]}`" if found is not None else "the batch"
+    return (
+        f"AutoMicroBatch splits batches along the first dim of {where} ({size} samples in the first batch), but the"
+        f" DataLoader's batch_size is {expected_size}. If that dim is not the samples (a time-major (T, B, F)"
+        " batch is split along time), pass `AutoMicroBatch(batch_size=fn, split_batch=fn2)`."
+    )

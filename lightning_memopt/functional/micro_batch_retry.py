@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import traceback
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
@@ -26,6 +27,8 @@ __all__ = [
     "combine_losses",
     "extend_message",
     "give_up_note",
+    "mark_micro_batch",
+    "micro_batch_facts",
     "micro_batch_weight",
     "next_micro_batch_size",
     "restore_grads",
@@ -79,6 +82,34 @@ def extend_message(err: BaseException, note: str) -> None:
         err.args = (err.args[0] + note, *err.args[1:])
     else:
         err.args = (*err.args, note)
+
+
+class MicroBatchFacts(NamedTuple):
+    """The batch a final out-of-memory error came from: its samples and the micro-batch that ran out of memory."""
+
+    batch_size: int
+    micro_batch_size: int
+
+
+_FACTS = "lightning_memopt_micro_batch"
+
+
+def mark_micro_batch(err: BaseException, batch_size: int, micro_batch_size: int) -> None:
+    """Record on ``err`` the whole batch and the micro-batch it came from (read by :func:`micro_batch_facts`)."""
+    setattr(err, _FACTS, MicroBatchFacts(batch_size, micro_batch_size))
+
+
+def micro_batch_facts(err: BaseException) -> MicroBatchFacts | None:
+    """What :func:`mark_micro_batch` recorded on ``err``; ``None`` for an error that did not end a micro-batch run.
+
+    Example:
+        >>> err = torch.OutOfMemoryError("simulated")
+        >>> mark_micro_batch(err, 16, 1)
+        >>> micro_batch_facts(err), micro_batch_facts(ValueError())
+        (MicroBatchFacts(batch_size=16, micro_batch_size=1), None)
+    """
+    facts = getattr(err, _FACTS, None)
+    return facts if isinstance(facts, MicroBatchFacts) else None
 
 
 def snapshot_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor | None]:
@@ -188,7 +219,8 @@ def run_micro_batches(
     memory, ``on_halve(size, new_size, here)`` is told (``here``: this process ran out of memory, not only another
     rank) and the batch runs again from its first sample. At ``min_micro_batch_size``, ``give_up(err, size)`` may
     extend the error before the original error is raised (on another rank's give-up, a new one saying so). Other
-    errors pass through untouched.
+    errors pass through; one raised after the batch's first out-of-memory error (while recovering, or in a retry) has
+    that error as its ``__cause__`` (its frames cleared, so that it holds no tensor of the failed attempt).
 
     Returns:
         The parts of the run that went through, and the micro-batch size it used.
@@ -204,43 +236,67 @@ def run_micro_batches(
     """
     comm = agreement or Agreement()
     size = micro_batch_size
+    first_oom: BaseException | None = None  # what an error raised while recovering is chained to
     while True:
-        parts: list[MicroBatchPart] = []
-        flag, error, here = OK, None, False
-        # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
-        for k in range(comm.max(math.ceil(batch_size / size))):
-            start, stop = k * size, min(batch_size, (k + 1) * size)
-            if start < batch_size:
-                try:
-                    with comm.no_sync():
-                        part = step(start, stop)
-                    parts.append(part)
-                    del part
-                except torch.OutOfMemoryError as err:
-                    here = True
-                    if next_micro_batch_size(size, min_micro_batch_size) is None:
-                        give_up(err, size)
-                        if not comm.active:
-                            raise
-                        flag, error = GIVE_UP, err
-                    else:
-                        flag = RETRY
-            flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
-            if flag != OK:
-                break
-        if flag == GIVE_UP:
-            if error is not None:
-                raise error
-            raise torch.OutOfMemoryError(
-                f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
-                f" smallest allowed (min_micro_batch_size={min_micro_batch_size}); every process stops."
-            )
-        if flag == OK:
-            return parts, size
-        # out of the except block: the failed attempt's activations are unreachable now
-        restore()
-        gc.collect()
-        release()
-        new = next_micro_batch_size(size, min_micro_batch_size) or min_micro_batch_size  # a retry: size > min
-        on_halve(size, new, here)
-        size = new
+        try:
+            parts, retry = _attempt(batch_size, size, min_micro_batch_size, step, comm, give_up)
+            if retry is None:
+                return parts, size
+            here, err = retry
+            if first_oom is None and err is not None:
+                traceback.clear_frames(err.__traceback__)  # keeps its message and lines, not the attempt's tensors
+                first_oom = err
+            del retry, err, parts
+            # out of the except block: the failed attempt's activations are unreachable now
+            restore()
+            gc.collect()
+            release()
+            new = next_micro_batch_size(size, min_micro_batch_size) or min_micro_batch_size  # a retry: size > min
+            on_halve(size, new, here)
+            size = new
+        except BaseException as error:  # re-raised, chained to the out-of-memory error being recovered from
+            if first_oom is not None and not isinstance(error, torch.OutOfMemoryError) and error.__cause__ is None:
+                error.__cause__, error.__suppress_context__ = first_oom, True  # as `raise error from first_oom`
+            raise
+
+
+def _attempt(
+    batch_size: int,
+    size: int,
+    min_size: int,
+    step: Callable[[int, int], MicroBatchPart],
+    comm: Agreement,
+    give_up: Callable[[BaseException, int], None],
+) -> tuple[list[MicroBatchPart], tuple[bool, BaseException | None] | None]:
+    """One run over the batch at ``size``: its parts, and ``None`` or ``(here, error)`` when it must run again."""
+    parts: list[MicroBatchPart] = []
+    flag, error, here = OK, None, False
+    # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
+    for k in range(comm.max(math.ceil(batch_size / size))):
+        start, stop = k * size, min(batch_size, (k + 1) * size)
+        if start < batch_size:
+            try:
+                with comm.no_sync():
+                    part = step(start, stop)
+                parts.append(part)
+                del part
+            except torch.OutOfMemoryError as err:
+                here, error = True, err
+                if next_micro_batch_size(size, min_size) is None:
+                    give_up(err, size)
+                    if not comm.active:
+                        raise
+                    flag = GIVE_UP
+                else:
+                    flag = RETRY
+        flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
+        if flag != OK:
+            break
+    if flag == GIVE_UP:
+        if error is not None:
+            raise error
+        raise torch.OutOfMemoryError(
+            f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
+            f" smallest allowed (min_micro_batch_size={min_size}); every process stops."
+        )
+    return parts, None if flag == OK else (here, error)

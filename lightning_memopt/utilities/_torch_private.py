@@ -19,6 +19,7 @@ __all__: list[str] = [
     "start_memory_history",
     "stop_memory_history",
     "supports_memory_history",
+    "tensor_version",
 ]
 
 
@@ -75,6 +76,23 @@ def dump_memory_snapshot(path: str | os.PathLike[str]) -> bool:
         return False
     torch.cuda.memory._dump_snapshot(os.fspath(path))
     return True
+
+
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """``tensor._version``, the counter every in-place change of the tensor raises; ``None`` where it has none
+    (inference-mode tensors) or this torch lacks it.
+
+    Example:
+        >>> t = torch.zeros(2)
+        >>> before = tensor_version(t)
+        >>> _ = t.add_(1)
+        >>> tensor_version(t) > before
+        True
+    """
+    try:
+        return int(tensor._version)
+    except (AttributeError, RuntimeError):  # inference tensors raise; a torch without the counter
+        return None
 
 
 def storage_weak_ref(tensor: torch.Tensor) -> Any:

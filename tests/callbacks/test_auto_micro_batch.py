@@ -298,3 +298,5 @@ def test_benchmark_quick_mode_runs(tmp_path):
 
     result = json.loads(out.read_text())
     assert result["recovery"]["micro_batch_size"] == 8 and result["ratio_wall"] > 0
+    big = next(row for row in result["snapshot"] if "64 MiB" in row["module"])
+    assert big["first_batch_bytes"] > 64 * 2**20 > 100 * big["later_batch_bytes"]  # the constant buffer: copied once

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -12,6 +14,8 @@ from lightning_memopt.functional.micro_batch_retry import (
     combine_losses,
     extend_message,
     give_up_note,
+    mark_micro_batch,
+    micro_batch_facts,
     micro_batch_weight,
     next_micro_batch_size,
     restore_grads,
@@ -132,3 +136,43 @@ def test_micro_batches_and_sample_counts():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="must be a positive int"):
             count_samples(x, lambda b, bad=bad: bad)
+
+
+class FailsOnRetry:
+    """Runs out of memory at more than 4 samples (with a tensor in its frame); raises ``ValueError`` on the retry."""
+
+    def __init__(self) -> None:
+        self.activations = None
+
+    def __call__(self, start: int, stop: int) -> MicroBatchPart:
+        if stop - start > 4:
+            activations = torch.ones(1000)
+            self.activations = weakref.ref(activations)
+            raise torch.OutOfMemoryError("simulated")
+        raise ValueError("cannot cut this batch")
+
+
+def test_an_error_raised_in_a_retry_has_the_out_of_memory_error_as_its_cause_without_its_tensors():
+    step = FailsOnRetry()
+    with pytest.raises(ValueError, match="cannot cut") as caught:
+        run_micro_batches(8, 8, 1, step)
+    cause = caught.value.__cause__
+    assert isinstance(cause, torch.OutOfMemoryError) and str(cause) == "simulated"
+    assert cause.__traceback__ is not None  # its lines are kept, its frames' tensors are not
+    assert step.activations() is None
+
+
+def test_an_error_raised_while_putting_things_back_has_the_out_of_memory_error_as_its_cause():
+    def restore():
+        raise RuntimeError("restore failed")
+
+    with pytest.raises(RuntimeError, match="restore failed") as caught:
+        run_micro_batches(8, 8, 1, Budget(limit=4), restore=restore)
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_micro_batch_facts_mark_the_final_error_with_the_whole_batch():
+    err = torch.OutOfMemoryError("x")
+    assert micro_batch_facts(err) is None
+    mark_micro_batch(err, 16, 1)
+    assert micro_batch_facts(err) == (16, 1)

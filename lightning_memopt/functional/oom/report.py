@@ -20,6 +20,7 @@ from typing_extensions import TypedDict
 
 from lightning_memopt.functional import footprint as fp
 from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.functional.micro_batch_retry import micro_batch_facts
 from lightning_memopt.functional.oom.environment import allocator_settings, collect_environment, collect_versions
 from lightning_memopt.functional.oom.message import parse_oom_message
 from lightning_memopt.functional.oom.schema import (
@@ -200,7 +201,11 @@ def failure_position(
 
 
 def _config(
-    sources: ReportSources, micro_batch_size: int | None, stage: str | None, guard: SectionGuard
+    sources: ReportSources,
+    micro_batch_size: int | None,
+    stage: str | None,
+    guard: SectionGuard,
+    batch_size: int | None = None,
 ) -> ConfigSection:
     config: ConfigSection = {}
 
@@ -208,8 +213,9 @@ def _config(
         settings = sources.settings()
         accumulate, world_size = settings["accumulate_grad_batches"], settings["world_size"]
         effective = None
-        if micro_batch_size:
-            effective = micro_batch_size * world_size * (accumulate if stage == "train" else 1)
+        samples = batch_size or micro_batch_size  # the whole batch, when a micro-batch of it failed
+        if samples:
+            effective = samples * world_size * (accumulate if stage == "train" else 1)
         config.update(
             ConfigSection(
                 precision=settings["precision"],
@@ -326,7 +332,10 @@ def build_oom_report(
         _nothing,
     )
     report["holders"] = holders
-    config = report["config"] = _config(sources, report["batch"].get("micro_batch_size"), when.get("stage"), guard)
+    facts = micro_batch_facts(exception)  # AutoMicroBatch's last micro-batch: the frames hold only its slice
+    micro = facts.micro_batch_size if facts is not None else report["batch"].get("micro_batch_size")
+    whole = facts.batch_size if facts is not None else None
+    config = report["config"] = _config(sources, micro, when.get("stage"), guard, whole)
 
     def read_checkpointing() -> None:
         state = checkpointing_state(module, sources.is_checkpointed)

@@ -153,7 +153,7 @@ class ConfigSection(TypedDict, total=False):
     precision: str
     accumulate_grad_batches: int
     micro_batch_size: int | None
-    effective_batch_size: int | None  # micro-batch x world size (x accumulation in training)
+    effective_batch_size: int | None  # batch (AutoMicroBatch: the whole one) x world size (x accumulation in training)
     strategy: str  # class name
     accelerator: str  # class name
     num_devices: int

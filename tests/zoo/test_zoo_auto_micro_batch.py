@@ -1,0 +1,117 @@
+"""AutoMicroBatch on the zoo: a batch of 16 that fits only as micro-batches of 4 (out of memory in forward or in
+backward, at 16 and at 8) trains exactly as Lightning's own ``accumulate_grad_batches=4`` at a batch of 4.
+
+Bitwise: weights, BatchNorm buffers, the epoch values of ``self.log`` (a torchmetrics accuracy among them) and the
+LR schedule. Dropout makes this a test of the random states: the retry at 4 must draw the masks Lightning draws.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
+from tests.helpers.trainer import make_trainer
+from tests.helpers.zoo import N_SAMPLES, ZooModel, zoo_params
+
+#: The last layer of each entry: after its dropout and BatchNorm, so that a failed attempt has drawn and updated them.
+LAST_LAYER = {"t5": "model.lm_head", "bert": "model.classifier", "resnet": "head", "lstm": "out", "metrics": "head"}
+BUDGET = 4
+
+
+class _BackwardBudget(torch.autograd.Function):
+    """Identity whose backward runs out of memory when it sees more than ``limit`` samples."""
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.n, ctx.limit = x.shape[0], limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.n > ctx.limit:
+            raise torch.OutOfMemoryError(f"simulated: backward of {ctx.n} samples, budget {ctx.limit}")
+        return grad, None
+
+
+def with_budget(module, entry: ZooModel, where: str):
+    """``module`` whose last layer runs out of memory (in ``where``) on more than ``BUDGET`` samples in training."""
+
+    def hook(layer, args, output):
+        if not layer.training:
+            return output
+        if where == "forward" and output.shape[0] > BUDGET:
+            raise torch.OutOfMemoryError(f"simulated: forward of {output.shape[0]} samples, budget {BUDGET}")
+        return _BackwardBudget.apply(output, BUDGET)
+
+    module.get_submodule(LAST_LAYER[entry.name]).register_forward_hook(hook)
+    return module
+
+
+def fit(tmp_path, module, callbacks=(), accumulate=1):
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=list(callbacks),
+        accumulate_grad_batches=accumulate,
+        max_epochs=1,
+        max_steps=-1,
+        limit_train_batches=None,
+        limit_val_batches=0,
+    )
+    trainer.fit(module)
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("entry", zoo_params(feature="AutoMicroBatch"))
+def test_a_recovered_run_equals_lightning_accumulation_at_the_size_that_fits(entry: ZooModel, where, tmp_path):
+    torch.manual_seed(123)
+    ours = with_budget(entry.build(batch_size=16), entry, where)
+    callback = AutoMicroBatch()
+    trainer = fit(tmp_path / "ours", ours, [callback])
+    torch.manual_seed(123)
+    reference = with_budget(entry.build(batch_size=BUDGET), entry, where)
+    ref_trainer = fit(tmp_path / "ref", reference, accumulate=16 // BUDGET)
+
+    assert (callback.micro_batch_size, callback.retries) == (BUDGET, 2)  # 16 -> 8 -> 4 on the first batch
+    assert trainer.global_step == ref_trainer.global_step == N_SAMPLES // 16
+    got, expected = ours.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys()
+    different = [name for name, value in expected.items() if not torch.equal(got[name], value)]
+    assert not different, different  # weights and buffers (BatchNorm running statistics and counters), bitwise
+    assert trainer.callback_metrics.keys() == ref_trainer.callback_metrics.keys()
+    for key, value in ref_trainer.callback_metrics.items():  # epoch values of self.log, the accuracy metric too
+        assert torch.equal(trainer.callback_metrics[key], value), key
+    assert trainer.optimizers[0].param_groups[0]["lr"] == ref_trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def _runs(entry: ZooModel, tmp_path, **switches):
+    torch.manual_seed(123)
+    ours = with_budget(entry.build(batch_size=16), entry, "backward")
+    trainer = fit(tmp_path / "ours", ours, [AutoMicroBatch(**switches)])
+    torch.manual_seed(123)
+    reference = with_budget(entry.build(batch_size=BUDGET), entry, "backward")
+    ref_trainer = fit(tmp_path / "ref", reference, accumulate=16 // BUDGET)
+    return ours, reference, trainer.callback_metrics, ref_trainer.callback_metrics
+
+
+def _differ(got, expected):
+    return sorted(k for k, v in expected.items() if not torch.equal(got[k], v))
+
+
+@pytest.mark.slow
+@pytest.mark.zoo
+def test_each_switch_turns_off_its_own_part_only(tmp_path):
+    from tests.helpers.zoo import ZOO
+
+    # the random states: dropout draws other masks, the weights differ; the metric states are still put back
+    ours, reference, _, _ = _runs(ZOO["metrics"], tmp_path / "rng", restore_rng=False)
+    assert _differ(ours.state_dict(), reference.state_dict())
+    # the metrics and self.log results: the accuracy counts the failed attempts; the weights are still exact
+    ours, reference, logged, ref_logged = _runs(ZOO["metrics"], tmp_path / "metrics", restore_metrics=False)
+    assert not _differ(ours.state_dict(), reference.state_dict())
+    assert _differ(logged, ref_logged) == ["train_acc", "train_loss", "train_loss_epoch"]  # not train_loss_step
+    # the buffers: BatchNorm counted the failed attempts' forwards (10 instead of 8)
+    ours, reference, _, _ = _runs(ZOO["resnet"], tmp_path / "buffers", restore_buffers=False)
+    assert int(ours.stem[1].num_batches_tracked) == 10 and int(reference.stem[1].num_batches_tracked) == 8
