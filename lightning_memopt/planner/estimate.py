@@ -22,6 +22,7 @@ from lightning_memopt.functional.planning import (
     count_training_steps,
     cuda_attention,
     cuda_autocast,
+    fake_kernel_outputs,
     kernel_scratch,
     use_foreach,
 )
@@ -271,6 +272,7 @@ def estimate_memory(
                 steps=steps,
                 block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
                 scratch=kernel_scratch,
+                outputs=fake_kernel_outputs("cuda" if cuda else "cpu"),
                 prepare=prepare,
                 step_context=step_context,
                 prepare_optimizers=prepare_optimizers,

@@ -11,6 +11,11 @@ cuBLAS workspaces) and listed in the estimate's ``assumptions``.
 Nothing here imports Lightning: the step is given as plain callables.
 """
 
+from lightning_memopt.functional.planning.corrections import (
+    cudnn_rnn_reserve_bytes,
+    fake_kernel_outputs,
+    onednn_lstm_workspace_bytes,
+)
 from lightning_memopt.functional.planning.counter import LiveBytes, kernel_scratch
 from lightning_memopt.functional.planning.cuda import (
     CUBLAS_WORKSPACE_BYTES,
@@ -39,7 +44,10 @@ __all__ = [
     "count_training_steps",
     "cuda_attention",
     "cuda_autocast",
+    "cudnn_rnn_reserve_bytes",
+    "fake_kernel_outputs",
     "fake_twin",
     "kernel_scratch",
+    "onednn_lstm_workspace_bytes",
     "use_foreach",
 ]
