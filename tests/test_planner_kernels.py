@@ -137,3 +137,93 @@ def test_the_cuda_estimate_of_an_lstm_holds_the_reserve_space():
     )
     reserve = 2 * cudnn_rnn_reserve_bytes(12, 10, 48)  # two layers, kept from forward to backward
     assert est.phase_peaks["forward"] == plain.phase_peaks["forward"] + reserve
+
+
+# ------------------------------------------------------------------------------------------------ CUDA attention
+
+
+def _qkv(dtype=torch.float32, head=8, heads=(4, 4, 4), length=(16, 16), grad=False):
+    q = torch.randn(2, heads[0], length[0], head, dtype=dtype, requires_grad=grad)
+    k = torch.randn(2, heads[1], length[1], head, dtype=dtype, requires_grad=grad)
+    v = torch.randn(2, heads[2], length[1], head, dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+# (inputs, attn_mask, extra arguments, compute capability) -> the kernel torch 2.13's sdp_utils.cpp picks
+BF16, HALF = torch.bfloat16, torch.float16
+KERNEL_CASES = [
+    ("half, no mask, sm80", _qkv(HALF), None, {}, (8, 0), "flash"),
+    ("bf16, no mask, sm90", _qkv(BF16), None, {}, (9, 0), "flash"),
+    ("half, dropout, sm80", _qkv(HALF), None, {"dropout_p": 0.1}, (8, 0), "flash"),
+    ("fp32 (flash needs half)", _qkv(), None, {}, (8, 0), "efficient"),
+    ("half with a mask (flash takes none)", _qkv(HALF), torch.zeros(16, 16, dtype=HALF), {}, (8, 0), "efficient"),
+    ("fp32, mask requiring grad (T5)", _qkv(), torch.zeros(1, 4, 16, 16, requires_grad=True), {}, (8, 0), "efficient"),
+    ("half on sm75 (no flash before sm80)", _qkv(HALF), None, {}, (7, 5), "efficient"),
+    ("bf16 on sm75 (no bf16 kernels)", _qkv(BF16), None, {}, (7, 5), "math"),
+    ("half, head 512 (flash: at most 256)", _qkv(HALF, head=512), None, {}, (8, 0), "efficient"),
+    ("half, head 12 (not 8-aligned)", _qkv(HALF, head=12), torch.zeros(16, 16, dtype=HALF), {}, (8, 0), "math"),
+    ("fp32, head 6 (not 4-aligned)", _qkv(head=6), None, {}, (8, 0), "math"),
+    ("half, causal non-square", _qkv(HALF, length=(8, 16)), None, {"is_causal": True}, (8, 0), "efficient"),
+    ("half, head 224 training on sm86", _qkv(HALF, head=224, grad=True), None, {}, (8, 6), "efficient"),
+    ("half, grouped-query", _qkv(HALF, heads=(4, 2, 2)), None, {"enable_gqa": True}, (8, 0), "flash"),
+    ("fp32, grouped-query (efficient has none)", _qkv(heads=(4, 2, 2)), None, {"enable_gqa": True}, (8, 0), "math"),
+]
+
+
+@pytest.mark.parametrize(
+    ("qkv", "mask", "extra", "capability", "expected"),
+    [pytest.param(*case[1:], id=case[0]) for case in KERNEL_CASES],
+)
+def test_the_attention_kernel_is_the_one_torch_s_cuda_dispatcher_picks(qkv, mask, extra, capability, expected):
+    from lightning_memopt.functional.planning import attention_kernel
+
+    assert attention_kernel(*qkv, mask, compute_capability=capability, **extra) == expected
+
+
+class _BiasAttention(nn.Module):
+    """Self-attention with a learned position bias given as ``attn_mask``, as T5 does."""
+
+    def __init__(self, heads: int = 4, length: int = 64, head: int = 8) -> None:
+        super().__init__()
+        self.heads, self.head = heads, head
+        self.qkv = nn.Linear(heads * head, 3 * heads * head)
+        self.bias = nn.Parameter(torch.zeros(1, heads, length, length))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.head).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, dropout_p=0.1)
+        return out.pow(2).mean()
+
+
+def test_attention_with_a_mask_that_requires_grad_is_estimated_for_cuda_without_the_scores():
+    """T5's case: the learned bias goes in as ``attn_mask``; CUDA's memory-efficient kernel keeps no L x L scores."""
+    torch.manual_seed(0)
+    model, x = _BiasAttention(), torch.randn(8, 64, 32)
+    cpu = estimate_memory(model, x, device="cpu")
+    cuda = estimate_memory(model, x, device="cuda")
+    scores = 8 * 4 * 64 * 64 * 4
+    assert cpu.phase_peaks["forward"] - cuda.phase_peaks["forward"] >= 2 * scores  # the CPU keeps scores, probs
+    assert any("memory-efficient" in a and "x2" in a and "sm80" in a for a in cuda.assumptions)
+
+
+def test_the_memory_efficient_stand_in_gives_every_input_its_gradient():
+    from lightning_memopt.functional.planning import cuda_attention
+
+    q, k, v = _qkv(grad=True)
+    bias = torch.zeros(1, 4, 16, 16, requires_grad=True)
+    with cuda_attention() as kernels:
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    out.sum().backward()
+    assert kernels == {"efficient": 1} and out.shape == q.shape
+    assert [t.grad.shape for t in (q, k, v, bias)] == [q.shape, k.shape, v.shape, bias.shape]
+
+
+def test_the_gpu_decides_the_kernel():
+    from lightning_memopt.functional.planning import cuda_attention
+
+    q, k, v = _qkv(BF16)
+    for capability, expected in (((8, 0), {"flash": 1}), ((7, 5), {"math": 1})):
+        with cuda_attention(compute_capability=capability) as kernels:
+            nn.functional.scaled_dot_product_attention(q, k, v)
+        assert kernels == expected

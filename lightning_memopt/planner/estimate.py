@@ -19,6 +19,7 @@ from lightning_memopt.functional.planning import (
     CUDA_BLOCK_BYTES,
     FakeStepError,
     StepCount,
+    attention_assumption,
     count_training_steps,
     cuda_attention,
     cuda_autocast,
@@ -147,14 +148,16 @@ def _check_arguments(module: Any, precision: str, optimizer: Any, device: str, s
         )
 
 
-def _assumptions(cuda: bool, fake: bool, foreach: bool, mode: str, dtype: torch.dtype | None) -> tuple[str, ...]:
+def _assumptions(
+    cuda: bool, fake: bool, foreach: bool, mode: str, dtype: torch.dtype | None, attention: dict[str, int] | None = None
+) -> tuple[str, ...]:
     """What the estimate modelled and assumed, in words (:attr:`MemoryEstimate.assumptions`)."""
     said = []
     if cuda:
         said.append("CUDA allocator: every tensor in 512-byte blocks (allocated bytes, not reserved)")
         said.append(f"cuBLAS workspaces {format_bytes(CUBLAS_WORKSPACE_BYTES)} (default config, not sm90)")
         if fake:
-            said.append("attention (scaled_dot_product_attention) through CUDA's fused kernels: no L x L matrix")
+            said.append(attention_assumption(attention or {}))
         if foreach:
             said.append("optimizer foreach=True (torch's default on CUDA)")
         said.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
@@ -257,7 +260,7 @@ def estimate_memory(
     # when the forward was); cuda_autocast acts only where autocast is on
     with (
         warnings.catch_warnings(),
-        cuda_attention() if cuda and fake else contextlib.nullcontext(),
+        cuda_attention() if cuda and fake else contextlib.nullcontext({}) as attention,
         cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
     ):
         warnings.filterwarnings("ignore", message=".*self.log.*")
@@ -295,7 +298,7 @@ def estimate_memory(
         device=device,
         precision=precision,
         fake=fake,
-        assumptions=_assumptions(cuda, fake, any(foreach_set), mode, dtype),
+        assumptions=_assumptions(cuda, fake, any(foreach_set), mode, dtype, attention),
         seconds=seconds,
         steps=steps,
     )
