@@ -255,12 +255,15 @@ def estimate_memory(
         if cuda:
             foreach_set.append(use_foreach(optimizers))
 
+    attending: contextlib.AbstractContextManager[dict[str, int]] = (
+        cuda_attention() if cuda and fake else contextlib.nullcontext({})
+    )
     started = time.perf_counter()
     # the CUDA models hold for the whole run: checkpointing recomputes the forward inside backward (under autocast
     # when the forward was); cuda_autocast acts only where autocast is on
     with (
         warnings.catch_warnings(),
-        cuda_attention() if cuda and fake else contextlib.nullcontext({}) as attention,
+        attending as attention,
         cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
     ):
         warnings.filterwarnings("ignore", message=".*self.log.*")
