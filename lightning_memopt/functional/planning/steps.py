@@ -139,6 +139,10 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
         if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
             twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = twin
+    if mode is not None:  # other tensors a module holds (torchmetrics states, their defaults): fake too
+        for value in (v for m in module.modules() for v in tree_flatten(list(vars(m).values()))[0]):
+            if isinstance(value, Tensor) and id(value) not in memo and value.device.type != "meta":
+                memo[id(value)] = value if getattr(value, "fake_mode", None) is mode else mode.from_tensor(value)
     return copy.deepcopy(module, memo)
 
 
