@@ -227,3 +227,47 @@ def test_the_gpu_decides_the_kernel():
         with cuda_attention(compute_capability=capability) as kernels:
             nn.functional.scaled_dot_product_attention(q, k, v)
         assert kernels == expected
+
+
+# ------------------------------------------------------------------------------------------------ normalizations
+
+
+def _norm_call(norm: str, x: torch.dtype, w: torch.dtype) -> tuple:
+    """(op, args) of a normalization over a ``x`` input with ``w`` weights, made in the current (fake or no) mode."""
+    weight = torch.randn(8, dtype=w)
+    aten = torch.ops.aten
+    if norm == "batch_norm":
+        running = torch.rand(8, dtype=w)
+        return aten.native_batch_norm.default, (torch.randn(4, 8, 5, 5, dtype=x), weight, weight, running, running)
+    if norm == "layer_norm":
+        return aten.native_layer_norm.default, (torch.randn(4, 6, 8, dtype=x), [8], weight, weight, 1e-5)
+    return aten.native_group_norm.default, (torch.randn(4, 8, 5, 5, dtype=x), weight, weight, 4, 8, 25, 2, 1e-5)
+
+
+@pytest.mark.parametrize("norm", ["batch_norm", "layer_norm", "group_norm"])
+@pytest.mark.parametrize(
+    ("x", "w"), [(BF16, torch.float32), (HALF, torch.float32), (BF16, BF16)], ids=["bf16-fp32", "fp16-fp32", "bf16"]
+)
+def test_normalization_statistics_get_the_real_kernel_s_dtype(norm, x, w):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def call(op, args):
+        return op(*args, True, 0.1, 1e-5) if norm == "batch_norm" else op(*args)
+
+    real = call(*_norm_call(norm, x, w))
+    with FakeTensorMode():
+        op, args = _norm_call(norm, x, w)
+        args = (*args, True, 0.1, 1e-5) if norm == "batch_norm" else args
+        fake = op(*args)
+        fixed = fake_kernel_outputs("cpu")(op, args, {}, fake)
+    assert [(t.dtype, t.shape) for t in fixed] == [(t.dtype, t.shape) for t in real]
+    assert (fake[1].dtype == real[1].dtype) == (x == w)  # the fake kernel alone is wrong exactly when they differ
+
+
+def test_a_batch_norm_network_under_bf16_autocast_is_estimated_to_the_byte():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 4, 3), nn.GroupNorm(2, 4))
+    x = torch.randn(8, 3, 20, 20)
+    fake = estimate_memory(model, x, device="cpu", precision="bf16-mixed")
+    real = estimate_memory(model, x, device="cpu", precision="bf16-mixed", fake=False)
+    assert fake.peak_bytes == real.peak_bytes

@@ -12,17 +12,23 @@ counter and comparing operator by operator (``tests/test_planner_kernels.py`` ke
   Approximated, unverified on a GPU: :func:`cudnn_rnn_reserve_bytes`.
 * ``aten._softmax``, ``aten._log_softmax`` and their backward: a contiguous copy of a non-contiguous input (and
   gradient) inside the kernel, counted while it runs: :func:`~.counter.kernel_scratch`.
+* ``aten.native_batch_norm`` (and ``_native_batch_norm_legit``), ``aten.native_layer_norm``,
+  ``aten.native_group_norm`` with a float16/bfloat16 input and float32 weights (mixed precision, e.g. a BatchNorm
+  after a convolution under bf16 autocast): the fake kernel returns the saved mean and inverse standard deviation in
+  the input's dtype, the real kernel in float32. Corrected exactly (the CPU; CUDA's kernels keep float32 too).
 * ``scaled_dot_product_attention`` for a CUDA target: the CPU runs its own kernels (math, with the ``L x L`` scores,
   whenever there is a mask or dropout); CUDA's dispatcher picks flash, memory-efficient or math by dtype, mask and
   GPU: :func:`~.cuda.cuda_attention`.
 
-Operators compared and found exact on torch 2.13 (fake == real to the byte over a training step): ``nn.GRU`` and
-``nn.RNN`` (native CPU kernels, no workspace), ``nn.LSTM`` with ``proj_size`` (native), convolutions and batch
-norm, embedding and embedding bags, layer norm (fp32), scaled-dot-product attention (math and flash CPU kernels),
-cross entropy, dropout.
+Operators compared and found exact on torch 2.13 (fake == real to the byte over training steps in fp32 and
+bf16-mixed): ``nn.GRU``, ``nn.RNN`` and the cells (native CPU kernels, no workspace), ``nn.LSTM`` with ``proj_size``
+(native), 1-3d and transposed convolutions, grouped convolutions, batch / instance / group / layer / RMS norm in one
+dtype, pooling, interpolation, pixel shuffle, embedding (``padding_idx``, ``max_norm``) and embedding bags,
+multi-head and scaled-dot-product attention (math and flash CPU kernels), GELU / SiLU / softplus, cross entropy,
+dropout. ``ctc_loss`` cannot run on fake tensors (data-dependent shapes): the estimate says so and names the fallback.
 
-The correction replaces the workspace the fake kernel returned with a fake tensor of the real size, so autograd saves
-it for backward and frees it with the graph, as the real one is.
+A correction replaces what the fake kernel returned with a fake tensor of the real size, so autograd saves it for
+backward and frees it with the graph, as the real one is.
 """
 
 from __future__ import annotations
@@ -123,6 +129,29 @@ def _grown(tensor: Tensor, nbytes: int) -> Tensor:
     return torch.empty(nbytes // tensor.element_size(), dtype=tensor.dtype, device=tensor.device)
 
 
+#: Normalizations whose outputs 1 and 2 are the saved mean and inverse standard deviation.
+_NORMS = (
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "native_layer_norm",
+    "native_group_norm",
+)
+
+
+def _norm_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """A half-precision input normalized with float32 weights (mixed precision): the kernel keeps its mean and
+    inverse standard deviation in float32 (the fake kernel: in the input's dtype)."""
+    a = _named(func, args, kwargs)
+    x, weight = a.get("input"), a.get("weight")
+    if not (isinstance(x, Tensor) and isinstance(weight, Tensor) and isinstance(out, tuple) and len(out) >= 3):
+        return out
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != torch.float32:
+        return out
+    stats = [t if t.dtype == torch.float32 else torch.empty(t.shape, dtype=torch.float32) for t in out[1:3]]
+    return (out[0], *stats, *out[3:])
+
+
 def fake_kernel_outputs(target: str = "cpu") -> Callable[[Any, tuple, dict, Any], Any]:
     """``fix(op, args, kwargs, out) -> out``: the outputs of ``op`` with the sizes the real kernel gives them.
 
@@ -146,10 +175,15 @@ def fake_kernel_outputs(target: str = "cpu") -> Callable[[Any, tuple, dict, Any]
     """
     if target not in ("cpu", "cuda"):
         raise ValueError(f"`target` must be 'cpu' or 'cuda', got {target!r}.")
-    rnn_layer = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
+    aten = torch.ops.aten
+    rnn_layer = getattr(aten, "mkldnn_rnn_layer", None)
+    norms = {getattr(aten, name, None) for name in _NORMS} - {None}
 
     def fix(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        if rnn_layer is None or getattr(func, "overloadpacket", None) is not rnn_layer:
+        packet = getattr(func, "overloadpacket", None)
+        if packet in norms:
+            return _norm_statistics(func, args, kwargs, out)
+        if rnn_layer is None or packet is not rnn_layer:
             return out
         workspace = out[3] if isinstance(out, tuple) and len(out) == 4 else None
         a = _named(func, args, kwargs)
