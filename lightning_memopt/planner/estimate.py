@@ -156,8 +156,8 @@ def _assumptions(
     if cuda:
         said.append("CUDA allocator: every tensor in 512-byte blocks (allocated bytes, not reserved)")
         said.append(f"cuBLAS workspaces {format_bytes(CUBLAS_WORKSPACE_BYTES)} (default config, not sm90)")
-        if fake:
-            said.append(attention_assumption(attention or {}))
+        if fake and attention:
+            said.append(attention_assumption(attention))
         if foreach:
             said.append("optimizer foreach=True (torch's default on CUDA)")
         said.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
