@@ -95,3 +95,16 @@ def test_t5_s_learned_position_bias_goes_to_memory_efficient_attention_in_fp32_a
     bf16 = estimate_memory(module, batch, device="cuda", precision="bf16-mixed")
     for est in (fp32, bf16):  # 2 steps x (2 encoder + 2 decoder self- + 2 cross-attention layers)
         assert any("memory-efficient" in a and "x12" in a for a in est.assumptions), est.assumptions
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+def test_the_estimate_command_s_default_gpu_target_runs_on_t5(capsys):
+    """``lightning-memopt estimate`` with no ``--device``: a CUDA target; T5's bias-masked attention is estimated."""
+    pytest.importorskip("transformers")
+    from lightning_memopt.cli import main
+
+    code = main(["estimate", "--model", "tests.helpers.zoo.T5Module", "--batch-size", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "training step on cuda at 32-true" in out and "memory-efficient" in out
