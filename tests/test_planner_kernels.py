@@ -89,6 +89,8 @@ def test_an_lstm_estimate_on_fake_tensors_equals_the_real_cpu_step(kwargs, preci
     real = estimate_memory(model, x, device="cpu", precision=precision, fake=False)
     assert fake.peak_bytes == real.peak_bytes
     assert (fake.peak_phase, fake.peak_step) == (real.peak_phase, real.peak_step)
+    layers = 2 * (1 + kwargs.get("bidirectional", False))  # calls per step
+    assert any("oneDNN's workspace" in a and f"(x{2 * layers})" in a for a in fake.assumptions), fake.assumptions
 
 
 def _fake_layer_call(target: str, train: bool = True) -> tuple[int, int]:
@@ -137,6 +139,7 @@ def test_the_cuda_estimate_of_an_lstm_holds_the_reserve_space():
     )
     reserve = 2 * cudnn_rnn_reserve_bytes(12, 10, 48)  # two layers, kept from forward to backward
     assert est.phase_peaks["forward"] == plain.phase_peaks["forward"] + reserve
+    assert any("cuDNN's reserve space" in a and "not measured on a GPU" in a and "(x4)" in a for a in est.assumptions)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA attention

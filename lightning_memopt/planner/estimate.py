@@ -255,6 +255,7 @@ def estimate_memory(
         if cuda:
             foreach_set.append(use_foreach(optimizers))
 
+    corrections = fake_kernel_outputs("cuda" if cuda else "cpu")
     attending: contextlib.AbstractContextManager[dict[str, int]] = (
         cuda_attention() if cuda and fake else contextlib.nullcontext({})
     )
@@ -278,7 +279,7 @@ def estimate_memory(
                 steps=steps,
                 block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
                 scratch=kernel_scratch,
-                outputs=fake_kernel_outputs("cuda" if cuda else "cpu"),
+                outputs=corrections,
                 prepare=prepare,
                 step_context=step_context,
                 prepare_optimizers=prepare_optimizers,
@@ -301,7 +302,7 @@ def estimate_memory(
         device=device,
         precision=precision,
         fake=fake,
-        assumptions=_assumptions(cuda, fake, any(foreach_set), mode, dtype, attention),
+        assumptions=(*_assumptions(cuda, fake, any(foreach_set), mode, dtype, attention), *corrections.assumptions()),
         seconds=seconds,
         steps=steps,
     )

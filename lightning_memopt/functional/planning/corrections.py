@@ -33,13 +33,12 @@ backward and frees it with the graph, as the real one is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["cudnn_rnn_reserve_bytes", "fake_kernel_outputs", "onednn_lstm_workspace_bytes"]
+__all__ = ["KernelOutputs", "cudnn_rnn_reserve_bytes", "fake_kernel_outputs", "onednn_lstm_workspace_bytes"]
 
 _PAGE = 4096
 #: Gates of each cuDNN RNN mode (torch's ``mode`` argument: 0 relu, 1 tanh, 2 LSTM, 3 GRU).
@@ -152,38 +151,51 @@ def _norm_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     return (out[0], *stats, *out[3:])
 
 
-def fake_kernel_outputs(target: str = "cpu") -> Callable[[Any, tuple, dict, Any], Any]:
+#: What each correction says in an estimate's assumptions, by target.
+_SAID = {
+    ("rnn", "cpu"): "nn.LSTM: oneDNN's workspace counted per layer and direction (the fake kernel reports none)",
+    ("rnn", "cuda"): "nn.LSTM: cuDNN's reserve space approximated as T x B x (gates + 2) x H per layer and direction"
+    " (cuDNN does not document it; not measured on a GPU)",
+    ("norm", "cpu"): "mixed-precision batch/layer/group norm: mean and inverse std kept in float32",
+    ("norm", "cuda"): "mixed-precision batch/layer/group norm: mean and inverse std kept in float32",
+}
+
+
+class KernelOutputs:
     """``fix(op, args, kwargs, out) -> out``: the outputs of ``op`` with the sizes the real kernel gives them.
 
     For :class:`~.counter.LiveBytes` (``outputs=``): an output the fake kernel returned smaller than the real one is
     replaced by a tensor of the real size before it is counted; real outputs (already that size) are left alone.
+    :attr:`applied` counts the corrections made, by kind (``"rnn"``, ``"norm"``); :meth:`assumptions` says them.
 
     Args:
         target: ``"cpu"`` (oneDNN's LSTM workspace) or ``"cuda"`` (cuDNN's reserve space instead).
-
-    Example:
-        >>> from torch._subclasses.fake_tensor import FakeTensorMode
-        >>> with FakeTensorMode():
-        ...     lstm, x = torch.nn.LSTM(24, 32), torch.randn(16, 8, 24)
-        ...     w = lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0
-        ...     h = torch.zeros(8, 32)
-        ...     op = torch.ops.aten.mkldnn_rnn_layer.default
-        ...     args = (x, *w, h, h, False, [], 2, 32, 1, True, False, False, True)
-        ...     out = op(*args)
-        ...     out[3].numel(), fake_kernel_outputs("cpu")(op, args, {}, out)[3].numel()
-        (0, 266240)
     """
-    if target not in ("cpu", "cuda"):
-        raise ValueError(f"`target` must be 'cpu' or 'cuda', got {target!r}.")
-    aten = torch.ops.aten
-    rnn_layer = getattr(aten, "mkldnn_rnn_layer", None)
-    norms = {getattr(aten, name, None) for name in _NORMS} - {None}
 
-    def fix(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    def __init__(self, target: str = "cpu") -> None:
+        if target not in ("cpu", "cuda"):
+            raise ValueError(f"`target` must be 'cpu' or 'cuda', got {target!r}.")
+        self.target = target
+        self.applied: dict[str, int] = {}
+        aten = torch.ops.aten
+        self._rnn_layer = getattr(aten, "mkldnn_rnn_layer", None)
+        self._norms = {getattr(aten, name, None) for name in _NORMS} - {None}
+
+    def assumptions(self) -> list[str]:
+        """The corrections made, in words (for an estimate's assumptions)."""
+        return [f"{_SAID[kind, self.target]} (x{n})" for kind, n in sorted(self.applied.items())]
+
+    def _count(self, kind: str) -> None:
+        self.applied[kind] = self.applied.get(kind, 0) + 1
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         packet = getattr(func, "overloadpacket", None)
-        if packet in norms:
-            return _norm_statistics(func, args, kwargs, out)
-        if rnn_layer is None or packet is not rnn_layer:
+        if packet in self._norms:
+            fixed = _norm_statistics(func, args, kwargs, out)
+            if fixed is not out:
+                self._count("norm")
+            return fixed
+        if self._rnn_layer is None or packet is not self._rnn_layer:
             return out
         workspace = out[3] if isinstance(out, tuple) and len(out) == 4 else None
         a = _named(func, args, kwargs)
@@ -191,12 +203,33 @@ def fake_kernel_outputs(target: str = "cpu") -> Callable[[Any, tuple, dict, Any]
             return out
         x, hidden = a["input"], int(a["hidden_size"])
         time, batch = x.shape[0], x.shape[1]  # time-major here, whatever ``batch_first`` says
-        if target == "cpu":
+        if self.target == "cpu":
             nbytes = onednn_lstm_workspace_bytes(time, batch, x.shape[-1], hidden, x.element_size())
         else:
-            nbytes = cudnn_rnn_reserve_bytes(time, batch, hidden, _CUDNN_GATES.get(int(a["mode"]), 4), x.element_size())
+            gates = _CUDNN_GATES.get(int(a["mode"]), 4)
+            nbytes = cudnn_rnn_reserve_bytes(time, batch, hidden, gates, x.element_size())
         if workspace.untyped_storage().nbytes() >= nbytes:
             return out
+        self._count("rnn")
         return (*out[:3], _grown(workspace, nbytes))
 
-    return fix
+
+def fake_kernel_outputs(target: str = "cpu") -> KernelOutputs:
+    """The corrections of fake kernel outputs for ``target`` (``"cpu"`` or ``"cuda"``): a :class:`KernelOutputs`.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> fix = fake_kernel_outputs("cpu")
+        >>> with FakeTensorMode():
+        ...     lstm, x = torch.nn.LSTM(24, 32), torch.randn(16, 8, 24)
+        ...     w = lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0
+        ...     h = torch.zeros(8, 32)
+        ...     op = torch.ops.aten.mkldnn_rnn_layer.default
+        ...     args = (x, *w, h, h, False, [], 2, 32, 1, True, False, False, True)
+        ...     out = op(*args)
+        ...     out[3].numel(), fix(op, args, {}, out)[3].numel()
+        (0, 266240)
+        >>> fix.applied
+        {'rnn': 1}
+    """
+    return KernelOutputs(target)
