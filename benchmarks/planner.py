@@ -662,7 +662,8 @@ def print_zoo(rows: list[dict]) -> None:
         " real steps measured without the package; and the CUDA estimate (sm80)"
     )
     print(
-        f"  {'model':<8} {'precision':<10} {'estimated B':>12} {'measured B':>12} {'ratio':>9} {'cuda est. B':>12}  attention"
+        f"  {'model':<8} {'precision':<10} {'estimated B':>12} {'measured B':>12} {'ratio':>9} {'cuda est. B':>12}"
+        "  attention (cuda)"
     )
     for r in rows:
         head = f"  {r['model']:<8} {r.get('precision', ''):<10}"
