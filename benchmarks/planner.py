@@ -35,7 +35,15 @@ once inside a ``FakeTensorMode()`` (no weights in memory; ``estimate_memory`` re
 mode without copying data) and once for real in fp32 (~440 MB of weights). A model built on the ``meta`` device
 (``with torch.device("meta")``) is estimated the same way, also without its weights.
 
+Then the zoo of the test suite (``tests/helpers/zoo.py``: Hugging Face T5 and BERT, a BatchNorm ResNet, an LSTM, an
+MLP with torchmetrics, a manual-optimization GAN; batch 8): the estimate (``device="cpu"``) next to the CPU peak of
+two real steps measured without this package (torch's ``MemTracker`` over a plain loop in Lightning's order, where
+it can run), the ratio, and the CUDA estimate with the attention kernels it chose. The zoo is imported from the
+repository: this script puts the repository root on ``sys.path`` (run it from a checkout; the zoo needs pytest),
+so the shipped benchmark and the tests measure the same models. Target: every zoo ratio within 2 %.
+
     python benchmarks/planner.py                 # ~3 minutes on 2 cores, writes benchmarks/results/planner_cpu.json
+    python benchmarks/planner.py --zoo-only --out /tmp/zoo.json      # the zoo table only, both precisions: ~30 s
     python benchmarks/planner.py --quick --out /tmp/planner.json     # seconds: a smoke test of every path
     python benchmarks/planner.py --no-rss --no-scale                 # the predicted/measured table only
 
@@ -575,6 +583,147 @@ def accuracy_cases(specs: list[ModelSpec], quick: bool) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------------- the zoo
+ZOO_BATCH = 8
+ZOO_TARGET = 0.02
+
+
+def zoo_reference(entry: Any, precision: str, steps: int = 2) -> tuple[int, str]:
+    """The CPU peak of ``steps`` real training steps of a zoo module, measured without the package where torch can:
+    torch's ``MemTracker`` over a plain loop in Lightning's order (torch >= 2.5, automatic optimization; it refuses a
+    module called twice in a step, as a GAN's discriminator is), else this package's counter over real tensors
+    (``estimate_memory(..., fake=False)``). Returns (bytes, what measured them)."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:
+        MemTracker = None
+    if MemTracker is None or not entry.automatic_optimization:
+        est = estimate_memory(entry.build(), entry.batch(ZOO_BATCH), device="cpu", precision=precision, fake=False)
+        return est.peak_bytes, "live-storage counter over real tensors"
+    module, batch = entry.build(), entry.batch(ZOO_BATCH)
+    config = module.configure_optimizers()
+    optimizer = config["optimizer"] if isinstance(config, dict) else config
+    module.train()
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer, batch)
+    with tracker:
+        for i in range(steps):
+            with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
+                loss = module.training_step(batch, i)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            del loss
+            optimizer.step()
+            if i == 0:
+                tracker.reset_mod_stats()
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]), "torch MemTracker"
+
+
+def zoo_cases(quick: bool) -> list[dict]:
+    """Every entry of the test suite's zoo (``tests/helpers/zoo.py``, imported from the repository root, which this
+    script puts on ``sys.path``; it needs pytest): the estimate on fake tensors (``device="cpu"``) next to the measured
+    CPU peak (:func:`zoo_reference`), and the CUDA estimate with the attention kernels it chose."""
+    try:
+        from tests.helpers.zoo import ZOO
+    except ImportError as err:  # run from outside the repository, or without pytest
+        return [{"model": "zoo", "skipped": f"tests.helpers.zoo cannot be imported: {err}"}]
+    transformers = transformers_status()["available"]
+    rows: list[dict] = []
+    for entry in ZOO.values():
+        if entry.needs_transformers and not transformers:
+            rows.append({"model": entry.name, "skipped": "transformers is not installed"})
+            continue
+        for precision in ("32-true",) if quick else PRECISIONS:
+            row: dict[str, Any] = {"model": entry.name, "precision": precision, "batch": ZOO_BATCH}
+            try:
+                est = estimate_memory(entry.build(), entry.batch(ZOO_BATCH), device="cpu", precision=precision)
+                cuda = estimate_memory(entry.build(), entry.batch(ZOO_BATCH), device="cuda", precision=precision)
+            except Exception as err:  # a benchmark row, not a crash: the error is the result
+                error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                if not entry.automatic_optimization:  # estimating manual optimization lands separately
+                    rows.append({**row, "skipped": f"manual optimization, not estimated yet ({error})"})
+                else:
+                    rows.append({**row, "error": error})
+                continue
+            row.update(
+                estimated_bytes=est.peak_bytes,
+                cuda_estimated_bytes=cuda.peak_bytes,
+                cuda_attention=next((a for a in cuda.assumptions if a.startswith("attention")), None),
+            )
+            row["measured_bytes"], row["measured_by"] = zoo_reference(entry, precision)
+            row["ratio"] = row["estimated_bytes"] / row["measured_bytes"]
+            rows.append(row)
+    return rows
+
+
+def print_zoo(rows: list[dict]) -> None:
+    print(
+        f"\nZoo (tests/helpers/zoo.py, batch {ZOO_BATCH}): estimate (fake tensors, device='cpu') vs the CPU peak of two"
+        " real steps measured without the package; and the CUDA estimate (sm80)"
+    )
+    print(
+        f"  {'model':<8} {'precision':<10} {'estimated B':>12} {'measured B':>12} {'ratio':>9} {'cuda est. B':>12}"
+        "  attention (cuda)"
+    )
+    for r in rows:
+        head = f"  {r['model']:<8} {r.get('precision', ''):<10}"
+        if "skipped" in r or "error" in r:
+            print(f"{head} {'SKIPPED: ' + r['skipped'] if 'skipped' in r else 'FAILED: ' + r['error']}")
+            continue
+        kernels = (r["cuda_attention"] or "").partition(": ")[2] or "none"
+        print(
+            f"{head} {r['estimated_bytes']:>12,} {r['measured_bytes']:>12,} {r['ratio']:>9.6f}"
+            f" {r['cuda_estimated_bytes']:>12,}  {kernels}"
+        )
+    by = sorted({r["measured_by"] for r in rows if "measured_by" in r})
+    print(f"  (measured by: {', '.join(by) or 'nothing'}; a plain loop in Lightning's order)")
+
+
+def zoo_check(zoo: list[dict]) -> dict:
+    """The zoo verdict: every measured case within :data:`ZOO_TARGET`, no model failing."""
+    judged = [r for r in zoo if "ratio" in r]
+    worst = max((abs(r["ratio"] - 1) for r in judged), default=float("inf"))
+    failed = [r["model"] for r in zoo if "error" in r]
+    return {
+        "target": f"|estimated / measured - 1| <= {ZOO_TARGET:.0%}",
+        "worst": worst,
+        "cases": len(judged),
+        "failed": failed,
+        "pass": bool(judged) and not failed and worst <= ZOO_TARGET,
+    }
+
+
+def print_zoo_check(c: dict) -> None:
+    print(
+        f"{'PASS' if c['pass'] else 'FAIL'}  zoo: worst |estimated/measured - 1| = {c['worst']:.2e} over"
+        f" {c['cases']} measured cases (target 2 %)" + (f"; failed: {', '.join(c['failed'])}" if c["failed"] else "")
+    )
+
+
+def zoo_only(out: Path, t0: float) -> int:
+    """``--zoo-only``: the zoo table at both precisions, and its JSON."""
+    zoo = zoo_cases(quick=False)
+    print_zoo(zoo)
+    check = zoo_check(zoo)
+    print()
+    print_zoo_check(check)
+    result = {
+        "benchmark": "planner",
+        "device": "cpu",
+        "zoo_only": True,
+        "torch": torch.__version__,
+        "machine": machine_info("cpu"),
+        "transformers": transformers_status(),
+        "zoo": zoo,
+        "checks": {"zoo": check},
+        "total_seconds": time.perf_counter() - t0,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"total {result['total_seconds']:.0f} s; wrote {out}")
+    return 0
+
+
 def _rss_case_list(specs: list[ModelSpec]) -> list[dict]:
     return [
         {"model": spec.name, "batch": b, "precision": precision, "checkpointing": ckpt}
@@ -638,6 +787,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models, seconds: a smoke test of every path")
     parser.add_argument("--no-rss", action="store_true", help="skip the RSS cross-check in fresh processes")
     parser.add_argument("--no-scale", action="store_true", help="skip the ~100M-parameter timing")
+    parser.add_argument("--no-zoo", action="store_true", help="skip the zoo table (tests/helpers/zoo.py)")
+    parser.add_argument("--zoo-only", action="store_true", help="the zoo table only (both precisions), seconds")
     parser.add_argument(
         "--no-default-malloc", action="store_true", help="run the RSS cases with the tuned malloc settings only"
     )
@@ -667,6 +818,8 @@ def main() -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     t0 = time.perf_counter()
+    if args.zoo_only:
+        return zoo_only(out, t0)
     specs = model_specs(args.quick)
     t5 = transformers_status()
     if not t5["available"]:
@@ -688,6 +841,11 @@ def main() -> int:
         if "error" in quick_done:  # the worker failed: every result it owed is that error
             error = quick_done
             quick_done = {"rss": [(case, error) for case in _rss_case_list(specs)], "scale": [error]}
+
+    zoo: list[dict] = []
+    if not args.no_zoo:
+        zoo = zoo_cases(args.quick)
+        print_zoo(zoo)
 
     rss: list[dict] = []
     if not args.no_rss:
@@ -765,6 +923,8 @@ def main() -> int:
             "pass": worst <= ACCURACY_TARGET,
         }
     }
+    if zoo:
+        checks["zoo"] = zoo_check(zoo)
     if rss:
         ok = [r for r in rss if "ratio" in r]
         worst_rss = max((abs(r["ratio"] - 1) for r in ok), default=float("inf"))
@@ -796,6 +956,8 @@ def main() -> int:
         f"{'PASS' if checks['accuracy']['pass'] else 'FAIL'}  accuracy: worst |predicted/measured - 1| = {worst:.2e}"
         f" over {len(cases)} cases ({checks['accuracy']['exact_cases']} exact to the byte; target 1 %)"
     )
+    if "zoo" in checks:
+        print_zoo_check(checks["zoo"])
     if "rss" in checks:
         c = checks["rss"]
         verdict = "n/a " if c["pass"] is None else "PASS" if c["pass"] else "FAIL"
@@ -831,6 +993,7 @@ def main() -> int:
             "scale_rss_bytes": SCALE_RSS_TARGET,
         },
         "cases": cases,
+        "zoo": zoo,
         "rss": rss,
         "rss_note": RSS_NOTE,
         "scale": scale,

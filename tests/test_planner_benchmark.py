@@ -35,6 +35,22 @@ def test_benchmark_quick_mode_runs(tmp_path):
     if not report["transformers"]["available"]:
         assert "skipped" in report["transformers"] and "t5" not in report["models"]
 
+    # the zoo table: every model of tests/helpers/zoo.py, the estimate within 2 % of the measured CPU peak
+    from tests.helpers.zoo import ZOO
+
+    zoo = {row["model"]: row for row in report["zoo"]}
+    assert set(zoo) == set(ZOO)
+    for name, row in zoo.items():
+        assert "error" not in row, row
+        if "skipped" in row:  # manual optimization until the planner runs it; transformers missing
+            assert name == "manual" or not report["transformers"]["available"], row
+            continue
+        assert row["ratio"] == pytest.approx(1.0, abs=0.02), row
+        assert row["cuda_estimated_bytes"] > row["estimated_bytes"]
+    if report["transformers"]["available"]:
+        assert "memory-efficient" in zoo["t5"]["cuda_attention"]
+    assert report["checks"]["zoo"]["pass"] is True and "PASS  zoo" in proc.stdout
+
     # the RSS cross-check ran in a fresh process (too small in --quick to be judged)
     (rss,) = report["rss"]
     assert rss["growth"] > 0 and rss["peak_reset"] in (True, False)

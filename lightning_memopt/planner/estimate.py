@@ -19,9 +19,11 @@ from lightning_memopt.functional.planning import (
     CUDA_BLOCK_BYTES,
     FakeStepError,
     StepCount,
+    attention_assumption,
     count_training_steps,
     cuda_attention,
     cuda_autocast,
+    fake_kernel_outputs,
     kernel_scratch,
     use_foreach,
 )
@@ -146,14 +148,16 @@ def _check_arguments(module: Any, precision: str, optimizer: Any, device: str, s
         )
 
 
-def _assumptions(cuda: bool, fake: bool, foreach: bool, mode: str, dtype: torch.dtype | None) -> tuple[str, ...]:
+def _assumptions(
+    cuda: bool, fake: bool, foreach: bool, mode: str, dtype: torch.dtype | None, attention: dict[str, int] | None = None
+) -> tuple[str, ...]:
     """What the estimate modelled and assumed, in words (:attr:`MemoryEstimate.assumptions`)."""
     said = []
     if cuda:
         said.append("CUDA allocator: every tensor in 512-byte blocks (allocated bytes, not reserved)")
         said.append(f"cuBLAS workspaces {format_bytes(CUBLAS_WORKSPACE_BYTES)} (default config, not sm90)")
-        if fake:
-            said.append("attention (scaled_dot_product_attention) through CUDA's fused kernels: no L x L matrix")
+        if fake and attention:
+            said.append(attention_assumption(attention))
         if foreach:
             said.append("optimizer foreach=True (torch's default on CUDA)")
         said.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
@@ -251,12 +255,16 @@ def estimate_memory(
         if cuda:
             foreach_set.append(use_foreach(optimizers))
 
+    corrections = fake_kernel_outputs("cuda" if cuda else "cpu")
+    attending: contextlib.AbstractContextManager[dict[str, int]] = (
+        cuda_attention() if cuda and fake else contextlib.nullcontext({})
+    )
     started = time.perf_counter()
     # the CUDA models hold for the whole run: checkpointing recomputes the forward inside backward (under autocast
     # when the forward was); cuda_autocast acts only where autocast is on
     with (
         warnings.catch_warnings(),
-        cuda_attention() if cuda and fake else contextlib.nullcontext(),
+        attending as attention,
         cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
     ):
         warnings.filterwarnings("ignore", message=".*self.log.*")
@@ -271,6 +279,7 @@ def estimate_memory(
                 steps=steps,
                 block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
                 scratch=kernel_scratch,
+                outputs=corrections,
                 prepare=prepare,
                 step_context=step_context,
                 prepare_optimizers=prepare_optimizers,
@@ -293,7 +302,7 @@ def estimate_memory(
         device=device,
         precision=precision,
         fake=fake,
-        assumptions=_assumptions(cuda, fake, any(foreach_set), mode, dtype),
+        assumptions=(*_assumptions(cuda, fake, any(foreach_set), mode, dtype, attention), *corrections.assumptions()),
         seconds=seconds,
         steps=steps,
     )

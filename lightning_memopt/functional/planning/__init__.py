@@ -4,18 +4,29 @@ The engine behind :func:`lightning_memopt.estimate_memory`. A twin of the model 
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and strides, no data), training steps run on it in
 Lightning's order (:func:`count_training_steps`, in ``steps.py``), and :class:`LiveBytes` (``counter.py``) adds a
 storage's bytes when it first appears and subtracts them when the storage is freed. On CPU this counts the same bytes
-a real step holds (the tests compare with the same counter over real tensors); what CUDA does differently is modelled
-in ``cuda.py`` (:func:`cuda_attention`, :func:`cuda_autocast`, :func:`use_foreach`, the allocator's 512-byte blocks,
-cuBLAS workspaces) and listed in the estimate's ``assumptions``.
+a real step holds (the tests compare with the same counter over real tensors, and with torch's ``MemTracker``); the
+few kernels whose fake implementation returns fewer bytes than the real one (oneDNN's LSTM workspace, the float32
+statistics of mixed-precision normalizations) are corrected in ``corrections.py`` (:func:`fake_kernel_outputs`, with
+the list); what CUDA does differently is modelled in ``cuda.py`` (:func:`attention_kernel` and
+:func:`cuda_attention`, :func:`cuda_autocast`, :func:`use_foreach`, the allocator's 512-byte blocks, cuBLAS
+workspaces; cuDNN's RNN reserve in ``corrections.py``) and listed in the estimate's ``assumptions``.
 
 Nothing here imports Lightning: the step is given as plain callables.
 """
 
+from lightning_memopt.functional.planning.corrections import (
+    cudnn_rnn_reserve_bytes,
+    fake_kernel_outputs,
+    onednn_lstm_workspace_bytes,
+)
 from lightning_memopt.functional.planning.counter import LiveBytes, kernel_scratch
 from lightning_memopt.functional.planning.cuda import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_AUTOCAST_FP32,
     CUDA_BLOCK_BYTES,
+    DEFAULT_COMPUTE_CAPABILITY,
+    attention_assumption,
+    attention_kernel,
     cuda_attention,
     cuda_autocast,
     use_foreach,
@@ -32,14 +43,20 @@ __all__ = [
     "CUDA_BLOCK_BYTES",
     "CUBLAS_WORKSPACE_BYTES",
     "CUDA_AUTOCAST_FP32",
+    "DEFAULT_COMPUTE_CAPABILITY",
     "PEAK_PARTS",
     "FakeStepError",
     "LiveBytes",
     "StepCount",
+    "attention_assumption",
+    "attention_kernel",
     "count_training_steps",
     "cuda_attention",
     "cuda_autocast",
+    "cudnn_rnn_reserve_bytes",
+    "fake_kernel_outputs",
     "fake_twin",
     "kernel_scratch",
+    "onednn_lstm_workspace_bytes",
     "use_foreach",
 ]

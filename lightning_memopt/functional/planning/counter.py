@@ -56,6 +56,9 @@ class LiveBytes(TorchDispatchMode):
         block_bytes: round each storage up to a multiple of this (512 models the CUDA caching allocator; 1: none).
         scratch: ``scratch(op, args, kwargs) -> bytes`` a kernel holds inside itself beside its outputs while it runs
             (no operator shows them); counted at that moment only (e.g. :func:`kernel_scratch`).
+        outputs: ``outputs(op, args, kwargs, out) -> out``: the operator's outputs as they are counted and returned,
+            where a fake kernel returns fewer bytes than the real one (e.g.
+            :func:`~lightning_memopt.functional.planning.corrections.fake_kernel_outputs`).
 
     Outputs (attributes): ``now`` and ``peak`` (bytes), ``peak_phase``/``peak_step``/``peak_seq`` (when the peak
     happened), ``peak_totals`` (bytes by label at the peak), ``phase_peaks`` (the highest count in each phase),
@@ -69,10 +72,16 @@ class LiveBytes(TorchDispatchMode):
         (2052, 1028)
     """
 
-    def __init__(self, block_bytes: int = 1, scratch: Callable[[Any, tuple, dict], int] | None = None) -> None:
+    def __init__(
+        self,
+        block_bytes: int = 1,
+        scratch: Callable[[Any, tuple, dict], int] | None = None,
+        outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
+    ) -> None:
         super().__init__()
         self.block_bytes = block_bytes
         self.scratch = scratch
+        self.outputs = outputs
         self.phase = "setup"
         self.step = 0
         self.now = 0
@@ -146,6 +155,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.outputs is not None:
+            out = self.outputs(func, args, kwargs, out)
         for value in tree_flatten(out)[0]:
             if isinstance(value, Tensor):
                 self.track(value)

@@ -139,6 +139,10 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
         if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
             twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = twin
+    if mode is not None:  # other tensors a module holds (torchmetrics states, their defaults): fake too
+        for value in (v for m in module.modules() for v in tree_flatten(list(vars(m).values()))[0]):
+            if isinstance(value, Tensor) and id(value) not in memo and value.device.type != "meta":
+                memo[id(value)] = value if getattr(value, "fake_mode", None) is mode else mode.from_tensor(value)
     return copy.deepcopy(module, memo)
 
 
@@ -152,6 +156,7 @@ def count_training_steps(
     steps: int = 2,
     block_bytes: int = 1,
     scratch: Callable[[Any, tuple, dict], int] | None = None,
+    outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
     prepare: Callable[[nn.Module], None] | None = None,
     step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     prepare_optimizers: Callable[[list[torch.optim.Optimizer]], None] | None = None,
@@ -173,6 +178,7 @@ def count_training_steps(
         steps: training steps to run.
         block_bytes: round storages up to this many bytes.
         scratch: bytes a kernel holds inside itself (see :class:`LiveBytes`).
+        outputs: corrects outputs a fake kernel returns smaller than the real one (see :class:`LiveBytes`).
         prepare: called with the model that runs, before counting (checkpointing, ``train()``).
         step_context: a fresh context around each step's ``step_fn`` (autocast).
         prepare_optimizers: called with the optimizers once they exist (e.g. :func:`use_foreach`).
@@ -193,7 +199,7 @@ def count_training_steps(
         >>> count.peak_bytes == 4 * (2 * 64 * 64 + 2 * 32 * 64) + 4, count.peak_phase  # W, its grad, x, y, the loss
         (True, 'forward')
     """
-    counter = LiveBytes(block_bytes, scratch)
+    counter = LiveBytes(block_bytes, scratch, outputs)
     mode = None
     if fake:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
