@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import ClassVar
 
 import lightning.pytorch as pl
 import pytest
@@ -603,6 +604,8 @@ def test_bert_with_accumulation_is_exact_and_above_the_step_without(accumulate):
 class ToggledManual(ManualModule):
     """Manual optimization with Lightning's toggle/untoggle and a scheduler stepped in the training step."""
 
+    seen: ClassVar[list[list[bool]]] = []  # requires_grad of every parameter after (un)toggling, in every copy
+
     def training_step(self, batch, batch_idx):
         opt_g, opt_d = self.optimizers()
         sch_g, _ = self.lr_schedulers()
@@ -614,11 +617,13 @@ class ToggledManual(ManualModule):
         opt_d.step()
         self.untoggle_optimizer(opt_d)
         self.toggle_optimizer(opt_g)  # the discriminator's parameters get no gradient in the generator's backward
+        self.seen.append([p.requires_grad for p in self.parameters()])
         g_loss = -self.discriminator(fake).mean()
         opt_g.zero_grad()
         self.manual_backward(g_loss)
         opt_g.step()
         self.untoggle_optimizer(opt_g)
+        self.seen.append([p.requires_grad for p in self.parameters()])
         sch_g.step()
 
     def configure_optimizers(self):
@@ -630,14 +635,21 @@ class ToggledManual(ManualModule):
 def test_manual_optimization_is_estimated_within_bytes_of_a_real_trainer_fit(module_class, tmp_path):
     torch.manual_seed(0)
     module, batch = module_class(batch_size=4), ManualModule.make_batch(4)
+    ToggledManual.seen.clear()
     est = estimate_memory(module, batch, device="cpu")
     real_step = estimate_memory(module, batch, device="cpu", fake=False)
     assert est.peak_bytes == real_step.peak_bytes and est.at_peak == real_step.at_peak
     assert est.optimizer_state_bytes == 2 * 4 * sum(p.numel() for p in module.parameters()) + 4 * 8  # Adam, both
     assert any("manual optimization" in a for a in est.assumptions)
     assert not {"optimizers", "manual_backward"} & set(vars(module))  # the user's module is untouched
+    toggled = list(ToggledManual.seen)
+    ToggledManual.seen.clear()
     fit = trainer_peak(module, tmp_path)
     assert 0 <= fit - est.peak_bytes <= 64  # Lightning's own scalars (logged values)
+    if module_class is ToggledManual:  # toggled as Lightning toggles: the generator's step, then all back on
+        assert toggled == ToggledManual.seen + ToggledManual.seen
+        generator = len(list(module.generator.parameters()))
+        assert ToggledManual.seen[0] == [True] * generator + [False] * (len(toggled[0]) - generator)
     with pytest.raises(ValueError, match=r"`accumulate_grad_batches`=2 with manual optimization"):
         estimate_memory(module, batch, device="cpu", accumulate_grad_batches=2)
 
@@ -670,6 +682,7 @@ HOPPER, DEFAULT = 4096 * 1024 * 8, 4096 * 1024 * 2 + 16 * 1024 * 8
         ((9, 0), None, HOPPER),
         ("A100-80GB", None, DEFAULT),
         ((8, 9), None, DEFAULT),
+        ((10, 0), None, DEFAULT),  # torch's source takes 32 MiB on 9.0 only
         ("H100-80GB", ":16:8", 16 * 1024 * 8),
         ("A100-40GB", ":4096:8", HOPPER),
         ("A100-40GB", ":4096:2:16:8", DEFAULT),

@@ -15,9 +15,10 @@ from torch._subclasses import fake_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memopt.functional.planning.counter import LiveBytes, unique_storages
+from lightning_memopt.functional.planning.manual import CountedOptimizer, counted_backward
 from lightning_memopt.utilities._torch_private import backward_outside_torch_function
 
-__all__ = ["PEAK_PARTS", "CountedOptimizer", "FakeStepError", "StepCount", "count_training_steps", "fake_twin"]
+__all__ = ["PEAK_PARTS", "FakeStepError", "StepCount", "count_training_steps", "fake_twin"]
 
 #: What the bytes alive at the peak are, in the order they are reported.
 PEAK_PARTS = ("parameters", "buffers", "batch", "gradients", "optimizer_states", "activations", "temporaries")
@@ -99,42 +100,6 @@ class _StepBytes(LiveBytes):
         super()._record(level, totals)
         if self.peak != before:
             self.peak_micro_batch = self.micro_batch
-
-
-class CountedOptimizer:
-    """An optimizer as a manually optimized step sees it (``self.optimizers()``): ``zero_grad`` and ``step`` are
-    counted in their own phases, everything else is the optimizer's.
-
-    Args:
-        optimizer: the optimizer it stands for (:attr:`optimizer`, as Lightning's ``LightningOptimizer`` has it).
-        counter: the running counter.
-        states: called after every ``step`` (the optimizer states are labelled there).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, counter: LiveBytes, states: Callable[[], None]) -> None:
-        self.optimizer = optimizer
-        self._counter = counter
-        self._states = states
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.optimizer, name)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The optimizer's ``zero_grad``, counted as the ``zero_grad`` phase."""
-        phase, self._counter.phase = self._counter.phase, "zero_grad"
-        try:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-        finally:
-            self._counter.phase = phase
-
-    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """The optimizer's ``step``, counted as the ``optimizer step`` phase."""
-        phase, self._counter.phase = self._counter.phase, "optimizer step"
-        try:
-            return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
-        finally:
-            self._states()
-            self._counter.phase = phase
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -313,7 +278,7 @@ def count_training_steps(
                     manual(
                         model,
                         [CountedOptimizer(o, counter, label_states) for o in optimizers],
-                        functools.partial(_counted_backward, counter),
+                        functools.partial(counted_backward, counter),
                     )
                 for step in range(steps):
                     counter.step = step
@@ -366,18 +331,6 @@ def count_training_steps(
         for handle in handles:
             handle.remove()
     return count
-
-
-def _counted_backward(counter: LiveBytes, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-    """``loss.backward(*args, **kwargs)`` counted as the ``backward`` phase (a manually optimized step's)."""
-    phase, counter.phase = counter.phase, "backward"
-    try:
-        if args or kwargs:
-            loss.backward(*args, **kwargs)
-        else:
-            backward_outside_torch_function(loss)
-    finally:
-        counter.phase = phase
 
 
 def _parts_at_peak(counter: LiveBytes, states: list[Tensor]) -> dict[str, int]:
