@@ -175,9 +175,9 @@ def _workspace(gpu: str | tuple[int, int] | None) -> tuple[int, str]:
     if config is not None:
         why = f"CUBLAS_WORKSPACE_CONFIG={config!r}"
     elif capability is None:
-        why = "torch's default for GPUs other than sm90; pass `gpu=` for an H100/H200 (32 MiB each)"
+        why = "torch's default for GPUs other than compute capability 9.0; `gpu='H100-80GB'` counts 32 MiB each"
     else:
-        why = f"torch's default for {label} (compute capability {capability[0]}.{capability[1]})"
+        why = f"torch's default for {label}, compute capability {capability[0]}.{capability[1]}"
     return 2 * one, f"cuBLAS workspaces 2 x {format_bytes(one)} ({why})"
 
 
