@@ -166,3 +166,47 @@ def test_cuda_attention_repeats_grouped_key_value_heads_as_torch_does():
         with pytest.raises(RuntimeError):
             torch.nn.functional.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(got, expected)
+
+
+# ------------------------------------------------------------------------------------------------ accumulation, manual
+
+
+@pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
+@pytest.mark.parametrize("accumulate", [2, 3])
+def test_a_later_micro_batch_s_backward_holds_the_kept_gradient_and_the_new_one(accumulate, fake):
+    d, b = 64, 32
+    model = nn.Linear(d, d, bias=False)
+    plain = count_training_steps(model, torch.randn(b, d), summed, sgd, fake=fake)
+    count = count_training_steps(model, torch.randn(b, d), summed, sgd, fake=fake, accumulate_grad_batches=accumulate)
+    # W, its kept gradient, x, the new gradient before it is added; the loss (divided) and two scalar gradients
+    assert count.peak_bytes == 4 * (3 * d * d + b * d) + 3 * 4 > plain.peak_bytes
+    assert (count.peak_phase, count.peak_step, count.peak_micro_batch) == ("backward", 0, 1)
+    assert count.at_peak["gradients"] == 4 * d * d and count.accumulate_grad_batches == accumulate
+    assert (plain.peak_micro_batch, plain.accumulate_grad_batches) == (0, 1)
+
+
+def test_a_manual_step_with_counted_optimizers_and_backward_counts_as_the_automatic_one():
+    """A step that zeroes, backpropagates and steps itself (through what ``manual`` hands it) counts the same bytes
+    in the same phases as Lightning's automatic order."""
+    model, x = nn.Linear(64, 64), torch.randn(32, 64)
+    handed = {}
+
+    def bind(twin, optimizers, backward):
+        handed.update(optimizers=optimizers, backward=backward)
+
+    def manual_step(twin, batch, step):
+        (opt,) = handed["optimizers"]
+        loss = twin(batch).sum()
+        opt.zero_grad()
+        handed["backward"](loss)
+        del loss  # as the automatic order drops it before the optimizer step
+        opt.step()
+
+    adam = functools.partial(torch.optim.Adam, lr=0.1)
+    automatic = count_training_steps(model, x, summed, lambda m: [adam(m.parameters())])
+    manual = count_training_steps(model, x, manual_step, lambda m: [adam(m.parameters())], manual=bind)
+    assert manual.peak_bytes == automatic.peak_bytes
+    assert (manual.peak_phase, manual.peak_step) == (automatic.peak_phase, automatic.peak_step)
+    assert manual.at_peak == automatic.at_peak and manual.optimizer_state_bytes == automatic.optimizer_state_bytes > 0
+    wrapper = handed["optimizers"][0]
+    assert isinstance(wrapper.optimizer, torch.optim.Adam) and wrapper.param_groups is wrapper.optimizer.param_groups

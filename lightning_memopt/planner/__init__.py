@@ -5,10 +5,17 @@ shapes and dtypes, no data) in Lightning's order and counts the bytes of every t
 for a CUDA target it models what CUDA does differently and says so in :attr:`MemoryEstimate.assumptions`. The engine
 is Trainer-free and lives in :mod:`lightning_memopt.functional.planning`; ``model_step.py`` says how the user's model
 is trained there (its loss, optimizers, checkpointing). :func:`plan_memory` (``plan.py``) searches the micro-batch,
-accumulation, precision and checkpointing that fit a budget (``budget.py``: bytes, a size or a GPU's name).
+accumulation, precision and checkpointing that fit a budget (``budget.py``: bytes, a size or a GPU's name; a GPU's
+compute capability sets its cuBLAS workspace).
 """
 
-from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_MEMORY, parse_budget
+from lightning_memopt.planner.budget import (
+    CUDA_CONTEXT_BYTES,
+    GPU_COMPUTE_CAPABILITY,
+    GPU_MEMORY,
+    cublas_workspace_bytes,
+    parse_budget,
+)
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate, estimate_memory
 from lightning_memopt.planner.model_step import MemoryEstimateError
 from lightning_memopt.planner.plan import MemoryPlan, plan_memory
@@ -17,11 +24,13 @@ from lightning_memopt.planner.search import PlanTrial
 __all__ = [
     "CUDA_CONTEXT_BYTES",
     "ESTIMATE_PRECISIONS",
+    "GPU_COMPUTE_CAPABILITY",
     "GPU_MEMORY",
     "MemoryEstimate",
     "MemoryEstimateError",
     "MemoryPlan",
     "PlanTrial",
+    "cublas_workspace_bytes",
     "estimate_memory",
     "parse_budget",
     "plan_memory",

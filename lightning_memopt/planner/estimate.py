@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,8 +16,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_memopt.functional.planning import (
-    CUBLAS_WORKSPACE_BYTES,
     CUDA_BLOCK_BYTES,
+    DEFAULT_COMPUTE_CAPABILITY,
     FakeStepError,
     StepCount,
     attention_assumption,
@@ -27,11 +28,16 @@ from lightning_memopt.functional.planning import (
     kernel_scratch,
     use_foreach,
 )
+from lightning_memopt.planner.assumptions import assumptions, cublas_workspace
+from lightning_memopt.planner.budget import gpu_compute_capability
 from lightning_memopt.planner.model_step import (
     MemoryEstimateError,
     checkpointing_prepare,
     is_lightning_module,
+    is_manual_optimization,
     make_optimizers,
+    manual_optimization,
+    manual_step_function,
     step_function,
 )
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
@@ -52,6 +58,8 @@ _PART_TEXT = {
     "temporaries": "temporaries (backward, optimizer step)",
     "workspace": "cuBLAS workspaces",
 }
+#: The logger fake tensors report a failing operator on (with its traceback) before the error is raised.
+_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +73,9 @@ class MemoryEstimate(StepCount):
             blocks, plus cuBLAS workspaces); what ``torch.cuda.max_memory_allocated`` would report.
         peak_phase: where the peak happens: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
         peak_step: 0 or 1 (optimizer states appear at step 0; gradients of step 0 are alive in step 1's forward).
+        peak_micro_batch: with gradient accumulation, 0 for the first micro-batch of an optimizer step and 1 for a
+            later one (its backward adds into the gradients kept since the first).
+        accumulate_grad_batches: micro-batches per optimizer step (as given).
         at_peak: what the peak is made of (``parameters``, ``buffers``, ``batch``, ``gradients``,
             ``optimizer_states``, ``activations``, ``temporaries``, ``workspace``); adds up to ``peak_bytes``.
         parameter_bytes / trainable_parameter_bytes / buffer_bytes / gradient_bytes / optimizer_state_bytes /
@@ -107,7 +118,10 @@ class MemoryEstimate(StepCount):
         for part, nbytes in self.at_peak.items():
             if nbytes:
                 rows.append((_PART_TEXT.get(part, part), format_bytes(nbytes), f"{nbytes / self.peak_bytes:6.1%}"))
-        rows.append((f"peak ({self.peak_phase}, step {self.peak_step})", format_bytes(self.peak_bytes), "100.0%"))
+        where = f"{self.peak_phase}, step {self.peak_step}"
+        if self.accumulate_grad_batches > 1 and self.peak_phase != "optimizer step":
+            where += f", {'first' if self.peak_micro_batch == 0 else 'a later'} micro-batch"
+        rows.append((f"peak ({where})", format_bytes(self.peak_bytes), "100.0%"))
         width = max(len(r[0]) for r in rows)
         lines = [f"{a:<{width}}  {b:>11}  {c}".rstrip() for a, b, c in rows]
         lines.insert(1, "-" * len(lines[0]))
@@ -130,10 +144,19 @@ class MemoryEstimate(StepCount):
         return "\n".join([head, self.table(), *(["assumed:", *notes] if notes else [])])
 
 
-def _check_arguments(module: Any, precision: str, optimizer: Any, device: str, steps: int, fake: bool) -> None:
+def _check_arguments(
+    module: Any, precision: str, optimizer: Any, device: str, steps: int, fake: bool, accumulate: int, manual: bool
+) -> None:
     check_choice("precision", precision, ESTIMATE_PRECISIONS)
     check_choice("device", device, ("cuda", "cpu"), hint="The CPU run models a CUDA target with `device='cuda'`.")
     check_positive_int("steps", steps)
+    check_positive_int("accumulate_grad_batches", accumulate)
+    if manual and accumulate > 1:
+        raise ValueError(
+            f"`accumulate_grad_batches`={accumulate} with manual optimization: Lightning refuses it too"
+            f" ({type(module).__name__}.automatic_optimization is False). Accumulate inside `training_step` and"
+            " estimate with `accumulate_grad_batches=1`."
+        )
     if not isinstance(module, nn.Module):
         raise ValueError(f"`module` must be an nn.Module (or LightningModule), got {type(module).__name__}.")
     if optimizer is not None and not callable(optimizer):
@@ -148,27 +171,6 @@ def _check_arguments(module: Any, precision: str, optimizer: Any, device: str, s
         )
 
 
-def _assumptions(
-    cuda: bool, fake: bool, foreach: bool, mode: str, dtype: torch.dtype | None, attention: dict[str, int] | None = None
-) -> tuple[str, ...]:
-    """What the estimate modelled and assumed, in words (:attr:`MemoryEstimate.assumptions`)."""
-    said = []
-    if cuda:
-        said.append("CUDA allocator: every tensor in 512-byte blocks (allocated bytes, not reserved)")
-        said.append(f"cuBLAS workspaces {format_bytes(CUBLAS_WORKSPACE_BYTES)} (default config, not sm90)")
-        if fake and attention:
-            said.append(attention_assumption(attention))
-        if foreach:
-            said.append("optimizer foreach=True (torch's default on CUDA)")
-        said.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
-    if mode == "mixed":
-        lists = "CUDA's float32 list (layer_norm, softmax, sum, ...) in float32" if cuda else "the CPU's op lists"
-        said.append(f"autocast to {dtype} around the training step, {lists}")
-    if not fake:
-        said.append("a real step on the CPU (fallback)")
-    return tuple(said)
-
-
 def estimate_memory(
     module: nn.Module,
     batch: Any,
@@ -180,6 +182,8 @@ def estimate_memory(
     loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
     fake: bool = True,
     steps: int = 2,
+    accumulate_grad_batches: int = 1,
+    gpu: str | tuple[int, int] | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step, without allocating it and without a GPU.
 
@@ -191,6 +195,13 @@ def estimate_memory(
     workspaces; not modelled: the CUDA context, the gap between reserved and allocated memory (fragmentation), cuDNN
     and NCCL buffers, DDP gradient buckets (about one more copy of the gradients per process). Leave a margin for
     them (:func:`plan_memory` does).
+
+    With ``accumulate_grad_batches`` the step is Lightning's accumulated one: the gradients made by the first
+    micro-batch are alive through every later micro-batch, whose backward adds into them (two micro-batches per
+    optimizer step are run; later ones repeat the second's memory exactly). A LightningModule with manual
+    optimization (``automatic_optimization = False``) runs its own ``training_step``: ``self.optimizers()`` gives the
+    optimizers of ``configure_optimizers`` (or ``optimizer``'s), ``self.manual_backward`` is counted as backward,
+    ``self.lr_schedulers()``, ``self.toggle_optimizer`` and ``self.untoggle_optimizer`` work without a Trainer.
 
     Args:
         module: a ``LightningModule`` (its ``training_step`` and ``configure_optimizers`` run) or a plain
@@ -208,13 +219,20 @@ def estimate_memory(
             the output's ``.loss``, a scalar output itself, or the sum of the output.
         fake: ``False`` runs a real step on the CPU instead (the fallback for a step that cannot run on fake tensors;
             it allocates the memory, so use a small batch).
-        steps: training steps to simulate (2 sees every peak: optimizer states appear at the first).
+        steps: optimizer steps to simulate (2 sees every peak: optimizer states appear at the first).
+        accumulate_grad_batches: micro-batches per optimizer step, as Lightning's ``Trainer`` argument (``batch`` is
+            one micro-batch).
+        gpu: the target GPU for ``device="cuda"``: a name from :data:`~lightning_memopt.planner.GPU_MEMORY`
+            (``"H100-80GB"``) or a compute capability (``(9, 0)``); it sets the cuBLAS workspace (32 MiB on compute
+            capability 9.0, else 8 MiB + 128 KiB, each; ``CUBLAS_WORKSPACE_CONFIG`` in the environment overrides
+            both). ``None``: not 9.0.
 
     Returns:
         a :class:`MemoryEstimate`; ``print(estimate)`` shows its breakdown and assumptions.
 
     Raises:
-        ValueError: an argument is not one the function takes (the message names it).
+        ValueError: an argument is not one the function takes (the message names it), or
+            ``accumulate_grad_batches`` > 1 with manual optimization.
         MemoryEstimateError: the step cannot run on fake tensors (the message names the operator and the
             fallback), the optimizer cannot be built, the training step returns no loss, or ``checkpointing``
             matches no submodule.
@@ -227,9 +245,12 @@ def estimate_memory(
         >>> est.optimizer_state_bytes == 2 * est.parameter_bytes + 4 * 4  # AdamW: two moments, a step per tensor
         True
     """
-    _check_arguments(module, precision, optimizer, device, steps, fake)
+    manual = loss_fn is None and is_manual_optimization(module)
+    _check_arguments(module, precision, optimizer, device, steps, fake, accumulate_grad_batches, manual)
     lightning = is_lightning_module(module)
     cuda = device == "cuda"
+    workspace_bytes, workspace_text = cublas_workspace(gpu)  # checks `gpu` before the run
+    schedulers: list[Any] = []
     kind, _, mode = precision.partition("-")  # "bf16-mixed": autocast; "bf16-true": weights and inputs cast
     dtype = _DTYPES.get(kind)
     checkpoint = checkpointing_prepare(checkpointing)
@@ -256,14 +277,16 @@ def estimate_memory(
             foreach_set.append(use_foreach(optimizers))
 
     corrections = fake_kernel_outputs("cuda" if cuda else "cpu")
+    capability = gpu_compute_capability(gpu)[0] if gpu is not None else DEFAULT_COMPUTE_CAPABILITY
     attending: contextlib.AbstractContextManager[dict[str, int]] = (
-        cuda_attention() if cuda and fake else contextlib.nullcontext({})
+        cuda_attention(capability) if cuda and fake else contextlib.nullcontext({})
     )
     started = time.perf_counter()
     # the CUDA models hold for the whole run: checkpointing recomputes the forward inside backward (under autocast
     # when the forward was); cuda_autocast acts only where autocast is on
     with (
         warnings.catch_warnings(),
+        _quiet_fake_tensor_log(),
         attending as attention,
         cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
     ):
@@ -273,8 +296,8 @@ def estimate_memory(
             counted = count_training_steps(
                 module,
                 batch,
-                step_function(loss_fn, lightning),
-                make_optimizers(optimizer, lightning),
+                manual_step_function() if manual else step_function(loss_fn, lightning),
+                make_optimizers(optimizer, lightning, schedulers),
                 fake=fake,
                 steps=steps,
                 block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
@@ -285,6 +308,8 @@ def estimate_memory(
                 prepare_optimizers=prepare_optimizers,
                 batch_fn=cast_batch,
                 dtype=dtype if mode == "true" else None,
+                accumulate_grad_batches=accumulate_grad_batches,
+                manual=manual_optimization(schedulers) if manual else None,
             )
         except FakeStepError as err:
             raise MemoryEstimateError(
@@ -295,14 +320,43 @@ def estimate_memory(
     seconds = time.perf_counter() - started
     counts = {f.name: getattr(counted, f.name) for f in dataclasses.fields(StepCount)}
     if cuda:  # the workspaces are taken once, beside every tensor
-        counts["peak_bytes"] = counted.peak_bytes + CUBLAS_WORKSPACE_BYTES
-        counts["at_peak"] = {**counted.at_peak, "workspace": CUBLAS_WORKSPACE_BYTES}
+        counts["peak_bytes"] = counted.peak_bytes + workspace_bytes
+        counts["at_peak"] = {**counted.at_peak, "workspace": workspace_bytes}
     return MemoryEstimate(
         **counts,
         device=device,
         precision=precision,
         fake=fake,
-        assumptions=(*_assumptions(cuda, fake, any(foreach_set), mode, dtype, attention), *corrections.assumptions()),
+        assumptions=assumptions(
+            cuda=cuda,
+            fake=fake,
+            foreach=any(foreach_set),
+            mode=mode,
+            dtype=dtype,
+            workspace=workspace_text,
+            accumulate=counted.accumulate_grad_batches,
+            attention=attention_assumption(attention, capability) if attention else None,
+            corrections=corrections.assumptions(),
+            manual=manual,
+        ),
         seconds=seconds,
         steps=steps,
     )
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Any:
+    """Drop the traceback fake tensors log for a failing operator while the estimate runs: the error itself is raised
+    (and reported) as it is, once. The logger is given back as it was."""
+    logger = logging.getLogger(_FAKE_TENSOR_LOGGER)
+    drop = _DropRecords()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

@@ -8,7 +8,16 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MemoryEstimateError", "checkpointing_prepare", "is_lightning_module", "make_optimizers", "step_function"]
+__all__ = [
+    "MemoryEstimateError",
+    "checkpointing_prepare",
+    "is_lightning_module",
+    "is_manual_optimization",
+    "make_optimizers",
+    "manual_optimization",
+    "manual_step_function",
+    "step_function",
+]
 
 
 class MemoryEstimateError(RuntimeError):
@@ -38,6 +47,16 @@ def is_lightning_module(module: nn.Module) -> bool:
         cls.__name__ == "LightningModule" and cls.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
         for cls in type(module).__mro__
     )
+
+
+def is_manual_optimization(module: nn.Module) -> bool:
+    """Whether ``module`` is a LightningModule that optimizes itself (``automatic_optimization = False``).
+
+    Example:
+        >>> is_manual_optimization(nn.Linear(2, 2))
+        False
+    """
+    return is_lightning_module(module) and not getattr(module, "automatic_optimization", True)
 
 
 def _loss_of(output: Any) -> Tensor:
@@ -83,8 +102,9 @@ def step_function(
     return lambda model, batch, batch_idx: _loss_of(_call_module(model, batch))
 
 
-def _lightning_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
-    """The optimizers of ``module.configure_optimizers()`` (any of Lightning's return forms), outside a Trainer."""
+def _lightning_optimizers(module: nn.Module, schedulers: list[Any] | None = None) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``module.configure_optimizers()`` (any of Lightning's return forms), outside a Trainer; its
+    LR schedulers are appended to ``schedulers``."""
     try:
         config = cast(Any, module).configure_optimizers()
     except Exception as err:  # the user's hook, run without a Trainer: the documented answer is `optimizer=`
@@ -97,8 +117,12 @@ def _lightning_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
     def collect(value: Any) -> None:
         if isinstance(value, torch.optim.Optimizer):
             found.append(value)
+        elif isinstance(value, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            if schedulers is not None:
+                schedulers.append(value)
         elif isinstance(value, dict):
             collect(value.get("optimizer"))
+            collect(value.get("scheduler", value.get("lr_scheduler")))
         elif isinstance(value, (tuple, list)):
             for item in value:
                 collect(item)
@@ -112,10 +136,10 @@ def _lightning_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
 
 
 def make_optimizers(
-    optimizer: Callable[[Any], torch.optim.Optimizer] | None, lightning: bool
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None, lightning: bool, schedulers: list[Any] | None = None
 ) -> Callable[[nn.Module], list[torch.optim.Optimizer]]:
     """``make(model) -> optimizers``: ``optimizer(trainable parameters)``, else ``configure_optimizers()`` of a
-    LightningModule, else ``AdamW`` over the trainable parameters.
+    LightningModule (its LR schedulers are appended to ``schedulers``), else ``AdamW`` over the trainable parameters.
 
     Example:
         >>> [type(o).__name__ for o in make_optimizers(None, lightning=False)(nn.Linear(2, 2))]
@@ -125,7 +149,7 @@ def make_optimizers(
     def make(model: nn.Module) -> list[torch.optim.Optimizer]:
         if optimizer is None:
             if lightning:
-                return _lightning_optimizers(model)
+                return _lightning_optimizers(model, schedulers)
             return [torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)]
         built = optimizer(p for p in model.parameters() if p.requires_grad)
         if not isinstance(built, torch.optim.Optimizer):
@@ -177,3 +201,60 @@ def checkpointing_prepare(
             )
 
     return prepare
+
+
+def _one_or_list(values: list[Any]) -> Any:
+    """Lightning's return form: ``None`` for none, the value for one, else the list."""
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else list(values)
+
+
+def manual_optimization(schedulers: list[Any]) -> Callable[[nn.Module, list[Any], Callable[..., None]], None]:
+    """``bind(model, optimizers, backward)``: what a manually optimized ``training_step`` asks its LightningModule
+    for, given to the model that runs (it has no Trainer).
+
+    ``self.optimizers()`` returns ``optimizers`` (Lightning's ``LightningOptimizer``-like wrappers; with
+    ``use_pl_optimizer=False`` the optimizers themselves), ``self.manual_backward(loss)`` is ``backward(loss)``,
+    ``self.lr_schedulers()`` returns ``schedulers`` (from ``configure_optimizers``) and ``self.toggle_optimizer`` /
+    ``self.untoggle_optimizer`` switch ``requires_grad`` as Lightning's do. Only the twin that runs is changed.
+    """
+
+    def bind(model: nn.Module, optimizers: list[Any], backward: Callable[..., None]) -> None:
+        raw = [getattr(o, "optimizer", o) for o in optimizers]
+        saved: dict[Tensor, bool] = {}
+
+        def toggle_optimizer(optimizer: Any) -> None:
+            saved.clear()
+            for opt in raw:  # Lightning's toggle: only the toggled optimizer's parameters keep requires_grad
+                for group in opt.param_groups:
+                    for param in group["params"]:
+                        if param not in saved:
+                            saved[param] = param.requires_grad
+                            param.requires_grad = False
+            for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+                for param in group["params"]:
+                    param.requires_grad = saved[param]
+
+        def untoggle_optimizer(optimizer: Any) -> None:
+            for param, requires_grad in saved.items():
+                param.requires_grad = requires_grad
+            saved.clear()
+
+        def optimizers_of(use_pl_optimizer: bool = True) -> Any:
+            return _one_or_list(optimizers if use_pl_optimizer else raw)
+
+        bound = vars(model)  # instance attributes: the class's methods (which need a Trainer) stay as they are
+        bound["optimizers"] = optimizers_of
+        bound["manual_backward"] = lambda loss, *args, **kwargs: backward(loss, *args, **kwargs)
+        bound["lr_schedulers"] = lambda: _one_or_list(schedulers)
+        bound["toggle_optimizer"] = toggle_optimizer
+        bound["untoggle_optimizer"] = untoggle_optimizer
+
+    return bind
+
+
+def manual_step_function() -> Callable[[nn.Module, Any, int], Any]:
+    """``step_fn(model, batch, batch_idx)``: a manually optimized ``training_step``, whose output is not a loss to
+    backpropagate (it may return nothing)."""
+    return lambda model, batch, batch_idx: cast(Any, model).training_step(batch, batch_idx)

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, parse_budget
+from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate
-from lightning_memopt.planner.model_step import MemoryEstimateError
+from lightning_memopt.planner.model_step import MemoryEstimateError, is_manual_optimization
 from lightning_memopt.planner.search import PlanTrial, Trials, divisors, needed_bytes
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
@@ -87,18 +87,19 @@ class MemoryPlan:
 
     def table(self) -> str:
         """What was tried, one row per estimate."""
-        rows = [("micro-batch", "precision", "checkpointing", "needs", "fits")]
+        rows = [("micro-batch", "accumulate", "precision", "checkpointing", "needs", "fits")]
         for t in self.trials:
             rows.append(
                 (
                     str(t.micro_batch_size),
+                    str(t.accumulate_grad_batches),
                     t.precision,
                     "yes" if t.checkpointing else "no",
                     format_bytes(t.needed_bytes),
                     "yes" if t.fits else "no",
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(f"{c:>{w}}" for c, w in zip(r, widths)) for r in rows]
         lines.insert(1, "-" * len(lines[0]))
         return "\n".join(lines)
@@ -123,15 +124,20 @@ class MemoryPlan:
         return "\n".join([head, self.table(), verdict])
 
 
-def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool) -> str:
-    """What would fit when micro-batch 1 does not (``estimate``): 8-bit optimizer states, FSDP over N GPUs, or
-    nothing but shorter samples or a larger device."""
+def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool, micro: int = 1) -> str:
+    """What would fit when the smallest micro-batch (``micro``, 1 unless the step cannot accumulate) does not
+    (``estimate``): 8-bit optimizer states, FSDP over N GPUs, or nothing but shorter samples or a larger device."""
     needed = needed_bytes(estimate, world)
     states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
     rest = needed - states
     how = " and activation checkpointing" if checkpointing else ""
     text = (
-        f"even micro-batch 1 with {estimate.precision}{how} needs {format_bytes(needed)};"
+        "manual optimization cannot accumulate gradients over micro-batches (Lightning refuses"
+        " `accumulate_grad_batches` with it), so the whole per-device batch was estimated: "
+        if micro > 1
+        else ""
+    ) + (
+        f"even micro-batch {micro} with {estimate.precision}{how} needs {format_bytes(needed)};"
         f" the model states (parameters, gradients, optimizer states) alone take {format_bytes(states)}."
     )
     optimizer = estimate.at_peak.get("optimizer_states", 0)
@@ -193,14 +199,19 @@ def plan_memory(
     loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
     device: str = "cuda",
     progress: Callable[[str], None] | None = None,
+    gpu: str | tuple[int, int] | None = None,
 ) -> MemoryPlan:
     """Choose micro-batch, accumulation, precision and checkpointing so a training step fits a memory budget.
 
-    Every candidate is estimated with :func:`estimate_memory` at its own micro-batch (peaks are not linear in the
-    batch, so nothing is extrapolated): first the whole per-device batch, then micro-batch 1, then a binary search
-    over the divisors of the per-device batch (the effective batch is kept exactly). Activation checkpointing is
-    chosen only when it at least doubles the micro-batch (it costs about a third more compute; halving the
-    accumulation saves more). Under DDP one more copy of the gradients (the buckets) is counted per device.
+    Every candidate is estimated with :func:`estimate_memory` at its own micro-batch and with the gradient
+    accumulation it would run with (peaks are not linear in the batch, so nothing is extrapolated; with accumulation
+    the gradients stay alive through every micro-batch): first the whole per-device batch, then micro-batch 1, then
+    a binary search over the divisors of the per-device batch (the effective batch is kept exactly). The chosen
+    setting's own estimate, with its accumulation, fits the usable memory. A LightningModule with manual
+    optimization cannot accumulate (Lightning refuses it), so only its whole per-device batch is estimated.
+    Activation checkpointing is chosen only when it at least doubles the micro-batch (it costs about a third more
+    compute; halving the accumulation saves more). Under DDP one more copy of the gradients (the buckets) is counted
+    per device.
 
     Args:
         module: as for :func:`estimate_memory`.
@@ -218,6 +229,8 @@ def plan_memory(
             checkpointing enabled) stays checkpointed.
         optimizer / loss_fn / device: as for :func:`estimate_memory`.
         progress: called with one line per estimate (the CLI prints them).
+        gpu: the target GPU for its cuBLAS workspace (see :func:`estimate_memory`); default: the GPU named by
+            ``budget_bytes``, or the current CUDA device's when ``budget_bytes`` is ``None``.
 
     Returns:
         a :class:`MemoryPlan`; ``plan.trainer_kwargs()`` builds the Trainer arguments. When even micro-batch 1
@@ -231,12 +244,12 @@ def plan_memory(
         >>> plan.micro_batch_size, plan.accumulate_grad_batches, plan.precision
         (8, 8, '32-true')
         >>> print(plan.table())
-        micro-batch  precision  checkpointing      needs  fits
-        ------------------------------------------------------
-                 64    32-true             no  72.02 MiB    no
-                  1    32-true             no  10.27 MiB   yes
-                  8    32-true             no  16.02 MiB   yes
-                 16    32-true             no  24.02 MiB    no
+        micro-batch  accumulate  precision  checkpointing      needs  fits
+        ------------------------------------------------------------------
+                 64           1    32-true             no  72.02 MiB    no
+                  1          64    32-true             no  10.27 MiB   yes
+                  8           8    32-true             no  17.02 MiB   yes
+                 16           4    32-true             no  25.02 MiB    no
     """
     from lightning_memopt.functional.presets import tier_for_memory
     from lightning_memopt.presets import MemoryPreset
@@ -244,6 +257,10 @@ def plan_memory(
     _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision)
     world = devices * num_nodes
     total, label, bf16 = parse_budget(budget_bytes)
+    if gpu is None and label in GPU_COMPUTE_CAPABILITY:
+        gpu = label
+    elif gpu is None and budget_bytes is None:
+        gpu = torch.cuda.get_device_capability()  # parse_budget read this device
     context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
     usable = int((total - context) * (1 - margin))
     if usable <= 0:
@@ -255,9 +272,14 @@ def plan_memory(
         precision = "32-true" if device == "cpu" else ("16-mixed" if bf16 is False else "bf16-mixed")
     options: list[Any] = [False, True] if checkpointing == "auto" else [checkpointing]
     sizes = divisors(effective_batch_size // world)
+    manual = loss_fn is None and is_manual_optimization(module)
+    if manual:
+        sizes = sizes[-1:]  # no accumulation: the whole per-device batch or nothing
     runs = Trials(
         module,
         batch_fn,
+        batch_per_device=effective_batch_size // world,
+        gpu=gpu,
         usable=usable,
         world=world,
         precision=precision,
@@ -310,7 +332,7 @@ def plan_memory(
             accumulate_grad_batches=None,
             gradient_checkpointing=option,
             estimate=smallest,
-            advice=_advice(smallest, usable, world, option),
+            advice=_advice(smallest, usable, world, option, micro=sizes[0]),
         )
     blocks = checkpointing if isinstance(checkpointing, (list, tuple)) else None
     preset = MemoryPreset.from_name(

@@ -21,6 +21,7 @@ class PlanTrial:
 
     Attributes:
         micro_batch_size / precision / checkpointing: the settings estimated.
+        accumulate_grad_batches: micro-batches per optimizer step at that micro-batch (the estimate ran with it).
         needed_bytes: the estimate's peak, plus one more copy of the gradients under DDP (its buckets).
         fits: whether ``needed_bytes`` is within the plan's usable bytes.
         seconds: how long the estimate took.
@@ -32,6 +33,7 @@ class PlanTrial:
     needed_bytes: int
     fits: bool
     seconds: float
+    accumulate_grad_batches: int = 1
 
 
 def needed_bytes(estimate: MemoryEstimate, world: int) -> int:
@@ -49,7 +51,10 @@ class Trials:
 
     Args:
         module / batch_fn: as for :func:`~lightning_memopt.plan_memory`.
+        batch_per_device: samples per optimizer step on one device: a micro-batch of ``size`` is estimated with
+            ``batch_per_device // size`` micro-batches accumulated, as the plan would run it.
         usable: the bytes a step may need (the budget less the CUDA context and the margin).
+        gpu: the target GPU (see :func:`~lightning_memopt.estimate_memory`).
         world: devices x nodes (over 1, DDP's gradient buckets are counted).
         precision / optimizer / device / loss_fn: as for :func:`~lightning_memopt.estimate_memory`.
         progress: called with one line per estimate.
@@ -58,8 +63,8 @@ class Trials:
     checkpointing)``).
 
     Example:
-        >>> runs = Trials(nn.Linear(8, 8), lambda b: torch.randn(b, 8), usable=10**6, world=1, precision="32-true",
-        ...               optimizer=None, device="cpu", loss_fn=None)
+        >>> runs = Trials(nn.Linear(8, 8), lambda b: torch.randn(b, 8), batch_per_device=4, usable=10**6, world=1,
+        ...               precision="32-true", optimizer=None, device="cpu", loss_fn=None)
         >>> runs.largest_fitting(False, divisors(4)), [t.micro_batch_size for t in runs.trials]
         (4, [4])
     """
@@ -69,6 +74,7 @@ class Trials:
         module: nn.Module,
         batch_fn: Callable[[int], Any],
         *,
+        batch_per_device: int,
         usable: int,
         world: int,
         precision: str,
@@ -76,16 +82,19 @@ class Trials:
         device: str,
         loss_fn: Callable[[nn.Module, Any], Tensor] | None,
         progress: Callable[[str], None] | None = None,
+        gpu: str | tuple[int, int] | None = None,
     ) -> None:
         self.module, self.batch_fn, self.usable, self.world = module, batch_fn, usable, world
+        self.batch_per_device, self.gpu = batch_per_device, gpu
         self.precision, self.optimizer, self.device, self.loss_fn = precision, optimizer, device, loss_fn
         self.progress = progress
         self.trials: list[PlanTrial] = []
         self.estimates: dict[tuple[int, bool], MemoryEstimate] = {}
 
     def fits(self, size: int, option: Any) -> bool:
-        """Estimate micro-batch ``size`` with checkpointing ``option`` (``False``: the model as it is); whether it
-        fits."""
+        """Estimate micro-batch ``size`` with checkpointing ``option`` (``False``: the model as it is) and the
+        accumulation it needs; whether it fits."""
+        accumulate = max(1, self.batch_per_device // size)
         est = estimate_memory(
             self.module,
             self.batch_fn(size),
@@ -94,14 +103,17 @@ class Trials:
             device=self.device,
             checkpointing=option or None,
             loss_fn=self.loss_fn,
+            accumulate_grad_batches=accumulate,
+            gpu=self.gpu if self.device == "cuda" else None,
         )
         needed = needed_bytes(est, self.world)
         ok = needed <= self.usable
-        self.trials.append(PlanTrial(size, self.precision, bool(option), needed, ok, est.seconds))
+        self.trials.append(PlanTrial(size, self.precision, bool(option), needed, ok, est.seconds, accumulate))
         self.estimates[(size, bool(option))] = est
         if self.progress is not None:
             self.progress(
-                f"micro-batch {size:>5}, {self.precision}, checkpointing {'on' if option else 'off'}:"
+                f"micro-batch {size:>5}, {self.precision}, accumulate {accumulate},"
+                f" checkpointing {'on' if option else 'off'}:"
                 f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)"
             )
         return ok

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from torch._subclasses import fake_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memopt.functional.planning.counter import LiveBytes, unique_storages
+from lightning_memopt.functional.planning.manual import CountedOptimizer, counted_backward
 from lightning_memopt.utilities._torch_private import backward_outside_torch_function
 
 __all__ = ["PEAK_PARTS", "FakeStepError", "StepCount", "count_training_steps", "fake_twin"]
@@ -67,6 +69,9 @@ class StepCount:
         parameter_bytes / trainable_parameter_bytes / buffer_bytes / gradient_bytes / optimizer_state_bytes /
             batch_bytes: the totals after the last step.
         phase_peaks: the highest count seen in ``forward``, ``backward`` and ``optimizer step``.
+        peak_micro_batch: the micro-batch of the peak within its optimizer step (0: the first, which starts from no
+            gradients; 1: a later one, whose backward adds into the gradients kept since the first).
+        accumulate_grad_batches: micro-batches per optimizer step.
     """
 
     peak_bytes: int
@@ -80,6 +85,21 @@ class StepCount:
     optimizer_state_bytes: int
     batch_bytes: int
     phase_peaks: dict[str, int] = field(default_factory=dict)
+    peak_micro_batch: int = 0
+    accumulate_grad_batches: int = 1
+
+
+class _StepBytes(LiveBytes):
+    """:class:`LiveBytes` that also notes the micro-batch of the peak."""
+
+    micro_batch = 0
+    peak_micro_batch = 0
+
+    def _record(self, level: int, totals: dict[str, int]) -> None:
+        before = self.peak
+        super()._record(level, totals)
+        if self.peak != before:
+            self.peak_micro_batch = self.micro_batch
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -105,7 +125,8 @@ def _fake_step_error(err: Exception) -> FakeStepError:
 def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are fake tensors of ``mode`` (no data copied).
 
-    Tied weights stay tied; the module itself is not changed. Parameters and buffers that are fake already (a model
+    Tied weights stay tied; the module itself is not changed. Tensors a module holds as plain attributes (torchmetrics
+    metric states) are faked too. Parameters and buffers that are fake already (a model
     built inside ``mode``) are used as they are. ``dtype`` casts the floating ones (``"bf16-true"``); with ``mode``
     ``None`` the copy holds real copies of the tensors. A model built on the meta device (``with torch.device("meta")``)
     gets fake CPU tensors of the same shapes: a large model can be estimated without ever holding its weights.
@@ -139,10 +160,13 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
         if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
             twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = twin
-    if mode is not None:  # other tensors a module holds (torchmetrics states, their defaults): fake too
-        for value in (v for m in module.modules() for v in tree_flatten(list(vars(m).values()))[0]):
-            if isinstance(value, Tensor) and id(value) not in memo and value.device.type != "meta":
-                memo[id(value)] = value if getattr(value, "fake_mode", None) is mode else mode.from_tensor(value)
+    for sub in module.modules():  # tensors held as plain attributes (torchmetrics states and their defaults)
+        for name, value in vars(sub).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            for tensor in tree_flatten(value)[0]:
+                if isinstance(tensor, Tensor) and id(tensor) not in memo and tensor.device.type != "meta":
+                    memo[id(tensor)] = tensor.detach().clone() if mode is None else mode.from_tensor(tensor)
     return copy.deepcopy(module, memo)
 
 
@@ -162,12 +186,22 @@ def count_training_steps(
     prepare_optimizers: Callable[[list[torch.optim.Optimizer]], None] | None = None,
     batch_fn: Callable[[Any], Any] | None = None,
     dtype: torch.dtype | None = None,
+    accumulate_grad_batches: int = 1,
+    manual: Callable[[nn.Module, list[CountedOptimizer], Callable[..., None]], None] | None = None,
 ) -> StepCount:
     """Run ``steps`` training steps in Lightning's order and count the bytes alive at every moment.
 
     Lightning's order is: ``step_fn`` (the training step), ``zero_grad(set_to_none=True)``, backward, the optimizer
     step; the previous step's gradients are alive during the next forward, and optimizer states appear at the first
-    step, so two steps see every peak.
+    step, so two steps see every peak. With ``accumulate_grad_batches`` over 1 an optimizer step is made of that many
+    micro-batches (forward, backward of the loss divided by it, as Lightning does); the first micro-batch's
+    ``zero_grad`` frees the gradients, later ones add into them, so their backward holds the gradients and new ones
+    at once. Micro-batches from the third on repeat the second's memory exactly: two per optimizer step are run.
+
+    With ``manual``, the step is manually optimized: ``manual(model, optimizers, backward)`` is called once the
+    optimizers exist, with :class:`CountedOptimizer` wrappers and a counted ``backward(loss, *args, **kwargs)``, to
+    hand them to the step (``self.optimizers()``, ``self.manual_backward``); ``step_fn`` then runs the whole step and
+    its return value is not used.
 
     Args:
         module: the model; never changed: a fake twin runs (``fake=False``: a real copy).
@@ -184,6 +218,8 @@ def count_training_steps(
         prepare_optimizers: called with the optimizers once they exist (e.g. :func:`use_foreach`).
         batch_fn: called with the (faked) batch before counting (e.g. a dtype cast).
         dtype: cast the model's floating parameters and buffers to it (``"bf16-true"``).
+        accumulate_grad_batches: micro-batches per optimizer step (gradient accumulation).
+        manual: binds the counted optimizers and backward to the model for a manually optimized step.
 
     Returns:
         a :class:`StepCount`.
@@ -199,7 +235,7 @@ def count_training_steps(
         >>> count.peak_bytes == 4 * (2 * 64 * 64 + 2 * 32 * 64) + 4, count.peak_phase  # W, its grad, x, y, the loss
         (True, 'forward')
     """
-    counter = LiveBytes(block_bytes, scratch, outputs)
+    counter = _StepBytes(block_bytes, scratch, outputs)
     mode = None
     if fake:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
@@ -209,6 +245,7 @@ def count_training_steps(
         )
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
     handles = []
+    micro_batches = 1 if manual is not None else min(accumulate_grad_batches, 2)
     try:
         with mode if mode is not None else contextlib.nullcontext():
             if prepare is not None:
@@ -234,22 +271,41 @@ def count_training_steps(
                 optimizers = make_optimizers(model)
                 if prepare_optimizers is not None:
                     prepare_optimizers(optimizers)
-                for step in range(steps):
-                    counter.step = step
-                    counter.phase = "forward"
-                    with step_context() if step_context is not None else contextlib.nullcontext():
-                        loss = step_fn(model, batch, step)
-                    counter.phase = "zero_grad"
-                    for optimizer in optimizers:
-                        optimizer.zero_grad(set_to_none=True)
-                    counter.phase = "backward"
-                    backward_outside_torch_function(loss)  # CUDA modes stay on for checkpointed recomputes
-                    del loss
-                    counter.phase = "optimizer step"
-                    for optimizer in optimizers:
-                        optimizer.step()
+
+                def label_states() -> None:
                     for state in _optimizer_state_tensors(optimizers):
                         counter.relabel(state, "optimizer_states")
+
+                if manual is not None:
+                    manual(
+                        model,
+                        [CountedOptimizer(o, counter, label_states) for o in optimizers],
+                        functools.partial(counted_backward, counter),
+                    )
+                for step in range(steps):
+                    counter.step = step
+                    for micro_batch in range(micro_batches):
+                        counter.micro_batch = micro_batch
+                        counter.phase = "forward"
+                        with step_context() if step_context is not None else contextlib.nullcontext():
+                            loss = step_fn(model, batch, step * accumulate_grad_batches + micro_batch)
+                            if manual is None and accumulate_grad_batches > 1:
+                                loss = loss / accumulate_grad_batches  # Lightning's normalised closure loss
+                        if manual is not None:
+                            del loss  # the step optimized itself
+                            continue
+                        if micro_batch == 0:  # Lightning zeroes the gradients at the first micro-batch only
+                            counter.phase = "zero_grad"
+                            for optimizer in optimizers:
+                                optimizer.zero_grad(set_to_none=True)
+                        counter.phase = "backward"
+                        backward_outside_torch_function(loss)  # CUDA modes stay on for checkpointed recomputes
+                        del loss
+                    if manual is None:
+                        counter.phase = "optimizer step"
+                        for optimizer in optimizers:
+                            optimizer.step()
+                        label_states()
                     counter.phase = "setup"
             states = unique_storages(_optimizer_state_tensors(optimizers))
             count = StepCount(
@@ -266,6 +322,8 @@ def count_training_steps(
                 phase_peaks={
                     k: v for k, v in counter.phase_peaks.items() if k in ("forward", "backward", "optimizer step")
                 },
+                peak_micro_batch=counter.peak_micro_batch,
+                accumulate_grad_batches=1 if manual is not None else accumulate_grad_batches,
             )
     except _FAKE_EXCEPTIONS as err:
         if not fake:

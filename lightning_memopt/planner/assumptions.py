@@ -1,0 +1,71 @@
+"""What an estimate modelled and assumed, in words (:attr:`~lightning_memopt.MemoryEstimate.assumptions`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_memopt.planner.budget import cublas_workspace_bytes, cublas_workspace_config, gpu_compute_capability
+from lightning_memopt.utilities.formatting import format_bytes
+
+__all__ = ["assumptions", "cublas_workspace"]
+
+
+def cublas_workspace(gpu: str | tuple[int, int] | None) -> tuple[int, str]:
+    """Bytes of the cuBLAS workspaces (one for forward's thread, one for backward's) and where the size comes from.
+
+    Example:
+        >>> cublas_workspace((9, 0))[0] == 2 * 32 * 1024**2
+        True
+    """
+    capability, label = gpu_compute_capability(gpu) if gpu is not None else (None, "")
+    config = cublas_workspace_config()
+    one = cublas_workspace_bytes(capability, config)
+    if config is not None:
+        why = f"CUBLAS_WORKSPACE_CONFIG={config!r}"
+    elif capability is None:
+        why = "torch's default for GPUs other than compute capability 9.0; `gpu='H100-80GB'` counts 32 MiB each"
+    else:
+        why = f"torch's default for {label}, compute capability {capability[0]}.{capability[1]}"
+    return 2 * one, f"cuBLAS workspaces 2 x {format_bytes(one)} ({why})"
+
+
+def assumptions(
+    *,
+    cuda: bool,
+    fake: bool,
+    foreach: bool,
+    mode: str,
+    dtype: torch.dtype | None,
+    workspace: str,
+    accumulate: int,
+    attention: str | None,
+    corrections: Sequence[str],
+    manual: bool,
+) -> tuple[str, ...]:
+    """The estimate's assumptions: accumulation, the CUDA models (allocator, ``workspace``, ``attention``,
+    ``foreach``), autocast, the fallback, the fake-kernel ``corrections`` made and manual optimization."""
+    said = []
+    if accumulate > 1:
+        said.append(
+            f"gradient accumulation over {accumulate} micro-batches: the gradients stay alive through every"
+            " micro-batch, later backwards add into them"
+        )
+    if cuda:
+        said.append("CUDA allocator: every tensor in 512-byte blocks (allocated bytes, not reserved)")
+        said.append(workspace)
+        if attention:
+            said.append(attention)
+        if foreach:
+            said.append("optimizer foreach=True (torch's default on CUDA)")
+        said.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
+    if mode == "mixed":
+        lists = "CUDA's float32 list (layer_norm, softmax, sum, ...) in float32" if cuda else "the CPU's op lists"
+        said.append(f"autocast to {dtype} around the training step, {lists}")
+    if not fake:
+        said.append("a real step on the CPU (fallback)")
+    said.extend(corrections)
+    if manual:
+        said.append("manual optimization: the training step run as written, with the optimizers it asks for")
+    return tuple(said)

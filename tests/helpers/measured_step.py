@@ -1,0 +1,96 @@
+"""The reference for the planner's estimates: Lightning's training steps run on real CPU tensors, every micro-batch
+of every optimizer step, with the bytes alive counted by the same live-storage counter (no fake tensors, no twin)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_memopt.functional.planning import LiveBytes
+
+__all__ = ["measured_peak", "trainer_peak", "training_step_loss"]
+
+
+def training_step_loss(model: nn.Module, batch: Any, batch_idx: int) -> Tensor:
+    """A LightningModule's ``training_step`` loss (a tensor or ``{"loss": ...}``)."""
+    out = model.training_step(batch, batch_idx)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def measured_peak(
+    module: nn.Module,
+    batch: Any,
+    *,
+    optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]],
+    loss: Callable[[nn.Module, Any, int], Tensor] | None = training_step_loss,
+    accumulate_grad_batches: int = 1,
+    steps: int = 2,
+    manual: Callable[[nn.Module, list[torch.optim.Optimizer]], None] | None = None,
+) -> int:
+    """The peak bytes of ``steps`` optimizer steps in Lightning's order on a copy of ``module``: per micro-batch the
+    loss (divided by ``accumulate_grad_batches`` when over 1), ``zero_grad`` at the first micro-batch only,
+    backward; the optimizer step after the last. ``manual(model, optimizers)`` instead prepares a manually optimized
+    module, whose ``training_step`` is then the whole step."""
+    model = copy.deepcopy(module)
+    model.train()
+    counter = LiveBytes()
+    for t in [*model.parameters(), *model.buffers(), *tree_flatten(batch)[0]]:
+        if isinstance(t, Tensor):
+            counter.track(t)
+    with counter, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")  # a LightningModule's step without its Trainer
+        opts = optimizers(model)
+        if manual is not None:
+            manual(model, opts)
+        for step in range(steps):
+            for micro in range(accumulate_grad_batches):
+                if manual is not None:
+                    model.training_step(batch, step)
+                    continue
+                value = loss(model, batch, step * accumulate_grad_batches + micro)
+                if accumulate_grad_batches > 1:
+                    value = value / accumulate_grad_batches
+                if micro == 0:
+                    for opt in opts:
+                        opt.zero_grad(set_to_none=True)
+                value.backward()
+                del value
+            if manual is None:
+                for opt in opts:
+                    opt.step()
+    return counter.peak
+
+
+def trainer_peak(module: Any, tmp_path: Any, *, accumulate_grad_batches: int = 1, optimizer_steps: int = 2) -> int:
+    """The peak bytes of a real ``Trainer.fit`` of a zoo ``module`` on the CPU (``optimizer_steps`` optimizer steps),
+    counted by the live-storage counter, less the training set (built before, alive throughout). Lightning adds a
+    few scalars of its own (the loss it keeps, logged values): tens of bytes."""
+    from tests.helpers.trainer import make_trainer
+
+    loader = module.train_dataloader()
+    module.train_dataloader = lambda: loader
+    counter = LiveBytes()
+    for t in [*module.parameters(), *module.buffers()]:
+        counter.track(t)
+    dataset = [t for t in tree_flatten(loader.dataset.batch)[0] if isinstance(t, Tensor)]
+    for t in dataset:
+        counter.track(t, "dataset")
+    manual = not module.automatic_optimization
+    config = module.configure_optimizers() if manual else None  # manual: every optimizer steps once per batch
+    optimizers = len(config) if isinstance(config, (list, tuple)) else 1
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=optimizer_steps * optimizers,
+        limit_train_batches=optimizer_steps * accumulate_grad_batches,
+        limit_val_batches=0,
+        accumulate_grad_batches=accumulate_grad_batches,
+    )
+    with counter:
+        trainer.fit(module)
+    return counter.peak - sum(t.untyped_storage().nbytes() for t in dataset)
