@@ -11,27 +11,17 @@ from lightning_memopt import estimate_memory, plan_memory
 from tests.helpers.measured_step import trainer_peak
 from tests.helpers.zoo import ZooModel, zoo_params
 
-#: Fake kernels that report less than the real ones (the correction is its own change).
-SHORT_FAKE_KERNELS = {
-    "lstm": "on fake tensors mkldnn_rnn_layer reports no workspace; the real CPU kernel allocates one per layer",
-}
-#: CUDA estimates that fail until the attention kernel is chosen as torch's dispatcher would (its own change).
-CUDA_FAILURES = {
-    "t5": "the CUDA attention stand-in refuses T5's attention mask, which requires grad (learned position bias)",
-}
 #: Zoo entries whose estimates take over 2 s on a loaded CPU, and those whose plans do (several estimates each).
 SLOW, SLOW_PLANS = ("t5", "bert"), ("t5", "bert", "resnet", "lstm")
 
 
-def params(xfail=None, slow=SLOW):
+def params(slow=SLOW):
     out = []
     for param in zoo_params():
         entry = param.values[0]
         marks = list(param.marks)
         if entry.name in slow:
             marks.append(pytest.mark.slow)
-        if xfail and entry.name in xfail:
-            marks.append(pytest.mark.xfail(reason=xfail[entry.name], strict=False))
         out.append(pytest.param(entry, id=entry.name, marks=marks))
     return out
 
@@ -40,7 +30,7 @@ def accumulation(entry: ZooModel) -> int:
     return 2 if entry.automatic_optimization else 1  # Lightning refuses accumulation with manual optimization
 
 
-@pytest.mark.parametrize("entry", params(xfail=SHORT_FAKE_KERNELS))
+@pytest.mark.parametrize("entry", params())
 def test_the_cpu_estimate_equals_a_real_step_and_a_real_trainer_fit(entry, tmp_path):
     module, batch, accumulate = entry.build(batch_size=4), entry.batch(4), accumulation(entry)
     before = {k: v.clone() for k, v in module.state_dict().items()}
@@ -58,7 +48,7 @@ def test_the_cpu_estimate_equals_a_real_step_and_a_real_trainer_fit(entry, tmp_p
     assert 0 <= fit - est.peak_bytes <= 64  # Lightning's own scalars: the loss it keeps, logged values
 
 
-@pytest.mark.parametrize("entry", params(xfail=SHORT_FAKE_KERNELS, slow=SLOW_PLANS))
+@pytest.mark.parametrize("entry", params(slow=SLOW_PLANS))
 def test_a_plan_holds_with_the_accumulation_it_recommends(entry):
     """The whole batch just does not fit: the plan splits it (or, for manual optimization, says nothing fits), and
     the chosen micro-batch's real step, with its accumulation, fits."""
@@ -87,7 +77,7 @@ def test_a_plan_holds_with_the_accumulation_it_recommends(entry):
     assert real.peak_bytes <= plan.usable_bytes
 
 
-@pytest.mark.parametrize("entry", params(xfail=CUDA_FAILURES))
+@pytest.mark.parametrize("entry", params())
 def test_every_zoo_model_has_a_cuda_estimate_and_an_h100_plan(entry, monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     module, batch = entry.build(), entry.batch(4)
