@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lightning_memopt.callbacks._micro_batch_loop import MicroBatchOptimization, optimization_class
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
+from lightning_memopt.functional.ddp_sync import check_ddp_for_micro_batches
 from lightning_memopt.utilities.checks import check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
@@ -128,6 +129,10 @@ class AutoMicroBatch(Callback):
             self._original = current
             loop_class = optimization_class(namespace_of(trainer).__name__)
             epoch_loop.automatic_optimization = loop_class(trainer, self, current)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_ddp_for_micro_batches(trainer.strategy.model)  # DDP wraps the model after setup, before this hook
 
     def _give_back(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop

@@ -146,8 +146,17 @@ class Agreement:
         """Backward without the DDP reducer's sync (only when active)."""
         return self._no_sync() if self.active and self._no_sync is not None else contextlib.nullcontext()
 
-    def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """One all-reduce for the step (per dtype), averaged as DDP does; a gradient no rank has stays ``None``."""
+    def average_gradients(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        reduce: Callable[[Sequence[torch.nn.Parameter]], None] | None = None,
+    ) -> None:
+        """One all-reduce for the step (per dtype), averaged as DDP does; a gradient no rank has stays ``None``.
+
+        ``reduce(params)``, when given, reduces the gradients instead of the plain average (DDP's communication hook,
+        :func:`~lightning_memopt.functional.ddp_sync.gradient_reduction`); it gets the parameters that some rank has
+        a gradient for, each with a gradient (zeros on a rank that had none).
+        """
         world = torch.distributed.get_world_size()
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(has, op=torch.distributed.ReduceOp.MAX)
@@ -158,6 +167,9 @@ class Agreement:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.setdefault(p.grad.dtype, []).append((p, p.grad))
+        if reduce is not None:
+            reduce([p for group in grads.values() for p, _ in group])
+            return
         for group in grads.values():
             flat = torch.cat([g.reshape(-1) for _, g in group])
             torch.distributed.all_reduce(flat)
