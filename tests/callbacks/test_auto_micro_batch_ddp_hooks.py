@@ -179,3 +179,66 @@ def test_an_oom_on_one_rank_never_hangs_and_the_hook_still_runs_once_per_step(ho
     for rank in ranks:  # both ranks halved together, 4 -> 2, and rank 0 (plenty of memory) followed rank 1
         assert (rank["micro"], rank["retries"]) == (2, 1)
         assert rank["sizes"][: len(first_tries)] == first_tries
+
+
+# ------------------------------------------------------------------------------------------- the cost model
+
+
+def _benchmark():
+    import importlib.util
+    import sys
+
+    from tests.helpers.subprocess_run import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # it imports benchmarks/_machine.py
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "auto_microbatch_bench", REPO_ROOT / "benchmarks/auto_microbatch.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    return module
+
+
+def test_the_sync_cost_model_in_its_two_limits():
+    model = _benchmark().ddp_sync_model
+    ring = 2 * (8 - 1) / 8  # bytes a ring all-reduce moves per byte of gradient, 8 ranks
+    # communication-bound, 10 equal buckets: DDP starts when the first bucket is ready, 1/10 into backward
+    slow = model(10e9, 1e9, backward_s=1.0, world_size=8, bucket_bytes=1e9)
+    assert slow["all_reduce_s"] == pytest.approx(10 * ring)
+    assert slow["reducer_s"] == pytest.approx(0.1 + 10 * ring)
+    assert slow["added_s"] == pytest.approx(1.0 - 0.1)
+    # compute-bound: DDP hides all but the last bucket's all-reduce behind backward
+    fast = model(10e9, 1000e9, backward_s=1.0, world_size=8, bucket_bytes=1e9)
+    assert fast["reducer_s"] == pytest.approx(1.0 + ring * 1e9 / 1000e9)
+    assert fast["added_s"] == pytest.approx(ring * 9e9 / 1000e9)
+    # one bucket: DDP cannot overlap either, nothing is lost
+    assert model(1e9, 10e9, backward_s=1.0, bucket_bytes=2e9)["added_s"] == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_benchmark_prints_the_ddp_sync_model_and_your_case(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers.subprocess_run import REPO_ROOT
+
+    out = tmp_path / "ddp.json"
+    args = ["--ddp-model-only", "--grad-gb", "5.2", "--bus-gbps", "20", "--backward-s", "0.2", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "auto_microbatch.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "your case: 5.2 GB of gradients at 20.0 GB/s" in proc.stdout
+    result = json.loads(out.read_text())
+    links = {row["link"] for row in result["ddp_sync_model"]}
+    assert "PCIe 4.0 x16, 8 GPUs" in links and len(result["ddp_sync_model"]) == 10
+    assert all(0 <= row["added_s"] <= min(row["backward_s"], row["all_reduce_s"]) for row in result["ddp_sync_model"])
+    assert result["your_case"]["explicit_s"] == pytest.approx(0.2 + 2 * 7 / 8 * 5.2 / 20)
