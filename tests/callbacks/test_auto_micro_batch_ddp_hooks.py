@@ -67,8 +67,9 @@ def test_hook_names(one_process_group):
     assert gradient_reduction(python_hook) is not None
 
 
-def test_the_hook_reduces_every_bucket_once_and_its_result_becomes_the_gradients(one_process_group):
-    ddp = _ddp(_model())
+@pytest.mark.parametrize("as_view", [False, True], ids=["grad-copies", "gradient_as_bucket_view"])
+def test_the_hook_reduces_every_bucket_once_and_its_result_becomes_the_gradients(one_process_group, as_view):
+    ddp = _ddp(_model(), gradient_as_bucket_view=as_view)
     calls = []
 
     def doubling_hook(state, bucket):
