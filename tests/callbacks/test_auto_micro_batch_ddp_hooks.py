@@ -104,6 +104,28 @@ def test_average_gradients_hands_every_gradient_any_rank_has_to_the_hook(one_pro
     assert params[-1].grad is None
 
 
+def test_the_plain_average_all_reduces_at_most_a_bucket_at_a_time(one_process_group, monkeypatch):
+    module = _model()  # 64x64 weights: 16 KiB of fp32 gradient each
+    params = list(module.parameters())
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, float(i + 1))
+    sizes = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        sizes.append(tensor.numel() * tensor.element_size())
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", recording)
+    Agreement(True, "cpu").average_gradients(params, bucket_bytes=20 * 1024)
+    grad_bytes = [p.numel() * p.element_size() for p in params]
+    assert sizes[0] == len(params) * 8  # the flags of which parameters have a gradient (int64)
+    assert sum(sizes[1:]) == sum(grad_bytes) and len(sizes) > 2
+    assert max(sizes[1:]) <= max(20 * 1024, *grad_bytes)  # a larger gradient goes alone
+    for i, p in enumerate(params):  # one process: the average is the gradient itself, each in its place
+        assert torch.equal(p.grad, torch.full_like(p, float(i + 1)))
+
+
 def test_a_hook_that_cannot_run_on_buckets_is_refused_naming_the_hook_and_the_choice(one_process_group):
     ddp = _ddp(_model())
     ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
