@@ -16,12 +16,21 @@ batch (every buffer copied, the module walked) and after it.
     python benchmarks/auto_microbatch.py --out benchmarks/results/auto_microbatch_cpu.json
     python benchmarks/auto_microbatch.py --quick
     python benchmarks/auto_microbatch.py --snapshot-only
+
+A DDP section prints what the callback's explicit gradient sync costs on a GPU cluster (a model: the all-reduce no
+longer overlaps the last micro-batch's backward) and, with ``--ddp``, measures it on 2 CPU processes (gloo): time per
+step with the callback's explicit sync vs DDP's own reducer, alternating, ratio printed.
+
+    python benchmarks/auto_microbatch.py --ddp --out benchmarks/results/auto_microbatch_ddp_cpu.json
+    python benchmarks/auto_microbatch.py --ddp-model-only --grad-gb 5.2 --bus-gbps 20 --backward-s 0.2
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -185,6 +194,180 @@ def fit(model: Model, steps: int, root: Path, accumulate: int = 1, callbacks: li
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+# ------------------------------------------------------------------------------------------- DDP: the explicit sync
+
+#: All-reduce bus bandwidth in bytes/s, as nccl-tests reports it (``busbw``) for large messages: typical orders of
+#: magnitude, not measured here. Pass your own with ``--bus-gbps``.
+DDP_LINKS = {
+    "NVLink 4, 8x H100 SXM": 450e9,
+    "NVLink 3, 8x A100 SXM": 230e9,
+    "PCIe 4.0 x16, 8 GPUs": 20e9,
+    "InfiniBand NDR 400 Gb/s, nodes": 45e9,
+    "InfiniBand HDR 200 Gb/s, nodes": 22e9,
+}
+#: (name, parameters, tokens per micro-batch); fp32 gradients (mixed precision keeps them in fp32).
+DDP_MODELS = [("124M params", 124e6, 8 * 1024), ("1.3B params", 1.3e9, 8 * 2048)]
+#: The throughput a backward reaches (an H100 at about 30 % of its dense bf16 peak): backward = 4 * params * tokens.
+DDP_FLOPS = 300e12
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def ddp_sync_model(
+    grad_bytes: float,
+    bus_bytes_per_s: float,
+    backward_s: float,
+    world_size: int = 8,
+    bucket_bytes: float = BUCKET_BYTES,
+    latency_s: float = 0.0,
+) -> dict[str, float]:
+    """Seconds from the start of the last micro-batch's backward to averaged gradients: DDP's reducer vs explicit sync.
+
+    DDP's reducer all-reduces a bucket as soon as backward has produced its gradients (they come out at an even rate
+    over ``backward_s``; buckets of ``bucket_bytes``, one all-reduce at a time), so communication hides behind the
+    backward of earlier layers: it ends near ``max(backward, all-reduce)`` plus the last bucket's all-reduce. The
+    explicit sync (AutoMicroBatch) all-reduces after backward: ``backward + all-reduce``. A ring all-reduce of ``b``
+    bytes over ``world_size`` ranks takes ``latency_s + 2 (w - 1) / w * b / bus``.
+
+    Example:
+        >>> m = ddp_sync_model(4e9, 20e9, backward_s=0.2, world_size=2)  # 4 GB of gradients over PCIe
+        >>> round(m["all_reduce_s"], 3), round(m["explicit_s"], 3), m["added_s"] > 0.15
+        (0.2, 0.4, True)
+    """
+
+    def all_reduce(size: float) -> float:
+        return latency_s + 2 * (world_size - 1) / world_size * size / bus_bytes_per_s
+
+    end = done = 0.0
+    while done < grad_bytes:
+        size = min(bucket_bytes, grad_bytes - done)
+        done += size
+        end = max(end, backward_s * done / grad_bytes) + all_reduce(size)  # ready when backward reached it
+    explicit = backward_s + all_reduce(grad_bytes)
+    return {"all_reduce_s": all_reduce(grad_bytes), "reducer_s": end, "explicit_s": explicit, "added_s": explicit - end}
+
+
+def ddp_model_rows(world_size: int = 8, echo: bool = True) -> list[dict]:
+    """:func:`ddp_sync_model` for every model of ``DDP_MODELS`` on every link of ``DDP_LINKS`` (``echo``: printed)."""
+    rows = []
+    say = print if echo else lambda *a, **k: None
+    say(
+        f"DDP: explicit sync vs DDP's reducer, model ({world_size} GPUs, {BUCKET_BYTES // 2**20} MiB buckets, backward"
+        f" of the last micro-batch at {DDP_FLOPS / 1e12:.0f} TFLOP/s)"
+    )
+    say("  added: per optimizer step, and in % of one micro-batch's forward + backward (1.5 x backward)")
+    head = f"{'GB/s':>5s} {'bwd s':>7s} {'a-r s':>7s} {'DDP s':>7s} {'ours s':>7s} added"
+    say(f"  {'gradients':24s} {'link':32s} {head}")
+    for name, params, tokens in DDP_MODELS:
+        backward = 4 * params * tokens / DDP_FLOPS
+        for link, bus in DDP_LINKS.items():
+            m = ddp_sync_model(4 * params, bus, backward, world_size)
+            row = {
+                "model": name,
+                "grad_bytes": 4 * params,
+                "link": link,
+                "bus_bytes_per_s": bus,
+                "backward_s": backward,
+            }
+            rows.append({**row, **m})
+            say(
+                f"  {name + f' ({4 * params / 1e9:.1f} GB)':24s} {link:32s} {bus / 1e9:5.0f} {backward:7.3f}"
+                f" {m['all_reduce_s']:7.3f} {m['reducer_s']:7.3f} {m['explicit_s']:7.3f} +{m['added_s']:.3f} s"
+                f" ({m['added_s'] / (1.5 * backward):.0%})"
+            )
+    return rows
+
+
+def fit_ddp(model: Model, steps: int, root: Path, callbacks: list | None = None) -> list[float]:
+    """Seconds per step of a 2-process DDP fit on CPU (gloo), from the third step on."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        callbacks=callbacks or [],
+    )
+    trainer.fit(model)
+    ends = model.step_ends[1:]
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
+def measure_ddp(width: int, batch: int, steps: int, repeats: int, root: Path) -> dict:
+    """Median seconds per step, DDP's reducer vs the callback's explicit sync (one micro-batch), alternating."""
+    import statistics
+
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {"reducer": [], "explicit": []}
+    n = batch * 2 * (steps + 1)
+    fit_ddp(Model(width, batch, n), 3, root)  # warm-up
+    for r in range(repeats):
+        for name in ("reducer", "explicit") if r % 2 == 0 else ("explicit", "reducer"):
+            callbacks = [AutoMicroBatch(micro_batch_size=batch)] if name == "explicit" else []
+            times[name] += fit_ddp(Model(width, batch, n), steps, root, callbacks)
+    grads = torch.zeros(sum(p.numel() for p in Model(width, batch, 1).parameters()))
+    all_reduce, flag = [], []
+    for _ in range(10):
+        start = time.perf_counter()
+        dist.all_reduce(grads)
+        all_reduce.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        dist.all_reduce(torch.zeros(1))  # one of the callback's agreement flags
+        flag.append(time.perf_counter() - start)
+    reducer, explicit = statistics.median(times["reducer"]), statistics.median(times["explicit"])
+    result = {
+        "width": width,
+        "batch": batch,
+        "grad_bytes": grads.numel() * 4,
+        "reducer_step_s": reducer,
+        "explicit_step_s": explicit,
+        "ratio": explicit / reducer,
+        "all_reduce_s": statistics.median(all_reduce),
+        "flag_all_reduce_s": statistics.median(flag),
+        "steps_timed": {k: len(v) for k, v in times.items()},
+    }
+    if dist.get_rank() == 0:
+        print(
+            f"DDP on 2 CPU processes (gloo), {grads.numel() * 4 / 2**20:.0f} MiB of gradients, batch {batch}: median"
+            f" step {reducer:.4f} s with DDP's reducer, {explicit:.4f} s with AutoMicroBatch's explicit sync ->"
+            f" {explicit / reducer:.3f}x (all-reduce of the gradients alone {result['all_reduce_s']:.4f} s; of a"
+            f" 1-element flag {result['flag_all_reduce_s']:.5f} s, 3 per step here)"
+        )
+    return result
+
+
+def ddp_main(args: argparse.Namespace) -> int:
+    """``--ddp``: the model table and the 2-process measurement; ``--ddp-model-only``: the model alone."""
+    rows = ddp_model_rows(echo=os.environ.get("LOCAL_RANK", "0") == "0")  # Lightning starts rank 1 with this file
+    result: dict = {"ddp_sync_model": rows}
+    if args.grad_gb is not None:
+        m = ddp_sync_model(args.grad_gb * 1e9, args.bus_gbps * 1e9, args.backward_s, args.world_size)
+        print(
+            f"your case: {args.grad_gb} GB of gradients at {args.bus_gbps} GB/s, backward {args.backward_s} s on"
+            f" {args.world_size} GPUs: DDP {m['reducer_s']:.3f} s, explicit {m['explicit_s']:.3f} s, added"
+            f" {m['added_s']:.3f} s per optimizer step"
+        )
+        result["your_case"] = m
+    if args.ddp:
+        torch.set_num_threads(1)
+        width, batch, steps, repeats = (512, 32, 6, 1) if args.quick else (args.width, args.batch, args.steps, 4)
+        result["ddp_measured"] = measure_ddp(width, batch, steps, repeats, Path("/tmp/auto_microbatch_bench"))
+        result["machine"] = machine_info("cpu")
+        result["command"] = "python " + " ".join(sys.argv)
+        if torch.distributed.get_rank() != 0:
+            return 0
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
@@ -195,7 +378,17 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few seconds, for smoke tests")
     parser.add_argument("--out", default=None)
     parser.add_argument("--snapshot-only", action="store_true", help="only the retry snapshot's cost")
+    parser.add_argument("--ddp", action="store_true", help="the DDP sync model, then 2 CPU processes (gloo)")
+    parser.add_argument("--ddp-model-only", action="store_true", help="the DDP sync model, nothing run")
+    parser.add_argument("--grad-gb", type=float, default=None, help="your gradients (GB) for the DDP sync model")
+    parser.add_argument("--bus-gbps", type=float, default=20.0, help="your all-reduce bus bandwidth (GB/s)")
+    parser.add_argument("--backward-s", type=float, default=0.2, help="your last micro-batch's backward (s)")
+    parser.add_argument("--world-size", type=int, default=8)
     args = parser.parse_args()
+    if args.ddp or args.ddp_model_only:
+        if args.ddp and not args.quick:
+            args.width, args.batch, args.steps = 2048, 64, 20
+        return ddp_main(args)
     if args.quick:
         args.width, args.batch, args.micro, args.steps, args.repeats = 64, 32, 8, 4, 1
     torch.set_num_threads(1)
@@ -244,6 +437,7 @@ def main() -> int:
         f"{callback.micro_batch_size}): {recovery:.3f} s from the first error to the end of that step;"
         f" a normal step {normal:.3f} s"
     )
+    ddp_rows = ddp_model_rows()
     result = {
         "command": "python benchmarks/auto_microbatch.py" + (" --quick" if args.quick else ""),
         "machine": machine_info("cpu"),
@@ -259,6 +453,7 @@ def main() -> int:
             "micro_batch_size": callback.micro_batch_size,
         },
         "snapshot": snapshots,
+        "ddp_sync_model": ddp_rows,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_memopt.functional.ddp_sync import gradient_reduction
 from lightning_memopt.functional.memory import empty_device_cache
 from lightning_memopt.functional.micro_batch import count_samples, micro_batch_of
 from lightning_memopt.functional.micro_batch_retry import (
+    BUCKET_BYTES,
     Agreement,
     MicroBatchPart,
     combine_losses,
@@ -116,6 +118,9 @@ class MicroBatchOptimization:
             saved = snapshot_grads(params)
         # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end
         sync_at_end = comm.active and backward_fn is not None and not trainer.fit_loop._should_accumulate()
+        # ... through the DDP communication hook the user registered, if any (on DDP's own buckets)
+        reduce = gradient_reduction(trainer.strategy.model) if sync_at_end else None
+        bucket_bytes = getattr(trainer.strategy.model, "bucket_bytes_cap", BUCKET_BYTES)  # DDP's bucket_cap_mb
         results = trainer._results
         snapshot = owner._keep(pl_module, results, size)  # before the first attempt: what a retry puts back
         zeroed = [False]
@@ -166,7 +171,7 @@ class MicroBatchOptimization:
             )
             owner._went_through(snapshot, pl_module)
             if sync_at_end:
-                comm.average_gradients(params)
+                comm.average_gradients(params, reduce, bucket_bytes)
             return self._result_class(combine_losses(parts, n, accumulate), extra=parts[-1].extra if parts else {})
         finally:
             if results is not None and whole is not None:

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lightning_memopt.callbacks._micro_batch_loop import MicroBatchOptimization, optimization_class
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
+from lightning_memopt.functional.ddp_sync import check_ddp_for_micro_batches, check_strategy_for_micro_batches
 from lightning_memopt.functional.micro_batch import check_first_batch, loader_batch_size
 from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
@@ -125,15 +126,8 @@ class AutoMicroBatch(Callback):
                 " automatic optimization."
             )
         strategy = trainer.strategy
-        name = type(strategy).__name__
-        if any(word in name for word in ("FSDP", "DeepSpeed", "ModelParallel", "Tensor")) or (
-            trainer.world_size > 1 and not is_instance(strategy, "strategies.DDPStrategy")
-        ):
-            raise ValueError(
-                f"AutoMicroBatch cannot split the batches of strategy {name}: it runs collectives inside forward and"
-                " backward, which a rank that ran out of memory never reaches (the others would hang). It works on"
-                ' one device and with DDP (`strategy="ddp"`); remove the callback for this strategy.'
-            )
+        is_ddp = is_instance(strategy, "strategies.DDPStrategy")
+        check_strategy_for_micro_batches(type(strategy).__name__, trainer.world_size, is_ddp)
         if not self._restored:
             self._reset()
         self._first_size = None
@@ -147,6 +141,10 @@ class AutoMicroBatch(Callback):
             self._original = current
             loop_class = optimization_class(namespace_of(trainer).__name__)
             epoch_loop.automatic_optimization = loop_class(trainer, self, current)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_ddp_for_micro_batches(trainer.strategy.model)  # DDP wraps the model after setup, before this hook
 
     def _give_back(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop

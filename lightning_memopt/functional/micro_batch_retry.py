@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "BUCKET_BYTES",
     "Agreement",
     "MicroBatchPart",
     "combine_losses",
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 OK, RETRY, GIVE_UP = 0, 1, 2
+#: The most gradient bytes one all-reduce of :meth:`Agreement.average_gradients` carries: DDP's default bucket_cap_mb.
+BUCKET_BYTES = 25 * 2**20
 
 
 class MicroBatchPart(NamedTuple):
@@ -177,8 +180,20 @@ class Agreement:
         """Backward without the DDP reducer's sync (only when active)."""
         return self._no_sync() if self.active and self._no_sync is not None else contextlib.nullcontext()
 
-    def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """One all-reduce for the step (per dtype), averaged as DDP does; a gradient no rank has stays ``None``."""
+    def average_gradients(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        reduce: Callable[[Sequence[torch.nn.Parameter]], None] | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        """Average the gradients over the ranks as DDP does; a gradient no rank has stays ``None``.
+
+        One all-reduce per bucket of at most ``bucket_bytes`` (DDP's ``bucket_cap_mb``; a larger gradient is a bucket
+        of its own) of one dtype, so the copy the all-reduce works on never holds more than one bucket.
+        ``reduce(params)``, when given, reduces the gradients instead of the plain average (DDP's communication hook,
+        :func:`~lightning_memopt.functional.ddp_sync.gradient_reduction`); it gets the parameters that some rank has
+        a gradient for, each with a gradient (zeros on a rank that had none).
+        """
         world = torch.distributed.get_world_size()
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=self.device)
         torch.distributed.all_reduce(has, op=torch.distributed.ReduceOp.MAX)
@@ -189,15 +204,34 @@ class Agreement:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.setdefault(p.grad.dtype, []).append((p, p.grad))
+        if reduce is not None:
+            reduce([p for group in grads.values() for p, _ in group])
+            return
         for group in grads.values():
-            flat = torch.cat([g.reshape(-1) for _, g in group])
-            torch.distributed.all_reduce(flat)
-            flat.div_(world)
-            offset = 0
-            for _, g in group:
-                count = g.numel()
-                g.copy_(flat[offset : offset + count].view_as(g))
-                offset += count
+            for bucket in _buckets([g for _, g in group], bucket_bytes):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                torch.distributed.all_reduce(flat)
+                flat.div_(world)
+                offset = 0
+                for g in bucket:
+                    count = g.numel()
+                    g.copy_(flat[offset : offset + count].view_as(g))
+                    offset += count
+                del flat
+
+
+def _buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
+    """``tensors`` in order, grouped into runs of at most ``bucket_bytes`` (a larger tensor alone)."""
+    buckets: list[list[Tensor]] = []
+    size = bucket_bytes
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
 
 
 def run_micro_batches(

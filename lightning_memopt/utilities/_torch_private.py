@@ -1,6 +1,6 @@
 """The quarantine for private torch APIs.
 
-Every call into a private torch API (allocator history, OOM observers, snapshot dumps) lives in this
+Every call into a private torch API (allocator history, OOM observers, snapshot dumps, DDP's reducer) lives in this
 module, behind feature checks, so that a torch upgrade that moves one of them breaks one file and
 degrades to a warning, never a crash.
 """
@@ -14,6 +14,11 @@ import torch
 
 __all__: list[str] = [
     "backward_outside_torch_function",
+    "ddp_comm_hook_name",
+    "ddp_delays_all_reduce",
+    "ddp_gradient_buckets",
+    "ddp_replays_comm_hook",
+    "run_ddp_comm_hook",
     "dump_memory_snapshot",
     "storage_weak_ref",
     "start_memory_history",
@@ -131,3 +136,61 @@ def backward_outside_torch_function(loss: torch.Tensor) -> None:
     engine.run_backward(
         (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
+
+
+def ddp_comm_hook_name(module: Any) -> str | None:
+    """The communication hook registered on a ``DistributedDataParallel`` module; ``None`` when there is none.
+
+    A Python hook (``register_comm_hook``) is named ``module.qualname``; a built-in C++ hook
+    (``_register_builtin_comm_hook``) by the name DDP logs for it (``BuiltinCommHookType.FP16_COMPRESS``).
+
+    Example:
+        >>> ddp_comm_hook_name(torch.nn.Linear(2, 2)) is None  # not DDP: no hook
+        True
+    """
+    hooks = getattr(module, "_comm_hooks", None)
+    if hooks:
+        hook = hooks[-1][0]
+        qualname = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+        return f"{getattr(hook, '__module__', None) or type(hook).__module__}.{qualname}"
+    logging_data = getattr(module, "_get_ddp_logging_data", None)  # a built-in hook is only named there
+    if not callable(logging_data) or getattr(module, "logger", None) is None:
+        return None
+    name = logging_data().get("comm_hook")
+    return str(name) if name else None
+
+
+def ddp_replays_comm_hook(module: Any) -> bool:
+    """Whether the hook of this DDP module can be run outside backward on its buckets (as DDP's join mode does).
+
+    ``False`` where the reducer lacks the calls (another torch) or DDP uses its Python reducer (compiled autograd),
+    which hands hooks one gradient at a time instead of buckets.
+    """
+    reducer = getattr(module, "reducer", None)
+    return (
+        reducer is not None
+        and hasattr(reducer, "_get_zeros_like_grad_buckets")
+        and hasattr(reducer, "_run_comm_hook")
+        and not getattr(module, "_use_python_reducer", False)
+    )
+
+
+def ddp_delays_all_reduce(module: Any) -> bool:
+    """Whether DDP all-reduces some parameters from a gradient hook of its own (``delay_all_reduce_named_params``).
+
+    That hook runs in every backward, ``no_sync`` or not.
+    """
+    return bool(getattr(module, "_delay_all_reduce_params", None))
+
+
+def ddp_gradient_buckets(module: Any) -> list[Any]:
+    """The reducer's gradient buckets (``GradBucket``), in its order, each with a zero-filled flat buffer.
+
+    ``bucket.parameters()`` and ``bucket.gradients()`` pair each parameter with its view into ``bucket.buffer()``.
+    """
+    return list(module.reducer._get_zeros_like_grad_buckets())
+
+
+def run_ddp_comm_hook(module: Any, bucket: Any) -> Any:
+    """Start the registered hook (or DDP's summing all-reduce without one) on ``bucket``; a future of its result."""
+    return module.reducer._run_comm_hook(bucket)
