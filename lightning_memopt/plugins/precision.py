@@ -333,9 +333,9 @@ class MemoryPrecision(Precision):
         except Exception:
             return 1.0
         full = (int(total) // accumulate) * accumulate
-        if ready > full:
+        if full < ready <= int(total):
             return accumulate / (int(total) - full)
-        return 1.0
+        return 1.0  # a full window, or a batch past the epoch's count (a resume from an end-of-epoch checkpoint)
 
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:

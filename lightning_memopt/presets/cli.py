@@ -102,7 +102,8 @@ class MemoryPresetCLI:
         parser.add_class_arguments(MemoryPreset, key)
         parser.link_arguments(("trainer.accelerator", "trainer.devices"), f"{key}.devices", compute_fn=_devices)
         parser.link_arguments("trainer.num_nodes", f"{key}.num_nodes")
-        for target in self._memory_batch_targets(parser):
+        self._memory_targets = self._memory_batch_targets(parser)
+        for target in self._memory_targets:
             parser.link_arguments(key, target, compute_fn=preset_batch_size, apply_on="instantiate")
 
     def _subclass_mode(self, section: str) -> bool:
@@ -141,6 +142,35 @@ class MemoryPresetCLI:
                 raise
             raise ValueError(yaml_keys(str(err), self.memory_key, _FIELDS)) from err
         self._check_batch_target()
+        self._drop_unlinked_hparams()
+
+    def _drop_unlinked_hparams(self) -> None:
+        """Take the preset's batch out of the hyperparameters of a class that did not receive it.
+
+        A ``class_path`` without the target argument (``"auto"`` links ``model.init_args.batch_size`` and
+        ``data.init_args.batch_size`` before the classes are known) gets nothing from the link, but LightningCLI
+        still writes the linked value into its ``save_hyperparameters()``. Left there, the checkpoint's
+        ``hyper_parameters`` name an argument the class does not take, and ``fit --ckpt_path`` (which parses them
+        back into the config) or ``load_from_checkpoint`` refuses the checkpoint.
+        """
+        config = self.config[self.subcommand] if self.subcommand else self.config  # type: ignore[attr-defined]
+        chosen = {"data": getattr(self, "datamodule", None), "model": getattr(self, "model", None)}
+        for target in getattr(self, "_memory_targets", ()):
+            section, _, rest = target.partition(".")
+            obj = chosen.get(section)
+            if obj is None or not rest.startswith("init_args.") or target in config:
+                continue  # a fixed class, or the class took the argument: the hyperparameter is true
+            name = rest.removeprefix("init_args.")
+            given = config.get(f"{section}.dict_kwargs") or {}  # what the class got through **kwargs, if anything
+            # `hparams` is what a checkpoint stores; `_hparams_initial` (behind the copying `hparams_initial`) is
+            # what loggers record
+            for hparams in (getattr(obj, "hparams", None), getattr(obj, "_hparams_initial", None)):
+                if hparams is None or name not in hparams:
+                    continue
+                if name in given:
+                    hparams[name] = given[name]
+                else:
+                    del hparams[name]
 
     def _check_batch_target(self) -> None:
         """Refuse an explicit target the chosen class cannot take; warn when ``"auto"`` found no ``batch_size``."""

@@ -68,6 +68,39 @@ def test_memory_precision_fixes_the_short_last_window(tmp_path):
     assert _close(grads_off[1], [r / 4 for r in ref_grads[1]])
 
 
+def _resumed_weights(tmp_path, plugins):
+    """``max_steps=4``: one epoch (16 batches of 2, accumulate 4), checkpointed at its end by ModelCheckpoint, then
+    resumed in a new Trainer up to ``max_steps=8``: the weights after the resumed epoch."""
+    from tests.helpers.lightning import pl
+
+    first = make_trainer(
+        tmp_path,
+        max_steps=4,
+        limit_train_batches=None,
+        accumulate_grad_batches=4,
+        enable_checkpointing=True,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+        plugins=list(plugins),
+    )
+    first.fit(Regression(2, 32))
+    model = Regression(2, 32)
+    second = make_trainer(
+        tmp_path, max_steps=8, limit_train_batches=None, accumulate_grad_batches=4, plugins=list(plugins)
+    )
+    second.fit(model, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert second.global_step == 8
+    return [p.detach().clone() for p in model.net.parameters()]
+
+
+def test_a_resume_from_an_end_of_epoch_checkpoint_accumulates_as_lightning_does(tmp_path):
+    """Stopped by ``max_steps`` at an epoch's end, Lightning's resumed loop runs one more batch in that epoch (ready
+    17 of 16); the short-window rescale divided by zero there. Windows that divide the epoch need no rescale: the
+    weights are Lightning's own."""
+    got = _resumed_weights(tmp_path / "memory", [MemoryPrecision("32-true")])
+    expected = _resumed_weights(tmp_path / "plain", [])
+    assert _close(got, expected)
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_match_the_full_batch(tmp_path):
     micro = 2

@@ -17,6 +17,7 @@ from lightning_memopt import (
     GarbageCollector,
     GradientCheckpointing,
     MemoryMonitor,
+    MemoryPrecision,
     MemoryPresetCLI,
 )
 from lightning_memopt.cli import main as memopt_main
@@ -225,3 +226,152 @@ def test_the_planned_snippet_pasted_into_the_config_gives_the_planned_trainer_ar
         == [c.modules for c in expected["callbacks"] if isinstance(c, GradientCheckpointing)]
     )
     assert cli.config_init.memory.name == config["memory"]["name"] == "max-savings"  # yours, not the plan's tier
+
+
+# ------------------------------------------------------------------------- the config LightningCLI saves, run again
+
+
+def _saving_fit(root: Path, style: str, config: Path, *args: str) -> Any:
+    """``fit`` as a user runs it: LightningCLI's SaveConfigCallback writes ``root/config.yaml`` (no logger, so the
+    log dir is the root) and ModelCheckpoint writes ``root/checkpoints/``."""
+    argv = ["fit", f"--config={config}", f"--trainer.default_root_dir={root}", *args]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return main(argv, subclass_mode=STYLES[style][1], cli=ZooCLI)
+
+
+def _trainer_arguments(cli) -> dict[str, Any]:
+    """What the preset decided, as the Trainer got it."""
+    return {
+        "accumulate_grad_batches": cli.trainer.accumulate_grad_batches,
+        "precision_plugin": (type(cli.trainer.precision_plugin), cli.trainer.precision),
+        "callbacks": [type(c).__name__ for c in cli.trainer.callbacks],
+        "batch_size": (cli.datamodule.batch_size, cli.trainer.train_dataloader.batch_size),
+        "gradient_clip_val": cli.trainer.gradient_clip_val,
+    }
+
+
+def _assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", STYLES)
+def test_the_saved_config_trains_again_and_resumes_its_checkpoint(tmp_path, style):
+    """``fit --config <log dir>/config.yaml`` gives the first run's Trainer arguments (the preset's accumulation,
+    its MemoryPrecision, its callbacks once each, its batch) and its weights; ``--ckpt_path`` resumes as plain
+    Lightning resumes the same checkpoint. On the class_path style the checkpoint's hyperparameters named a
+    `batch_size` the model does not take, so the resume (and ``load_from_checkpoint``) refused it."""
+    first = _saving_fit(tmp_path / "first", style, STYLES[style][0], "--trainer.enable_checkpointing=true")
+    saved = tmp_path / "first" / "config.yaml"
+    (ckpt,) = (tmp_path / "first" / "checkpoints").glob("*.ckpt")
+    again = _saving_fit(tmp_path / "again", style, saved)
+    assert again.trainer.global_step == first.trainer.global_step == 2
+    expected = _trainer_arguments(first)
+    assert expected["accumulate_grad_batches"] == 4 and expected["batch_size"] == (4, 4)
+    assert expected["precision_plugin"] == (MemoryPrecision, "32-true")
+    assert len(set(expected["callbacks"])) == len(expected["callbacks"])  # each callback once
+    assert _trainer_arguments(again) == expected
+    _assert_same_weights(again.model.state_dict(), first.model.state_dict())
+    resaved, config = _config(tmp_path / "again" / "config.yaml"), _config(saved)
+    assert resaved["trainer"].pop("default_root_dir") != config["trainer"].pop("default_root_dir")
+    assert resaved == config  # saved again as it was read
+
+    resumed = _saving_fit(tmp_path / "resumed", style, saved, f"--ckpt_path={ckpt}", "--trainer.max_steps=4")
+    assert resumed.trainer.global_step == 4 and _trainer_arguments(resumed) == expected
+    init = {k: v for k, v in ZooClassifier.load_from_checkpoint(ckpt).hparams.items() if not k.startswith("_")}
+    assert init == {k: v for k, v in first.model.hparams.items() if not k.startswith("_")}
+    pl.seed_everything(config["seed_everything"], workers=True)
+    reference = ZooClassifier(**init)
+    trainer_config = {k: config["trainer"][k] for k in ("accelerator", "limit_val_batches", "enable_model_summary")}
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path / "plain",
+        accumulate_grad_batches=4,
+        precision="32-true",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        **trainer_config,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the checkpoint lists callbacks this Trainer does not have
+        trainer.fit(reference, ZooDataModule(batch_size=4), ckpt_path=ckpt)
+    assert trainer.global_step == 4
+    _assert_same_weights(resumed.model.state_dict(), reference.state_dict())
+    assert not torch.equal(reference.head.weight, first.model.head.weight)  # the resumed steps trained
+
+
+class KwargsClassifier(ZooClassifier):
+    """The zoo's classifier taking extra init arguments through ``**kwargs`` (a config's ``dict_kwargs``)."""
+
+    def __init__(self, hidden: int = 32, **kwargs: Any) -> None:
+        super().__init__(hidden=hidden)
+        self.extra = kwargs
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ({"class_path": "tests.helpers.zoo_cli.ZooClassifier"}, None),
+        ({"class_path": f"{__name__}.KwargsClassifier", "dict_kwargs": {"batch_size": 16}}, 16),
+    ],
+    ids=["no-batch_size", "dict_kwargs"],
+)
+def test_the_hyperparameters_hold_the_batch_size_the_class_path_got(tmp_path, model, expected):
+    """``"auto"`` links the preset's batch to ``model.init_args.batch_size`` before the class is known; a class that
+    does not take it gets nothing, and its saved hyperparameters (what a checkpoint stores, what ``--ckpt_path`` and
+    ``load_from_checkpoint`` build the model from) do not claim it did."""
+    config = _config(CONFIG)
+    config["model"] = model
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = _cli(tmp_path, "class_path", config=path)
+    give_back_allocator_settings(cli.trainer.callbacks)
+    assert cli.datamodule.batch_size == 4  # the preset's batch went where it can
+    got = getattr(cli.model, "extra", {}).get("batch_size")
+    assert got == expected
+    assert cli.model.hparams.get("batch_size") == cli.model.hparams_initial.get("batch_size") == expected
+    init = {k: v for k, v in cli.model.hparams.items() if not k.startswith("_")}
+    assert type(cli.model)(**init).hparams.get("batch_size") == expected  # the class takes its hyperparameters
+
+
+def _edited(tmp_path, style: str, edit: dict[str, dict[str, Any]]) -> Path:
+    """The config LightningCLI's SaveConfigCallback writes for the project (the parser's dump of every field), with
+    ``edit`` applied by section as a user edits it."""
+    cli = _cli(tmp_path, style)
+    give_back_allocator_settings(cli.trainer.callbacks)
+    config = yaml.safe_load(cli.parser.dump(cli.config, skip_none=False))
+    for section, values in edit.items():
+        config[section].update(values)
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            {"trainer": {"accumulate_grad_batches": 2}},
+            r"^`trainer.accumulate_grad_batches=2` contradicts the preset's accumulate_grad_batches=4\. Drop",
+        ),
+        (
+            {"trainer": {"precision": "16-mixed"}},
+            r"^Both `trainer.precision='16-mixed'` and the preset's MemoryPrecision plugin were given\. Drop",
+        ),
+        (
+            {"memory": {"effective_batch_size": 18}},
+            r"^`memory.effective_batch_size`=18 is not divisible by `memory.micro_batch_size` x world size = 4 x 1",
+        ),
+    ],
+    ids=["accumulation", "precision", "effective-batch"],
+)
+def test_an_edited_saved_config_that_contradicts_the_preset_is_refused_by_name(tmp_path, style, edit, message):
+    path = _edited(tmp_path, style, edit)
+    ((section, values),) = edit.items()
+    assert {key: _config(path)[section][key] for key in values} == values
+    with pytest.raises(ValueError, match=message):
+        _cli(tmp_path, style, config=path)
