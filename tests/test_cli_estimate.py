@@ -364,20 +364,30 @@ def _pair(b, width=16):
 
 
 def test_the_memory_section_is_what_the_estimate_models_unless_a_flag_says_otherwise(tmp_path, capsys):
-    """The preset's micro-batch (not the datamodule's batch_size, which MemoryPresetCLI overrides), its precision and
-    its checkpointing; --batch-size, --precision and --checkpointing override them."""
+    """The preset's micro-batch (not the datamodule's batch_size, which MemoryPresetCLI overrides), its accumulation
+    (24 / 3 = 8: gradients kept across the micro-batches), its precision and its checkpointing; --batch-size,
+    --precision and --checkpointing override them."""
     config = _preset_config(
         tmp_path, "{name: balanced, effective_batch_size: 24, micro_batch_size: 3, precision: bf16}"
     )
     code, out, err = _run(capsys, "--config", config, "--device", "cpu")
     assert code == 0, err
     assert out.splitlines()[1].startswith("Batch 3: ")
-    expected = estimate_memory(TinyModule(), _pair(3), precision="bf16-mixed", device="cpu")
+    expected = estimate_memory(TinyModule(), _pair(3), precision="bf16-mixed", device="cpu", accumulate_grad_batches=8)
     assert f"on cpu at bf16-mixed: {format_bytes(expected.peak_bytes)}" in out and expected.table() in out
+    assert "gradient accumulation over 8 micro-batches" in out
     code, out, err = _run(capsys, "--config", config, "--device", "cpu", "--batch-size", "5", "--precision", "32")
     assert code == 0, err
     assert out.splitlines()[1].startswith("Batch 5: ")
-    assert estimate_memory(TinyModule(), _pair(5), device="cpu").table() in out
+    assert estimate_memory(TinyModule(), _pair(5), device="cpu", accumulate_grad_batches=8).table() in out
+
+    auto = _preset_config(
+        tmp_path, "{name: balanced, effective_batch_size: 16, auto_micro_batch: true, micro_batch_size: 4}"
+    )
+    code, out, err = _run(capsys, "--config", auto, "--device", "cpu")
+    assert code == 0, err  # AutoMicroBatch starts at 4 of the batch of 16: its micro-batches accumulate into one batch
+    assert estimate_memory(TinyModule(), _pair(4), device="cpu", accumulate_grad_batches=4).table() in out
+    assert "gradient accumulation over 4 micro-batches" in out
 
     checkpointed = _preset_config(tmp_path, "{name: max-savings, micro_batch_size: 128, checkpoint_modules: ['net.*']}")
     code, out, err = _run(capsys, "--config", checkpointed, "--device", "cpu")

@@ -157,6 +157,8 @@ def _run(args: argparse.Namespace) -> int:
         accumulate = preset.accumulate_grad_batches
         start = preset.auto_micro_batch_start  # with auto_micro_batch the step runs at the micro-batch it starts at
         preset_batch: int | None = start if isinstance(start, int) else preset.batch_size
+        if isinstance(start, int) and start < preset.batch_size:  # its micro-batches accumulate into one batch
+            accumulate *= -(-preset.batch_size // start)
     else:
         accumulate = trainer.get("accumulate_grad_batches")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
@@ -193,6 +195,7 @@ def _run(args: argparse.Namespace) -> int:
                 optimizer=optimizer,
                 device=args.device,
                 checkpointing=checkpointing,
+                accumulate_grad_batches=accumulate,
             ),
             model,
             source,
