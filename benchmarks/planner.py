@@ -590,33 +590,22 @@ ZOO_TARGET = 0.02
 
 def zoo_reference(entry: Any, precision: str, steps: int = 2) -> tuple[int, str]:
     """The CPU peak of ``steps`` real training steps of a zoo module, measured without the package where torch can:
-    torch's ``MemTracker`` over a plain loop in Lightning's order (torch >= 2.5, automatic optimization; it refuses a
-    module called twice in a step, as a GAN's discriminator is), else this package's counter over real tensors
-    (``estimate_memory(..., fake=False)``). Returns (bytes, what measured them)."""
+    torch's ``MemTracker`` over a plain loop in Lightning's order (``tests.helpers.measured_step.memtracker_peak``;
+    torch >= 2.5, automatic optimization: it refuses a module called twice in a step, as a GAN's discriminator is),
+    else this package's counter over real tensors (``estimate_memory(..., fake=False)``). Returns (bytes, what
+    measured them)."""
+    from tests.helpers.measured_step import memtracker_peak
+
     try:
-        from torch.distributed._tools.mem_tracker import MemTracker
+        import torch.distributed._tools.mem_tracker  # noqa: F401
     except ImportError:
-        MemTracker = None
-    if MemTracker is None or not entry.automatic_optimization:
+        tracker = False
+    else:
+        tracker = entry.automatic_optimization
+    if not tracker:
         est = estimate_memory(entry.build(), entry.batch(ZOO_BATCH), device="cpu", precision=precision, fake=False)
         return est.peak_bytes, "live-storage counter over real tensors"
-    module, batch = entry.build(), entry.batch(ZOO_BATCH)
-    config = module.configure_optimizers()
-    optimizer = config["optimizer"] if isinstance(config, dict) else config
-    module.train()
-    tracker = MemTracker()
-    tracker.track_external(module, optimizer, batch)
-    with tracker:
-        for i in range(steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
-                loss = module.training_step(batch, i)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            del loss
-            optimizer.step()
-            if i == 0:
-                tracker.reset_mod_stats()
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]), "torch MemTracker"
+    return memtracker_peak(entry.build(), entry.batch(ZOO_BATCH), precision, steps), "torch MemTracker"
 
 
 def zoo_cases(quick: bool) -> list[dict]:

@@ -9,12 +9,12 @@ from torch.utils.data import DataLoader, Dataset
 from tests.helpers.lightning import pl
 from tests.helpers.trainer import make_trainer
 
-__all__ = ["N_SAMPLES", "Data", "Net", "fit", "weights"]
+__all__ = ["N_SAMPLES", "BackwardBudget", "Data", "Net", "fit", "weights"]
 
 N_SAMPLES = 64
 
 
-class _BackwardBudget(torch.autograd.Function):
+class BackwardBudget(torch.autograd.Function):
     """Identity whose backward runs out of memory when it sees more than ``limit`` samples."""
 
     @staticmethod
@@ -74,7 +74,7 @@ class Net(pl.LightningModule):
         active = batch_idx >= self.budget_from_batch
         if active and self.forward_budget is not None and x.shape[0] > self.forward_budget:
             raise torch.OutOfMemoryError(f"simulated: forward of {x.shape[0]} samples")
-        h = _BackwardBudget.apply(self.layer(x), self.backward_budget if active else None)
+        h = BackwardBudget.apply(self.layer(x), self.backward_budget if active else None)
         out = self.head(torch.tanh(h)).squeeze(1)
         loss = nn.functional.mse_loss(out, y) + self.probe[idx].mean()
         self.log("train_loss", loss, on_step=False, on_epoch=True)

@@ -3,6 +3,7 @@ of every optimizer step, with the bytes alive counted by the same live-storage c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_memopt.functional.planning import LiveBytes
 
-__all__ = ["measured_peak", "trainer_peak", "training_step_loss"]
+__all__ = ["measured_peak", "memtracker_peak", "trainer_peak", "training_step_loss"]
 
 
 def training_step_loss(model: nn.Module, batch: Any, batch_idx: int) -> Tensor:
@@ -94,3 +95,31 @@ def trainer_peak(module: Any, tmp_path: Any, *, accumulate_grad_batches: int = 1
     with counter:
         trainer.fit(module)
     return counter.peak - sum(t.untyped_storage().nbytes() for t in dataset)
+
+
+def memtracker_peak(module: nn.Module, batch: Any, precision: str = "32-true", steps: int = 2) -> int:
+    """Peak CPU bytes of ``steps`` real training steps of a LightningModule with automatic optimization and one
+    optimizer, measured by torch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``, no package code)
+    over a plain loop in Lightning's order: ``training_step`` (under bf16 autocast for ``"bf16-mixed"``),
+    ``zero_grad``, backward, optimizer step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    config = module.configure_optimizers()
+    optimizer = config["optimizer"] if isinstance(config, dict) else config
+    module.train()
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer, batch)
+    autocast = precision == "bf16-mixed"
+    with tracker, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        warnings.filterwarnings("ignore", message="Module is None")  # MemTracker's hooks on a freed module
+        for step in range(steps):
+            with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+                loss = training_step_loss(module, batch, step)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            del loss
+            optimizer.step()
+            if step == 0:
+                tracker.reset_mod_stats()
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])

@@ -104,7 +104,21 @@ def _mask(n: int, length: int, seed: int) -> torch.Tensor:
     return mask
 
 
-class T5Module(_ZooModule):
+class _HuggingFaceModule(_ZooModule):
+    """A Hugging Face model (``self.model``) trained on its own loss: a dict batch in, ``.loss`` out."""
+
+    model: torch.nn.Module
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss)
+
+
+class T5Module(_HuggingFaceModule):
     """``T5ForConditionalGeneration`` trained on (input ids, attention mask, labels)."""
 
     VOCAB, SOURCE, TARGET = 64, 12, 6
@@ -137,16 +151,8 @@ class T5Module(_ZooModule):
             "labels": _tokens(n, T5Module.TARGET, T5Module.VOCAB, seed + 1),
         }
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss, on_step=True, on_epoch=True)
-        return loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.model(**batch).loss)
-
-
-class BertModule(_ZooModule):
+class BertModule(_HuggingFaceModule):
     """``BertForSequenceClassification`` (3 classes) trained on (input ids, attention mask, labels)."""
 
     VOCAB, LENGTH = 64, 16
@@ -175,14 +181,6 @@ class BertModule(_ZooModule):
             "attention_mask": _mask(n, BertModule.LENGTH, seed),
             "labels": torch.randint(0, 3, (n,), generator=_generator(seed + 1)),
         }
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.log("train_loss", loss, on_step=True, on_epoch=True)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.model(**batch).loss)
 
 
 # ------------------------------------------------------------------------------------------------- vision, sequence

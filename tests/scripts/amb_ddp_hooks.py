@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from tests.helpers.amb import Data, Net, _BackwardBudget
+from tests.helpers.amb import BackwardBudget, Data, Net
 from tests.helpers.lightning import pl
 
 BATCH, MICRO = 8, 2
@@ -71,7 +71,7 @@ class RankOneOOM(Net):
         hit = self.phase is not None and self._hit(idx, batch_idx)
         if hit and self.phase == "forward":
             raise torch.OutOfMemoryError(f"simulated: forward of {x.shape[0]} samples on rank 1")
-        h = _BackwardBudget.apply(self.layer(x), 0 if hit and self.phase == "backward" else None)
+        h = BackwardBudget.apply(self.layer(x), 0 if hit and self.phase == "backward" else None)
         out = self.head(torch.tanh(h)).squeeze(1)
         return torch.nn.functional.mse_loss(out, y) + self.probe[idx].mean()
 

@@ -11,27 +11,13 @@ import pytest
 import torch
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
+from tests.helpers.amb import BackwardBudget
 from tests.helpers.trainer import make_trainer
 from tests.helpers.zoo import N_SAMPLES, ZooModel, zoo_params
 
 #: The last layer of each entry: after its dropout and BatchNorm, so that a failed attempt has drawn and updated them.
 LAST_LAYER = {"t5": "model.lm_head", "bert": "model.classifier", "resnet": "head", "lstm": "out", "metrics": "head"}
 BUDGET = 4
-
-
-class _BackwardBudget(torch.autograd.Function):
-    """Identity whose backward runs out of memory when it sees more than ``limit`` samples."""
-
-    @staticmethod
-    def forward(ctx, x, limit):
-        ctx.n, ctx.limit = x.shape[0], limit
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.n > ctx.limit:
-            raise torch.OutOfMemoryError(f"simulated: backward of {ctx.n} samples, budget {ctx.limit}")
-        return grad, None
 
 
 def with_budget(module, entry: ZooModel, where: str):
@@ -42,7 +28,7 @@ def with_budget(module, entry: ZooModel, where: str):
             return output
         if where == "forward" and output.shape[0] > BUDGET:
             raise torch.OutOfMemoryError(f"simulated: forward of {output.shape[0]} samples, budget {BUDGET}")
-        return _BackwardBudget.apply(output, BUDGET)
+        return BackwardBudget.apply(output, BUDGET)
 
     module.get_submodule(LAST_LAYER[entry.name]).register_forward_hook(hook)
     return module

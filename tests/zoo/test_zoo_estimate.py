@@ -7,17 +7,15 @@ The measured peak is computed without the package: torch's own ``MemTracker``
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from typing import Any
 
 import pytest
-import torch
 
 from lightning_memopt.planner import estimate_memory
+from tests.helpers.measured_step import memtracker_peak
 from tests.helpers.zoo import ZooModel, zoo_params
 
-mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+pytest.importorskip("torch.distributed._tools.mem_tracker")
 
 TOLERANCE = 0.02
 BATCH = 8
@@ -41,35 +39,10 @@ def _params(skip: dict[str, str] | None = None) -> list[Any]:
     return out
 
 
-def measured_cpu_peak(entry: ZooModel, precision: str, steps: int = 2) -> int:
-    """Peak bytes of ``steps`` real training steps on the CPU, by torch's ``MemTracker`` (no package code)."""
-    module = entry.build()
-    batch = entry.batch(BATCH)
-    config = module.configure_optimizers()
-    optimizer = config["optimizer"] if isinstance(config, dict) else config
-    module.train()
-    tracker = mem_tracker.MemTracker()
-    tracker.track_external(module, optimizer, batch)
-    autocast = precision == "bf16-mixed"
-    with tracker, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*self.log.*")
-        warnings.filterwarnings("ignore", message="Module is None")  # MemTracker's hooks on a freed module
-        for step in range(steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-                loss = module.training_step(batch, step)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            del loss
-            optimizer.step()
-            if step == 0:
-                tracker.reset_mod_stats()
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("entry", _params(skip=NOT_MEASURED))
 def test_the_estimate_is_within_2_percent_of_the_measured_cpu_peak(entry: ZooModel, precision: str):
-    measured = measured_cpu_peak(entry, precision)
+    measured = memtracker_peak(entry.build(), entry.batch(BATCH), precision)
     estimated = estimate_memory(entry.build(), entry.batch(BATCH), device="cpu", precision=precision).peak_bytes
     assert estimated == pytest.approx(measured, rel=TOLERANCE), (estimated, measured)
 
