@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -174,12 +175,11 @@ class Model(pl.LightningModule):
         return DataLoader(self.data, batch_size=self.batch, shuffle=False)
 
 
-def fit(model: Model, steps: int, root: Path, accumulate: int = 1, callbacks: list | None = None) -> tuple:
-    trainer = pl.Trainer(
+def trainer_for(steps: int, root: Path, callbacks: list | None = None, **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer for ``steps`` optimizer steps: no validation, checkpoints, logger or progress bar."""
+    return pl.Trainer(
         accelerator="cpu",
-        devices=1,
         max_steps=steps,
-        accumulate_grad_batches=accumulate,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
@@ -188,7 +188,12 @@ def fit(model: Model, steps: int, root: Path, accumulate: int = 1, callbacks: li
         enable_model_summary=False,
         default_root_dir=str(root),
         callbacks=callbacks or [],
+        **kwargs,
     )
+
+
+def fit(model: Model, steps: int, root: Path, accumulate: int = 1, callbacks: list | None = None) -> tuple:
+    trainer = trainer_for(steps, root, callbacks, devices=1, accumulate_grad_batches=accumulate)
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.fit(model)
     return time.perf_counter() - wall, time.process_time() - cpu
@@ -279,20 +284,7 @@ def ddp_model_rows(world_size: int = 8, echo: bool = True) -> list[dict]:
 
 def fit_ddp(model: Model, steps: int, root: Path, callbacks: list | None = None) -> list[float]:
     """Seconds per step of a 2-process DDP fit on CPU (gloo), from the third step on."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        callbacks=callbacks or [],
-    )
+    trainer = trainer_for(steps, root, callbacks, devices=2, strategy="ddp")
     trainer.fit(model)
     ends = model.step_ends[1:]
     return [b - a for a, b in itertools.pairwise(ends)]
