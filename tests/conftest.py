@@ -8,6 +8,9 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the zoo runs in the full suite (`pytest -m zoo` alone), not in the quick `-m "not slow"` loop
+        if "zoo" in item.keywords and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -81,3 +81,16 @@ def test_the_estimate_command_s_default_gpu_target_runs_on_t5(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "training step on cuda at 32-true" in out and "memory-efficient" in out
+
+
+@pytest.mark.parametrize("entry", _params())
+def test_the_estimate_command_on_every_model_prints_what_estimate_memory_gives(entry: ZooModel, capsys):
+    """``lightning-memopt estimate --model CLASS_PATH``: the model built by class path, its batch taken from its own
+    ``train_dataloader``; the table equals the function's on the same shapes."""
+    from lightning_memopt.cli import main
+
+    class_path = f"tests.helpers.zoo.{entry.module_class.__name__}"
+    code = main(["estimate", "--model", class_path, "--batch-size", "4", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert estimate_memory(entry.build(), entry.batch(4), device="cpu").table() in out

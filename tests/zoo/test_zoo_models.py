@@ -33,6 +33,7 @@ def test_batches_have_the_samples_asked_for(entry: ZooModel):
     assert {len(t) for t in leaves} == {4}
 
 
+@pytest.mark.zoo
 def test_not_applicable_features_say_why():
     manual = ZOO["manual"]
     assert not manual.automatic_optimization
