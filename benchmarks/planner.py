@@ -43,7 +43,7 @@ repository: this script puts the repository root on ``sys.path`` (run it from a 
 so the shipped benchmark and the tests measure the same models. Target: every zoo ratio within 2 %.
 
     python benchmarks/planner.py                 # ~3 minutes on 2 cores, writes benchmarks/results/planner_cpu.json
-    python benchmarks/planner.py --zoo-only --out /tmp/zoo.json      # the zoo table only, both precisions: ~30 s
+    python benchmarks/planner.py --zoo-only      # the zoo table only, both precisions (planner_zoo_cpu.json): ~30 s
     python benchmarks/planner.py --quick --out /tmp/planner.json     # seconds: a smoke test of every path
     python benchmarks/planner.py --no-rss --no-scale                 # the predicted/measured table only
 
@@ -801,7 +801,8 @@ def main() -> int:
         return 0
     if args.threads or args.quick:  # --quick: one thread, the RSS worker runs beside this process on the other core
         torch.set_num_threads(args.threads or 1)
-    out = Path(args.out or REPO / "benchmarks" / "results" / "planner_cpu.json")
+    default = "planner_zoo_cpu.json" if args.zoo_only else "planner_cpu.json"  # the zoo table never replaces the rest
+    out = Path(args.out or REPO / "benchmarks" / "results" / default)
     warnings.filterwarnings("ignore")
     import logging
 
