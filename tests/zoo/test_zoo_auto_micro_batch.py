@@ -13,7 +13,7 @@ import torch
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from tests.helpers.amb import BackwardBudget
 from tests.helpers.trainer import make_trainer
-from tests.helpers.zoo import N_SAMPLES, ZooModel, zoo_params
+from tests.helpers.zoo import N_SAMPLES, ZOO, ZooModel, zoo_params
 
 #: The last layer of each entry: after its dropout and BatchNorm, so that a failed attempt has drawn and updated them.
 LAST_LAYER = {"t5": "model.lm_head", "bert": "model.classifier", "resnet": "head", "lstm": "out", "metrics": "head"}
@@ -101,3 +101,15 @@ def test_each_switch_turns_off_its_own_part_only(tmp_path):
     # the buffers: BatchNorm counted the failed attempts' forwards (10 instead of 8)
     ours, reference, _, _ = _runs(ZOO["resnet"], tmp_path / "buffers", restore_buffers=False)
     assert int(ours.stem[1].num_batches_tracked) == 10 and int(reference.stem[1].num_batches_tracked) == 8
+
+
+@pytest.mark.zoo
+def test_on_manual_optimization_the_callback_says_it_does_not_apply_before_any_step(tmp_path):
+    """The zoo entry AutoMicroBatch does not apply to: refused in setup for the zoo's reason; nothing trained."""
+    entry = ZOO["manual"]
+    assert "AutoMicroBatch" in entry.not_applicable
+    module = entry.build(batch_size=4)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match="AutoMicroBatch needs automatic optimization.*manual_backward"):
+        fit(tmp_path, module, callbacks=[AutoMicroBatch()])
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
