@@ -175,7 +175,7 @@ def checkpointing_prepare(
     if checkpointing is None or checkpointing is False:
         return None
     from lightning_memopt.callbacks.gradient_checkpointing import GradientCheckpointing  # an accepted argument
-    from lightning_memopt.functional.checkpointing import enable_switch, find_switches, wrap_modules
+    from lightning_memopt.functional.checkpointing import wrap_checkpointing
 
     if checkpointing is True:
         callback = GradientCheckpointing()
@@ -187,13 +187,11 @@ def checkpointing_prepare(
     modules, use_model_switch = callback.modules, callback.use_model_switch  # checked by the callback's constructor
 
     def prepare(model: nn.Module) -> None:
-        switches = find_switches(model) if use_model_switch and modules is None else []
-        if switches:
-            for _, module, api in switches:
-                if not getattr(module, api.is_on, False):
-                    enable_switch(module, api)
+        # as the callback does at setup, `use_cache` off included (a cache filled in a checkpointed block breaks its
+        # recomputation); the twin is thrown away after the estimate, so nothing is given back
+        handle = wrap_checkpointing(model, modules, use_model_switch)
+        if handle.used_switch:
             return
-        handle = wrap_modules(model, modules)
         if not handle.wrapped_names and not handle.already_wrapped_names:
             raise MemoryEstimateError(
                 f"`checkpointing`={checkpointing!r} matched no submodule of {type(model).__name__}. Pass the block"
