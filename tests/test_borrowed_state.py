@@ -358,5 +358,5 @@ def test_frozen_objects_of_the_app_stay_frozen(tmp_path):
         assert before > 1000
         # Frozen objects can still die by reference counting during fit (measured: 6 of ~370K); none may be added,
         # and none may be unfrozen (before the fix, all of them were).
-        assert before - 50 <= after <= before, (end, before, after)
+        assert before * 0.99 <= after <= before, (end, before, after)  # deaths by refcount (any thread), no unfreeze
         assert gc.get_freeze_count() == 0

@@ -168,7 +168,8 @@ def test_objects_frozen_by_the_app_stay_frozen_and_nothing_more_is_frozen(tmp_pa
         gc.unfreeze()
     assert before > 1000
     assert all(count <= before for count in counts)  # nothing was frozen on top of the app's objects
-    assert before - 50 <= after <= before  # a few frozen objects may die by reference counting, none are unfrozen
+    # frozen objects may die by reference counting (other threads' too: a test runner's), none are unfrozen (-> ~0)
+    assert before * 0.99 <= after <= before
 
 
 def test_thresholds_are_never_changed(tmp_path):
