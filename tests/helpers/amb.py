@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -9,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from tests.helpers.lightning import pl
 from tests.helpers.trainer import make_trainer
 
-__all__ = ["N_SAMPLES", "BackwardBudget", "Data", "Net", "fit", "weights"]
+__all__ = ["N_SAMPLES", "BackwardBudget", "Data", "Net", "ddp_trainer", "fit", "weights"]
 
 N_SAMPLES = 64
 
@@ -111,3 +113,22 @@ def fit(tmp_path, model, callbacks=(), accumulate=1, max_steps=4, **kwargs):
     )
     trainer.fit(model)
     return trainer
+
+
+def ddp_trainer(callbacks: list, strategy: Any = "ddp", **kwargs: Any) -> pl.Trainer:
+    """The 2-process CPU DDP Trainer of the worker scripts: 3 steps, the script's own sampler, nothing written."""
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "strategy": strategy,
+        "max_steps": 3,
+        "use_distributed_sampler": False,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+        "default_root_dir": ".",
+    }
+    return pl.Trainer(**{**defaults, **kwargs}, callbacks=callbacks)

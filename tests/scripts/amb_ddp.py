@@ -5,8 +5,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_memopt import MemoryMonitor
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from tests.helpers.amb import Data, Net
-from tests.helpers.lightning import pl
+from tests.helpers.amb import Data, Net, ddp_trainer
 
 
 class RankBudget(Net):
@@ -27,21 +26,7 @@ if __name__ == "__main__":
         budget = {"forward_budget": 2} if where == "forward" else {"backward_budget": 2}
         model = RankBudget(optimizer="adamw", batch_size=8, **budget)
         callback = AutoMicroBatch()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp",
-            max_steps=3,
-            use_distributed_sampler=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            logger=False,
-            default_root_dir=".",
-            callbacks=[callback, MemoryMonitor(dirpath=where)],
-        )
+        trainer = ddp_trainer([callback, MemoryMonitor(dirpath=where)])
         trainer.fit(model)
         torch.save(
             {

@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from tests.helpers.amb import BackwardBudget, Data, Net
+from tests.helpers.amb import BackwardBudget, Data, Net, ddp_trainer
 from tests.helpers.lightning import pl
 
 BATCH, MICRO = 8, 2
@@ -80,21 +80,10 @@ class RankOneOOM(Net):
 
 
 def run(name, model, callbacks=(), accumulate=1):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+    trainer = ddp_trainer(
+        list(callbacks),
         strategy=pl.strategies.DDPStrategy(timeout=timedelta(seconds=60)),  # a hang ends as an error
-        max_steps=3,
         accumulate_grad_batches=accumulate,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        default_root_dir=".",
-        callbacks=list(callbacks),
     )
     trainer.fit(model)
     callback = next(iter(callbacks), None)
