@@ -123,4 +123,5 @@ def test_real_cuda_cache_is_emptied(tmp_path):
     cleaner = CacheCleaner(every_n_train_batches=1, on_phase_end=False)
     make_trainer(tmp_path, accelerator="gpu", callbacks=[cleaner], max_steps=2, limit_val_batches=0).fit(Model())
     assert cleaner.calls == 2
-    assert torch.cuda.memory_reserved() < 64 * 2**20
+    # what stays reserved is what is still allocated (cuBLAS's workspace: 64 MiB on a Hopper card), not the freed block
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 64 * 2**20

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_memopt.functional.planning import LiveBytes
 
-__all__ = ["measured_peak", "memtracker_peak", "trainer_peak", "training_step_loss"]
+__all__ = ["cuda_fit_peak", "measured_peak", "memtracker_peak", "trainer_peak", "training_step_loss"]
 
 
 def training_step_loss(model: nn.Module, batch: Any, batch_idx: int) -> Tensor:
@@ -123,3 +123,35 @@ def memtracker_peak(module: nn.Module, batch: Any, precision: str = "32-true", s
             if step == 0:
                 tracker.reset_mod_stats()
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def cuda_fit_peak(entry: Any, precision: str, batch_size: int, optimizer_steps: int = 2) -> int:
+    """``torch.cuda.max_memory_allocated()`` over a real ``Trainer.fit`` of a zoo entry on the GPU
+    (``optimizer_steps`` optimizer steps), from an empty allocator: cached blocks and cuBLAS workspaces released."""
+    from tests.helpers.lightning import pl
+
+    module = entry.build(batch_size=batch_size)
+    config = None if module.automatic_optimization else module.configure_optimizers()
+    optimizers = len(config) if isinstance(config, (list, tuple)) else 1
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        precision=precision,
+        max_steps=optimizer_steps * optimizers,
+        limit_train_batches=optimizer_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    trainer.fit(module)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base

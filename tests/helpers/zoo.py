@@ -338,7 +338,8 @@ class ManualModule(_ZooModule):
         opt_g, opt_d = self.optimizers()
         noise = torch.randn(batch.shape[0], self.NOISE, device=batch.device)
         fake = self.generator(noise)
-        real_label, fake_label = torch.ones(batch.shape[0], 1), torch.zeros(batch.shape[0], 1)
+        real_label = torch.ones(batch.shape[0], 1, device=batch.device)
+        fake_label = torch.zeros(batch.shape[0], 1, device=batch.device)
         d_loss = F.binary_cross_entropy_with_logits(
             self.discriminator(batch), real_label
         ) + F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), fake_label)

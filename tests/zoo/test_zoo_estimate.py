@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from lightning_memopt.planner import estimate_memory
-from tests.helpers.measured_step import memtracker_peak
+from tests.helpers.measured_step import cuda_fit_peak, memtracker_peak
 from tests.helpers.zoo import ZooModel, zoo_params
 
 pytest.importorskip("torch.distributed._tools.mem_tracker")
@@ -28,13 +28,15 @@ NOT_MEASURED = {
 }
 
 
-def _params(skip: dict[str, str] | None = None) -> list[Any]:
+def _params(skip: dict[str, str] | None = None, xfail: dict[str, str] | None = None) -> list[Any]:
     out = []
     for param in zoo_params():
         (entry,) = param.values
         marks = [*param.marks, *([pytest.mark.slow] if entry.name in SLOW else [])]
         if skip and entry.name in skip:
             marks.append(pytest.mark.skip(reason=skip[entry.name]))
+        if xfail and entry.name in xfail:
+            marks.append(pytest.mark.xfail(reason=xfail[entry.name], strict=True))
         out.append(pytest.param(entry, id=param.id, marks=marks))
     return out
 
@@ -57,6 +59,28 @@ def test_a_cuda_estimate_runs_on_every_model(entry: ZooModel):
     if entry.name in ("t5", "bert"):  # attention through the kernel CUDA's dispatcher picks, said in the assumptions
         (said,) = [a for a in est.assumptions if a.startswith("attention")]
         assert "memory-efficient" in said and "sm80" in said
+
+
+#: How far the CUDA estimate may sit from the allocator's peak of a real fit (cuDNN workspaces and Lightning's own
+#: tensors are not estimated): measured on an H200, see benchmarks/results/planner_cuda.json.
+CUDA_TOLERANCE = 0.10
+#: Entries whose CUDA estimate is known to be short of the allocator, with the reason.
+CUDA_SHORT = {
+    "lstm": "cuDNN's RNN workspace is not estimated: the allocator's peak was 23.6 MB (fp32) and 16.9 MB (bf16) above"
+    " the estimate on an H200 (docs/estimate.md)",
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("entry", _params(xfail=CUDA_SHORT))
+def test_the_cuda_estimate_is_within_10_percent_of_the_allocator_peak_of_a_real_fit(entry: ZooModel, precision: str):
+    import torch
+
+    gpu = torch.cuda.get_device_capability()
+    estimated = estimate_memory(entry.build(), entry.batch(BATCH), device="cuda", precision=precision, gpu=gpu)
+    measured = cuda_fit_peak(entry, precision, BATCH)
+    assert estimated.peak_bytes == pytest.approx(measured, rel=CUDA_TOLERANCE), (estimated.peak_bytes, measured)
 
 
 @pytest.mark.zoo
