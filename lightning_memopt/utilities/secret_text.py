@@ -36,8 +36,9 @@ _URL_END = re.compile(r"[\s\"'<>`]|://")
 _AUTHORITY_END = re.compile(r"[/?#]")
 
 # --- HTTP authorization ----------------------------------------------------------------------------------------
+_AUTH_SCHEMES = r"(?:bearer|basic|token|digest|negotiate|ntlm|dpop|apikey|oauth|aws4-hmac-sha256)"
 _AUTHORIZATION = re.compile(
-    r"(?P<head>\b(?:proxy-)?authorization[\"']?+[ \t]*+[:=][ \t]*+[\"']?+(?:[A-Za-z][\w\-]*+[ \t]++)?)"
+    r"(?P<head>\b(?:proxy-)?authorization[\"']?+[ \t]*+[:=][ \t]*+[\"']?+(?:" + _AUTH_SCHEMES + r"[ \t]++)?)"
     r"(?P<credential>[^\s\"',;]++)",
     re.IGNORECASE,
 )

@@ -172,3 +172,82 @@ def test_redact_secrets_returns_new_containers():
     data = {"a": [1, {"b": "c"}]}
     out = redact_secrets(data)
     assert out == data and out is not data and out["a"] is not data["a"] and out["a"][1] is not data["a"][1]
+
+
+def test_structured_objects_are_walked_field_by_field_without_calling_their_code():
+    import argparse
+    import dataclasses
+    import enum
+    import types
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Slotted:
+        user: str
+        password: str
+
+    class Color(enum.Enum):
+        RED = "token=abc"  # an enum is shown by its name, never walked
+
+    class Exploding:
+        def __init__(self):
+            self.name = "ok"
+            self.loop = self
+
+        def __repr__(self):
+            raise AssertionError("repr must not be called")
+
+        @property
+        def password(self):  # not in __dict__: never read
+            raise AssertionError("properties must not be called")
+
+    class BrokenField:
+        def __init__(self):
+            self.visible = 1
+
+        def __getattribute__(self, name):
+            if name == "visible":
+                raise RuntimeError("no")
+            return object.__getattribute__(self, name)
+
+    module = torch.nn.Linear(1, 1)
+    module.api_key = "sk-kept-inside-a-module"  # a module is shown by its repr, which holds no attributes
+    out = redact_secrets(
+        {
+            "slotted": Slotted("me", "pw"),
+            "ns": argparse.Namespace(nested=types.SimpleNamespace(client_secret="s", depth=2)),
+            "color": Color.RED,
+            "exploding": Exploding(),
+            "broken": BrokenField(),
+            "module": module,
+            "cls": Slotted,
+        }
+    )
+    assert out["slotted"] == {"user": "me", "password": R}
+    assert out["ns"] == {"nested": {"client_secret": R, "depth": 2}}
+    assert out["color"] is Color.RED and out["module"] is module and out["cls"] is Slotted
+    assert out["exploding"] == {"name": "ok", "loop": R}  # the cycle is cut
+    assert out["broken"] == {"visible": R}
+
+
+def test_sequences_argv_pairs_and_name_value_entries():
+    argv = ["train.py", "--db-password", "pw1", "--use-auth-token", "--lr", "0.1", "--api-key=k2", "--token", "-x"]
+    assert redact_secrets(argv) == [
+        "train.py",
+        "--db-password",
+        R,
+        "--use-auth-token",
+        "--lr",
+        "0.1",
+        f"--api-key={R}",
+        "--token",
+        R,  # a value may start with a single dash
+    ]
+    assert redact_secrets(("token", "abc")) == ("token", R)
+    assert redact_secrets(["tokenizer", "t5-small"]) == ["tokenizer", "t5-small"]
+    assert redact_secrets(("api_key", 3)) == ("api_key", 3)  # a number is a setting
+    env = [{"name": "DB_PASSWORD", "value": "pw"}, {"name": "MODE", "value": "fast"}, {"key": "HF_TOKEN", "val": "t"}]
+    assert redact_secrets(env) == [
+        {"name": "DB_PASSWORD", "value": R},
+        {"name": "MODE", "value": "fast"},
+        {"key": R, "val": R},  # "key" alone is a secret name too (Google's ?key=): both go
+    ]

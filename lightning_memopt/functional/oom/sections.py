@@ -222,8 +222,9 @@ def hparams_as_json(module: nn.Module) -> dict[str, Any]:
     hparams = getattr(module, "hparams", None)
     if not hparams:
         return {}
-    result: dict[str, Any] = json.loads(json.dumps(redact_secrets(dict(hparams)), default=json_default))
-    return result
+    redacted = redact_secrets(hparams)  # a Mapping, or a dataclass/Namespace given to save_hyperparameters
+    result: dict[str, Any] = json.loads(json.dumps(redacted, default=json_default))
+    return result if isinstance(result, dict) else {"hparams": result}
 
 
 def take_snapshot(
