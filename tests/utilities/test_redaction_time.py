@@ -33,7 +33,7 @@ CASES = {
     "URLs with passwords": '"https://u:p@" * 80_000',
     "bearer words": '"bearer " * 140_000',
     "name/value records": '"name: DB_PASSWORD, value: x " * 35_000',
-    "module names (180 KB x 6)": '(",".join(f"encoder.block.{i}.layer.0.SelfAttention.q" for i in range(4500))) * 6',
+    "module names (180 KB x 6)": '(".".join(f"encoder.block.{i}.layer.0.SelfAttention.q" for i in range(4500))) * 6',
 }
 SCRIPT = """
 import json, sys, time
