@@ -1,10 +1,11 @@
 """Credentials inside one string, found in time linear in its length.
 
-Every pattern here is anchored so that a run of characters is tried once: a repeated class is guarded by a
-negative lookbehind on the same class (a run is entered only at its first character) and is possessive (``*+``,
-``++``: no backtracking into it). What a regex cannot do in one pass (where a URL's userinfo ends, where a value
-ends, matching quotes) is done by hand with ``str.find`` from a position that only moves forward.
-"""
+No character is read by more than a bounded number of regex attempts: a pattern starts at a literal word
+(``authorization``, ``bearer``, one of the words that can make a name secret) or at the first character of a
+run (a negative lookbehind on the run's own class), and what follows a repeat can never match a character the
+repeat takes, so giving characters back costs at most the run once. (No possessive quantifiers: Python 3.10 has
+none.) What a regex cannot do in one pass (where a URL's userinfo ends, where a value ends, matching quotes) is
+done by hand with ``str.find`` from a position that only moves forward."""
 
 from __future__ import annotations
 
@@ -31,19 +32,19 @@ _MAX_HITS = 20_000
 # --- URLs: scheme://userinfo@host ----------------------------------------------------------------------------
 # A scheme (entered at its first character) and what follows up to the first "@", stopping at a space, a quote
 # or the next "://": every character is read by one attempt only.
-_URL_WITH_AT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*+://(?:[^\s\"'<>`@:]|:(?!//))*+@")
+_URL_WITH_AT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://(?:[^\s\"'<>`@:]|:(?!//))*@")
 _URL_END = re.compile(r"[\s\"'<>`]|://")
 _AUTHORITY_END = re.compile(r"[/?#]")
 
 # --- HTTP authorization ----------------------------------------------------------------------------------------
 _AUTH_SCHEMES = r"(?:bearer|basic|token|digest|negotiate|ntlm|dpop|apikey|oauth|aws4-hmac-sha256)"
 _AUTHORIZATION = re.compile(
-    r"(?P<head>\b(?:proxy-)?authorization[\"']?+[ \t]*+[:=][ \t]*+[\"']?+(?:" + _AUTH_SCHEMES + r"[ \t]++)?)"
-    r"(?P<credential>[^\s\"',;]++)",
+    r"(?P<head>\b(?:proxy-)?authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:" + _AUTH_SCHEMES + r"[ \t]+)?)"
+    r"(?P<credential>[^\s\"',;]+)",
     re.IGNORECASE,
 )
-_BEARER = re.compile(r"(?P<head>\bbearer\s++)(?P<credential>[A-Za-z0-9\-._~+/]++=*+)", re.IGNORECASE)
-_BASIC = re.compile(r"(?P<head>\bbasic\s++)(?P<credential>[A-Za-z0-9+/]{4,}+={0,2}+)", re.IGNORECASE)
+_BEARER = re.compile(r"(?P<head>\bbearer\s+)(?P<credential>[A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
+_BASIC = re.compile(r"(?P<head>\bbasic\s+)(?P<credential>[A-Za-z0-9+/]{4,}={0,2})", re.IGNORECASE)
 
 # --- name/value pairs ------------------------------------------------------------------------------------------
 # Searched in the lower-cased text. A word that can make a name secret, the rest of the name up to the next such
@@ -53,24 +54,24 @@ _BASIC = re.compile(r"(?P<head>\bbasic\s++)(?P<credential>[A-Za-z0-9+/]{4,}+={0,
 # word that can make it secret follows (the lookahead reads the flag once).
 _TRIGGERS = r"(?:pass|pwd|secret|cred|bearer|auth|jwt|cookie|webhook|dsn|key|token|sig|otp)"
 _PAIR = re.compile(
-    _TRIGGERS + r"(?:(?!" + _TRIGGERS + r")[a-z0-9_\-])*+(?P<close>\\?[\"'])?+(?P<space>[ \t]*+)"
+    _TRIGGERS + r"(?:(?!" + _TRIGGERS + r")[a-z0-9_\-])*(?P<close>\\?[\"'])?(?P<space>[ \t]*)"
     r"(?P<sep>[:=]|(?<=[\"']),)"
 )
 _FLAG = re.compile(
-    r"-(?<![a-z0-9_\-]-)(?=-?[a-z][a-z0-9_\-]*?" + _TRIGGERS + r")-?[a-z][a-z0-9_\-]*+(?P<space>[ \t]++)(?![\"']?-)"
+    r"-(?<![a-z0-9_\-]-)(?=-?[a-z][a-z0-9_\-]*?" + _TRIGGERS + r")-?[a-z][a-z0-9_\-]*(?P<space>[ \t]+)(?![ \t]|[\"']?-)"
 )
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-_NAME_TAIL = re.compile(r"(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]*+\Z")
+_NAME_TAIL = re.compile(r"(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]*\Z")
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 # {"name": "DB_PASSWORD", "value": "x"} and its YAML form (- name: DB_PASSWORD / value: x).
 _NAMED_VALUE = re.compile(
-    r"\b(?:name|key)[\"']?+[ \t]*+[:=][ \t]*+[\"']?+(?P<secret_name>[A-Za-z0-9_\-.]++)[\"']?+[\s,]*+"
-    r"[\"']?+value[\"']?+[ \t]*+(?P<sep>[:=])"
+    r"\b(?:name|key)[\"']?[ \t]*[:=][ \t]*[\"']?(?P<secret_name>[A-Za-z0-9_\-.]+)[\"']?[\s,]*"
+    r"[\"']?value[\"']?[ \t]*(?P<sep>[:=])"
 )
 _TIGHT_END = re.compile(r"[\s&#;,\"'<>()\[\]{}]")  # name=value in a URL query, a command line, a repr
 _LINE_END = re.compile(r"[\r\n,}\]]")  # name: value (YAML, headers) and name = value (INI): to the end of the line
 _WORD_END = re.compile(r"\s")  # --flag value
-_SPACES = re.compile(r"[ \t]*+")
+_SPACES = re.compile(r"[ \t]*")
 _VALUE_ENDS = {"tight": _TIGHT_END, "line": _LINE_END, "word": _WORD_END}
 _CONSTANTS = frozenset({"", "None", "null", "true", "false", "True", "False", "~", REDACTED})
 
