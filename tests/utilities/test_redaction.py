@@ -38,6 +38,29 @@ R = REDACTED
         ("Authorization: Basic dXNlcjpwYXNzd29yZA==", f"Authorization: Basic {R}"),
         ("basic dXNlcjpwYXNzd29yZA== in a header", f"basic {R} in a header"),
         ("proxy-authorization=tok123", f"proxy-authorization={R}"),
+        ("Authorization: token ghp_abc123", f"Authorization: token {R}"),
+        # every key/value syntax, with a secret name (issue 22)
+        ("Cfg(db_password='hunter2', lr=0.1)", f"Cfg(db_password='{R}', lr=0.1)"),
+        ('Cfg(api_key="k\\"y", seed=1)', f'Cfg(api_key="{R}", seed=1)'),
+        ("model: t5\npassword: correct horse\nlr: 0.1", f"model: t5\npassword: {R}\nlr: 0.1"),
+        ('{"client_secret": "s3", "id": 7}', f'{{"client_secret": "{R}", "id": 7}}'),
+        ('{"client_secret":"s3","id":7}', f'{{"client_secret":"{R}","id":7}}'),
+        ('{\\"password\\": \\"pw\\"}', f'{{\\"password\\": \\"{R}\\"}}'),
+        ("{'token': 'abc', 'mode': 'x'}", f"{{'token': '{R}', 'mode': 'x'}}"),
+        ("[aws]\naws_secret_access_key = abc/def+g\nregion = eu", f"[aws]\naws_secret_access_key = {R}\nregion = eu"),
+        ("python t.py --db-password pw --lr 1", f"python t.py --db-password {R} --lr 1"),
+        ("python t.py --api-key=pw --lr=1", f"python t.py --api-key={R} --lr=1"),
+        ("[('token', 'abc'), ('mode', 'x')]", f"[('token', '{R}'), ('mode', 'x')]"),
+        ("['--db-password', 'pw', '--lr', '1']", f"['--db-password', '{R}', '--lr', '1']"),
+        ('[{"name": "DB_PASSWORD", "value": "pw"}]', f'[{{"name": "DB_PASSWORD", "value": "{R}"}}]'),
+        (
+            "- name: HF_TOKEN\n  value: hf_x\n- name: MODE\n  value: fast",
+            f"- name: HF_TOKEN\n  value: {R}\n- name: MODE\n  value: fast",
+        ),
+        ("AccountName=acc;AccountKey=abc==;EndpointSuffix=x", f"AccountName=acc;AccountKey={R};EndpointSuffix=x"),
+        ("postgres://etl:pa/ss@db/runs", f"postgres://etl:{R}@db/runs"),
+        ("https://etl:pa#ss?x@db/runs", f"https://etl:{R}@db/runs"),
+        ("redis://:pw@cache:6379/0", f"redis://:{R}@cache:6379/0"),
     ],
 )
 def test_redact_text_replaces_the_credential_only(text, expected):
@@ -60,6 +83,11 @@ def test_redact_text_replaces_the_credential_only(text, expected):
         "the bearer of this note",
         "CUDA out of memory. Tried to allocate 2.00 GiB. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
         "",
+        "api_key=None, token: null, password: ~",
+        "--use-auth-token --lr 0.1",
+        "(key): Linear(in_features=2, out_features=2, bias=True)",
+        "http://localhost:8080/users/@me",
+        "tokenizer: t5-small, author: me, sort_key=name, keyframe_dir=/k, pad_token='<pad>'",
     ],
 )
 def test_redact_text_leaves_harmless_text_alone(text):
