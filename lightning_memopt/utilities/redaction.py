@@ -1,184 +1,188 @@
-"""Keep credentials out of reports: secret-looking names and credentials inside values.
+"""Keep credentials out of reports: secret names (:mod:`.secret_names`), secrets inside strings (:mod:`.secret_text`)
+and secrets inside structured values (here).
 
-Two layers, both returning new objects and never raising:
-
-* :func:`redact_text` rewrites one string: the password in a URL's userinfo (``https://user:pw@host``), the
-  values of secret-named query or ``name=value`` parameters (``?token=...&api_key=...``) and the credential
-  after ``Bearer``, ``Basic`` or an ``Authorization:`` header become :data:`REDACTED`; the rest stays readable.
-* :func:`redact_secrets` walks dicts, lists, tuples and sets: strings and containers stored under a
-  secret-looking key (:func:`is_secret_name`) become :data:`REDACTED`, every other string goes through
-  :func:`redact_text`, and other scalars are returned as they are.
+:func:`redact_secrets` walks a value field by field before anything becomes a string: mappings, lists, tuples,
+sets, dataclasses, named tuples, ``argparse.Namespace`` and other objects with a ``__dict__``. A value stored
+under a secret name is replaced whole; every string goes through :func:`redact_text` and is capped in size.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
+import dataclasses
+import enum
+import types
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REDACTED", "SECRET_FRAGMENTS", "is_secret_name", "redact_secrets", "redact_text"]
+from lightning_memopt.utilities.secret_names import REDACTED, SECRET_WORDS, is_secret_name, name_words
+from lightning_memopt.utilities.secret_text import MAX_VALUE_CHARS, cap_text, redact_text
 
-#: Name fragments (upper case) that mark a name as secret: its value is replaced by :data:`REDACTED`.
-SECRET_FRAGMENTS: tuple[str, ...] = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
-#: What a secret is replaced with.
-REDACTED = "<redacted>"
+__all__ = [
+    "MAX_VALUE_CHARS",
+    "REDACTED",
+    "SECRET_FRAGMENTS",
+    "SECRET_WORDS",
+    "cap_text",
+    "is_secret_name",
+    "name_words",
+    "redact_secrets",
+    "redact_text",
+]
 
-#: Query-parameter names that carry a credential without containing one of :data:`SECRET_FRAGMENTS`.
-_SECRET_PARAMS = frozenset({"sig", "signature", "pwd", "pass", "passphrase"})
+#: The words that make a name secret (kept under its former name; see :func:`is_secret_name` for the rules).
+SECRET_FRAGMENTS = SECRET_WORDS
 #: Containers nested deeper than this are replaced whole: cheaper than walking them and never leaks.
 _MAX_DEPTH = 64
-
-# scheme://userinfo@ : the userinfo ends at the last "@" before the path, query, fragment or a space.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/?#\s]*)@")
-# name=value where name starts at a boundary (start, space, ?, &, ;, quote, ...).
-_PARAM = re.compile(r"(?<![\w.\-\[\]])(?P<name>[\w.\-\[\]]+)=(?P<value>[^&#;,\s\"'<>]+)")
-_AUTHORIZATION = re.compile(
-    r"(?P<head>\b(?:proxy-)?authorization\s*[:=]\s*(?:[A-Za-z][\w\-]*\s+)?)(?P<credential>[^\s\"',;]+)",
-    re.IGNORECASE,
-)
-_BEARER = re.compile(r"(?P<head>\bbearer\s+)(?P<credential>[A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
-_BASIC = re.compile(r"(?P<head>\bbasic\s+)(?P<credential>[A-Za-z0-9+/]{4,}={0,2})", re.IGNORECASE)
+#: Items of one container kept; the rest is cut with a ``...[truncated N items]`` marker.
+_MAX_ITEMS = 10_000
+#: Values walked in one call; past it, what is left is replaced by a marker (a report must come back fast).
+_MAX_VALUES = 200_000
+#: Keys that name the secret whose value sits under a ``value`` key beside them (``{"name": ..., "value": ...}``).
+_NAME_KEYS = frozenset({"name", "key", "id", "env", "variable", "var"})
+_VALUE_KEYS = frozenset({"value", "val", "secret", "data"})
+#: Objects whose ``__dict__`` is not their content: left as they are (their ``str`` is scanned as text).
+_OPAQUE = (type, types.ModuleType, enum.Enum, BaseException)
 
 
-def is_secret_name(name: str) -> bool:
-    """Whether a variable, key or parameter called ``name`` may hold a secret.
+class _Walk:
+    """The state of one :func:`redact_secrets` call: containers being walked (cycles) and the values left."""
 
-    Example:
-        >>> is_secret_name("TORCH_HUB_TOKEN"), is_secret_name("api_key"), is_secret_name("NCCL_DEBUG")
-        (True, True, False)
-    """
-    upper = str(name).upper()
-    return any(fragment in upper for fragment in SECRET_FRAGMENTS)
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self.active: set[int] = set()
+        self.left = _MAX_VALUES
 
 
-def _is_secret_param(name: str) -> bool:
-    lower = name.lower()
-    return is_secret_name(name) or lower in _SECRET_PARAMS or lower.endswith("signature")
-
-
-def _looks_like_credential(text: str) -> bool:
-    """Long, or mixing digits/symbols into letters: a token, not an English word after ``Bearer``."""
-    if len(text) >= 16:
-        return True
-    return len(text) >= 8 and any(not c.isalpha() for c in text)
-
-
-def _is_basic_credential(text: str) -> bool:
-    """Base64 of ``user:password``, which is what follows ``Basic`` in an HTTP header."""
-    try:
-        decoded = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        return False
-    return b":" in decoded
-
-
-def _userinfo(match: re.Match[str]) -> str:
-    user, colon, _ = match.group("userinfo").partition(":")
-    # user:password keeps the user; a lone userinfo is usually a token (https://<token>@host), so all of it goes.
-    kept = f"{user}:{REDACTED}" if colon else REDACTED
-    return f"{match.group('scheme')}{kept}@"
-
-
-def _param(match: re.Match[str]) -> str:
-    if not _is_secret_param(match.group("name")):
-        return match.group(0)
-    return f"{match.group('name')}={REDACTED}"
-
-
-def _bearer(match: re.Match[str]) -> str:
-    if not _looks_like_credential(match.group("credential")):
-        return match.group(0)
-    return match.group("head") + REDACTED
-
-
-def _basic(match: re.Match[str]) -> str:
-    if not _is_basic_credential(match.group("credential")):
-        return match.group(0)
-    return match.group("head") + REDACTED
-
-
-def redact_text(text: str) -> str:
-    """``text`` with the credentials inside it replaced by ``"<redacted>"``.
-
-    Replaced: the password of a URL's userinfo (all of the userinfo when it has no ``:``, as in
-    ``https://<token>@host``); the value of a ``name=value`` parameter whose name looks secret (``token``,
-    ``access_token``, ``key``, ``api_key``, ``password``, ``secret``, ``sig``, ``signature``, anything with
-    KEY, TOKEN, SECRET, PASSWORD, PASSWD, CREDENTIAL or AUTH in it); the credential after
-    ``Authorization:``, after ``Bearer`` (when it looks like a token) and after ``Basic`` (when it is base64 of
-    ``user:password``). Everything else is returned unchanged. A non-string is returned as it is.
-
-    Example:
-        >>> redact_text("https://alice:hunter2@example.com/data?x=1&token=abc123")
-        'https://alice:<redacted>@example.com/data?x=1&token=<redacted>'
-        >>> redact_text("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.ZRrHA1JJJW8opsbCGfG_HACGpVUMN_a9IV7pAx_Zmeo")
-        'Authorization: Bearer <redacted>'
-        >>> redact_text("https://example.com/path?x=1")
-        'https://example.com/path?x=1'
-    """
-    if not isinstance(text, str):
-        return text
-    try:
-        text = _URL_USERINFO.sub(_userinfo, text)
-        text = _AUTHORIZATION.sub(lambda m: m.group("head") + REDACTED, text)
-        text = _BEARER.sub(_bearer, text)
-        text = _BASIC.sub(_basic, text)
-        return _PARAM.sub(_param, text)
-    except Exception:  # never expected; a report must not fail because of redaction
-        return REDACTED
-
-
-def _redact_under_secret_key(value: Any) -> Any:
+def _scalar_under_secret_name(value: Any) -> Any:
     # Numbers, flags and None are not credentials (``num_key_value_heads=8``, ``use_auth=True``); anything
-    # else under a secret-looking key is.
+    # else under a secret-looking name is.
     if value is None or isinstance(value, (bool, int, float)):
         return value
     return REDACTED
 
 
-def _redact(obj: Any, depth: int, active: set[int]) -> Any:
+def _fields(obj: Any) -> dict[str, Any] | None:
+    """The fields of a dataclass, named tuple or object with a ``__dict__``; ``None`` for anything else.
+
+    Reads attributes without calling ``__repr__``/``__str__``; a field that cannot be read is ``<redacted>``.
+    """
+    if isinstance(obj, _OPAQUE) or callable(obj):
+        return None  # classes, modules, functions, nn.Modules, enums, exceptions: their str is what they show
+    field_names = getattr(type(obj), "_fields", None)
+    if isinstance(obj, tuple) and isinstance(field_names, tuple):  # a named tuple
+        return dict(zip(field_names, obj))
+    names: list[str]
+    if dataclasses.is_dataclass(obj):
+        names = [field.name for field in dataclasses.fields(obj)]
+    else:
+        try:
+            attributes = vars(obj)
+        except TypeError:  # no __dict__ (slots, C types): str(obj) is scanned as text later
+            return None
+        if not isinstance(attributes, dict) or not attributes:
+            return None
+        names = [name for name in attributes if isinstance(name, str)]
+    fields: dict[str, Any] = {}
+    for name in names:
+        try:
+            fields[name] = getattr(obj, name)
+        except Exception:  # a property or descriptor of the user's that fails: show nothing of it
+            fields[name] = REDACTED
+    return fields
+
+
+def _secret_value_keys(mapping: dict[Any, Any]) -> bool:
+    """Whether ``mapping`` is a ``{"name": "<secret name>", "value": ...}`` entry (Kubernetes env, tags, ...)."""
+    return any(
+        isinstance(key, str) and key.lower() in _NAME_KEYS and is_secret_name(value) for key, value in mapping.items()
+    )
+
+
+def _mapping(obj: Mapping[Any, Any], depth: int, walk: _Walk) -> dict[Any, Any]:
+    items = list(obj.items())
+    named = _secret_value_keys(dict(items[:_MAX_ITEMS])) if len(items) <= 16 else False
+    out: dict[Any, Any] = {}
+    for key, value in items[:_MAX_ITEMS]:
+        new_key = _redact(key, depth + 1, walk) if isinstance(key, str) else key
+        secret = is_secret_name(key) or (named and isinstance(key, str) and key.lower() in _VALUE_KEYS)
+        out[new_key] = _scalar_under_secret_name(value) if secret else _redact(value, depth + 1, walk)
+    if len(items) > _MAX_ITEMS:
+        out["..."] = f"[truncated {len(items) - _MAX_ITEMS} items]"
+    return out
+
+
+def _is_flag(item: Any) -> bool:
+    return isinstance(item, str) and item.startswith("-") and "=" not in item and is_secret_name(item)
+
+
+def _sequence(items: list[Any], depth: int, walk: _Walk) -> list[Any]:
+    """The items redacted; the item after a secret flag (``["--db-password", x]``) or a secret name in a pair
+    (``("token", x)``) is replaced whole."""
+    kept = items[:_MAX_ITEMS]
+    out = [_redact(item, depth + 1, walk) for item in kept]
+    pair = len(kept) == 2 and isinstance(kept[0], str) and is_secret_name(kept[0])
+    for i in range(1, len(kept)):
+        after_flag = _is_flag(kept[i - 1]) and not (isinstance(kept[i], str) and kept[i].startswith("--"))
+        if after_flag or (pair and i == 1):
+            out[i] = _scalar_under_secret_name(kept[i])
+    if len(items) > _MAX_ITEMS:
+        out.append(f"...[truncated {len(items) - _MAX_ITEMS} items]")
+    return out
+
+
+def _redact(obj: Any, depth: int, walk: _Walk) -> Any:
+    walk.left -= 1
+    if walk.left < 0:
+        return "...[truncated: too many values]"
     if isinstance(obj, str):
-        return redact_text(obj)
-    if not isinstance(obj, (Mapping, list, tuple, set, frozenset)):
+        return redact_text(obj, max_chars=walk.max_chars)
+    if obj is None or isinstance(obj, (bool, int, float, complex, bytes)):
         return obj
-    if depth >= _MAX_DEPTH or id(obj) in active:
+    if depth >= _MAX_DEPTH or id(obj) in walk.active:
         return REDACTED
-    active.add(id(obj))
+    walk.active.add(id(obj))
     try:
         if isinstance(obj, Mapping):
-            out: dict[Any, Any] = {}
-            for key, value in obj.items():
-                secret = is_secret_name(key) if isinstance(key, str) else False
-                new_key = redact_text(key) if isinstance(key, str) else key
-                out[new_key] = _redact_under_secret_key(value) if secret else _redact(value, depth + 1, active)
-            return out
-        items = [_redact(value, depth + 1, active) for value in obj]
-        if isinstance(obj, list):
-            return items
-        if isinstance(obj, tuple):
-            return tuple(items)
-        return type(obj)(items) if type(obj) in (set, frozenset) else set(items)
+            return _mapping(obj, depth, walk)
+        fields = _fields(obj)
+        if fields is not None:
+            return _mapping(fields, depth, walk)
+        if isinstance(obj, (list, tuple)):
+            items = _sequence(list(obj), depth, walk)
+            return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, (set, frozenset)):
+            redacted = _sequence(list(obj), depth, walk)
+            return frozenset(redacted) if isinstance(obj, frozenset) else set(redacted)
+        return obj
     except Exception:  # an odd container that cannot be walked: leak nothing, raise nothing
         return REDACTED
     finally:
-        active.discard(id(obj))
+        walk.active.discard(id(obj))
 
 
-def redact_secrets(obj: Any) -> Any:
+def redact_secrets(obj: Any, max_chars: int = MAX_VALUE_CHARS) -> Any:
     """A copy of ``obj`` with the secrets in it replaced by ``"<redacted>"``; ``obj`` is not changed.
 
-    Walks mappings (returned as ``dict``), lists, tuples and sets. A string or container stored under a key
-    that :func:`is_secret_name` flags becomes ``"<redacted>"`` (numbers, booleans and ``None`` under such a
-    key are kept: they are settings such as ``num_key_value_heads``, not credentials); every other string goes
-    through :func:`redact_text`. Other objects (numbers, tensors, ...) are returned as they are. A container
-    that contains itself, or that is nested more than 64 deep, is replaced whole. Never raises.
+    Walks mappings (returned as ``dict``), lists, tuples and sets, and turns the objects that show their fields
+    in their ``repr`` into a ``dict`` of those fields before anything becomes a string: dataclasses, named
+    tuples, ``argparse.Namespace``, ``SimpleNamespace`` and other objects with a ``__dict__`` (the object is read,
+    never rebuilt). Replaced whole (numbers, booleans and ``None`` are kept: they are settings such as
+    ``num_key_value_heads``): a value under a secret name (:func:`is_secret_name`), the value after a secret flag
+    in an argument list (``["--db-password", x]``), the second item of a ``("token", x)`` pair and the ``value``
+    of a ``{"name": "DB_PASSWORD", "value": x}`` entry. Every other string goes through :func:`redact_text`
+    and is cut to ``max_chars`` characters with a ``...[truncated N chars]`` marker; containers keep 10,000
+    items. Classes, functions, modules (``nn.Module`` included), enums, tensors and other objects are returned
+    as they are. A container that contains itself, or that is nested more than 64 deep, is replaced whole.
+    Never raises.
 
     Example:
         >>> redact_secrets({"lr": 0.1, "api_key": "sk-123", "logger": {"uri": "https://u:pw@host/x"}})
         {'lr': 0.1, 'api_key': '<redacted>', 'logger': {'uri': 'https://u:<redacted>@host/x'}}
+        >>> import argparse
+        >>> redact_secrets(argparse.Namespace(tokenizer="t5-small", db_password="hunter2"))
+        {'tokenizer': 't5-small', 'db_password': '<redacted>'}
     """
     try:
-        return _redact(obj, 0, set())
+        return _redact(obj, 0, _Walk(max_chars))
     except Exception:
         return REDACTED

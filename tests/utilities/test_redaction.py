@@ -38,6 +38,29 @@ R = REDACTED
         ("Authorization: Basic dXNlcjpwYXNzd29yZA==", f"Authorization: Basic {R}"),
         ("basic dXNlcjpwYXNzd29yZA== in a header", f"basic {R} in a header"),
         ("proxy-authorization=tok123", f"proxy-authorization={R}"),
+        ("Authorization: token ghp_abc123", f"Authorization: token {R}"),
+        # every key/value syntax, with a secret name (issue 22)
+        ("Cfg(db_password='hunter2', lr=0.1)", f"Cfg(db_password='{R}', lr=0.1)"),
+        ('Cfg(api_key="k\\"y", seed=1)', f'Cfg(api_key="{R}", seed=1)'),
+        ("model: t5\npassword: correct horse\nlr: 0.1", f"model: t5\npassword: {R}\nlr: 0.1"),
+        ('{"client_secret": "s3", "id": 7}', f'{{"client_secret": "{R}", "id": 7}}'),
+        ('{"client_secret":"s3","id":7}', f'{{"client_secret":"{R}","id":7}}'),
+        ('{\\"password\\": \\"pw\\"}', f'{{\\"password\\": \\"{R}\\"}}'),
+        ("{'token': 'abc', 'mode': 'x'}", f"{{'token': '{R}', 'mode': 'x'}}"),
+        ("[aws]\naws_secret_access_key = abc/def+g\nregion = eu", f"[aws]\naws_secret_access_key = {R}\nregion = eu"),
+        ("python t.py --db-password pw --lr 1", f"python t.py --db-password {R} --lr 1"),
+        ("python t.py --api-key=pw --lr=1", f"python t.py --api-key={R} --lr=1"),
+        ("[('token', 'abc'), ('mode', 'x')]", f"[('token', '{R}'), ('mode', 'x')]"),
+        ("['--db-password', 'pw', '--lr', '1']", f"['--db-password', '{R}', '--lr', '1']"),
+        ('[{"name": "DB_PASSWORD", "value": "pw"}]', f'[{{"name": "DB_PASSWORD", "value": "{R}"}}]'),
+        (
+            "- name: HF_TOKEN\n  value: hf_x\n- name: MODE\n  value: fast",
+            f"- name: HF_TOKEN\n  value: {R}\n- name: MODE\n  value: fast",
+        ),
+        ("AccountName=acc;AccountKey=abc==;EndpointSuffix=x", f"AccountName=acc;AccountKey={R};EndpointSuffix=x"),
+        ("postgres://etl:pa/ss@db/runs", f"postgres://etl:{R}@db/runs"),
+        ("https://etl:pa#ss?x@db/runs", f"https://etl:{R}@db/runs"),
+        ("redis://:pw@cache:6379/0", f"redis://:{R}@cache:6379/0"),
     ],
 )
 def test_redact_text_replaces_the_credential_only(text, expected):
@@ -60,6 +83,11 @@ def test_redact_text_replaces_the_credential_only(text, expected):
         "the bearer of this note",
         "CUDA out of memory. Tried to allocate 2.00 GiB. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
         "",
+        "api_key=None, token: null, password: ~",
+        "--use-auth-token --lr 0.1",
+        "(key): Linear(in_features=2, out_features=2, bias=True)",
+        "http://localhost:8080/users/@me",
+        "tokenizer: t5-small, author: me, sort_key=name, keyframe_dir=/k, pad_token='<pad>'",
     ],
 )
 def test_redact_text_leaves_harmless_text_alone(text):
@@ -172,3 +200,82 @@ def test_redact_secrets_returns_new_containers():
     data = {"a": [1, {"b": "c"}]}
     out = redact_secrets(data)
     assert out == data and out is not data and out["a"] is not data["a"] and out["a"][1] is not data["a"][1]
+
+
+def test_structured_objects_are_walked_field_by_field_without_calling_their_code():
+    import argparse
+    import dataclasses
+    import enum
+    import types
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Slotted:
+        user: str
+        password: str
+
+    class Color(enum.Enum):
+        RED = "token=abc"  # an enum is shown by its name, never walked
+
+    class Exploding:
+        def __init__(self):
+            self.name = "ok"
+            self.loop = self
+
+        def __repr__(self):
+            raise AssertionError("repr must not be called")
+
+        @property
+        def password(self):  # not in __dict__: never read
+            raise AssertionError("properties must not be called")
+
+    class BrokenField:
+        def __init__(self):
+            self.visible = 1
+
+        def __getattribute__(self, name):
+            if name == "visible":
+                raise RuntimeError("no")
+            return object.__getattribute__(self, name)
+
+    module = torch.nn.Linear(1, 1)
+    module.api_key = "sk-kept-inside-a-module"  # a module is shown by its repr, which holds no attributes
+    out = redact_secrets(
+        {
+            "slotted": Slotted("me", "pw"),
+            "ns": argparse.Namespace(nested=types.SimpleNamespace(client_secret="s", depth=2)),
+            "color": Color.RED,
+            "exploding": Exploding(),
+            "broken": BrokenField(),
+            "module": module,
+            "cls": Slotted,
+        }
+    )
+    assert out["slotted"] == {"user": "me", "password": R}
+    assert out["ns"] == {"nested": {"client_secret": R, "depth": 2}}
+    assert out["color"] is Color.RED and out["module"] is module and out["cls"] is Slotted
+    assert out["exploding"] == {"name": "ok", "loop": R}  # the cycle is cut
+    assert out["broken"] == {"visible": R}
+
+
+def test_sequences_argv_pairs_and_name_value_entries():
+    argv = ["train.py", "--db-password", "pw1", "--use-auth-token", "--lr", "0.1", "--api-key=k2", "--token", "-x"]
+    assert redact_secrets(argv) == [
+        "train.py",
+        "--db-password",
+        R,
+        "--use-auth-token",
+        "--lr",
+        "0.1",
+        f"--api-key={R}",
+        "--token",
+        R,  # a value may start with a single dash
+    ]
+    assert redact_secrets(("token", "abc")) == ("token", R)
+    assert redact_secrets(["tokenizer", "t5-small"]) == ["tokenizer", "t5-small"]
+    assert redact_secrets(("api_key", 3)) == ("api_key", 3)  # a number is a setting
+    env = [{"name": "DB_PASSWORD", "value": "pw"}, {"name": "MODE", "value": "fast"}, {"key": "HF_TOKEN", "val": "t"}]
+    assert redact_secrets(env) == [
+        {"name": "DB_PASSWORD", "value": R},
+        {"name": "MODE", "value": "fast"},
+        {"key": R, "val": R},  # "key" alone is a secret name too (Google's ?key=): both go
+    ]

@@ -33,7 +33,7 @@ ENV_PREFIXES: tuple[str, ...] = (
     "LIGHTNING_",
 )
 _ENV_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"})
-# SECRET_FRAGMENTS, REDACTED and is_secret_name live in lightning_memopt.utilities.redaction, so that the
+# REDACTED and is_secret_name live in lightning_memopt.utilities.redaction, so that the
 # environment, the Markdown and the callback's report all redact by one rule.
 #: The caching-allocator settings, in the order torch reads them.
 ALLOCATOR_ENV_VARS: tuple[str, ...] = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -45,9 +45,10 @@ def collect_environment(
     """Environment variables worth reporting, with secrets redacted.
 
     Only names starting with one of ``prefixes`` (and the launcher's rank/world-size variables) are kept;
-    the value of any kept name containing KEY, TOKEN, SECRET, PASSWORD, CREDENTIAL or AUTH is replaced by
-    ``"<redacted>"``, and credentials inside the other values (``https://user:password@host``,
-    ``?token=...``, ``Bearer ...``) are replaced by :func:`~lightning_memopt.utilities.redaction.redact_text`.
+    the value of a kept name whose words make it secret (``TORCH_HUB_TOKEN``, ``LIGHTNING_API_KEY``; see
+    :func:`~lightning_memopt.utilities.redaction.is_secret_name`) is replaced by ``"<redacted>"``, and
+    credentials inside the other values (``https://user:password@host``, ``?token=...``, ``Bearer ...``,
+    ``password: ...``) are replaced by :func:`~lightning_memopt.utilities.redaction.redact_text`.
 
     Args:
         environ: The environment to read. Default: ``os.environ``.

@@ -25,6 +25,7 @@ from lightning_memopt.functional.oom.schema import (
     SnapshotSection,
 )
 from lightning_memopt.utilities.oom import find_in_traceback
+from lightning_memopt.utilities.redaction import redact_secrets
 
 __all__ = [
     "HOW_TO_OPEN",
@@ -212,12 +213,18 @@ def json_default(obj: Any) -> Any:
 
 
 def hparams_as_json(module: nn.Module) -> dict[str, Any]:
-    """The module's saved hyperparameters as JSON values (non-JSON leaves become their ``str``), ``{}`` if none."""
+    """The module's saved hyperparameters as JSON values, secrets redacted, ``{}`` if none.
+
+    Redacted field by field first (:func:`~lightning_memopt.utilities.redaction.redact_secrets`: a dataclass or
+    ``argparse.Namespace`` becomes a dict of its fields), then made JSON: leaves that are not JSON become their
+    ``str``, which the report's last pass scans as text.
+    """
     hparams = getattr(module, "hparams", None)
     if not hparams:
         return {}
-    result: dict[str, Any] = json.loads(json.dumps(dict(hparams), default=json_default))
-    return result
+    redacted = redact_secrets(hparams)  # a Mapping, or a dataclass/Namespace given to save_hyperparameters
+    result: dict[str, Any] = json.loads(json.dumps(redacted, default=json_default))
+    return result if isinstance(result, dict) else {"hparams": result}
 
 
 def take_snapshot(
