@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import math
@@ -26,6 +27,7 @@ from lightning_memopt.functional.precision import (
 )
 from lightning_memopt.utilities.checks import check_bool, check_choice
 from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of
+from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
@@ -81,6 +83,15 @@ def _restore_matmul_state(state: dict[str, str]) -> None:
         if name in state:
             with contextlib.suppress(Exception):
                 _matmul_backend(name).fp32_precision = state[name]
+
+
+def _set_matmul_state(precision: str) -> Restore | None:
+    """Set the float32 matmul precision (the first plugin in); ``None`` where the per-backend API is in use."""
+    previous = _read_matmul_state()
+    if previous is None:
+        return None
+    torch.set_float32_matmul_precision(precision)
+    return functools.partial(_restore_matmul_state, previous)
 
 
 def _plugin_class(namespace: str, name: str) -> type:
@@ -177,7 +188,7 @@ class MemoryPrecision(Precision):
         self._delegate: Any = _plain_plugin(
             self._namespace, normalized if normalized in ("16-true", "bf16-true", "64-true") else "32-true"
         )
-        self._previous_matmul: dict[str, str] | None = None
+        self._matmul: Lease | None = None  # the process's setting: shared with fits that overlap this one
         self._pending_state: dict[str, Any] | None = None
         self._warn = WarnOnce()
 
@@ -251,9 +262,10 @@ class MemoryPrecision(Precision):
         if self.mode == "auto" and getattr(trainer, "global_rank", 0) == 0:
             message = f"MemoryPrecision(mode='auto') chose precision={choice.precision!r}: {choice.reason}"
             self._warn.warn("choice", message)
-        if self.float32_matmul_precision is not None and self._previous_matmul is None:
-            previous = _read_matmul_state()
-            if previous is None:
+        if self.float32_matmul_precision is not None and self._matmul is None:
+            wanted, warn = self.float32_matmul_precision, self._warn
+            self._matmul = borrow("torch.float32_matmul_precision", wanted, _set_matmul_state, warn, "MemoryPrecision")
+            if self._matmul is None:
                 self._warn.warn(
                     "new_matmul_api",
                     f"MemoryPrecision left `float32_matmul_precision={self.float32_matmul_precision!r}` unapplied:"
@@ -261,9 +273,6 @@ class MemoryPrecision(Precision):
                     "fp32_precision`), which does not mix with `torch.set_float32_matmul_precision`. Set it through"
                     " that API yourself, or drop `float32_matmul_precision` here.",
                 )
-                return
-            torch.set_float32_matmul_precision(self.float32_matmul_precision)
-            self._previous_matmul = previous
 
     # ------------------------------------------------------------------------------------------- Precision API
     @override
@@ -383,9 +392,9 @@ class MemoryPrecision(Precision):
         try:
             self._delegate.teardown()
         finally:
-            previous, self._previous_matmul = self._previous_matmul, None
-            if previous is not None:
-                _restore_matmul_state(previous)
+            lease, self._matmul = self._matmul, None
+            if lease is not None:
+                lease.release()  # the last fit out gives back the state from before the first
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self.mode!r}, precision={self.precision!r})"
