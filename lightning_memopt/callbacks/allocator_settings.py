@@ -31,13 +31,15 @@ class AllocatorSettings(Callback):
     * CUDA not initialised yet (a CPU run, or CUDA first used after setup): through ``PYTORCH_CUDA_ALLOC_CONF`` (or
       ``PYTORCH_ALLOC_CONF`` where the user set that one), which torch reads when CUDA initialises. Keys the user
       exported win over ``allocator_conf``.
-    * CUDA initialised (the usual case on a GPU: Lightning selects the device before ``setup``): through torch's
-      runtime allocator settings. There ``max_split_size_mb``, ``max_non_split_rounding_mb``,
-      ``garbage_collection_threshold``, ``roundup_power2_divisions`` and ``expandable_segments`` take effect for the
-      allocations that follow (``expandable_segments`` for segments created afterwards); ``backend`` can only be
-      chosen before CUDA initialises (torch refuses to change it: a warning names the exact ``export`` line, which is
-      also the way for any key that must hold from the first allocation). Only ``expandable_segments`` is turned back
-      (to ``False``) at teardown: torch cannot report the other keys' values from before.
+    * CUDA initialised (the usual case on a GPU: Lightning's accelerator selects the device, which initialises CUDA,
+      before any callback's ``setup``): through torch's runtime allocator settings, for the allocations that follow.
+      ``expandable_segments`` takes effect for segments created afterwards (seen turning on and back off on an H200,
+      torch 2.11); ``max_split_size_mb``, ``max_non_split_rounding_mb``, ``garbage_collection_threshold``,
+      ``roundup_power2_divisions`` and the pinned-memory keys are accepted at runtime. ``backend`` is chosen only when
+      CUDA initialises: torch refuses to change it, and a warning names the exact ``export`` line, which is also the
+      way for any key that must hold from the first allocation. At teardown ``expandable_segments``,
+      ``release_lock_on_cudamalloc`` and ``pinned_use_cuda_host_register`` are turned back to torch's default
+      (``False``); torch cannot report the other keys' values from before, so those stay for the process.
 
     Both settings belong to the process. Runs that overlap (Trainers fitting in threads) share them through
     :func:`~lightning_memopt.utilities.shared_state.borrow`: the first run in applies its values, the last one out

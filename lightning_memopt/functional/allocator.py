@@ -40,7 +40,11 @@ __all__ = [
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 _NEW_ENV = "PYTORCH_ALLOC_CONF"
 #: Values that undo a runtime change for keys whose torch default is known.
-_RUNTIME_DEFAULTS = {"expandable_segments": "False"}
+_RUNTIME_DEFAULTS = {
+    "expandable_segments": "False",
+    "release_lock_on_cudamalloc": "False",
+    "pinned_use_cuda_host_register": "False",
+}
 #: What torch raises when a CUDA call cannot be made (``AssertionError`` on a torch built without CUDA).
 _TORCH_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError)
 
