@@ -37,16 +37,8 @@ __all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
 
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 
-
 #: Backends whose ``matmul.fp32_precision`` ``torch.set_float32_matmul_precision`` also writes (torch >= 2.9).
 _MATMUL_BACKENDS = ("cuda", "mkldnn")
-
-
-def _get_matmul_precision() -> str | None:
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:  # the legacy getter raises once the newer fp32_precision API was used
-        return None
 
 
 def _matmul_backend(name: str) -> Any:
@@ -60,10 +52,10 @@ def _read_matmul_state() -> dict[str, str] | None:
     (``"none"`` before the first call, ``"ieee"`` after setting ``"highest"``), so giving back only the legacy value
     would leave those changed.
     """
-    legacy = _get_matmul_precision()
-    if legacy is None:
+    try:
+        state = {"": torch.get_float32_matmul_precision()}
+    except RuntimeError:  # the legacy getter raises once the newer fp32_precision API was used
         return None
-    state = {"": legacy}
     for name in _MATMUL_BACKENDS:
         value = getattr(_matmul_backend(name), "fp32_precision", None)
         if isinstance(value, str):
@@ -131,11 +123,12 @@ class MemoryPrecision(Precision):
       (torch supports it on CPUs).
 
     ``float32_matmul_precision`` is set through ``torch.set_float32_matmul_precision`` at setup and given back exactly
-    at teardown (also when fit stops with an exception); where TF32 was set through torch's per-backend API the plugin
-    leaves it alone and warns. With ``exact_accumulation=True`` the loss of an epoch's short last accumulation window
-    is rescaled, so each optimizer step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin
-    replaces ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies
-    get a ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
+    at teardown (also after an exception; fits overlapping in one process share it: the first one's value holds until
+    the last ends); where TF32 was set through torch's per-backend API the plugin leaves it alone and warns. With
+    ``exact_accumulation=True`` the loss of an epoch's short last accumulation window is rescaled, so each optimizer
+    step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin replaces
+    ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies get a
+    ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
 
     Args:
         mode: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``, ``"bf16"``...).
@@ -263,8 +256,8 @@ class MemoryPrecision(Precision):
             message = f"MemoryPrecision(mode='auto') chose precision={choice.precision!r}: {choice.reason}"
             self._warn.warn("choice", message)
         if self.float32_matmul_precision is not None and self._matmul is None:
-            wanted, warn = self.float32_matmul_precision, self._warn
-            self._matmul = borrow("torch.float32_matmul_precision", wanted, _set_matmul_state, warn, "MemoryPrecision")
+            wanted, key = self.float32_matmul_precision, "torch.float32_matmul_precision"
+            self._matmul = borrow(key, wanted, _set_matmul_state, self._warn, "MemoryPrecision")
             if self._matmul is None:
                 self._warn.warn(
                     "new_matmul_api",
