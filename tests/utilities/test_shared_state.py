@@ -6,6 +6,7 @@ import copy
 import pickle
 import random
 import threading
+import time
 import warnings
 
 import pytest
@@ -126,15 +127,32 @@ def test_a_copy_of_a_lease_holds_nothing(key, clone):
     assert setting.value == "default"
 
 
+class SlowSetting(Setting):
+    """Lets the other threads run between reading the state and writing it: a race shows without the lock."""
+
+    def apply(self, value):
+        before = self.value
+        time.sleep(0.0002)
+        self.value = value
+        self.applied += 1
+
+        def restore():
+            time.sleep(0.0002)
+            self.value = before
+            self.restored += 1
+
+        return restore
+
+
 def test_many_threads_borrowing_at_once_end_where_they_started(key):
-    setting = Setting()
+    setting = SlowSetting()
     seen_wrong: list[str] = []
     start = threading.Barrier(8)
 
     def worker(seed):
         rng = random.Random(seed)
         start.wait()
-        for _ in range(200):
+        for _ in range(50):
             lease = borrow(key, "on", setting.apply)
             if setting.value != "on":  # while any lease is held, the setting is applied
                 seen_wrong.append(setting.value)
@@ -174,3 +192,30 @@ def test_allocator_history_the_application_records_is_never_stopped(monkeypatch)
     assert lease is not None and lease.held  # recording: the report gets a snapshot
     lease.release()
     assert calls == []
+
+
+def test_a_borrower_that_comes_while_the_first_applies_waits_and_then_joins(key):
+    entered, go = threading.Event(), threading.Event()
+    applied: list[object] = []
+    leases = []
+
+    def apply(value):
+        applied.append(value)
+        entered.set()
+        go.wait(10)  # the first borrower is in the middle of applying
+        return lambda: applied.append("given back")
+
+    first = threading.Thread(target=lambda: leases.append(borrow(key, 1, apply)))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=lambda: leases.append(borrow(key, 1, apply)))
+    second.start()
+    second.join(0.3)
+    waited = second.is_alive()  # it may not see the setting as free, nor join before it is applied
+    go.set()
+    first.join(10)
+    second.join(10)
+    assert waited and applied == [1] and borrowers(key) == 2
+    for lease in leases:
+        lease.release()
+    assert applied == [1, "given back"]
