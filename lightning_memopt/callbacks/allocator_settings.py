@@ -6,15 +6,10 @@ from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
-from lightning_memopt.functional.allocator import (
-    AllocatorState,
-    apply_allocator_conf,
-    apply_memory_fraction,
-    parse_alloc_conf,
-    restore_allocator_settings,
-)
+from lightning_memopt.functional.allocator import borrow_allocator_conf, borrow_memory_fraction, parse_alloc_conf
 from lightning_memopt.utilities.checks import check_fraction
 from lightning_memopt.utilities.namespaces import Callback
+from lightning_memopt.utilities.shared_state import Lease
 from lightning_memopt.utilities.trainer import trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -27,19 +22,36 @@ __all__ = ["AllocatorSettings"]
 class AllocatorSettings(Callback):
     """Applies allocator settings and a memory fraction for one run, and gives them back at teardown.
 
-    ``MemoryPreset.trainer_kwargs()`` adds it when the preset carries allocator settings or a fraction. The
-    settings are applied when this callback is built (normally before CUDA is initialised) and again at setup
-    if they were not in effect; the fraction at setup, on the device the Trainer trains on.
+    ``MemoryPreset.trainer_kwargs()`` adds it when the preset carries allocator settings or a fraction. Building it
+    changes nothing: both are applied at ``setup`` and given back at teardown and when the run stops with an exception
+    (an environment variable that was unset is removed again, one that was set gets its exact previous value back).
 
-    Both are given back at teardown and when fit stops with an exception: an environment variable that was unset is
-    removed again, one that was set gets its exact previous value back.
+    How ``allocator_conf`` is applied at ``setup``:
+
+    * CUDA not initialised yet (a CPU run, or CUDA first used after setup): through ``PYTORCH_CUDA_ALLOC_CONF`` (or
+      ``PYTORCH_ALLOC_CONF`` where the user set that one), which torch reads when CUDA initialises. Keys the user
+      exported win over ``allocator_conf``.
+    * CUDA initialised (the usual case on a GPU: Lightning's accelerator selects the device, which initialises CUDA,
+      before any callback's ``setup``): through torch's runtime allocator settings, for the allocations that follow.
+      ``expandable_segments`` takes effect for segments created afterwards (seen turning on and back off on an H200,
+      torch 2.11); ``max_split_size_mb``, ``max_non_split_rounding_mb``, ``garbage_collection_threshold``,
+      ``roundup_power2_divisions`` and the pinned-memory keys are accepted at runtime. ``backend`` is chosen only when
+      CUDA initialises: torch refuses to change it, and a warning names the exact ``export`` line, which is also the
+      way for any key that must hold from the first allocation. At teardown ``expandable_segments``,
+      ``release_lock_on_cudamalloc`` and ``pinned_use_cuda_host_register`` are turned back to torch's default
+      (``False``); torch cannot report the other keys' values from before, so those stay for the process.
+
+    Both settings belong to the process. Runs that overlap (Trainers fitting in threads) share them through
+    :func:`~lightning_memopt.utilities.shared_state.borrow`: the first run in applies its values, the last one out
+    gives back what was there before the first. A run that overlaps with a different ``allocator_conf`` (or another
+    fraction on the same device) runs with the first run's value and gets one warning saying so.
 
     Args:
         allocator_conf: e.g. ``"expandable_segments:True"``; ``None`` leaves the allocator alone.
-        memory_fraction: fraction of the device memory this process may use, in (0, 1].
+        memory_fraction: fraction of the device memory this process may use, in (0, 1]; set at ``setup`` on the
+            device the Trainer trains on (CUDA only; a warning elsewhere).
 
-    Outputs: ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF`` where the user set that one) during the run, or
-    torch's runtime allocator settings once CUDA is initialised; nothing is logged.
+    Outputs: the allocator settings above during the run; nothing is logged.
 
     Example:
         >>> cb = AllocatorSettings(memory_fraction=0.95)
@@ -58,18 +70,19 @@ class AllocatorSettings(Callback):
         self.allocator_conf = allocator_conf
         self.memory_fraction = memory_fraction
         self._warn = WarnOnce()
-        self._conf_state = apply_allocator_conf(allocator_conf, self._warn) if allocator_conf else AllocatorState()
-        self._fraction_state = AllocatorState()
+        self._conf: Lease | None = None
+        self._fraction: Lease | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         try:
-            if self.allocator_conf and self._conf_state.how in ("skipped",):
-                self._conf_state = apply_allocator_conf(self.allocator_conf, self._warn)
+            if self.allocator_conf and self._conf is None:
+                self._conf = borrow_allocator_conf(self.allocator_conf, self._warn)
         except Exception as err:  # never crash training over allocator settings
             self._warn.warn("conf_failed", f"`allocator_conf` could not be applied: {err}")
         try:
-            self._fraction_state = apply_memory_fraction(self.memory_fraction, trainer_device(trainer), warn=self._warn)
+            if self._fraction is None:
+                self._fraction = borrow_memory_fraction(self.memory_fraction, trainer_device(trainer), self._warn)
         except Exception as err:  # never crash training over a memory limit
             self._warn.warn("fraction_failed", f"`memory_fraction` could not be applied: {err}")
 
@@ -88,6 +101,12 @@ class AllocatorSettings(Callback):
             self._warn.warn("restore_failed", f"AllocatorSettings could not give the allocator settings back: {err}")
 
     def restore(self) -> None:
-        """Give back the environment variable, runtime allocator keys and the memory fraction."""
-        restore_allocator_settings(self._fraction_state)
-        restore_allocator_settings(self._conf_state)
+        """Stop borrowing the settings; the last run out gives back the environment variable, the runtime allocator
+        keys and the memory fraction. Raises what giving them back raised (after giving back the rest)."""
+        fraction, conf, self._fraction, self._conf = self._fraction, self._conf, None, None
+        try:
+            if fraction is not None:
+                fraction.release()
+        finally:
+            if conf is not None:
+                conf.release()

@@ -13,6 +13,7 @@ from lightning_memopt.callbacks._timed import TimedCallsCounters
 from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
 from lightning_memopt.utilities.checks import check_bool, check_choice, check_non_negative_int, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
+from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -38,12 +39,42 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere workers are spawned and 
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _disable_automatic(_: object) -> Restore:
+    """Switch automatic collection off (the first collector in); the returned function gives the setting back."""
+    global _enable_in_forked_child
+    enabled = gc.isenabled()
+    gc.disable()
+    _enable_in_forked_child = enabled
+
+    def restore() -> None:
+        global _enable_in_forked_child
+        _enable_in_forked_child = None
+        if enabled:
+            gc.enable()
+
+    return restore
+
+
+def _freeze(_: object) -> Restore | None:
+    """Freeze what exists now (the first collector in), unless the application froze objects itself: ``None``."""
+    if gc.get_freeze_count() > 0:
+        # `gc.unfreeze()` cannot tell our objects from the application's: freezing on top of the application's
+        # freeze could only be undone by unfreezing everything, so the application's freeze is left as it is.
+        return None
+    gc.collect()  # garbage frozen now would stay until teardown
+    gc.freeze()
+    return gc.unfreeze
+
+
 class GarbageCollector(TimedCallsCounters, Callback):
     """Runs Python's garbage collector every N optimizer steps during training, at the same step on every rank.
 
     By default it switches the automatic collector off during fit and runs ``gc.collect(1)`` every ``every_n_steps``
     optimizer steps instead: a young collection that costs what the steps allocated, not what the process holds. What
     it changed (automatic collection on/off, its freeze) is given back at teardown and on an exception during fit.
+    Both belong to the process: collectors of fits that overlap (threads) share them through
+    :func:`~lightning_memopt.utilities.shared_state.borrow`, so the first one in switches collection off (or freezes)
+    and the last one out gives back the state from before the first; the thresholds are never changed.
 
     Args:
         every_n_steps: Collect every this many optimizer steps (default 25).
@@ -95,8 +126,8 @@ class GarbageCollector(TimedCallsCounters, Callback):
         self.collected = 0
         self._timed = TimedCalls()
         self._schedule = CollectionSchedule(every_n_steps, generation, full_every_n_steps)
-        self._saved_enabled: bool | None = None
-        self._froze = False
+        self._automatic: Lease | None = None
+        self._frozen: Lease | None = None
         self._warn = WarnOnce()
 
     @cached_property
@@ -105,35 +136,21 @@ class GarbageCollector(TimedCallsCounters, Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit" or not self.freeze_after_setup or self._frozen is not None:
             return
-        if self._saved_enabled is None:
-            self._saved_enabled = gc.isenabled()
-        if not self.freeze_after_setup or self._froze:
-            return
-        if gc.get_freeze_count() > 0:
-            # `gc.unfreeze()` cannot tell our objects from the application's: freezing on top of the application's
-            # freeze could only be undone by unfreezing everything, so the application's freeze is left as it is.
-            if trainer.is_global_zero:
-                self._warn.warn(
-                    "already_frozen",
-                    f"GarbageCollector(freeze_after_setup=True) did not freeze: the application has already frozen"
-                    f" {gc.get_freeze_count()} objects with `gc.freeze()`, and Python can only unfreeze all of them"
-                    " at once. They stay frozen as they are; pass `freeze_after_setup=False` to silence this.",
-                )
-            return
-        gc.collect()  # garbage frozen now would stay until teardown
-        gc.freeze()
-        self._froze = True
+        self._frozen = borrow("gc.freeze", True, _freeze, self._warn, "GarbageCollector")
+        if self._frozen is None and trainer.is_global_zero:
+            self._warn.warn(
+                "already_frozen",
+                f"GarbageCollector(freeze_after_setup=True) did not freeze: the application has already frozen"
+                f" {gc.get_freeze_count()} objects with `gc.freeze()`, and Python can only unfreeze all of them"
+                " at once. They stay frozen as they are; pass `freeze_after_setup=False` to silence this.",
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        global _enable_in_forked_child
-        if self.disable_automatic:
-            if self._saved_enabled is None:
-                self._saved_enabled = gc.isenabled()
-            gc.disable()
-            _enable_in_forked_child = self._saved_enabled
+        if self.disable_automatic and self._automatic is None:
+            self._automatic = borrow("gc.automatic", False, _disable_automatic, self._warn, "GarbageCollector")
 
     @override
     def on_train_batch_end(
@@ -162,18 +179,10 @@ class GarbageCollector(TimedCallsCounters, Callback):
         log_to_loggers(trainer, metrics, self._warn, "GarbageCollector")
 
     def _restore(self) -> None:
-        global _enable_in_forked_child
-        if self._froze:
-            gc.unfreeze()  # only ever reached when the freeze count was 0 before our freeze
-            self._froze = False
-        if self._saved_enabled is not None:
-            if self._saved_enabled:
-                gc.enable()
-            else:
-                gc.disable()
-            self._saved_enabled = None
-            if self.disable_automatic:
-                _enable_in_forked_child = None
+        frozen, automatic, self._frozen, self._automatic = self._frozen, self._automatic, None, None
+        for lease in (frozen, automatic):  # unfreeze (if last out) before collection comes back on
+            if lease is not None:
+                lease.release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -25,6 +25,7 @@ from lightning_memopt.utilities.checks import (
 from lightning_memopt.utilities.files import check_dir_creatable, write_text_atomic
 from lightning_memopt.utilities.oom import is_out_of_memory_error
 from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
+from lightning_memopt.utilities.shared_state import Lease
 from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
@@ -88,7 +89,7 @@ class OOMReporter(RunIdCallback):
         self.top_k_tensors = top_k_tensors
         self._reported_steps: list[str] = []
         self._num_reports = 0
-        self._recording = False
+        self._history: Lease | None = None  # allocator history is the process's: shared with overlapping fits
         self._resolved_dir: Path | None = None
         self._checkpointing_at_start: oom.CheckpointingState | None = None
         self._warn = WarnOnce()
@@ -111,7 +112,7 @@ class OOMReporter(RunIdCallback):
         device = trainer_device(trainer)
         try:
             if device.type == "cuda" and _torch_private.supports_memory_history():
-                self._recording = _torch_private.start_memory_history(self.max_entries)
+                self._history = _torch_private.borrow_memory_history(self.max_entries, self._warn)
         except Exception as err:
             self._warn.warn("history", f"OOMReporter: allocator history could not be started ({err!r}).")
             return
@@ -155,17 +156,16 @@ class OOMReporter(RunIdCallback):
         self._reported_steps = list(state_dict.get("reported_steps", []))[-_MAX_REMEMBERED:]
         self._num_reports = int(state_dict.get("num_reports", 0))
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_recording"] = False
-        return state
+    @property
+    def _recording(self) -> bool:  # a pickled copy holds a released lease: it records nothing
+        return self._history is not None and self._history.held
 
     def _stop_history(self) -> None:
-        if not self._recording:
+        history, self._history = self._history, None
+        if history is None:
             return
-        self._recording = False
         try:
-            _torch_private.stop_memory_history()
+            history.release()  # the last fit out stops the recording
         except Exception as err:
             log.warning("OOMReporter: allocator history could not be stopped: %r", err)
 

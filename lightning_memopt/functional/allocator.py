@@ -4,12 +4,15 @@ Allocator settings (``PYTORCH_CUDA_ALLOC_CONF``, e.g. ``expandable_segments:True
 initialised. Before that they are applied through the environment variable; afterwards through torch's runtime
 setter where this torch has one, otherwise a warning names the exact variable to export. Everything set here is
 recorded and can be given back with :func:`restore_allocator_settings`. The callback that applies them for one run is
-:class:`~lightning_memopt.callbacks.AllocatorSettings`.
+:class:`~lightning_memopt.callbacks.AllocatorSettings`, through :func:`borrow_allocator_conf` and
+:func:`borrow_memory_fraction`: both settings belong to the process, so runs that overlap share them (the first in
+applies, the last out gives back; see :mod:`~lightning_memopt.utilities.shared_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_memopt.utilities.checks import check_fraction
+from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__ = [
@@ -25,6 +29,8 @@ __all__ = [
     "alloc_conf_env_name",
     "apply_allocator_conf",
     "apply_memory_fraction",
+    "borrow_allocator_conf",
+    "borrow_memory_fraction",
     "format_alloc_conf",
     "parse_alloc_conf",
     "restore_allocator_settings",
@@ -34,7 +40,11 @@ __all__ = [
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 _NEW_ENV = "PYTORCH_ALLOC_CONF"
 #: Values that undo a runtime change for keys whose torch default is known.
-_RUNTIME_DEFAULTS = {"expandable_segments": "False"}
+_RUNTIME_DEFAULTS = {
+    "expandable_segments": "False",
+    "release_lock_on_cudamalloc": "False",
+    "pinned_use_cuda_host_register": "False",
+}
 #: What torch raises when a CUDA call cannot be made (``AssertionError`` on a torch built without CUDA).
 _TORCH_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError)
 
@@ -78,8 +88,10 @@ def alloc_conf_env_name() -> str:
 
 
 def _runtime_setter() -> Callable[[str], None] | None:
-    # The one private torch call of this module: torch has no public runtime setter for allocator settings.
-    return getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # The one private torch call of this module: torch has no public runtime setter for allocator settings. The
+    # accelerator-wide one first: `torch.cuda.memory._set_allocator_settings` warns that it is deprecated (2.9+).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    return setter if setter is not None else getattr(torch.cuda.memory, "_set_allocator_settings", None)
 
 
 def _cuda_initialized() -> bool:
@@ -199,3 +211,54 @@ def restore_allocator_settings(state: AllocatorState) -> None:
         with contextlib.suppress(*_TORCH_ERRORS):
             torch.cuda.set_per_process_memory_fraction(state.previous_fraction, state.fraction_device)
     state.how, state.fraction_device = "skipped", None
+
+
+def _restorer(state: AllocatorState) -> Restore:
+    return functools.partial(restore_allocator_settings, state)
+
+
+def borrow_allocator_conf(conf: str, warn: WarnOnce | None = None) -> Lease | None:
+    """:func:`apply_allocator_conf` for one run, shared by the runs of this process that overlap it.
+
+    The first run in applies ``conf`` (the environment variable or, once CUDA is initialised, the runtime setter);
+    a run that overlaps with a different ``conf`` runs with the first one's and is warned once; the last run out gives
+    back what was there before the first (release the returned lease).
+
+    Example:
+        >>> import os
+        >>> old = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        >>> first = borrow_allocator_conf("expandable_segments:True")  # CUDA not initialised here
+        >>> second = borrow_allocator_conf("expandable_segments:True")
+        >>> first.release(); os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+        'expandable_segments:True'
+        >>> second.release(); "PYTORCH_CUDA_ALLOC_CONF" in os.environ
+        False
+    """
+    wanted = format_alloc_conf(parse_alloc_conf(conf))
+    if not wanted:
+        return None
+    return borrow(
+        "cuda.allocator_settings", wanted, lambda v: _restorer(apply_allocator_conf(v, warn)), warn, "AllocatorSettings"
+    )
+
+
+def borrow_memory_fraction(fraction: float | None, device: torch.device, warn: WarnOnce | None = None) -> Lease | None:
+    """:func:`apply_memory_fraction` for one run, shared per device by the runs of this process that overlap it.
+
+    ``None`` (nothing held) when ``fraction`` is ``None`` or ``device`` is not a CUDA device (a warning then). The
+    first run in on a device sets its fraction; an overlapping run with another fraction runs with the first one's
+    and is warned once; the last run out gives back the fraction from before the first.
+    """
+    if fraction is None:
+        return None
+    check_fraction("memory_fraction", fraction)
+    device = torch.device(device)
+    if device.type != "cuda":
+        apply_memory_fraction(fraction, device, warn=warn)  # warns that it is ignored here
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def apply(value: float) -> Restore:
+        return _restorer(apply_memory_fraction(value, torch.device("cuda", index), warn=warn))
+
+    return borrow(f"cuda.memory_fraction:{index}", fraction, apply, warn, "AllocatorSettings")

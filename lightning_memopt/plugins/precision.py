@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import math
@@ -26,6 +27,7 @@ from lightning_memopt.functional.precision import (
 )
 from lightning_memopt.utilities.checks import check_bool, check_choice
 from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of
+from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
@@ -35,16 +37,8 @@ __all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
 
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 
-
 #: Backends whose ``matmul.fp32_precision`` ``torch.set_float32_matmul_precision`` also writes (torch >= 2.9).
 _MATMUL_BACKENDS = ("cuda", "mkldnn")
-
-
-def _get_matmul_precision() -> str | None:
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:  # the legacy getter raises once the newer fp32_precision API was used
-        return None
 
 
 def _matmul_backend(name: str) -> Any:
@@ -58,10 +52,10 @@ def _read_matmul_state() -> dict[str, str] | None:
     (``"none"`` before the first call, ``"ieee"`` after setting ``"highest"``), so giving back only the legacy value
     would leave those changed.
     """
-    legacy = _get_matmul_precision()
-    if legacy is None:
+    try:
+        state = {"": torch.get_float32_matmul_precision()}
+    except RuntimeError:  # the legacy getter raises once the newer fp32_precision API was used
         return None
-    state = {"": legacy}
     for name in _MATMUL_BACKENDS:
         value = getattr(_matmul_backend(name), "fp32_precision", None)
         if isinstance(value, str):
@@ -81,6 +75,15 @@ def _restore_matmul_state(state: dict[str, str]) -> None:
         if name in state:
             with contextlib.suppress(Exception):
                 _matmul_backend(name).fp32_precision = state[name]
+
+
+def _set_matmul_state(precision: str) -> Restore | None:
+    """Set the float32 matmul precision (the first plugin in); ``None`` where the per-backend API is in use."""
+    previous = _read_matmul_state()
+    if previous is None:
+        return None
+    torch.set_float32_matmul_precision(precision)
+    return functools.partial(_restore_matmul_state, previous)
 
 
 def _plugin_class(namespace: str, name: str) -> type:
@@ -120,11 +123,12 @@ class MemoryPrecision(Precision):
       (torch supports it on CPUs).
 
     ``float32_matmul_precision`` is set through ``torch.set_float32_matmul_precision`` at setup and given back exactly
-    at teardown (also when fit stops with an exception); where TF32 was set through torch's per-backend API the plugin
-    leaves it alone and warns. With ``exact_accumulation=True`` the loss of an epoch's short last accumulation window
-    is rescaled, so each optimizer step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin
-    replaces ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies
-    get a ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
+    at teardown (also after an exception; fits overlapping in one process share it: the first one's value holds until
+    the last ends); where TF32 was set through torch's per-backend API the plugin leaves it alone and warns. With
+    ``exact_accumulation=True`` the loss of an epoch's short last accumulation window is rescaled, so each optimizer
+    step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin replaces
+    ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies get a
+    ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
 
     Args:
         mode: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``, ``"bf16"``...).
@@ -177,7 +181,7 @@ class MemoryPrecision(Precision):
         self._delegate: Any = _plain_plugin(
             self._namespace, normalized if normalized in ("16-true", "bf16-true", "64-true") else "32-true"
         )
-        self._previous_matmul: dict[str, str] | None = None
+        self._matmul: Lease | None = None  # the process's setting: shared with fits that overlap this one
         self._pending_state: dict[str, Any] | None = None
         self._warn = WarnOnce()
 
@@ -251,9 +255,10 @@ class MemoryPrecision(Precision):
         if self.mode == "auto" and getattr(trainer, "global_rank", 0) == 0:
             message = f"MemoryPrecision(mode='auto') chose precision={choice.precision!r}: {choice.reason}"
             self._warn.warn("choice", message)
-        if self.float32_matmul_precision is not None and self._previous_matmul is None:
-            previous = _read_matmul_state()
-            if previous is None:
+        if self.float32_matmul_precision is not None and self._matmul is None:
+            wanted, key = self.float32_matmul_precision, "torch.float32_matmul_precision"
+            self._matmul = borrow(key, wanted, _set_matmul_state, self._warn, "MemoryPrecision")
+            if self._matmul is None:
                 self._warn.warn(
                     "new_matmul_api",
                     f"MemoryPrecision left `float32_matmul_precision={self.float32_matmul_precision!r}` unapplied:"
@@ -261,9 +266,6 @@ class MemoryPrecision(Precision):
                     "fp32_precision`), which does not mix with `torch.set_float32_matmul_precision`. Set it through"
                     " that API yourself, or drop `float32_matmul_precision` here.",
                 )
-                return
-            torch.set_float32_matmul_precision(self.float32_matmul_precision)
-            self._previous_matmul = previous
 
     # ------------------------------------------------------------------------------------------- Precision API
     @override
@@ -383,9 +385,9 @@ class MemoryPrecision(Precision):
         try:
             self._delegate.teardown()
         finally:
-            previous, self._previous_matmul = self._previous_matmul, None
-            if previous is not None:
-                _restore_matmul_state(previous)
+            lease, self._matmul = self._matmul, None
+            if lease is not None:
+                lease.release()  # the last fit out gives back the state from before the first
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self.mode!r}, precision={self.precision!r})"

@@ -337,8 +337,9 @@ class MemoryPreset:
         Returns ``plugins=[MemoryPrecision(...)]`` (or ``precision="..."`` for FSDP/DeepSpeed strategies, which need
         their own precision classes), ``accumulate_grad_batches``, ``gradient_clip_val``, ``callbacks`` (yours first,
         then the preset's; with ``auto_micro_batch`` an ``AutoMicroBatch`` of yours replaces the preset's) and, with
-        an effective batch, ``devices`` and ``num_nodes``. Allocator settings are applied now, before CUDA is
-        initialised, by the ``AllocatorSettings`` callback built here.
+        an effective batch, ``devices`` and ``num_nodes``. Building them changes nothing in the process: the
+        ``AllocatorSettings`` callback built here applies the allocator settings at ``setup`` and gives them back at
+        teardown (see its docstring for the keys that take effect once CUDA is initialised).
 
         Raises:
             ValueError: when one of ``trainer_kwargs`` contradicts the preset; the message says which to drop.

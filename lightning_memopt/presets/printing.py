@@ -55,7 +55,7 @@ def describe(preset: MemoryPreset) -> str:
         (
             "allocator_conf",
             preset.allocator_conf or "unchanged",
-            "expandable segments reduce fragmentation; applied before CUDA initialises.",
+            "expandable segments reduce fragmentation; applied at setup, given back at teardown.",
         ),
         ("memory_fraction", preset.memory_fraction, "cap on this process's share of device memory (None = all)."),
         (

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
+from lightning_memopt.utilities.warnings import WarnOnce
+
 __all__: list[str] = [
     "backward_outside_torch_function",
     "ddp_comm_hook_name",
@@ -66,6 +69,35 @@ def stop_memory_history() -> bool:
         return False
     torch.cuda.memory._record_memory_history(enabled=None)
     return True
+
+
+def _history_enabled() -> bool:
+    """Whether allocator history is being recorded now (``False`` where this torch cannot tell)."""
+    is_enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    try:
+        return bool(is_enabled()) if is_enabled is not None else False
+    except RuntimeError:
+        return False
+
+
+def _stop_memory_history() -> None:
+    stop_memory_history()
+
+
+def borrow_memory_history(max_entries: int, warn: WarnOnce | None = None) -> Lease | None:
+    """:func:`start_memory_history` for one run, shared by the runs of this process that overlap it.
+
+    The first run in starts recording and the last one out stops it; recording the application started itself is
+    left running. ``None`` (nothing held) when this build or device cannot record. An overlapping run that asks for
+    another ``max_entries`` records with the first one's and is warned once.
+    """
+
+    def apply(entries: int) -> Restore | None:
+        if _history_enabled():
+            return lambda: None  # the application records: its recording is not ours to stop
+        return _stop_memory_history if start_memory_history(entries) else None
+
+    return borrow("cuda.memory_history", max_entries, apply, warn, "OOMReporter")
 
 
 def dump_memory_snapshot(path: str | os.PathLike[str]) -> bool:

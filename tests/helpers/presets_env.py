@@ -1,4 +1,5 @@
-"""Give back what the ``AllocatorSettings`` a preset built wrote into the environment, in tests that never fit."""
+"""Release what the ``AllocatorSettings`` a preset built holds, in tests that never fit (a no-op unless ``setup`` ran:
+building one changes nothing)."""
 
 from __future__ import annotations
 
