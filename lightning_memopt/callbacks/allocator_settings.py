@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
-from lightning_memopt.functional.allocator import borrow_allocator_conf, borrow_memory_fraction, parse_alloc_conf
+from lightning_memopt.functional.allocator import borrow_allocator_conf, borrow_memory_fraction, check_alloc_conf
 from lightning_memopt.utilities.checks import check_fraction
 from lightning_memopt.utilities.namespaces import Callback
 from lightning_memopt.utilities.shared_state import Lease
@@ -35,9 +35,10 @@ class AllocatorSettings(Callback):
       before any callback's ``setup``): through torch's runtime allocator settings, for the allocations that follow.
       ``expandable_segments`` takes effect for segments created afterwards (seen turning on and back off on an H200,
       torch 2.11); ``max_split_size_mb``, ``max_non_split_rounding_mb``, ``garbage_collection_threshold``,
-      ``roundup_power2_divisions`` and the pinned-memory keys are accepted at runtime. ``backend`` is chosen only when
-      CUDA initialises: torch refuses to change it, and a warning names the exact ``export`` line, which is also the
-      way for any key that must hold from the first allocation. At teardown ``expandable_segments``,
+      ``roundup_power2_divisions`` and the pinned-memory keys are accepted at runtime. ``backend`` is chosen when torch is imported:
+      one other than the process started with is refused when this callback is built (a ``ValueError`` with the
+      ``export`` line), and a key refused at runtime gets one warning with the ``export`` line, the way for any key
+      that must hold from the first allocation. At teardown ``expandable_segments``,
       ``release_lock_on_cudamalloc`` and ``pinned_use_cuda_host_register`` are turned back to torch's default
       (``False``); torch cannot report the other keys' values from before, so those stay for the process.
 
@@ -65,7 +66,7 @@ class AllocatorSettings(Callback):
                 f"`allocator_conf` must be a string of `key:value` entries or None, got {allocator_conf!r}."
                 " Example: 'expandable_segments:True,max_split_size_mb:128'."
             )
-        parse_alloc_conf(allocator_conf)
+        check_alloc_conf(allocator_conf)
         check_fraction("memory_fraction", memory_fraction, allow_none=True)
         self.allocator_conf = allocator_conf
         self.memory_fraction = memory_fraction

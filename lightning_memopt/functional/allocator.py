@@ -31,6 +31,7 @@ __all__ = [
     "apply_memory_fraction",
     "borrow_allocator_conf",
     "borrow_memory_fraction",
+    "check_alloc_conf",
     "format_alloc_conf",
     "parse_alloc_conf",
     "restore_allocator_settings",
@@ -69,6 +70,36 @@ def parse_alloc_conf(conf: str | None) -> dict[str, str]:
             )
         out[key.strip()] = value.strip()
     return out
+
+
+def check_alloc_conf(conf: str | None) -> dict[str, str]:
+    """Parse ``conf`` and refuse what cannot be applied from inside Python: a ``backend`` other than the one torch
+    chose when it was imported (torch reads it at load time; a later change crashes CUDA's initialisation).
+
+    Raises:
+        ValueError: a malformed entry, or such a ``backend``, with the ``export`` line that sets it.
+
+    Example:
+        >>> check_alloc_conf("expandable_segments:True")
+        {'expandable_segments': 'True'}
+    """
+    wanted = parse_alloc_conf(conf)
+    backend = wanted.get("backend")
+    if backend is None:
+        return wanted
+    env_name = alloc_conf_env_name()
+    try:
+        loaded = parse_alloc_conf(os.environ.get(env_name)).get("backend", "native")
+    except ValueError:  # the user's own malformed variable: torch reads it, not us
+        loaded = "native"
+    if backend != loaded:
+        raise ValueError(
+            f"`allocator_conf` sets backend:{backend}, but torch chose its allocator backend ({loaded!r}) when it"
+            " was imported, before any callback or preset runs, and changing it later crashes CUDA's"
+            f" initialisation. Drop `backend` from `allocator_conf` and export it before starting Python:"
+            f" export {env_name}=backend:{backend}"
+        )
+    return wanted
 
 
 def format_alloc_conf(settings: dict[str, str]) -> str:

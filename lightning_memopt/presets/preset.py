@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lightning_memopt.functional.allocator import parse_alloc_conf
+from lightning_memopt.functional.allocator import check_alloc_conf
 from lightning_memopt.functional.presets import (
     PRESET_NAMES,
     PRESETS,
@@ -143,7 +143,7 @@ class MemoryPreset:
         check_non_negative_int("gc_every_n_steps", self.gc_every_n_steps, hint="Use 0 for no garbage collector.")
         check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
         check_str("allocator_conf", self.allocator_conf, hint="Example: 'expandable_segments:True'.")
-        parse_alloc_conf(self.allocator_conf)
+        check_alloc_conf(self.allocator_conf)
         check_non_negative_number(
             "gradient_clip_val", self.gradient_clip_val, allow_none=True, hint="Use None for no clipping."
         )

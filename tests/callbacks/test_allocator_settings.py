@@ -162,3 +162,18 @@ def test_a_second_fit_applies_again(monkeypatch, tmp_path):
         _fit(make_trainer(tmp_path, max_steps=1, callbacks=[callback, seen]), "normal")
         assert ALLOC_CONF_ENV not in os.environ
     assert seen.env == ["expandable_segments:True", "expandable_segments:True"]
+
+
+@pytest.mark.parametrize("build", [AllocatorSettings, lambda conf: MemoryPreset(allocator_conf=conf)])
+def test_a_backend_torch_did_not_load_with_is_refused_when_built(monkeypatch, build):
+    # torch reads `backend` when it is imported: set later (even before CUDA initialises) it crashes CUDA's
+    # initialisation with an internal assert (seen on an H200, torch 2.11); only an export before Python starts works
+    monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with pytest.raises(ValueError, match=r"backend:cudaMallocAsync.*export PYTORCH_CUDA_ALLOC_CONF=backend:cud"):
+        build("expandable_segments:True,backend:cudaMallocAsync")
+    assert ALLOC_CONF_ENV not in os.environ
+    monkeypatch.setenv(ALLOC_CONF_ENV, "backend:cudaMallocAsync")  # exported: the backend it has, accepted
+    build("backend:cudaMallocAsync")
+    with pytest.raises(ValueError, match=r"backend:native.*'cudaMallocAsync'"):
+        build("backend:native")
