@@ -35,10 +35,10 @@ class AllocatorSettings(Callback):
       before any callback's ``setup``): through torch's runtime allocator settings, for the allocations that follow.
       ``expandable_segments`` takes effect for segments created afterwards (seen turning on and back off on an H200,
       torch 2.11); ``max_split_size_mb``, ``max_non_split_rounding_mb``, ``garbage_collection_threshold``,
-      ``roundup_power2_divisions`` and the pinned-memory keys are accepted at runtime. ``backend`` is chosen when torch is imported:
-      one other than the process started with is refused when this callback is built (a ``ValueError`` with the
-      ``export`` line), and a key refused at runtime gets one warning with the ``export`` line, the way for any key
-      that must hold from the first allocation. At teardown ``expandable_segments``,
+      ``roundup_power2_divisions`` and the pinned-memory keys are accepted at runtime. ``backend`` is chosen when
+      torch is imported: one other than the process started with is refused when this callback is built (a
+      ``ValueError`` with the ``export`` line), and a key refused at runtime gets one warning with the ``export``
+      line, the way for any key that must hold from the first allocation. At teardown ``expandable_segments``,
       ``release_lock_on_cudamalloc`` and ``pinned_use_cuda_host_register`` are turned back to torch's default
       (``False``); torch cannot report the other keys' values from before, so those stay for the process.
 
