@@ -3,7 +3,8 @@
 Subcommands:
 
 * ``analyze LOG [LOG ...] [--plot FILE.png]``: summary table and timeline plot from memory JSONL logs.
-* ``report REPORT [REPORT ...]``: an out-of-memory report (``oom_report_rank{r}.json``) as Markdown.
+* ``report REPORT [REPORT ...]``: an out-of-memory report (``oom_report_rank{r}.json``) as Markdown; a directory
+  stands for the newest report of each rank in it.
 * ``estimate --model CLASS_PATH | --config FILE.yaml [--data CLASS_PATH | --batch-shape SPEC ...] [--gpu NAME |
   --device-memory SIZE] [--effective-batch-size N]``: a training step's peak memory predicted on fake tensors
   (:func:`~lightning_memopt.planner.estimate_memory`, its breakdown table) and, with a budget, the plan
@@ -22,9 +23,11 @@ torch); ``estimate`` imports both when it runs (in ``lightning_memopt.cli_estima
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from lightning_memopt.__about__ import __version__
 
@@ -101,15 +104,32 @@ def _run_analyze(args: argparse.Namespace) -> int:
 
 def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("report", help="print an out-of-memory report (JSON from OOMReporter) as Markdown")
-    parser.add_argument("reports", nargs="+", metavar="REPORT", help="oom_report_rank*.json files (OOMReporter)")
+    parser.add_argument(
+        "reports",
+        nargs="+",
+        metavar="REPORT",
+        help="oom_report_rank*.json files (OOMReporter), or a directory of them: the newest report of each rank",
+    )
     parser.set_defaults(func=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from lightning_memopt.functional.oom import load_report, render_markdown
+    from lightning_memopt.functional.oom import load_report, newest_reports, render_markdown
 
+    paths: list[str] = []
+    for given in args.reports:
+        if not os.path.isdir(given):
+            paths.append(given)
+            continue
+        try:
+            found = newest_reports(Path(given))
+        except OSError as err:
+            raise CLIError(f"{given}: cannot be read ({err.strerror or err})") from None
+        if not found:
+            raise CLIError(f"{given}: no oom_report_rank*.json in this directory (written by OOMReporter)")
+        paths.extend(str(p) for p in found)
     texts = []
-    for path in args.reports:
+    for path in paths:
         try:
             report = load_report(path)
         except ValueError as err:  # missing, a directory or pipe, not JSON, not a report: says which file
