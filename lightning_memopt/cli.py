@@ -113,8 +113,13 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run_report)
 
 
+#: What ``report`` prints of one report at most (the JSON is read with ``JSONLimits``' caps first).
+_MAX_REPORT_CHARS = 4_000_000
+
+
 def _run_report(args: argparse.Namespace) -> int:
     from lightning_memopt.functional.oom import load_report, newest_reports, render_markdown
+    from lightning_memopt.utilities.json_capped import JSONLimits
 
     paths: list[str] = []
     for given in args.reports:
@@ -131,16 +136,19 @@ def _run_report(args: argparse.Namespace) -> int:
     texts = []
     for path in paths:
         try:
-            report = load_report(path)
+            report = load_report(path, JSONLimits())  # streamed, long values cut: any size prints in seconds
         except ValueError as err:  # missing, a directory or pipe, not JSON, not a report: says which file
             raise CLIError(str(err)) from None
         try:
-            texts.append(render_markdown(report))
+            text = render_markdown(report)
         except Exception as err:  # a report shaped in a way rendering did not foresee: one line, no traceback
             raise CLIError(
                 f"{path}: could not be rendered as Markdown ({type(err).__name__}: {err}); the JSON itself is intact,"
                 " open it directly"
             ) from None
+        if len(text) > _MAX_REPORT_CHARS:
+            text = text[:_MAX_REPORT_CHARS] + f"\n... (output cut at {_MAX_REPORT_CHARS} characters; open {path})\n"
+        texts.append(text)
     print("\n".join(texts), end="")
     return 0
 

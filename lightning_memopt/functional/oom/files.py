@@ -11,6 +11,7 @@ from typing import Any
 from lightning_memopt.functional.oom.schema import OOMReport
 from lightning_memopt.functional.oom.sections import json_default
 from lightning_memopt.utilities.files import regular_file_problem
+from lightning_memopt.utilities.json_capped import JSONLimits, JSONReadError, load_json_capped
 
 __all__ = ["load_report", "report_json", "report_paths"]
 
@@ -39,8 +40,12 @@ def report_json(report: OOMReport | Mapping[str, Any]) -> str:
     return json.dumps(report, indent=2, default=json_default) + "\n"
 
 
-def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_report(path: str | os.PathLike[str], limits: JSONLimits | None = None) -> dict[str, Any]:
     """Read an ``oom_report_rank{r}.json`` file written by ``OOMReporter``.
+
+    With ``limits`` (for display, as ``lightning-memopt report`` does) the file is streamed and long strings,
+    lists and objects are cut with a marker (:func:`~lightning_memopt.utilities.json_capped.load_json_capped`):
+    memory and time stay bounded whatever the file's size. Without, every value is read as it is.
 
     Raises:
         ValueError: naming the file and what is wrong with it (missing, not JSON, not an OOM report).
@@ -58,14 +63,14 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{name}: {problem}. {hint}")
     try:
         with open(name, encoding="utf-8") as f:
-            report = json.load(f)
+            report = json.load(f) if limits is None else load_json_capped(f, limits)
     except FileNotFoundError:
         raise ValueError(f"{name}: no such file. {hint}") from None
     except IsADirectoryError:
         raise ValueError(f"{name}: is a directory. {hint}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{name}: cannot be read ({err}). {hint}") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, JSONReadError) as err:
         raise ValueError(f"{name}: not valid JSON ({err.msg} at line {err.lineno}). {hint}") from None
     except RecursionError:
         raise ValueError(f"{name}: not valid JSON (nested too deeply to read). {hint}") from None
