@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_memopt.__about__ import __version__
+from lightning_memopt.utilities.formatting import printable
 
 __all__ = ["main"]
 
@@ -96,9 +97,9 @@ def _run_analyze(args: argparse.Namespace) -> int:
         finally:
             # Skipped records and the like: one line each, before the table or the error.
             for warning in caught:
-                message = " ".join(str(warning.message).splitlines())
+                message = printable(" ".join(str(warning.message).splitlines()))
                 print(f"lightning-memopt analyze: warning: {message}", file=sys.stderr)
-    print(text)
+    print(printable(text, keep_newlines=True))  # the values in it were escaped one by one (analysis/text.py)
     return 0
 
 
@@ -148,7 +149,7 @@ def _run_report(args: argparse.Namespace) -> int:
             ) from None
         if len(text) > _MAX_REPORT_CHARS:
             text = text[:_MAX_REPORT_CHARS] + f"\n... (output cut at {_MAX_REPORT_CHARS} characters; open {path})\n"
-        texts.append(text)
+        texts.append(printable(text, keep_newlines=True))  # values were escaped one by one (render_markdown)
     print("\n".join(texts), end="")
     return 0
 
@@ -347,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CLIError as err:
-        message = " ".join(str(err).splitlines())  # one line, whatever the message holds
+        message = printable(" ".join(str(err).splitlines()))  # one line, no control characters from the input
         print(f"lightning-memopt {args.command}: error: {message}", file=sys.stderr)
         return 2
 
