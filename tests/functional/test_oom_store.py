@@ -75,3 +75,21 @@ def test_a_taken_name_moves_on_to_the_next(tmp_path, monkeypatch):
     first.release()
     second.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_where_no_claim_can_be_made_still_gets_a_name_and_the_write_reports_the_failure(
+    tmp_path, monkeypatch
+):
+    real_open = store.os.open
+
+    def full_disk(path, flags, mode=0o777):
+        if str(path).endswith(".claim"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(store.os, "open", full_disk)
+    slot = reserve_report(tmp_path, 0, T0)
+    assert slot.paths["json"].name.startswith("oom_report_rank0-20250101T120000.000000Z-")
+    assert save_report(slot, {"when": {"time": T0}, "tag": "x"}, lambda r: "# x\n") == []
+    slot.release()
+    assert _tag(tmp_path / "oom_report_rank0.json") == "x"

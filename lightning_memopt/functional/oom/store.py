@@ -22,7 +22,6 @@ import datetime
 import errno
 import filecmp
 import itertools
-import json
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ from typing import Any
 
 from lightning_memopt.functional.oom.files import report_json, report_paths
 from lightning_memopt.utilities.files import write_text_atomic
+from lightning_memopt.utilities.json_capped import JSONLimits, load_json_capped
 
 __all__ = ["ReportSlot", "kept_reports", "newest_reports", "publish_newest", "reserve_report", "save_report"]
 
@@ -54,14 +54,15 @@ class ReportSlot:
         paths: ``json``, ``md`` and ``pickle``, each under this report's own name.
     """
 
-    def __init__(self, paths: dict[str, Path], claim: Path) -> None:
+    def __init__(self, paths: dict[str, Path], claim: Path | None) -> None:
         self.paths = paths
         self._claim = claim
 
     def release(self) -> None:
         """Remove the claim file (the report's own files stay)."""
-        with contextlib.suppress(OSError):
-            self._claim.unlink()
+        if self._claim is not None:
+            with contextlib.suppress(OSError):
+                self._claim.unlink()
 
 
 def reserve_report(dirpath: Path, rank: int, when_time: float) -> ReportSlot:
@@ -87,6 +88,8 @@ def reserve_report(dirpath: Path, rank: int, when_time: float) -> ReportSlot:
             os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except FileExistsError:
             continue
+        except OSError:  # no claim possible (a full disk): time, pid and counter alone; writing reports the failure
+            return ReportSlot(paths, None)
         if any(p.exists() for p in paths.values()):  # a report kept under this name without a claim: skip it
             with contextlib.suppress(OSError):
                 claim.unlink()
@@ -163,8 +166,8 @@ def _is_kept(documented: Path, rank: int) -> bool:
 def _earlier_time(path: Path) -> float:
     """An earlier report's own time if it can be read, else the file's modification time."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return float(json.load(f)["when"]["time"])
+        with open(path, encoding="utf-8") as f:  # streamed, nearly nothing kept: any size, during an OOM
+            return float(load_json_capped(f, JSONLimits(max_items=50, max_chars=100, max_depth=3))["when"]["time"])
     except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):  # not a report: file time
         return path.stat().st_mtime
 
