@@ -3,7 +3,8 @@
 Subcommands:
 
 * ``analyze LOG [LOG ...] [--plot FILE.png]``: summary table and timeline plot from memory JSONL logs.
-* ``report REPORT [REPORT ...]``: an out-of-memory report (``oom_report_rank{r}.json``) as Markdown.
+* ``report REPORT [REPORT ...]``: an out-of-memory report (``oom_report_rank{r}.json``) as Markdown; a directory
+  stands for the newest report of each rank in it.
 * ``estimate --model CLASS_PATH | --config FILE.yaml [--data CLASS_PATH | --batch-shape SPEC ...] [--gpu NAME |
   --device-memory SIZE] [--effective-batch-size N]``: a training step's peak memory predicted on fake tensors
   (:func:`~lightning_memopt.planner.estimate_memory`, its breakdown table) and, with a budget, the plan
@@ -22,11 +23,14 @@ torch); ``estimate`` imports both when it runs (in ``lightning_memopt.cli_estima
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from lightning_memopt.__about__ import __version__
+from lightning_memopt.utilities.formatting import printable
 
 __all__ = ["main"]
 
@@ -93,34 +97,59 @@ def _run_analyze(args: argparse.Namespace) -> int:
         finally:
             # Skipped records and the like: one line each, before the table or the error.
             for warning in caught:
-                message = " ".join(str(warning.message).splitlines())
+                message = printable(" ".join(str(warning.message).splitlines()))
                 print(f"lightning-memopt analyze: warning: {message}", file=sys.stderr)
-    print(text)
+    print(printable(text, keep_newlines=True))  # the values in it were escaped one by one (analysis/text.py)
     return 0
 
 
 def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("report", help="print an out-of-memory report (JSON from OOMReporter) as Markdown")
-    parser.add_argument("reports", nargs="+", metavar="REPORT", help="oom_report_rank*.json files (OOMReporter)")
+    parser.add_argument(
+        "reports",
+        nargs="+",
+        metavar="REPORT",
+        help="oom_report_rank*.json files (OOMReporter), or a directory of them: the newest report of each rank",
+    )
     parser.set_defaults(func=_run_report)
 
 
-def _run_report(args: argparse.Namespace) -> int:
-    from lightning_memopt.functional.oom import load_report, render_markdown
+#: What ``report`` prints of one report at most (the JSON is read with ``JSONLimits``' caps first).
+_MAX_REPORT_CHARS = 4_000_000
 
-    texts = []
-    for path in args.reports:
+
+def _run_report(args: argparse.Namespace) -> int:
+    from lightning_memopt.functional.oom import load_report, newest_reports, render_markdown
+    from lightning_memopt.utilities.json_capped import JSONLimits
+
+    paths: list[str] = []
+    for given in args.reports:
+        if not os.path.isdir(given):
+            paths.append(given)
+            continue
         try:
-            report = load_report(path)
+            found = newest_reports(Path(given))
+        except OSError as err:
+            raise CLIError(f"{given}: cannot be read ({err.strerror or err})") from None
+        if not found:
+            raise CLIError(f"{given}: no oom_report_rank*.json in this directory (written by OOMReporter)")
+        paths.extend(str(p) for p in found)
+    texts = []
+    for path in paths:
+        try:
+            report = load_report(path, JSONLimits())  # streamed, long values cut: any size prints in seconds
         except ValueError as err:  # missing, a directory or pipe, not JSON, not a report: says which file
             raise CLIError(str(err)) from None
         try:
-            texts.append(render_markdown(report))
+            text = render_markdown(report)
         except Exception as err:  # a report shaped in a way rendering did not foresee: one line, no traceback
             raise CLIError(
                 f"{path}: could not be rendered as Markdown ({type(err).__name__}: {err}); the JSON itself is intact,"
                 " open it directly"
             ) from None
+        if len(text) > _MAX_REPORT_CHARS:
+            text = text[:_MAX_REPORT_CHARS] + f"\n... (output cut at {_MAX_REPORT_CHARS} characters; open {path})\n"
+        texts.append(printable(text, keep_newlines=True))  # values were escaped one by one (render_markdown)
     print("\n".join(texts), end="")
     return 0
 
@@ -319,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CLIError as err:
-        message = " ".join(str(err).splitlines())  # one line, whatever the message holds
+        message = printable(" ".join(str(err).splitlines()))  # one line, no control characters from the input
         print(f"lightning-memopt {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -147,9 +147,30 @@ MUTANTS = (
     Mutant(
         "oom-markdown-pipes-unescaped",
         "lightning_memopt/functional/oom/markdown.py",
-        r'return text.replace("|", "\\|").replace("\n", " ")',
-        r'return text.replace("\n", " ")',
+        r'return printable("n/a" if value is None else value).replace("|", "\\|")',
+        r'return printable("n/a" if value is None else value)',
         ("tests/functional/test_oom.py",),
+    ),
+    Mutant(
+        "oom-documented-names-on-the-oldest",
+        "lightning_memopt/functional/oom/store.py",
+        "newest = kept[-1][1]",
+        "newest = kept[0][1]",
+        ("tests/functional/test_oom_store.py",),
+    ),
+    Mutant(
+        "oom-claim-without-o-excl",
+        "lightning_memopt/functional/oom/store.py",
+        "os.O_WRONLY | os.O_CREAT | os.O_EXCL",
+        "os.O_WRONLY | os.O_CREAT",
+        ("tests/functional/test_oom_store.py",),
+    ),
+    Mutant(
+        "printable-keeps-escape",
+        "lightning_memopt/utilities/formatting.py",
+        "*range(0x00, 0x20),",
+        "*range(0x00, 0x1B), *range(0x1C, 0x20),",
+        ("tests/utilities/test_printable.py",),
     ),
     Mutant(
         "oom-report-unredacted",

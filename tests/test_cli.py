@@ -80,7 +80,7 @@ def _write(tmp_path, name, content):
         (lambda tmp: _write(tmp, "empty.json", ""), "not valid JSON"),
         (lambda tmp: _write(tmp, "str.json", '"a string"'), "not an out-of-memory report"),
         (lambda tmp: _write(tmp, "nan.json", '{"format": NaN}'), "not an out-of-memory report"),
-        (lambda tmp: tmp, "is a directory"),
+        (lambda tmp: tmp, "no oom_report_rank*.json in this directory"),
         (lambda tmp: tmp / "missing.json", "no such file"),
     ],
 )

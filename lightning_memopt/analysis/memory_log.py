@@ -30,6 +30,7 @@ from lightning_memopt.analysis.records import MemoryLogError, check_log_path, it
 from lightning_memopt.analysis.summary import LogSummarizer, PhaseSummary, listed, summarize_memory_log
 from lightning_memopt.analysis.text import format_summary
 from lightning_memopt.utilities.checks import check_path
+from lightning_memopt.utilities.formatting import printable
 
 __all__ = [
     "MemoryFinding",
@@ -146,7 +147,7 @@ def analyze_memory_logs(
     for report in reports:
         message = report.warning()
         if message:
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(printable(message, keep_newlines=True), stacklevel=2)
     summaries = summarizer.summaries()
     text = format_summary(summaries)
     if target is not None:

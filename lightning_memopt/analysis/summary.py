@@ -30,6 +30,7 @@ from lightning_memopt.analysis.records import (
     record_problem,
 )
 from lightning_memopt.analysis.timeline import TimelinePanel
+from lightning_memopt.utilities.formatting import printable
 
 __all__ = ["LogSummarizer", "PhaseSummary", "add_checked", "listed", "summarize_memory_log"]
 
@@ -306,7 +307,9 @@ def add_checked(summarizer: LogSummarizer, records: Iterable[Any], label: str) -
     if count:
         where = listed([i for i, _ in skipped], count)
         warnings.warn(
-            f"{label}: skipped {count} of {total} records (index {where}): record {skipped[0][0]} {skipped[0][1]}",
+            printable(
+                f"{label}: skipped {count} of {total} records (index {where}): record {skipped[0][0]} {skipped[0][1]}"
+            ),
             stacklevel=3,
         )
 

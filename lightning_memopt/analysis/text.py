@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from lightning_memopt.analysis.findings import MemoryFinding
 from lightning_memopt.analysis.summary import PhaseSummary
-from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.formatting import format_bytes, printable
 
 __all__ = ["format_summary"]
 
@@ -71,19 +71,19 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     changes: list[str] = []
     for s in summaries:
         checks = s.warnings_by_check or ({"warning": s.warnings} if s.warnings else {})
-        warned = ", ".join(f"{count} {check}" for check, count in checks.items()) or "0"
+        warned = ", ".join(f"{count} {printable(check)}" for check, count in checks.items()) or "0"
         peak_at = (
             "n/a"
             if s.peak_global_step is None
             else (f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
         )
-        run = ((s.run_id or _NO_RUN),) if several_runs else ()
+        run = (printable(s.run_id or _NO_RUN),) if several_runs else ()
         micro = (_micro_batch_cell(s),) if with_changes else ()
         rows.append(
             (
                 str(s.rank),
                 *run,
-                s.phase,
+                printable(s.phase),
                 str(s.num_readings),
                 format_bytes(s.peak_allocated_bytes),
                 format_bytes(s.peak_reserved_bytes),
@@ -95,25 +95,25 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
                 peak_at,
             )
         )
-        where = f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}"
+        where = printable(f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}")
         for f in s.micro_batch_changes:
-            changes.append(f"{_listed_at(where, f)}: {f.message}")
+            changes.append(f"{_listed_at(where, f)}: {printable(f.message)}")
         if s.num_micro_batch_changes > len(s.micro_batch_changes):
             changes.append(
                 f"  {where}: {s.num_micro_batch_changes - len(s.micro_batch_changes)} more changes (not listed)"
             )
         for f in s.findings:
-            findings.append(f"{_listed_at(where, f)}: {f.check}: {f.message}")
+            findings.append(f"{_listed_at(where, f)}: {printable(f.check)}: {printable(f.message)}")
         for check, count in checks.items():
             listed = sum(f.check == check for f in s.findings)
             if count > listed:
-                findings.append(f"  {where}: {count - listed} more {check} warnings (not listed)")
+                findings.append(f"  {where}: {count - listed} more {printable(check)} warnings (not listed)")
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     devices = {s.device for s in summaries if s.device}
     totals = {s.device_total_bytes for s in summaries if s.device_total_bytes}
-    foot = f"device: {', '.join(sorted(devices)) or 'n/a'}"
+    foot = f"device: {printable(', '.join(sorted(devices))) or 'n/a'}"
     if totals:
         foot += f"; device total {format_bytes(max(totals))}"
     lines.append(foot)
@@ -135,7 +135,7 @@ def _micro_batch_cell(s: PhaseSummary) -> str:
     if not s.num_micro_batch_changes:
         return "-"
     first = re.match(r"micro-batch (\S+) ->", s.micro_batch_changes[0].message) if s.micro_batch_changes else None
-    start = first.group(1) if first else "?"
+    start = printable(first.group(1)) if first else "?"
     end = "?" if s.micro_batch_size is None else str(s.micro_batch_size)
     count = s.num_micro_batch_changes
     return f"{start} -> {end} ({count} change{'s' if count != 1 else ''})"

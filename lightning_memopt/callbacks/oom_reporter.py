@@ -22,7 +22,7 @@ from lightning_memopt.utilities.checks import (
     check_positive_int,
     check_writable_dir,
 )
-from lightning_memopt.utilities.files import check_dir_creatable, write_text_atomic
+from lightning_memopt.utilities.files import check_dir_creatable
 from lightning_memopt.utilities.oom import is_out_of_memory_error
 from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
 from lightning_memopt.utilities.shared_state import Lease
@@ -55,8 +55,10 @@ class OOMReporter(RunIdCallback):
       exception; it costs time on every allocation (use it to investigate). Other devices warn once.
 
     It never raises over the user's error (a failing part is listed in ``report_errors``; an unwritable report
-    is logged and warned about), reports each error once, moves an earlier report aside
-    (``oom_report_rank0-20250101T120000Z.json``), and never communicates with other ranks at the failure.
+    is logged and warned about), reports each error once, and never communicates with other ranks at the failure.
+    Every report is kept under a name of its own (``oom_report_rank0-20250101T120000.123456Z-4242-0.json``: failure
+    time, process id, counter); the names above are hard links to the rank's newest, so writers sharing a
+    ``dirpath`` (two jobs, threads) never overwrite each other.
 
     Args:
         dirpath: Directory of the reports; created when the first report is written. Default:
@@ -190,38 +192,35 @@ class OOMReporter(RunIdCallback):
         rank = int(when.get("rank") or 0)
         # Never `trainer.log_dir` here: it is a collective, and only this rank is in `on_exception`.
         directory = self._resolved_dir or Path(self.dirpath or Path(trainer.default_root_dir) / "oom")
-        names = oom.report_paths(check_writable_dir("dirpath", directory), rank)
-        oom.move_aside(names)
-        report = oom.build_oom_report(
-            exception,
-            when=when,
-            memory=memory,
-            device=device,
-            module=pl_module,
-            sources=oom.ReportSources(
-                settings=functools.partial(trainer_settings, trainer),
-                optimizers=functools.partial(trainer_optimizers, trainer),
-                is_checkpointed=is_checkpointed,
-                snapshot=functools.partial(
-                    oom.take_snapshot,
-                    names["pickle"],
-                    device.type,
-                    requested=self.record_history,
-                    recording=self._recording,
-                    dump=_torch_private.dump_memory_snapshot,
+        slot = oom.reserve_report(check_writable_dir("dirpath", directory), rank, float(when["time"]))
+        try:
+            report = oom.build_oom_report(
+                exception,
+                when=when,
+                memory=memory,
+                device=device,
+                module=pl_module,
+                sources=oom.ReportSources(
+                    settings=functools.partial(trainer_settings, trainer),
+                    optimizers=functools.partial(trainer_optimizers, trainer),
+                    is_checkpointed=is_checkpointed,
+                    snapshot=functools.partial(
+                        oom.take_snapshot,
+                        slot.paths["pickle"],
+                        device.type,
+                        requested=self.record_history,
+                        recording=self._recording,
+                        dump=_torch_private.dump_memory_snapshot,
+                    ),
                 ),
-            ),
-            message=_safe_str(exception),
-            top_k_tensors=self.top_k_tensors,
-            checkpointing_at_start=self._checkpointing_at_start,
-            guard=guard,
-        )
-        failed: list[str] = []
-        for key, text in (("json", lambda: oom.report_json(report)), ("md", lambda: _markdown(report))):
-            try:
-                write_text_atomic(names[key], text())
-            except Exception as err:
-                failed.append(f"{names[key]}: {err!r}")
+                message=_safe_str(exception),
+                top_k_tensors=self.top_k_tensors,
+                checkpointing_at_start=self._checkpointing_at_start,
+                guard=guard,
+            )
+            failed = oom.save_report(slot, report, _markdown)
+        finally:
+            slot.release()
         if failed:
             message = (
                 f"OOMReporter: out-of-memory on rank {rank}, but the report could not be written"
@@ -231,7 +230,7 @@ class OOMReporter(RunIdCallback):
             self._warn.warn("write", message)
             return
         self._num_reports += 1
-        log.warning("OOMReporter: out-of-memory on rank %d; report written to %s", rank, names["md"])
+        log.warning("OOMReporter: out-of-memory on rank %d; report written to %s", rank, slot.paths["md"])
 
 
 def _markdown(report: oom.OOMReport) -> str:

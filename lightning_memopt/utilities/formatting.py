@@ -2,7 +2,43 @@
 
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
+__all__ = ["format_bytes", "printable"]
+
+#: Characters a terminal acts on instead of showing: C0 controls (ESC starts ANSI sequences, CR rewrites the line,
+#: LF starts a new one), DEL, C1 controls (0x9B is a one-byte CSI), bidirectional overrides and isolates (they
+#: reorder what is shown), the marks that steer them, and the Unicode line and paragraph separators.
+_UNSAFE = [
+    *range(0x00, 0x20),
+    0x7F,
+    *range(0x80, 0xA0),
+    0x061C,
+    0x200E,
+    0x200F,
+    0x2028,
+    0x2029,
+    *range(0x202A, 0x202F),
+    *range(0x2066, 0x206A),
+]
+_NAMED = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+_ONE_LINE = {c: _NAMED.get(c, f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _UNSAFE}
+_LINES = {c: text for c, text in _ONE_LINE.items() if c not in (0x09, 0x0A)}
+
+
+def printable(text: object, keep_newlines: bool = False) -> str:
+    """``str(text)`` safe to print on a terminal: control and bidirectional characters written as escapes.
+
+    Use it on every text from the user or from a file that reaches the console (paths, log fields, report
+    values): ESC, CR, C1 controls and bidi overrides become ``\\x1b``, ``\\r``, ``\\x9b``, ``\\u202e`` and so on,
+    so a value can neither colour, move or hide output nor pose as another line. ``keep_newlines=True`` keeps
+    ``\\n`` and ``\\t`` (for a whole multi-line text whose values were escaped on their own).
+
+    Example:
+        >>> printable("run\\n\\x1b[31mERROR: forged\\x1b[0m \\u202eexe.txt")
+        'run\\\\n\\\\x1b[31mERROR: forged\\\\x1b[0m \\\\u202eexe.txt'
+        >>> printable("two\\nlines\\r", keep_newlines=True)
+        'two\\nlines\\\\r'
+    """
+    return str(text).translate(_LINES if keep_newlines else _ONE_LINE)
 
 
 def format_bytes(num: int | float | None) -> str:

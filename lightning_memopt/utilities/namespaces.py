@@ -18,6 +18,8 @@ import re
 from types import ModuleType
 from typing import Any
 
+from lightning_memopt.utilities.formatting import printable
+
 __all__ = [
     "MIN_VERSION",
     "NAMESPACES",
@@ -139,5 +141,11 @@ class Precision(*classes("plugins.precision.Precision")):  # type: ignore[misc]
 
 
 #: Lightning's rank-zero helpers (one shared implementation: ``rank_zero_only.rank`` is set by either Trainer).
-rank_zero_info = _import(NAMESPACES[0], "utilities").rank_zero_info
+_rank_zero_info = _import(NAMESPACES[0], "utilities").rank_zero_info
 rank_zero_only = _import(NAMESPACES[0], "utilities").rank_zero_only
+
+
+def rank_zero_info(message: str, *args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
+    """Lightning's ``rank_zero_info`` with ``message`` escaped for the terminal (newlines kept; see
+    :func:`~lightning_memopt.utilities.formatting.printable`)."""
+    _rank_zero_info(printable(message, keep_newlines=True), *args, stacklevel=stacklevel + 1, **kwargs)

@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 
+from lightning_memopt.utilities.formatting import printable
+
 __all__ = ["WarnOnce", "log", "warn_every_time"]
 
-#: The package logger; callbacks log through it so users can silence or redirect them in one place.
+
+class _PrintableRecords(logging.Filter):
+    """Escapes what a record would print (:func:`~lightning_memopt.utilities.formatting.printable`).
+
+    Text and path arguments become one line each (a newline in a ``dirpath`` cannot pose as another log line);
+    then the whole message keeps its own newlines and loses every other control or bidi character.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            args = record.args
+            if isinstance(args, tuple) and args:
+                record.args = tuple(printable(os.fspath(a)) if isinstance(a, (str, os.PathLike)) else a for a in args)
+            record.msg, record.args = printable(record.getMessage(), keep_newlines=True), ()
+        except Exception:  # a record that cannot be formatted: let logging report it as it always does
+            pass
+        return True
+
+
+#: The package logger; callbacks log through it so users can silence or redirect them in one place. What it
+#: prints is escaped: no terminal control sequence from a path or a value reaches the console.
 log = logging.getLogger("lightning_memopt")
+log.addFilter(_PrintableRecords())
 
 
 def warn_every_time(message: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:
@@ -35,12 +59,20 @@ def warn_every_time(message: str, category: type[Warning] = UserWarning, stackle
         filename, lineno, module_globals = "sys", 1, None
     module = module_globals.get("__name__") if module_globals else None
     warnings.warn_explicit(
-        message, category, filename, lineno, module=module, registry={}, module_globals=module_globals
+        printable(message, keep_newlines=True),
+        category,
+        filename,
+        lineno,
+        module=module,
+        registry={},
+        module_globals=module_globals,
     )
 
 
 class WarnOnce:
     """Emits each keyed warning at most once per instance (per :meth:`reset`, with ``every_time=True``).
+
+    Messages are escaped for the terminal (:func:`~lightning_memopt.utilities.formatting.printable`, newlines kept).
 
     With ``every_time=True`` the warnings are findings rather than failures: they skip Python's once-per-place
     registry (see :func:`warn_every_time`), and the owner calls :meth:`reset` when a new run starts.
@@ -71,7 +103,7 @@ class WarnOnce:
         if self.every_time:
             warn_every_time(message, category, stacklevel=3)
         else:
-            warnings.warn(message, category, stacklevel=3)
+            warnings.warn(printable(message, keep_newlines=True), category, stacklevel=3)
         return True
 
     def reset(self) -> None:

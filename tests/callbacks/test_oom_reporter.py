@@ -2,7 +2,9 @@
 
 import gc
 import json
+import os
 import pickle
+import re
 import warnings
 
 import pytest
@@ -14,6 +16,7 @@ from lightning_memopt.cli import main as cli_main
 from lightning_memopt.functional import footprint
 from lightning_memopt.functional.oom import REDACTED, REPORT_FORMAT
 from lightning_memopt.functional.oom import sections as oom_sections
+from lightning_memopt.functional.oom import store as oom_store
 from tests.helpers.models import TinyModel
 from tests.helpers.oom_schema import check_against_schema
 from tests.helpers.trainer import make_trainer
@@ -81,6 +84,15 @@ def _files(directory):
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
+def _documented(directory):
+    """The documented names (links to the newest report); each report is also kept under a name of its own."""
+    return [n for n in _files(directory) if re.fullmatch(r"oom_(report|snapshot)_rank\d+\.\w+", n)]
+
+
+def _kept(directory, ext=".json"):
+    return [n for n in _files(directory) if re.fullmatch(r"oom_(report|snapshot)_rank\d+-.+", n) and n.endswith(ext)]
+
+
 def test_the_largest_tensors_are_named_by_their_owner(tmp_path):
     model = FailingModel("forward", at=1)
     model.big = torch.nn.Parameter(torch.zeros(2048, 4096))  # 32 MiB: larger than anything else alive here
@@ -99,7 +111,8 @@ def test_training_oom_report_has_every_field(tmp_path, where):
     _, err = _fit_and_fail(tmp_path, model, reporter, accumulate_grad_batches=1, max_steps=10)
     # the original exception, unchanged
     assert err is model.raised and type(err) is torch.OutOfMemoryError and str(err) == MESSAGE
-    assert _files(tmp_path / "reports") == ["oom_report_rank0.json", "oom_report_rank0.md"]
+    assert _documented(tmp_path / "reports") == ["oom_report_rank0.json", "oom_report_rank0.md"]
+    assert len(_files(tmp_path / "reports")) == 4  # and the same two files under the report's own name
     report = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())
 
     assert report["format"] == REPORT_FORMAT
@@ -172,7 +185,7 @@ def test_validation_oom_and_default_dirpath_created(tmp_path):
     _, err = _fit_and_fail(tmp_path / "root", model, OOMReporter())
     assert err is model.raised
     directory = tmp_path / "root" / "oom"
-    assert _files(directory) == ["oom_report_rank0.json", "oom_report_rank0.md"]
+    assert _documented(directory) == ["oom_report_rank0.json", "oom_report_rank0.md"]
     report = json.loads((directory / "oom_report_rank0.json").read_text())
     assert (report["when"]["fn"], report["when"]["stage"], report["when"]["batch_idx"]) == ("fit", "validate", 1)
     assert report["suggestions"][0]["action"].startswith("Lower the validate batch size")
@@ -228,7 +241,7 @@ def test_reporter_never_raises_over_the_original_error(tmp_path, monkeypatch, ca
     def full_disk(path, text):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(module, "write_text_atomic", full_disk)
+    monkeypatch.setattr(oom_store, "write_text_atomic", full_disk)
     model = FailingModel("forward", at=1)
     with caplog.at_level("ERROR", logger="lightning_memopt"), pytest.warns(UserWarning, match="could not be written"):
         _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path / "full"))
@@ -254,17 +267,17 @@ def test_each_oom_is_reported_once_and_a_retry_gets_its_own_report(tmp_path):
     model = Retrying("forward", at=1)
     _, err = _fit_and_fail(tmp_path, model, reporter)  # the retry fails too, at the same step: a new error
     assert err is model.raised
-    names = _files(tmp_path)
-    assert len(names) == 4 and "oom_report_rank0.json" in names, names
+    kept = _kept(tmp_path)
+    assert len(kept) == 2 and len(_kept(tmp_path, ".md")) == 2 and "oom_report_rank0.json" in _files(tmp_path)
     assert reporter.state_dict()["num_reports"] == 2
     assert reporter.state_dict()["reported_steps"] == ["fit/train/0/1/1", "fit/train/0/1/1"]
     newest = json.loads((tmp_path / "oom_report_rank0.json").read_text())
     assert newest["error"]["message"] == MESSAGE
-    moved = next(n for n in names if n.startswith("oom_report_rank0-") and n.endswith(".json"))
-    assert json.loads((tmp_path / moved).read_text())["error"]["message"] == MESSAGE + " (first try)"
+    messages = sorted(json.loads((tmp_path / n).read_text())["error"]["message"] for n in kept)
+    assert messages == [MESSAGE, MESSAGE + " (first try)"]
     # Lightning itself calls `on_exception` once more with the escaping error: still two reports
     reporter.on_exception(model.trainer, model, err)
-    assert reporter.state_dict()["num_reports"] == 2 and len(_files(tmp_path)) == 4
+    assert reporter.state_dict()["num_reports"] == 2 and len(_files(tmp_path)) == 6
 
 
 def test_second_run_keeps_the_first_report(tmp_path):
@@ -272,15 +285,15 @@ def test_second_run_keeps_the_first_report(tmp_path):
     first = (tmp_path / "oom_report_rank0.json").read_text()
     first_md = (tmp_path / "oom_report_rank0.md").read_text()
     _fit_and_fail(tmp_path, FailingModel("forward", at=2), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
-    names = _files(tmp_path)
-    assert len(names) == 4 and "oom_report_rank0.json" in names
-    moved_json = next(n for n in names if n.startswith("oom_report_rank0-") and n.endswith(".json"))
-    moved_md = moved_json[:-5] + ".md"
-    assert (tmp_path / moved_json).read_text() == first and (tmp_path / moved_md).read_text() == first_md
+    kept = _kept(tmp_path)
+    assert len(kept) == 2 and "oom_report_rank0.json" in _files(tmp_path)
+    first_json = next(n for n in kept if (tmp_path / n).read_text() == first)
+    assert (tmp_path / (first_json[:-5] + ".md")).read_text() == first_md
     assert json.loads((tmp_path / "oom_report_rank0.json").read_text())["when"]["global_step"] == 2
+    assert os.path.samefile(tmp_path / "oom_report_rank0.json", tmp_path / max(kept))  # a link to the newest
     # a third run within the same second still keeps both earlier reports
     _fit_and_fail(tmp_path, FailingModel("forward", at=3), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
-    assert len(_files(tmp_path)) == 6
+    assert len(_kept(tmp_path)) == 3 and len(_files(tmp_path)) == 8
 
 
 def test_secrets_from_the_environment_are_in_no_file(tmp_path, monkeypatch):
@@ -296,7 +309,7 @@ def test_secrets_from_the_environment_are_in_no_file(tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     _fit_and_fail(tmp_path, FailingModel("forward", at=0), OOMReporter(dirpath=tmp_path / "r"))
     files = list((tmp_path / "r").iterdir())
-    assert len(files) == 2
+    assert len(files) == 4
     for path in files:
         text = path.read_text()
         for value in secrets.values():
@@ -354,7 +367,7 @@ def test_record_history_without_cuda_warns_once_and_still_reports(tmp_path):
     assert len(ours) == 1
     report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
     assert report["snapshot"]["path"] is None and "not available" in report["snapshot"]["reason"]
-    assert _files(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md"]
+    assert _documented(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md"]
 
 
 class _FakeHistory:
@@ -383,14 +396,15 @@ def test_record_history_started_at_setup_dumped_at_oom_and_stopped(tmp_path, mon
     reporter = OOMReporter(dirpath=tmp_path, record_history=True, max_entries=1234)
     _fit_and_fail(tmp_path, FailingModel("forward", at=1), reporter)
     assert [c[0] for c in history.calls] == ["start", "dump", "stop"] and history.calls[0] == ("start", 1234)
-    assert _files(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md", "oom_snapshot_rank0.pickle"]
+    assert _documented(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md", "oom_snapshot_rank0.pickle"]
     report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
-    assert report["snapshot"]["path"].endswith("oom_snapshot_rank0.pickle")
+    snapshot = report["snapshot"]["path"]  # the snapshot's own name, which stays when a newer report comes
+    assert os.path.samefile(snapshot, tmp_path / "oom_snapshot_rank0.pickle") and snapshot in history.calls[1][1]
     assert "memory_viz" in report["snapshot"]["how_to_open"]
-    assert "oom_snapshot_rank0.pickle" in (tmp_path / "oom_report_rank0.md").read_text()
-    # a second failing run moves the snapshot aside together with its report
+    assert os.path.basename(snapshot) in (tmp_path / "oom_report_rank0.md").read_text()
+    # a second failing run keeps the first snapshot together with its report
     _fit_and_fail(tmp_path, FailingModel("forward", at=2), OOMReporter(dirpath=tmp_path, record_history=True))
-    assert len([n for n in _files(tmp_path) if n.startswith("oom_snapshot_rank0")]) == 2
+    assert len(_kept(tmp_path, ".pickle")) == 2 and os.path.exists(snapshot)
 
 
 def test_record_history_stopped_at_teardown_of_a_good_run(tmp_path, monkeypatch):
@@ -458,7 +472,7 @@ def test_real_cuda_oom_with_snapshot(tmp_path):
     trainer = make_trainer(tmp_path, accelerator="cuda", callbacks=[reporter])
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit(Huge())
-    names = _files(tmp_path)
+    names = _documented(tmp_path)
     assert names == ["oom_report_rank0.json", "oom_report_rank0.md", "oom_snapshot_rank0.pickle"]
     report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
     assert report["memory"]["allocated_bytes"] > 0 and report["memory"]["device_total_bytes"] == total

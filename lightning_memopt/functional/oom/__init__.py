@@ -12,7 +12,8 @@ the moment of failure and hands it to these functions:
 * :mod:`.suggestions`: :func:`suggest_fixes`, ranked, concrete suggestions derived from the numbers;
 * :mod:`.sections`: the other parts (error, failing batch, who holds memory, checkpointing, hparams, snapshot);
 * :mod:`.markdown`: :func:`render_markdown`, the readable report;
-* :mod:`.files`: the report's file names, its JSON text, moving an earlier report aside, :func:`load_report`.
+* :mod:`.files`: the report's file names, its JSON text, :func:`load_report`;
+* :mod:`.store`: every report kept under a name of its own, the documented names on the newest (:func:`save_report`).
 """
 
 from lightning_memopt.functional.oom.batch import describe_batch
@@ -23,7 +24,7 @@ from lightning_memopt.functional.oom.environment import (
     collect_environment,
     collect_versions,
 )
-from lightning_memopt.functional.oom.files import load_report, move_aside, report_json, report_paths
+from lightning_memopt.functional.oom.files import load_report, report_json, report_paths
 from lightning_memopt.functional.oom.markdown import render_markdown
 from lightning_memopt.functional.oom.message import parse_oom_message
 from lightning_memopt.functional.oom.report import (
@@ -37,6 +38,14 @@ from lightning_memopt.functional.oom.report import (
 )
 from lightning_memopt.functional.oom.schema import REPORT_FORMAT, CheckpointingState, MemorySection, OOMReport
 from lightning_memopt.functional.oom.sections import checkpointing_state, memory_section, take_snapshot
+from lightning_memopt.functional.oom.store import (
+    ReportSlot,
+    kept_reports,
+    newest_reports,
+    publish_newest,
+    reserve_report,
+    save_report,
+)
 from lightning_memopt.functional.oom.suggestions import suggest_fixes
 from lightning_memopt.utilities.redaction import REDACTED, SECRET_FRAGMENTS, is_secret_name  # kept importable here
 
@@ -49,6 +58,7 @@ __all__ = [
     "CheckpointingState",
     "MemorySection",
     "OOMReport",
+    "ReportSlot",
     "ReportSources",
     "SectionGuard",
     "TrainerPosition",
@@ -62,13 +72,17 @@ __all__ = [
     "failure_memory",
     "failure_position",
     "is_secret_name",
+    "kept_reports",
     "load_report",
     "memory_section",
-    "move_aside",
+    "newest_reports",
     "parse_oom_message",
+    "publish_newest",
     "render_markdown",
     "report_json",
     "report_paths",
+    "reserve_report",
+    "save_report",
     "suggest_fixes",
     "take_snapshot",
 ]

@@ -1,8 +1,7 @@
-"""The report's files: their names, the JSON text, moving an earlier report aside, reading a report back."""
+"""The report's files: their names, the JSON text, reading a report back."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections.abc import Mapping
@@ -12,21 +11,27 @@ from typing import Any
 from lightning_memopt.functional.oom.schema import OOMReport
 from lightning_memopt.functional.oom.sections import json_default
 from lightning_memopt.utilities.files import regular_file_problem
+from lightning_memopt.utilities.json_capped import JSONLimits, JSONReadError, load_json_capped
 
-__all__ = ["load_report", "move_aside", "report_json", "report_paths"]
+__all__ = ["load_report", "report_json", "report_paths"]
 
 
-def report_paths(dirpath: Path, rank: int) -> dict[str, Path]:
-    """The files of rank ``rank``'s report: ``json``, ``md`` and the allocator snapshot (``pickle``).
+def report_paths(dirpath: Path, rank: int, suffix: str = "") -> dict[str, Path]:
+    """The files of a report of rank ``rank``: ``json``, ``md`` and the allocator snapshot (``pickle``).
+
+    Without ``suffix``: the documented names, which point at the rank's newest report; with one, the names a report
+    is kept under (``functional.oom.store``).
 
     Example:
         >>> sorted(p.name for p in report_paths(Path("oom"), 1).values())
         ['oom_report_rank1.json', 'oom_report_rank1.md', 'oom_snapshot_rank1.pickle']
+        >>> report_paths(Path("oom"), 0, "-20250101T120000.000000Z-42-0")["md"].name
+        'oom_report_rank0-20250101T120000.000000Z-42-0.md'
     """
     return {
-        "json": dirpath / f"oom_report_rank{rank}.json",
-        "md": dirpath / f"oom_report_rank{rank}.md",
-        "pickle": dirpath / f"oom_snapshot_rank{rank}.pickle",
+        "json": dirpath / f"oom_report_rank{rank}{suffix}.json",
+        "md": dirpath / f"oom_report_rank{rank}{suffix}.md",
+        "pickle": dirpath / f"oom_snapshot_rank{rank}{suffix}.pickle",
     }
 
 
@@ -35,37 +40,12 @@ def report_json(report: OOMReport | Mapping[str, Any]) -> str:
     return json.dumps(report, indent=2, default=json_default) + "\n"
 
 
-def _earlier_time(anchor: Path) -> float:
-    """The earlier report's own time if it can be read, else the file's modification time."""
-    try:
-        return float(json.loads(anchor.read_text(encoding="utf-8"))["when"]["time"])
-    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):  # not a report: file time
-        return anchor.stat().st_mtime
-
-
-def move_aside(paths: Mapping[str, Path]) -> None:
-    """Rename an earlier report's files with its UTC time as suffix, so a new report never destroys it.
-
-    ``oom_report_rank0.json`` becomes ``oom_report_rank0-20250101T120000Z.json`` (``-1``, ``-2``, ... appended
-    while that name is taken); the files of one report keep one suffix.
-    """
-    existing = [p for p in paths.values() if p.exists()]
-    if not existing:
-        return
-    anchor = paths["json"] if paths["json"].exists() else existing[0]
-    stamp_time = _earlier_time(anchor)
-    stamp = datetime.datetime.fromtimestamp(stamp_time, tz=datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    for attempt in range(1000):
-        suffix = stamp if attempt == 0 else f"{stamp}-{attempt}"
-        targets = {p: p.with_name(f"{p.stem}-{suffix}{p.suffix}") for p in existing}
-        if not any(t.exists() for t in targets.values()):
-            break
-    for source, target in targets.items():
-        os.replace(source, target)
-
-
-def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_report(path: str | os.PathLike[str], limits: JSONLimits | None = None) -> dict[str, Any]:
     """Read an ``oom_report_rank{r}.json`` file written by ``OOMReporter``.
+
+    With ``limits`` (for display, as ``lightning-memopt report`` does) the file is streamed and long strings,
+    lists and objects are cut with a marker (:func:`~lightning_memopt.utilities.json_capped.load_json_capped`):
+    memory and time stay bounded whatever the file's size. Without, every value is read as it is.
 
     Raises:
         ValueError: naming the file and what is wrong with it (missing, not JSON, not an OOM report).
@@ -83,14 +63,14 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{name}: {problem}. {hint}")
     try:
         with open(name, encoding="utf-8") as f:
-            report = json.load(f)
+            report = json.load(f) if limits is None else load_json_capped(f, limits)
     except FileNotFoundError:
         raise ValueError(f"{name}: no such file. {hint}") from None
     except IsADirectoryError:
         raise ValueError(f"{name}: is a directory. {hint}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{name}: cannot be read ({err}). {hint}") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, JSONReadError) as err:
         raise ValueError(f"{name}: not valid JSON ({err.msg} at line {err.lineno}). {hint}") from None
     except RecursionError:
         raise ValueError(f"{name}: not valid JSON (nested too deeply to read). {hint}") from None

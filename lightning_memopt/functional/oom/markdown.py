@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_memopt.functional.oom.suggestions import percent
 from lightning_memopt.utilities.checks import is_finite_number
-from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.formatting import format_bytes, printable
 from lightning_memopt.utilities.redaction import redact_secrets
 
 __all__ = ["render_markdown"]
@@ -19,8 +19,8 @@ Lines = list[str]
 
 
 def _cell(value: Any) -> str:
-    text = "n/a" if value is None else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A value on one line (control characters escaped: the report is printed to terminals), ``|`` escaped."""
+    return printable("n/a" if value is None else value).replace("|", "\\|")
 
 
 def _size(value: Any) -> str:
@@ -124,8 +124,10 @@ class _Shape:
 
 def _title(when: Mapping[str, Any]) -> Lines:
     return [
-        f"# Out-of-memory report: rank {when.get('rank', '?')} of {when.get('world_size', '?')},"
-        f" {when.get('stage', '?')}, global step {when.get('global_step', '?')}",
+        printable(
+            f"# Out-of-memory report: rank {when.get('rank', '?')} of {when.get('world_size', '?')},"
+            f" {when.get('stage', '?')}, global step {when.get('global_step', '?')}"
+        ),
         "",
     ]
 
@@ -149,7 +151,7 @@ def _when(when: Mapping[str, Any]) -> Lines:
 def _error(error: Mapping[str, Any]) -> Lines:
     if not error:
         return []
-    lines = ["## Error", "", f"`{error.get('type')}` raised at {_cell(error.get('location'))}", ""]
+    lines = ["## Error", "", f"`{_cell(error.get('type'))}` raised at {_cell(error.get('location'))}", ""]
     return lines + _fence(str(error.get("message", "")))
 
 
@@ -160,7 +162,7 @@ def _suggestions(suggestions: list[Mapping[str, Any]]) -> Lines:
     for tip in suggestions:
         saves = tip.get("saves_bytes")
         estimate = f" (frees about {format_bytes(saves)})" if is_finite_number(saves) and saves else ""
-        lines.append(f"{tip.get('rank')}. **{tip.get('action')}**{estimate}. {tip.get('why')}")
+        lines.append(printable(f"{tip.get('rank')}. **{tip.get('action')}**{estimate}. {tip.get('why')}"))
     return [*lines, ""]
 
 
@@ -169,7 +171,7 @@ def _batch(batch: Mapping[str, Any], shape: _Shape) -> Lines:
         return []
     lines = ["## Failing batch", ""]
     if batch.get("found_in"):
-        lines += [f"Read from the local `batch` of `{batch.get('found_in')}`.", ""]
+        lines += [f"Read from the local `batch` of `{_cell(batch.get('found_in'))}`.", ""]
     else:
         lines += ["No local named `batch` was found in the traceback.", ""]
     tensors = shape.items(shape.get(batch, "tensors", list, "batch."), "batch.tensors")
@@ -206,7 +208,7 @@ def _holders(holders: Mapping[str, Any], allocated: Any, shape: _Shape) -> Lines
     cat_rows.append(
         ("unexplained (activations, temporaries, other tensors)", _size(unexplained), percent(unexplained, allocated))
     )
-    lines = ["## Who holds memory", "", f"On `{holders.get('device')}`:", ""]
+    lines = ["## Who holds memory", "", f"On `{_cell(holders.get('device'))}`:", ""]
     lines += _table(["category", "bytes", "of allocated"], cat_rows)
     rows = shape.items(shape.get(holders, "rows", list, "holders."), "holders.rows")
     if rows:
@@ -220,7 +222,7 @@ def _holders(holders: Mapping[str, Any], allocated: Any, shape: _Shape) -> Lines
         )
     top = shape.items(shape.get(holders, "top_tensors", list, "holders."), "holders.top_tensors")
     if top:
-        lines += [f"Largest live tensors on `{holders.get('device')}`:", ""]
+        lines += [f"Largest live tensors on `{_cell(holders.get('device'))}`:", ""]
         lines += _table(
             ["#", "name", "shape", "dtype", "size", "requires grad", "from autograd"],
             [
@@ -263,8 +265,9 @@ def _snapshot(snapshot: Mapping[str, Any]) -> Lines:
     if not snapshot:
         return []
     if snapshot.get("path"):
-        return ["## Allocator snapshot", "", f"Written to `{snapshot['path']}`. {snapshot.get('how_to_open', '')}", ""]
-    return ["## Allocator snapshot", "", f"Not written: {snapshot.get('reason', 'unknown reason')}", ""]
+        text = f"Written to `{snapshot['path']}`. {snapshot.get('how_to_open', '')}"
+        return ["## Allocator snapshot", "", printable(text), ""]
+    return ["## Allocator snapshot", "", printable(f"Not written: {snapshot.get('reason', 'unknown reason')}"), ""]
 
 
 def _environment(environment: Mapping[str, Any]) -> Lines:
@@ -284,7 +287,7 @@ def _summary(summary: Any, shape: _Shape) -> Lines:
 def _listed(title: str, entries: Sequence[Any]) -> Lines:
     if not entries:
         return []
-    return [title, "", *(f"- {entry}" for entry in entries), ""]
+    return [title, "", *(f"- {printable(entry)}" for entry in entries), ""]
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
@@ -303,7 +306,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         '# Out-of-memory report: rank 0 of 1, train, global step 7'
     """
     if not isinstance(report, Mapping):
-        return f"# Out-of-memory report\n\nNot a report: expected an object, got {_kind(report)}: {_raw(report)}\n"
+        found = printable(_raw(report))
+        return f"# Out-of-memory report\n\nNot a report: expected an object, got {_kind(report)}: {found}\n"
     report = redact_secrets(report)
     shape = _Shape()
     # The parts are read in this order, which is also the order of "unexpected shape" entries.
@@ -322,4 +326,6 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines += _summary(memory.get("summary"), shape)
     lines += _listed("## Parts of this report that could not be gathered", shape.get(report, "report_errors", list))
     lines += _listed("## Parts of this report with an unexpected shape", shape.unexpected)
-    return "\n".join(lines).rstrip("\n") + "\n"
+    # Values were put on one line each above; what remains (a multi-line error message or allocator summary in a
+    # code block) keeps its newlines and loses every other control character: the file is read on terminals too.
+    return printable("\n".join(lines).rstrip("\n") + "\n", keep_newlines=True)
