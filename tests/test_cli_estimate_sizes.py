@@ -107,12 +107,21 @@ def test_a_model_whose_init_builds_a_16_gib_layer_is_estimated_without_building_
     assert results["model"]["growth"] < 200 * 2**20, results
 
 
-def test_the_model_built_on_meta_is_estimated_to_the_byte_like_the_real_one(capsys):
+def test_the_model_built_on_meta_is_estimated_to_the_byte_like_the_real_one(capsys, monkeypatch):
     """The command builds the model on the meta device; the table equals :func:`estimate_memory` on a real model."""
+    built: list[str] = []
+    init = HugeLayerModule.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self.layer.weight.device.type)
+
+    monkeypatch.setattr(HugeLayerModule, "__init__", recording_init)
     argv = ["--model", f"{HERE}.HugeLayerModule", "--model.width", "64", "--batch-shape", "B,64", "--batch-size", "3"]
     code = main(["estimate", *argv])
     out, err = capsys.readouterr()
     assert code == 0, err
+    assert built == ["meta"]
     assert estimate_memory(HugeLayerModule(64), torch.randn(3, 64)).table() in out
 
 
