@@ -21,6 +21,7 @@ from tests.helpers.subprocess_run import REPO_ROOT, run_script
 
 ERROR = "lightning-memopt estimate: error: "
 HERE = "tests.test_cli_estimate_sizes"
+TINY = "tests.test_cli_estimate.Tiny"
 HUGE_WIDTH = 65536  # nn.Linear(65536, 65536): 2**32 float32 weights, 16 GiB
 
 
@@ -79,6 +80,8 @@ _RUNS = {
     # 48000 x 4096 int64: 1.46 GiB of token ids
     "batch": ["--model", f"{HERE}.TokenModule", "--batch-shape", "B,4096:int64", "--batch-size", "48000"],
     "model": ["--model", f"{HERE}.HugeLayerModule", "--batch-shape", f"B,{HUGE_WIDTH}", "--batch-size", "2"],
+    # real data from a datamodule: 10**12 samples of 128 bytes would not fit any host
+    "data": ["--model", f"{TINY}Module", "--data", f"{TINY}DataModule", "--batch-size", str(10**12), "--device", "cpu"],
 }
 
 
@@ -105,6 +108,14 @@ def test_a_model_whose_init_builds_a_16_gib_layer_is_estimated_without_building_
     assert results["model"]["code"] == 0, proc.stderr[-3000:]
     assert "parameters 16.00 GiB (16.00 GiB trainable)" in proc.stdout
     assert results["model"]["growth"] < 200 * 2**20, results
+
+
+@pytest.mark.slow
+def test_a_batch_of_real_data_larger_than_the_host_is_one_line_before_reading_it(rss_runs):
+    results, proc = rss_runs
+    assert results["data"]["code"] == 2 and results["data"]["growth"] < 200 * 2**20, results
+    words = "--data: 1000000000000 samples of TinyDataModule's training set would take 119209.29 GiB of host memory"
+    assert words in proc.stderr and "more than this machine has" in proc.stderr
 
 
 def test_the_model_built_on_meta_is_estimated_to_the_byte_like_the_real_one(capsys, monkeypatch):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Sized
+import os
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, cast
 
 from lightning_memopt.cli_estimate.classes import build
@@ -171,33 +172,69 @@ def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int 
     dataset, collate = loader.dataset, loader.collate_fn
     iterable = isinstance(dataset, IterableDataset)
     last: dict[int, Any] = {}
+    per_sample: list[int] = []  # the bytes of one sample, read once before a batch of many
+
+    def read(b: int) -> Any:
+        if iterable:
+            new = DataLoader(dataset, batch_size=b, collate_fn=collate)
+        else:
+            n = len(cast(Sized, dataset))  # a map-style dataset: its length (a TypeError where it has none)
+            if n == 0:
+                raise EstimateInputError(f"{where}: {name}'s training set is empty.")
+            # the first b samples in order; a set smaller than b is cycled so the batch has b samples
+            new = DataLoader(dataset, batch_size=b, sampler=_Cycled(b, n), collate_fn=collate)
+        try:
+            return next(iter(new))
+        except StopIteration:
+            raise EstimateInputError(f"{where}: {name}'s training set is empty.") from None
+        except Exception as err:  # the user's dataset or collate_fn: one line naming the flag
+            raise EstimateInputError(
+                f"{where}: reading the first {b} samples of {name}'s training set failed"
+                f" ({type(err).__name__}: {squash(err)})."
+            ) from None
 
     def batch_fn(b: int) -> Any:
         if b not in last:
-            if iterable:
-                new = DataLoader(dataset, batch_size=b, collate_fn=collate)
-            else:
-                n = len(cast(Sized, dataset))  # a map-style dataset: its length (a TypeError where it has none)
-                if n == 0:
-                    raise EstimateInputError(f"{where}: {name}'s training set is empty.")
-                # the first b samples in order; a set smaller than b is cycled so the batch has b samples
-                new = DataLoader(
-                    dataset, batch_size=b, sampler=range(b) if b <= n else [i % n for i in range(b)], collate_fn=collate
-                )
-            try:
-                batch = next(iter(new))
-            except StopIteration:
-                raise EstimateInputError(f"{where}: {name}'s training set is empty.") from None
-            except Exception as err:  # the user's dataset or collate_fn: one line naming the flag
-                raise EstimateInputError(
-                    f"{where}: reading the first {b} samples of {name}'s training set failed"
-                    f" ({type(err).__name__}: {squash(err)})."
-                ) from None
+            if b > 1:  # real data: read only what this machine can hold
+                if not per_sample:
+                    per_sample.append(batch_bytes(read(1)))
+                _check_host_memory(b, per_sample[0], f"{where}: {b} samples of {name}'s training set")
+            batch = read(b)
             last.clear()  # keep one batch: the planner asks for each size once, or twice in a row
             last[b] = batch
         return last[b]
 
     return batch_fn, loader.batch_size
+
+
+class _Cycled:
+    """The indices ``0, 1, ..., n - 1, 0, 1, ...``, ``size`` of them, without holding them (a sampler)."""
+
+    def __init__(self, size: int, n: int) -> None:
+        self.size, self.n = size, n
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        return (i % self.n for i in range(self.size))
+
+
+def _check_host_memory(samples: int, sample_bytes: int, what: str) -> None:
+    """One line where ``samples`` samples of real data would not fit this machine's memory (read, then faked)."""
+    from lightning_memopt.utilities.formatting import format_bytes
+
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to compare with
+        return
+    need = samples * sample_bytes
+    if need > host:
+        raise EstimateInputError(
+            f"{what} would take {format_bytes(need)} of host memory to read ({format_bytes(sample_bytes)} a"
+            f" sample), more than this machine has ({format_bytes(host)}). Lower the batch size, or describe the"
+            " batch with --batch-shape, which holds no data."
+        )
 
 
 def batch_source(
