@@ -219,7 +219,9 @@ def estimate_memory(
     Args:
         module: a ``LightningModule`` (its ``training_step`` and ``configure_optimizers`` run) or a plain
             ``nn.Module`` (called on the batch: ``module(**batch)`` for a dict, ``module(*batch)`` for a tuple).
-        batch: one batch as the training step gets it, on the CPU (real tensors are faked; no data is copied).
+            Built under ``with torch.device("meta"):`` it holds no weights: a model of any size is estimated.
+        batch: one batch as the training step gets it, on the CPU (real tensors are faked; no data is copied) or
+            on the meta device (``torch.empty(..., device="meta")``: shapes only, nothing allocated at any size).
         precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"`` (autocast around the training step, as Lightning
             does), ``"16-true"`` or ``"bf16-true"`` (weights and floating inputs cast).
         optimizer: ``optimizer(params) -> Optimizer``, e.g. ``functools.partial(torch.optim.SGD, lr=0.1,

@@ -225,7 +225,8 @@ def plan_memory(
 
     Args:
         module: as for :func:`estimate_memory`.
-        batch_fn: ``batch_fn(micro_batch_size)`` -> a batch of that many samples (CPU tensors; they are faked).
+        batch_fn: ``batch_fn(micro_batch_size)`` -> a batch of that many samples (CPU tensors, which are faked, or
+            meta tensors, which hold no memory at any size: the largest micro-batch is tried first).
         effective_batch_size: samples per optimizer step over all devices; kept exactly.
         budget_bytes: the device's memory: bytes, a size (``"40GB"``, ``"24GiB"``) or a GPU name from
             :data:`GPU_MEMORY` (``"A100-40GB"``); ``None`` reads the current CUDA device.
