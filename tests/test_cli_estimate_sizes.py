@@ -229,6 +229,12 @@ def test_a_plan_over_an_effective_batch_of_10_12_takes_seconds_with_a_line_per_e
     assert len(progress) <= 2 + 8  # largest, smallest and a binary search over 169 divisors
 
 
+def test_plan_memory_refuses_an_effective_batch_over_int64_by_name():
+    words = r"`effective_batch_size` must be at most 2\*\*63 - 1 .* got 9223372036854775808"
+    with pytest.raises(ValueError, match=words):
+        plan_memory(nn.Linear(4, 4), lambda b: torch.empty(b, 4, device="meta"), effective_batch_size=2**63)
+
+
 def test_plan_memory_without_progress_logs_a_line_per_estimate(caplog):
     model = nn.Linear(64, 64)
     with caplog.at_level("INFO", logger="lightning_memopt.planner.plan"):

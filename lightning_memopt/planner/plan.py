@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memopt.functional.divisors import divisors
+from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate
 from lightning_memopt.planner.model_step import MemoryEstimateError, is_manual_optimization
@@ -179,6 +179,11 @@ def _check_plan_arguments(
     if not callable(batch_fn):
         raise ValueError(f"`batch_fn` must be a callable `batch_fn(micro_batch_size) -> batch`, got {batch_fn!r}.")
     check_positive_int("effective_batch_size", effective_batch_size)
+    if effective_batch_size > INT64_MAX:
+        raise ValueError(
+            f"`effective_batch_size` must be at most 2**63 - 1 (the largest int64: torch and the samplers count"
+            f" samples in it), got {effective_batch_size}."
+        )
     check_positive_int("devices", devices)
     check_positive_int("num_nodes", num_nodes)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
