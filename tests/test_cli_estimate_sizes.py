@@ -227,6 +227,8 @@ def test_a_plan_over_an_effective_batch_of_10_12_takes_seconds_with_a_line_per_e
     rows = [line for line in proc.stdout.splitlines() if re.match(r"^ *\d+ +\d+ +bf16-mixed ", line)]
     assert len(progress) == len(rows) >= 3  # the whole batch, micro-batch 1, then the binary search
     assert len(progress) <= 2 + 8  # largest, smallest and a binary search over 169 divisors
+    searched = re.search(r"estimate: (\d+) estimates in ([\d.]+) s", proc.stderr)
+    assert searched and int(searched[1]) == len(rows) and float(searched[2]) < 30  # the search itself, imports aside
 
 
 def test_plan_memory_refuses_an_effective_batch_over_int64_by_name():
