@@ -176,7 +176,9 @@ collated by its collate_fn. Variable-length samples: the first batch decides the
 give the longest (e.g. padding to the maximum). Without a datamodule, a LightningModule's own train_dataloader()
 is used. Or describe it: --batch-shape SPEC per tensor, SPEC = [name=]DIMS[:dtype], DIMS comma-separated ints
 and B (the micro-batch), dtype default float32: one tensor is the batch, several a tuple, named ones a dict
-(--batch-shape ids=B,512:int64 --batch-shape labels=B:int64). Integer tensors are zeros.
+(--batch-shape ids=B,512:int64 --batch-shape labels=B:int64). Shapes hold no data and no memory, at any size;
+the model is built on the meta device too (an __init__ that needs data is built on the CPU, with a note). A
+datamodule's samples are real: a batch of them larger than this machine's memory is refused before reading.
 
 without a budget: the estimate at --batch-size (default: the datamodule's batch size) and its breakdown table;
 --precision auto means 32-true (Lightning's default). With --gpu NAME or --device-memory SIZE: the plan for

@@ -3,30 +3,34 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sized
+import math
+import os
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, cast
 
 from lightning_memopt.cli_estimate.classes import build
-from lightning_memopt.cli_estimate.common import NAME, EstimateInputError, squash
+from lightning_memopt.cli_estimate.common import INT64_MAX, NAME, EstimateInputError, squash
 
-__all__ = ["batch_source", "describe_batch", "loader_batch_fn", "parse_batch_shape"]
+__all__ = ["batch_bytes", "batch_source", "describe_batch", "dtype_name", "loader_batch_fn", "parse_batch_shape"]
 
 
 def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
     """``batch_fn(B)`` for ``--batch-shape`` specs such as ``"B,128,64:float32"``, ``"ids=B,512:int64"``.
 
     ``B`` is the micro-batch size; the dtype is optional (default ``float32``). One unnamed spec gives a tensor,
-    several a tuple, named ones (``name=...``) a dict. Floating tensors are left uninitialised (their values are
-    never read: the estimate runs on fake tensors), the others are zeros (valid indices for embeddings).
+    several a tuple, named ones (``name=...``) a dict. The tensors are on the meta device: shapes and dtypes, no data
+    and no memory for any size (the estimate runs them as fake tensors). A tensor of more than ``2**63 - 1`` bytes is
+    refused with an :class:`EstimateInputError`.
 
     Example:
         >>> fn = parse_batch_shape(["ids=B,16:int64", "mask=B,16:bool"])
-        >>> {k: (tuple(v.shape), str(v.dtype)) for k, v in fn(4).items()}
-        {'ids': ((4, 16), 'torch.int64'), 'mask': ((4, 16), 'torch.bool')}
+        >>> {k: (tuple(v.shape), str(v.dtype), v.device.type) for k, v in fn(4).items()}
+        {'ids': ((4, 16), 'torch.int64', 'meta'), 'mask': ((4, 16), 'torch.bool', 'meta')}
     """
     import torch
 
     parsed: list[tuple[str | None, list[int | None], Any]] = []
+    specs = list(specs)
     for spec in specs:
         where = f"--batch-shape {spec!r}"
         name, sep, rest = spec.partition("=")
@@ -71,15 +75,45 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
 
     def make(b: int) -> Any:
         tensors = []
-        for name, dims, dtype in parsed:
+        for (name, dims, dtype), spec in zip(parsed, specs):
             shape = [b if d is None else d for d in dims]
-            tensor = torch.empty(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
-            tensors.append((name, tensor))
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes > INT64_MAX:
+                raise EstimateInputError(
+                    f"--batch-shape {spec!r} at batch size {b}: {' x '.join(map(str, shape))} {dtype_name(dtype)}"
+                    f" is {nbytes:.3g} bytes, more than any tensor can hold (2**63 - 1); lower --batch-size or the"
+                    " dimensions."
+                )
+            tensors.append((name, torch.empty(shape, dtype=dtype, device="meta")))
         if names:
             return dict(tensors)
         return tensors[0][1] if len(tensors) == 1 else tuple(t for _, t in tensors)
 
     return make
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.int64`` -> ``int64``."""
+    return str(dtype).replace("torch.", "")
+
+
+def batch_bytes(batch: Any) -> int:
+    """The bytes of a batch's tensors (each storage once); meta tensors count what they would hold.
+
+    Example:
+        >>> batch_bytes(parse_batch_shape(["ids=B,4096:int64", "mask=B,4096:bool"])(10**6))  # meta: nothing held
+        36864000000
+    """
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    storages: dict[Any, int] = {}
+    for t in tree_flatten(batch)[0]:
+        if isinstance(t, torch.Tensor) and not t.is_sparse:
+            storage = t.untyped_storage()  # a meta storage has no address: each tensor counts as its own
+            key = id(t) if t.device.type == "meta" else (t.device, storage.data_ptr())
+            storages[key] = storage.nbytes()
+    return sum(storages.values())
 
 
 def describe_batch(batch: Any) -> str:
@@ -90,7 +124,7 @@ def describe_batch(batch: Any) -> str:
 
     def walk(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
-            dtype = str(value.dtype).replace("torch.", "")
+            dtype = dtype_name(value.dtype)
             parts.append(f"{path + ' ' if path else ''}{dtype}[{', '.join(str(s) for s in value.shape)}]")
         elif isinstance(value, dict):
             for k, v in value.items():
@@ -138,33 +172,69 @@ def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int 
     dataset, collate = loader.dataset, loader.collate_fn
     iterable = isinstance(dataset, IterableDataset)
     last: dict[int, Any] = {}
+    per_sample: list[int] = []  # the bytes of one sample, read once before a batch of many
+
+    def read(b: int) -> Any:
+        if iterable:
+            new = DataLoader(dataset, batch_size=b, collate_fn=collate)
+        else:
+            n = len(cast(Sized, dataset))  # a map-style dataset: its length (a TypeError where it has none)
+            if n == 0:
+                raise EstimateInputError(f"{where}: {name}'s training set is empty.")
+            # the first b samples in order; a set smaller than b is cycled so the batch has b samples
+            new = DataLoader(dataset, batch_size=b, sampler=_Cycled(b, n), collate_fn=collate)
+        try:
+            return next(iter(new))
+        except StopIteration:
+            raise EstimateInputError(f"{where}: {name}'s training set is empty.") from None
+        except Exception as err:  # the user's dataset or collate_fn: one line naming the flag
+            raise EstimateInputError(
+                f"{where}: reading the first {b} samples of {name}'s training set failed"
+                f" ({type(err).__name__}: {squash(err)})."
+            ) from None
 
     def batch_fn(b: int) -> Any:
         if b not in last:
-            if iterable:
-                new = DataLoader(dataset, batch_size=b, collate_fn=collate)
-            else:
-                n = len(cast(Sized, dataset))  # a map-style dataset: its length (a TypeError where it has none)
-                if n == 0:
-                    raise EstimateInputError(f"{where}: {name}'s training set is empty.")
-                # the first b samples in order; a set smaller than b is cycled so the batch has b samples
-                new = DataLoader(
-                    dataset, batch_size=b, sampler=range(b) if b <= n else [i % n for i in range(b)], collate_fn=collate
-                )
-            try:
-                batch = next(iter(new))
-            except StopIteration:
-                raise EstimateInputError(f"{where}: {name}'s training set is empty.") from None
-            except Exception as err:  # the user's dataset or collate_fn: one line naming the flag
-                raise EstimateInputError(
-                    f"{where}: reading the first {b} samples of {name}'s training set failed"
-                    f" ({type(err).__name__}: {squash(err)})."
-                ) from None
+            if b > 1:  # real data: read only what this machine can hold
+                if not per_sample:
+                    per_sample.append(batch_bytes(read(1)))
+                _check_host_memory(b, per_sample[0], f"{where}: {b} samples of {name}'s training set")
+            batch = read(b)
             last.clear()  # keep one batch: the planner asks for each size once, or twice in a row
             last[b] = batch
         return last[b]
 
     return batch_fn, loader.batch_size
+
+
+class _Cycled:
+    """The indices ``0, 1, ..., n - 1, 0, 1, ...``, ``size`` of them, without holding them (a sampler)."""
+
+    def __init__(self, size: int, n: int) -> None:
+        self.size, self.n = size, n
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        return (i % self.n for i in range(self.size))
+
+
+def _check_host_memory(samples: int, sample_bytes: int, what: str) -> None:
+    """One line where ``samples`` samples of real data would not fit this machine's memory (read, then faked)."""
+    from lightning_memopt.utilities.formatting import format_bytes
+
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to compare with
+        return
+    need = samples * sample_bytes
+    if need > host:
+        raise EstimateInputError(
+            f"{what} would take {format_bytes(need)} of host memory to read ({format_bytes(sample_bytes)} a"
+            f" sample), more than this machine has ({format_bytes(host)}). Lower the batch size, or describe the"
+            " batch with --batch-shape, which holds no data."
+        )
 
 
 def batch_source(

@@ -10,7 +10,11 @@ from typing import Any
 from lightning_memopt.cli_estimate.common import NAME, EstimateInputError, squash
 from lightning_memopt.cli_estimate.config import class_spec
 
-__all__ = ["build", "resolve_class"]
+__all__ = ["InitError", "build", "resolve_class"]
+
+
+class InitError(EstimateInputError):
+    """A class's own ``__init__`` failed while :func:`build` built it (not the import or the spec)."""
 
 
 def _ensure_cwd_importable() -> None:
@@ -76,9 +80,7 @@ def build(value: Any, where: str, default_module: str | None = None) -> Any:
         except EstimateInputError:
             raise
         except Exception as err:  # the user's __init__: one line naming the flag
-            raise EstimateInputError(
-                f"{where}: {spec['class_path']}(...) failed: {type(err).__name__}: {squash(err)}"
-            ) from None
+            raise InitError(f"{where}: {spec['class_path']}(...) failed: {type(err).__name__}: {squash(err)}") from None
     if isinstance(value, list):
         return [build(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):

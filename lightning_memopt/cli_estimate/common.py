@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["NAME", "EstimateInputError", "squash"]
+__all__ = ["INT64_MAX", "NAME", "EstimateInputError", "squash"]
+
+#: The largest int64: torch counts elements and bytes in it, the samplers count samples in it.
+INT64_MAX = 2**63 - 1
 
 #: A Python identifier (a module, class, keyword argument or batch entry name).
 NAME = re.compile(r"^[A-Za-z_][A-Za-z_0-9]*$")

@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from lightning_memopt.cli_estimate.batches import batch_source, describe_batch
-from lightning_memopt.cli_estimate.classes import build
+from lightning_memopt.cli_estimate.batches import batch_bytes, batch_source, describe_batch
+from lightning_memopt.cli_estimate.classes import InitError, build
 from lightning_memopt.cli_estimate.common import EstimateInputError, squash
 from lightning_memopt.cli_estimate.config import read_sections
 from lightning_memopt.cli_estimate.memory import (
@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
             accumulate = 1
         preset_batch = None
 
-    model = build(model_spec, "--model")
+    model = _build_on_meta(model_spec)
     if not isinstance(model, nn.Module):
         raise EstimateInputError(
             f"--model: {model_spec['class_path']} built a {type(model).__name__}, not a"
@@ -187,6 +187,8 @@ def _run(args: argparse.Namespace) -> int:
                 " --device-memory and --effective-batch-size to plan the micro-batch."
             )
         batch = batch_fn(batch_size)
+        if args.device == "cuda":
+            _check_fits_a_gpu(batch, batch_size, source)
         estimate = _guarded(
             lambda: estimate_memory(
                 model,
@@ -268,6 +270,41 @@ def _run(args: argparse.Namespace) -> int:
         out.append(memory_snippet(memory, plan))
     print("\n".join(out))
     return 0 if plan.feasible else 1
+
+
+def _check_fits_a_gpu(batch: Any, batch_size: int, source: str) -> None:
+    """One line, before the estimate, for a batch whose tensors alone exceed the memory of the largest GPU known."""
+    from lightning_memopt.planner import GPU_MEMORY
+    from lightning_memopt.utilities.formatting import format_bytes
+
+    name, (gib, _) = max(GPU_MEMORY.items(), key=lambda item: item[1][0])
+    nbytes = batch_bytes(batch)
+    if nbytes > gib * 1024**3:
+        raise EstimateInputError(
+            f"--batch-size: the batch of {batch_size} from {source} is {format_bytes(nbytes)} by itself, more than"
+            f" the largest GPU known holds ({name}, {gib} GiB); nothing to estimate. Lower --batch-size, or plan"
+            " with --effective-batch-size and --gpu to split it into micro-batches."
+        )
+
+
+def _build_on_meta(model_spec: dict[str, Any]) -> Any:
+    """The model built on the meta device: its ``__init__`` allocates no weights, of any size (the estimate runs them
+    as fake tensors). An ``__init__`` that needs data (``.item()``, ``.numpy()``, loading weights) fails there: then
+    it is built on the CPU, with a note that its weights take memory (if it fails there too, that error is the one
+    reported)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return build(model_spec, "--model")
+    except InitError as err:  # the user's __init__ (an import or a class path fails the same way on the CPU)
+        on_meta = err
+    model = build(model_spec, "--model")
+    say(
+        f"note: {on_meta} on the meta device, where the model is built without memory; it was built on the CPU"
+        " instead, which allocates its weights."
+    )
+    return model
 
 
 def _guarded(call: Callable[[], Any], model: Any, source: str, budget_flag: str | None) -> Any:

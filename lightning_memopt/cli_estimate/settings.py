@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_memopt.cli_estimate.classes import build, resolve_class
-from lightning_memopt.cli_estimate.common import NAME, EstimateInputError, squash
+from lightning_memopt.cli_estimate.common import INT64_MAX, NAME, EstimateInputError, squash
 
 __all__ = [
     "budget_setting",
@@ -104,6 +104,8 @@ def check_flags(args: argparse.Namespace) -> None:
     ):
         if value is not None and value < 1:
             raise EstimateInputError(f"{flag}: must be a positive int, got {value}.")
+        if value is not None and value > INT64_MAX:
+            raise EstimateInputError(f"{flag}: must be at most 2**63 - 1 (the largest int64), got {value}.")
 
 
 def budget_setting(args: argparse.Namespace) -> tuple[str | None, str | None]:

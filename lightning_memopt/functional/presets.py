@@ -8,10 +8,10 @@ total memory) so that it can be tested on a machine without a GPU.
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.functional.precision import (
     PRECISION_ALIASES,
     PRECISION_MODES,
@@ -114,84 +114,6 @@ class AccumulationPlan:
     world_size: int
 
 
-# The largest effective batch accepted: the largest int64 (torch and the samplers count samples in int64).
-_INT64_MAX = 2**63 - 1
-# Deterministic Miller-Rabin witnesses for every n < 3.3e24 (far above _INT64_MAX).
-_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
-_SMALL_PRIMES = tuple(p for p in range(2, 1000) if all(p % q for q in range(2, math.isqrt(p) + 1)))
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    for p in _WITNESSES:
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    for a in _WITNESSES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def _find_factor(n: int) -> int:
-    """A non-trivial factor of the odd composite ``n`` (Brent's variant of Pollard's rho, batched gcds)."""
-    for c in range(1, n):
-        y, r, q, g = 2, 1, 1, 1
-        x = ys = y
-        while g == 1:
-            x = y
-            for _ in range(r):
-                y = (y * y + c) % n
-            k = 0
-            while k < r and g == 1:
-                ys = y
-                for _ in range(min(128, r - k)):
-                    y = (y * y + c) % n
-                    q = q * abs(x - y) % n
-                g = math.gcd(q, n)
-                k += 128
-            r *= 2
-        if g == n:  # the batch overshot: step back one at a time
-            g = 1
-            while g == 1:
-                ys = (ys * ys + c) % n
-                g = math.gcd(abs(x - ys), n)
-        if g != n:
-            return g
-    raise AssertionError(f"no factor found for {n}")  # pragma: no cover
-
-
-def _divisors(n: int) -> list[int]:
-    """All divisors of ``n`` in increasing order, from its prime factors: fast for any ``n <= _INT64_MAX``."""
-    exponents: dict[int, int] = {}
-    for p in _SMALL_PRIMES:
-        while n % p == 0:
-            exponents[p] = exponents.get(p, 0) + 1
-            n //= p
-    pending = [n] if n > 1 else []
-    while pending:
-        m = pending.pop()
-        if _is_prime(m):
-            exponents[m] = exponents.get(m, 0) + 1
-        else:
-            f = _find_factor(m)
-            pending += [f, m // f]
-    divisors = [1]
-    for p, e in exponents.items():
-        divisors = [d * p**k for d in divisors for k in range(e + 1)]
-    return sorted(divisors)
-
-
 def plan_accumulation(
     effective_batch_size: int,
     micro_batch_size: int | None = None,
@@ -215,7 +137,7 @@ def plan_accumulation(
         16
     """
     check_positive_int("effective_batch_size", effective_batch_size)
-    if effective_batch_size > _INT64_MAX:
+    if effective_batch_size > INT64_MAX:
         raise ValueError(
             f"`effective_batch_size` must be at most 2**63 - 1 (the largest int64), got {effective_batch_size!r}."
             " Give the number of samples per optimizer step."
@@ -240,13 +162,13 @@ def plan_accumulation(
         )
     per_rank = effective_batch_size // world
     if micro_batch_size is None:
-        divisors = _divisors(per_rank)
-        accumulation = divisors[bisect.bisect_left(divisors, min(target_accumulation, per_rank))]
+        options = divisors(per_rank)
+        accumulation = options[bisect.bisect_left(options, min(target_accumulation, per_rank))]
         return AccumulationPlan(effective_batch_size, per_rank // accumulation, accumulation, world)
     if per_rank % micro_batch_size:
         step = micro_batch_size * world
         lower = (effective_batch_size // step) * step
-        micros = [d for d in _divisors(per_rank) if d <= micro_batch_size][-3:]
+        micros = [d for d in divisors(per_rank) if d <= micro_batch_size][-3:]
         raise ValueError(
             f"`effective_batch_size`={effective_batch_size} is not divisible by `micro_batch_size` x world size ="
             f" {micro_batch_size} x {world} = {step}. Use `effective_batch_size`={lower} or {lower + step}, or"

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memopt.functional.planning import (
     CUDA_BLOCK_BYTES,
@@ -145,7 +145,15 @@ class MemoryEstimate(StepCount):
 
 
 def _check_arguments(
-    module: Any, precision: str, optimizer: Any, device: str, steps: int, fake: bool, accumulate: int, manual: bool
+    module: Any,
+    batch: Any,
+    precision: str,
+    optimizer: Any,
+    device: str,
+    steps: int,
+    fake: bool,
+    accumulate: int,
+    manual: bool,
 ) -> None:
     check_choice("precision", precision, ESTIMATE_PRECISIONS)
     check_choice("device", device, ("cuda", "cpu"), hint="The CPU run models a CUDA target with `device='cuda'`.")
@@ -168,6 +176,11 @@ def _check_arguments(
         raise ValueError(
             "`fake=False` runs a real CPU step, but the model is on the meta device (no data). Estimate it with"
             " `fake=True`, or build it on the CPU."
+        )
+    if not fake and any(isinstance(t, Tensor) and t.device.type == "meta" for t in tree_flatten(batch)[0]):
+        raise ValueError(
+            "`fake=False` runs a real CPU step, but the batch is on the meta device (no data). Estimate it with"
+            " `fake=True`, or give a CPU batch."
         )
 
 
@@ -206,7 +219,9 @@ def estimate_memory(
     Args:
         module: a ``LightningModule`` (its ``training_step`` and ``configure_optimizers`` run) or a plain
             ``nn.Module`` (called on the batch: ``module(**batch)`` for a dict, ``module(*batch)`` for a tuple).
-        batch: one batch as the training step gets it, on the CPU (real tensors are faked; no data is copied).
+            Built under ``with torch.device("meta"):`` it holds no weights: a model of any size is estimated.
+        batch: one batch as the training step gets it, on the CPU (real tensors are faked; no data is copied) or
+            on the meta device (``torch.empty(..., device="meta")``: shapes only, nothing allocated at any size).
         precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"`` (autocast around the training step, as Lightning
             does), ``"16-true"`` or ``"bf16-true"`` (weights and floating inputs cast).
         optimizer: ``optimizer(params) -> Optimizer``, e.g. ``functools.partial(torch.optim.SGD, lr=0.1,
@@ -246,7 +261,7 @@ def estimate_memory(
         True
     """
     manual = loss_fn is None and is_manual_optimization(module)
-    _check_arguments(module, precision, optimizer, device, steps, fake, accumulate_grad_batches, manual)
+    _check_arguments(module, batch, precision, optimizer, device, steps, fake, accumulate_grad_batches, manual)
     lightning = is_lightning_module(module)
     cuda = device == "cuda"
     workspace_bytes, workspace_text = cublas_workspace(gpu)  # checks `gpu` before the run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,14 +13,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate
 from lightning_memopt.planner.model_step import MemoryEstimateError, is_manual_optimization
-from lightning_memopt.planner.search import PlanTrial, Trials, divisors, needed_bytes
+from lightning_memopt.planner.search import PlanTrial, Trials, needed_bytes
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
 
 __all__ = ["MemoryPlan", "plan_memory"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,12 @@ class MemoryPlan:
         return "\n".join([head, self.table(), verdict])
 
 
+def _most_estimates(candidates: int) -> int:
+    """Estimates :func:`~lightning_memopt.planner.search.largest_fitting` runs at most over ``candidates`` sizes: the
+    largest, the smallest, then a binary search between them."""
+    return 1 if candidates == 1 else 2 + max(0, math.ceil(math.log2(candidates - 1)))
+
+
 def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool, micro: int = 1) -> str:
     """What would fit when the smallest micro-batch (``micro``, 1 unless the step cannot accumulate) does not
     (``estimate``): 8-bit optimizer states, FSDP over N GPUs, or nothing but shorter samples or a larger device."""
@@ -169,6 +179,11 @@ def _check_plan_arguments(
     if not callable(batch_fn):
         raise ValueError(f"`batch_fn` must be a callable `batch_fn(micro_batch_size) -> batch`, got {batch_fn!r}.")
     check_positive_int("effective_batch_size", effective_batch_size)
+    if effective_batch_size > INT64_MAX:
+        raise ValueError(
+            f"`effective_batch_size` must be at most 2**63 - 1 (the largest int64: torch and the samplers count"
+            f" samples in it), got {effective_batch_size}."
+        )
     check_positive_int("devices", devices)
     check_positive_int("num_nodes", num_nodes)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -215,7 +230,8 @@ def plan_memory(
 
     Args:
         module: as for :func:`estimate_memory`.
-        batch_fn: ``batch_fn(micro_batch_size)`` -> a batch of that many samples (CPU tensors; they are faked).
+        batch_fn: ``batch_fn(micro_batch_size)`` -> a batch of that many samples (CPU tensors, which are faked, or
+            meta tensors, which hold no memory at any size: the largest micro-batch is tried first).
         effective_batch_size: samples per optimizer step over all devices; kept exactly.
         budget_bytes: the device's memory: bytes, a size (``"40GB"``, ``"24GiB"``) or a GPU name from
             :data:`GPU_MEMORY` (``"A100-40GB"``); ``None`` reads the current CUDA device.
@@ -228,7 +244,8 @@ def plan_memory(
             "Without" is the model as it is: a model that checkpoints itself (e.g. an HF model with gradient
             checkpointing enabled) stays checkpointed.
         optimizer / loss_fn / device: as for :func:`estimate_memory`.
-        progress: called with one line per estimate (the CLI prints them).
+        progress: called with one line on the micro-batches to choose from, then one line per estimate (the CLI
+            prints them); ``None`` logs them at INFO on the ``lightning_memopt.planner.plan`` logger.
         gpu: the target GPU for its cuBLAS workspace (see :func:`estimate_memory`); default: the GPU named by
             ``budget_bytes``, or the current CUDA device's when ``budget_bytes`` is ``None``.
 
@@ -271,10 +288,17 @@ def plan_memory(
     if precision == "auto":
         precision = "32-true" if device == "cpu" else ("16-mixed" if bf16 is False else "bf16-mixed")
     options: list[Any] = [False, True] if checkpointing == "auto" else [checkpointing]
-    sizes = divisors(effective_batch_size // world)
+    per_device = effective_batch_size // world
+    sizes = divisors(per_device)
     manual = loss_fn is None and is_manual_optimization(module)
     if manual:
         sizes = sizes[-1:]  # no accumulation: the whole per-device batch or nothing
+    report = progress if progress is not None else _log.info
+    shown = ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]}"
+    report(
+        f"per-device batch {per_device}: {len(sizes)} micro-batch{'es' if len(sizes) != 1 else ''} to choose from"
+        f" ({shown}); at most {_most_estimates(len(sizes))} estimates per checkpointing setting"
+    )
     runs = Trials(
         module,
         batch_fn,
@@ -286,7 +310,7 @@ def plan_memory(
         optimizer=optimizer,
         device=device,
         loss_fn=loss_fn,
-        progress=progress,
+        progress=report,
     )
 
     best: dict[bool, int | None] = {}

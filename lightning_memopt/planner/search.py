@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memopt.functional.divisors import divisors
 from lightning_memopt.planner.estimate import MemoryEstimate, estimate_memory
 from lightning_memopt.utilities.formatting import format_bytes
 
@@ -39,11 +40,6 @@ class PlanTrial:
 def needed_bytes(estimate: MemoryEstimate, world: int) -> int:
     """The estimate's peak, and under DDP its gradient buckets: about one more copy of the gradients per process."""
     return estimate.peak_bytes + (estimate.gradient_bytes if world > 1 else 0)
-
-
-def divisors(n: int) -> list[int]:
-    """The micro-batches that split ``n`` samples evenly, smallest first."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class Trials:

@@ -36,6 +36,7 @@ from lightning_memopt.functional.planning.steps import (
     FakeStepError,
     StepCount,
     count_training_steps,
+    fake_tensor_of,
     fake_twin,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "cuda_autocast",
     "cudnn_rnn_reserve_bytes",
     "fake_kernel_outputs",
+    "fake_tensor_of",
     "fake_twin",
     "kernel_scratch",
     "onednn_lstm_workspace_bytes",

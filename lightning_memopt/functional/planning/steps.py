@@ -18,7 +18,7 @@ from lightning_memopt.functional.planning.counter import LiveBytes, unique_stora
 from lightning_memopt.functional.planning.manual import CountedOptimizer, counted_backward
 from lightning_memopt.utilities._torch_private import backward_outside_torch_function
 
-__all__ = ["PEAK_PARTS", "FakeStepError", "StepCount", "count_training_steps", "fake_twin"]
+__all__ = ["PEAK_PARTS", "FakeStepError", "StepCount", "count_training_steps", "fake_tensor_of", "fake_twin"]
 
 #: What the bytes alive at the peak are, in the order they are reported.
 PEAK_PARTS = ("parameters", "buffers", "batch", "gradients", "optimizer_states", "activations", "temporaries")
@@ -122,6 +122,28 @@ def _fake_step_error(err: Exception) -> FakeStepError:
     return FakeStepError(f"the step cannot run on fake tensors: {err}", None)
 
 
+def fake_tensor_of(tensor: Tensor, mode: Any) -> Tensor:
+    """``tensor`` as a fake CPU tensor of ``mode``: a fake tensor of ``mode`` as it is, a meta tensor (shapes, no data)
+    as a fake CPU tensor of its shape, stride and dtype, a real one through ``mode.from_tensor`` (no data copied).
+
+    Nothing is allocated for a meta tensor of any size: ``lightning-memopt estimate`` builds its batches and the
+    model on the meta device.
+
+    Example:
+        >>> mode = fake_tensor.FakeTensorMode()
+        >>> fake = fake_tensor_of(torch.empty(10**9, 4096, device="meta"), mode)  # 16 TB, never allocated
+        >>> type(fake).__name__, fake.device.type, fake.shape[0]
+        ('FakeTensor', 'cpu', 1000000000)
+    """
+    if getattr(tensor, "fake_mode", None) is mode:
+        return tensor
+    if tensor.device.type != "meta":
+        return mode.from_tensor(tensor)
+    with mode:
+        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf and tensor.requires_grad else fake
+
+
 def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = None) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are fake tensors of ``mode`` (no data copied).
 
@@ -143,18 +165,12 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) in memo:
             continue
-        if tensor.device.type == "meta":
-            if mode is None:
-                raise FakeStepError(
-                    "a model on the meta device has no data to run a real step with; estimate it on"
-                    " fake tensors (fake=True)"
-                )
-            with mode:  # a model built on the meta device: the same shapes on fake CPU tensors
-                twin = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-        elif mode is None:
-            twin = tensor.detach().clone()
-        else:
-            twin = tensor if getattr(tensor, "fake_mode", None) is mode else mode.from_tensor(tensor)
+        if tensor.device.type == "meta" and mode is None:
+            raise FakeStepError(
+                "a model on the meta device has no data to run a real step with; estimate it on fake tensors"
+                " (fake=True)"
+            )
+        twin = tensor.detach().clone() if mode is None else fake_tensor_of(tensor, mode)
         if dtype is not None and twin.is_floating_point():
             twin = twin.to(dtype)
         if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
@@ -165,8 +181,11 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
             if name in ("_parameters", "_buffers", "_modules"):
                 continue
             for tensor in tree_flatten(value)[0]:
-                if isinstance(tensor, Tensor) and id(tensor) not in memo and tensor.device.type != "meta":
-                    memo[id(tensor)] = tensor.detach().clone() if mode is None else mode.from_tensor(tensor)
+                if isinstance(tensor, Tensor) and id(tensor) not in memo:
+                    if mode is not None:
+                        memo[id(tensor)] = fake_tensor_of(tensor, mode)
+                    elif tensor.device.type != "meta":
+                        memo[id(tensor)] = tensor.detach().clone()
     return copy.deepcopy(module, memo)
 
 
@@ -239,9 +258,10 @@ def count_training_steps(
     mode = None
     if fake:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
-        batch = tree_map(
-            lambda t: t if not isinstance(t, Tensor) or getattr(t, "fake_mode", None) is mode else mode.from_tensor(t),
-            batch,
+        batch = tree_map(lambda t: fake_tensor_of(t, mode) if isinstance(t, Tensor) else t, batch)
+    elif any(t.device.type == "meta" for t in _tensors(batch)):
+        raise FakeStepError(
+            "a batch on the meta device has no data to run a real step with; estimate it on fake tensors"
         )
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
     handles = []
