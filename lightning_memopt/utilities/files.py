@@ -21,8 +21,10 @@ __all__ = [
     "check_dir_creatable",
     "check_regular_file",
     "file_kind",
+    "hard_link_message",
     "is_runtime_failure",
     "regular_file_problem",
+    "symlink_message",
     "write_text_atomic",
 ]
 
@@ -138,8 +140,28 @@ def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
     return f"is {kind}" if kind == "a directory" else f"is {kind}, not a regular file"
 
 
+def symlink_message(name: str, path: Path) -> str:
+    """The refusal of a log path that is a symbolic link: the path, where it points and the fix.
+
+    Example:
+        >>> symlink_message("dirpath", Path("/no/such/link"))  # doctest: +ELLIPSIS
+        "`dirpath`: '/no/such/link' is a symbolic link; a log is never written through a link ... another `dirpath`."
+    """
+    try:
+        target = f" to {os.readlink(path)!r}"
+    except OSError:
+        target = ""
+    return (
+        f"`{name}`: {str(path)!r} is a symbolic link{target}; a log is never written through a link (it could point"
+        f" at any file). Remove the link or pass another `{name}`."
+    )
+
+
 def check_regular_file(name: str, path: Path) -> None:
-    """Refuse a log path that exists but is not a regular file (a named pipe would block the reader forever).
+    """Refuse a log path that exists but is not a regular file of its own.
+
+    A named pipe would block the reader forever; a symbolic link (followed by an append) would write into whatever
+    file it points at, outside the directory; a file with other hard links is another file's name.
 
     Raises:
         OSError: naming the argument, the path, what it is and the fix.
@@ -152,14 +174,26 @@ def check_regular_file(name: str, path: Path) -> None:
         OSError: `dirpath`: ... exists and is a directory, not a regular file. Remove it or pass another `dirpath`.
     """
     try:
-        mode = path.stat().st_mode
+        info = path.lstat()
     except FileNotFoundError:
         return
-    if stat.S_ISREG(mode):
+    if stat.S_ISLNK(info.st_mode):
+        raise OSError(symlink_message(name, path))
+    if stat.S_ISREG(info.st_mode):
+        if info.st_nlink > 1:
+            raise OSError(hard_link_message(name, path, info.st_nlink))
         return
-    what = file_kind(mode)
+    what = file_kind(info.st_mode)
     raise OSError(
         f"`{name}`: {str(path)!r} exists and is {what}, not a regular file. Remove it or pass another `{name}`."
+    )
+
+
+def hard_link_message(name: str, path: Path, links: int) -> str:
+    """The refusal of a log path that has other hard links (the same file under other names, maybe elsewhere)."""
+    return (
+        f"`{name}`: {str(path)!r} has {links - 1} other hard link(s): appending to it would change that file under"
+        f" its other names. Remove it or pass another `{name}`."
     )
 
 

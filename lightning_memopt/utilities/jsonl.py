@@ -11,13 +11,20 @@ The records themselves are described in ``docs/memory-log.md``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_memopt.utilities.checks import check_writable_dir
-from lightning_memopt.utilities.files import check_regular_file, is_runtime_failure
+from lightning_memopt.utilities.files import (
+    check_regular_file,
+    hard_link_message,
+    is_runtime_failure,
+    symlink_message,
+)
 from lightning_memopt.utilities.trainer import default_artifact_dir
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -25,6 +32,10 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["JsonlWriter", "rank_log_writer"]
+
+#: Opening a path that is a symbolic link with ``O_NOFOLLOW`` fails (where the system has the flag).
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_LINK_ERRNOS = frozenset({errno.ELOOP, errno.EMLINK})
 
 
 class _SharedFile:
@@ -38,10 +49,26 @@ class _SharedFile:
 
     def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        check_regular_file("dirpath", self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            check_regular_file("dirpath", self.path)
+        except OSError as err:
+            if err.errno is None:  # our own refusal (a link, a pipe, a hard link): its message says the fix
+                raise _Refused(str(err)) from None
+            raise
+        try:
+            # O_NOFOLLOW: a link planted at the path since the check is refused, never followed to its target.
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno in _LINK_ERRNOS and os.path.islink(self.path):
+                raise _Refused(symlink_message("dirpath", self.path)) from err
+            raise
         try:
             info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                what = f"{str(self.path)!r} is not a regular file"
+                raise _Refused(f"`dirpath`: {what}. Remove it or pass another `dirpath`.")
+            if info.st_nlink > 1:
+                raise _Refused(hard_link_message("dirpath", self.path, info.st_nlink))
             if info.st_size > 0 and os.pread(fd, 1, info.st_size - 1) != b"\n":
                 os.write(fd, b"\n")  # a torn last line from a killed run: start on a fresh line
         except BaseException:
@@ -195,6 +222,8 @@ class JsonlWriter:
         where = f"{phase} step {step}" if step is not None else "this point"
         if isinstance(err, _Replaced):
             reason = f"{err} while the run was writing it"
+        elif isinstance(err, _Refused):
+            reason = str(err).rstrip(".")
         elif is_runtime_failure(err):
             reason = f"the file system refused the write ({err})"
         else:
@@ -209,6 +238,10 @@ class JsonlWriter:
 
 class _Replaced(OSError):
     """The file being appended to is no longer the one at the path."""
+
+
+class _Refused(OSError):
+    """The path is not a file of its own (a symbolic link, another file's hard link): its message says the fix."""
 
 
 def _default(obj: Any) -> Any:
