@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import re
 import stat
+import sys
 from pathlib import Path
 
 __all__ = [
     "RUNTIME_ERRNOS",
     "check_dir_creatable",
     "check_regular_file",
+    "digit_limit_problem",
     "file_kind",
     "hard_link_message",
     "is_runtime_failure",
+    "line_with_long_integer",
     "regular_file_problem",
     "symlink_message",
     "write_text_atomic",
@@ -195,6 +200,70 @@ def hard_link_message(name: str, path: Path, links: int) -> str:
         f"`{name}`: {str(path)!r} has {links - 1} other hard link(s): appending to it would change that file under"
         f" its other names. Remove it or pass another `{name}`."
     )
+
+
+def _int_digit_limit() -> int:
+    """Python's limit on the digits of an integer it reads from text (``sys.set_int_max_str_digits``; 0: none)."""
+    return int(getattr(sys, "get_int_max_str_digits", lambda: 0)())
+
+
+def digit_limit_problem(err: BaseException) -> str | None:
+    """Why reading JSON failed, in a few words, when the cause is an integer longer than Python reads; else ``None``.
+
+    Python refuses to convert an integer of more than ``sys.get_int_max_str_digits()`` digits (4300 by default) and
+    says so in a ``ValueError`` that names neither the file nor the line: readers use this to name both.
+
+    Example:
+        >>> try:
+        ...     json.loads("1" * 5000)
+        ... except ValueError as err:
+        ...     print(digit_limit_problem(err))
+        holds an integer of more than 4300 digits (Python reads at most 4300)
+        >>> digit_limit_problem(ValueError("something else")) is None
+        True
+    """
+    if isinstance(err, json.JSONDecodeError) or not isinstance(err, ValueError):
+        return None
+    if "integer string conversion" not in str(err):
+        return None
+    limit = _int_digit_limit()
+    return f"holds an integer of more than {limit} digits (Python reads at most {limit})"
+
+
+def line_with_long_integer(path: str | os.PathLike[str]) -> int | None:
+    """The 1-based number of the first line of ``path`` with a run of digits longer than Python reads; ``None`` if
+    there is none or the file cannot be read. Reads 1 MiB at a time, however long the lines.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "report.json"
+        >>> _ = path.write_text('{\\n"a": 1,\\n"b": ' + "7" * 5000 + "}")
+        >>> line_with_long_integer(path)
+        3
+    """
+    limit = _int_digit_limit()
+    if limit <= 0:
+        return None
+    number, run = 1, 0
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            last = 0
+            for match in _DIGITS_OR_NEWLINE.finditer(chunk):
+                if match.start() != last:
+                    run = 0  # something else came between: a new run
+                last = match.end()
+                if match.group() == b"\n":
+                    number, run = number + 1, 0
+                    continue
+                run += last - match.start()
+                if run > limit:
+                    return number
+            if last != len(chunk):
+                run = 0
+    return None
+
+
+_DIGITS_OR_NEWLINE = re.compile(rb"[0-9]+|\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
