@@ -162,7 +162,7 @@ class JsonlWriter:
         if self._stopped:
             return False
         try:
-            line = (json.dumps(record, allow_nan=False, default=_default) + "\n").encode("utf-8")
+            line = (_ENCODER.encode(record) + "\n").encode("utf-8")
         except (TypeError, ValueError) as err:
             self._warn.warn(
                 "serialise", f"{self.owner}: a record could not be written as JSON ({err}); it was skipped."
@@ -248,6 +248,10 @@ def _default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+#: One encoder for every record (``json.dumps`` with arguments builds a new one per call).
+_ENCODER = json.JSONEncoder(allow_nan=False, default=_default)
 
 
 def rank_log_writer(
