@@ -270,11 +270,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``.
 
     A reader never sees half a file; when the write fails (a full disk) the temporary file is removed and the
-    error is raised to the caller, who decides whether to warn.
+    error is raised to the caller, who decides whether to warn. The temporary file is created afresh
+    (``O_EXCL | O_NOFOLLOW``): a link planted at its name is removed, never written through.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a stale temporary file, or a link planted at its name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with os.fdopen(os.open(tmp, flags, 0o644), "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
