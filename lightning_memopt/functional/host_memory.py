@@ -29,11 +29,10 @@ class _StatmReader:
         try:
             pid = os.getpid()
             if self.fd is None or self.pid != pid:  # first use, or a forked child holding its parent's file
-                inherited, self.fd, self.pid = self.fd, None, pid
-                if inherited is not None:  # the child's copy of its parent's descriptor (closing it here is safe)
-                    os.close(inherited)
+                # A child leaves its copy of the parent's descriptor open: the number may have been reused since.
+                self.fd, self.pid = None, pid
                 self.page_size = os.sysconf("SC_PAGE_SIZE")
-                self.fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self.fd = os.open("/proc/self/statm", os.O_RDONLY)  # not inherited by programs it runs (PEP 446)
             return int(os.pread(self.fd, 256, 0).split()[1]) * self.page_size
         except (OSError, ValueError, IndexError, AttributeError):
             self.failed = True
