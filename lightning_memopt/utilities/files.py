@@ -3,7 +3,8 @@
 Two kinds of failure are told apart:
 
 * a **configuration** error (the directory is a file, lies under a file, is not writable, the log path is a named
-  pipe): raised in ``setup`` with the argument, the value and the fix, before any step has run;
+  pipe, a symbolic link or another file's hard link): raised in ``setup`` with the argument, the value and the fix,
+  before any step has run;
 * a **runtime** failure (the disk is full, the directory was removed or replaced mid-run): the caller warns once
   and training goes on without that file.
 """

@@ -128,6 +128,10 @@ class JsonlWriter:
     * ``write`` never raises. When the file cannot be written (a full disk, the directory removed or replaced
       by a file mid-run), it warns once that records from that step on are not stored, and drops later records;
       a record that cannot be serialised is skipped with one warning.
+    * The path is never written through a symbolic link, nor appended to when it has other hard links (the link
+      could point at any file outside the folder): ``rank_log_writer`` refuses such a path in ``setup``, and one
+      planted later is refused when the file is opened (``O_NOFOLLOW``), with the one warning above, naming the
+      path and the fix. The directory itself may be a link: it is the user's choice.
     * ``close`` never raises, so it is safe in ``on_exception``.
     * Not picklable state (the open file) is dropped on pickling.
 
@@ -263,7 +267,8 @@ def rank_log_writer(
 ) -> JsonlWriter:
     """The writer of ``<dirpath>/memory_rank{rank}.jsonl``, resolved in ``setup`` where every rank is present.
 
-    A bad ``dirpath`` (a file, under a file, not writable, a log path that is a pipe or a directory) raises
+    A bad ``dirpath`` (a file, under a file, not writable, a log path that is a pipe, a directory, a symbolic link
+    or another file's hard link) raises
     ``OSError`` naming it; a full disk only warns later, at the first record that cannot be stored.
     ``current`` is kept when it already writes that file, so fitting twice appends to one open file.
     """
