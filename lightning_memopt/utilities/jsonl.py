@@ -268,8 +268,8 @@ def rank_log_writer(
     """The writer of ``<dirpath>/memory_rank{rank}.jsonl``, resolved in ``setup`` where every rank is present.
 
     A bad ``dirpath`` (a file, under a file, not writable, a log path that is a pipe, a directory, a symbolic link
-    or another file's hard link) raises
-    ``OSError`` naming it; a full disk only warns later, at the first record that cannot be stored.
+    or another file's hard link) raises ``OSError`` naming it; a full disk only warns later, at the first record
+    that cannot be stored.
     ``current`` is kept when it already writes that file, so fitting twice appends to one open file.
     """
     directory = Path(dirpath) if dirpath is not None else default_artifact_dir(trainer, "memory")
