@@ -48,9 +48,9 @@ MUTANTS = (
     ),
     Mutant(
         "proc-rss-without-page-size",
-        "lightning_memopt/functional/memory.py",
-        'return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")',
-        "return int(f.read().split()[1])",
+        "lightning_memopt/functional/host_memory.py",
+        "return int(os.pread(self.fd, 256, 0).split()[1]) * self.page_size",
+        "return int(os.pread(self.fd, 256, 0).split()[1])",
         ("tests/functional/test_memory.py",),
     ),
     Mutant(

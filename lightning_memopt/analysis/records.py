@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from lightning_memopt.utilities.checks import check_path, is_finite_number
-from lightning_memopt.utilities.files import regular_file_problem
+from lightning_memopt.utilities.files import digit_limit_problem, regular_file_problem
 
 __all__ = [
     "MemoryLogError",
@@ -199,9 +199,10 @@ def iter_memory_lines(path: str | os.PathLike[str]) -> Iterator[MemoryLogLine]:
             except _NonFinite as err:
                 yield MemoryLogLine(number, None, f"holds {err}, which is not JSON")
                 continue
-            except (ValueError, RecursionError):
-                truncated = not ends
-                reason = "is truncated (the run stopped mid-write)" if truncated else "is not JSON"
+            except (ValueError, RecursionError) as err:
+                too_long = digit_limit_problem(err)  # said as such: Python's own message names no file or line
+                truncated = too_long is None and not ends
+                reason = too_long or ("is truncated (the run stopped mid-write)" if truncated else "is not JSON")
                 yield MemoryLogLine(number, None, reason, truncated)
                 continue
             problem = record_problem(record)

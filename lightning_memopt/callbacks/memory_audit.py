@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,9 +110,8 @@ class MemoryAudit(RankLogCallback):
         self._first_step_audited = False
         self._next_sample_step = leak_every_n_steps
 
-    @property
-    @override
-    def state_key(self) -> str:
+    @cached_property
+    def state_key(self) -> str:  # read by Lightning on every hook call: built once
         return self._generate_state_key(dirpath=str(self.dirpath) if self.dirpath else None)
 
     @property

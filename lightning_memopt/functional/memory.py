@@ -18,13 +18,13 @@ Host resident set size (RSS) is read for every backend.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_memopt.functional.host_memory import host_rss_bytes
 from lightning_memopt.utilities.checks import check_device
 
 __all__ = [
@@ -154,37 +154,6 @@ def supports_device_memory(device: torch.device | str) -> bool:
     if device.type == "mps":
         return bool(torch.backends.mps.is_available() and hasattr(torch.mps, "current_allocated_memory"))
     return False
-
-
-_PROCESS: Any = None
-
-
-def host_rss_bytes() -> int | None:
-    """Resident set size of this process in bytes, or ``None`` if the platform does not say.
-
-    Example:
-        >>> host_rss_bytes() > 0
-        True
-    """
-    global _PROCESS
-    try:
-        import psutil
-    except ImportError:
-        return _statm_rss()
-    try:
-        if _PROCESS is None:
-            _PROCESS = psutil.Process(os.getpid())
-        return int(_PROCESS.memory_info().rss)
-    except (psutil.Error, OSError, RuntimeError):
-        return _statm_rss()
-
-
-def _statm_rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 
 def _from_allocator_stats(stats: dict[str, Any]) -> dict[str, int | None]:
@@ -366,9 +335,13 @@ class DeviceMemory:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.has_device_memory = supports_device_memory(self.device)
+        # The CPU gives host figures only: its reading is built here directly, without deciding again each time.
+        self._host_only = None if self.has_device_memory or self.device.type != "cpu" else str(self.device)
 
     def read(self) -> MemoryReading:
         """A reading of the device now (raises what :func:`read_memory` raises)."""
+        if self._host_only is not None:
+            return MemoryReading(time=time.time(), device=self._host_only, host_rss_bytes=host_rss_bytes())
         return read_memory(self.device)
 
     def reset_peaks(self) -> bool:

@@ -3,7 +3,8 @@
 Two kinds of failure are told apart:
 
 * a **configuration** error (the directory is a file, lies under a file, is not writable, the log path is a named
-  pipe): raised in ``setup`` with the argument, the value and the fix, before any step has run;
+  pipe, a symbolic link or another file's hard link): raised in ``setup`` with the argument, the value and the fix,
+  before any step has run;
 * a **runtime** failure (the disk is full, the directory was removed or replaced mid-run): the caller warns once
   and training goes on without that file.
 """
@@ -12,17 +13,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import re
 import stat
+import sys
 from pathlib import Path
 
 __all__ = [
     "RUNTIME_ERRNOS",
     "check_dir_creatable",
     "check_regular_file",
+    "digit_limit_problem",
     "file_kind",
+    "hard_link_message",
     "is_runtime_failure",
+    "line_with_long_integer",
     "regular_file_problem",
+    "symlink_message",
     "write_text_atomic",
 ]
 
@@ -138,8 +146,28 @@ def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
     return f"is {kind}" if kind == "a directory" else f"is {kind}, not a regular file"
 
 
+def symlink_message(name: str, path: Path) -> str:
+    """The refusal of a log path that is a symbolic link: the path, where it points and the fix.
+
+    Example:
+        >>> symlink_message("dirpath", Path("/no/such/link"))  # doctest: +ELLIPSIS
+        "`dirpath`: '/no/such/link' is a symbolic link; a log is never written through a link ... another `dirpath`."
+    """
+    try:
+        target = f" to {os.readlink(path)!r}"
+    except OSError:
+        target = ""
+    return (
+        f"`{name}`: {str(path)!r} is a symbolic link{target}; a log is never written through a link (it could point"
+        f" at any file). Remove the link or pass another `{name}`."
+    )
+
+
 def check_regular_file(name: str, path: Path) -> None:
-    """Refuse a log path that exists but is not a regular file (a named pipe would block the reader forever).
+    """Refuse a log path that exists but is not a regular file of its own.
+
+    A named pipe would block the reader forever; a symbolic link (followed by an append) would write into whatever
+    file it points at, outside the directory; a file with other hard links is another file's name.
 
     Raises:
         OSError: naming the argument, the path, what it is and the fix.
@@ -152,26 +180,107 @@ def check_regular_file(name: str, path: Path) -> None:
         OSError: `dirpath`: ... exists and is a directory, not a regular file. Remove it or pass another `dirpath`.
     """
     try:
-        mode = path.stat().st_mode
+        info = path.lstat()
     except FileNotFoundError:
         return
-    if stat.S_ISREG(mode):
+    if stat.S_ISLNK(info.st_mode):
+        raise OSError(symlink_message(name, path))
+    if stat.S_ISREG(info.st_mode):
+        if info.st_nlink > 1:
+            raise OSError(hard_link_message(name, path, info.st_nlink))
         return
-    what = file_kind(mode)
+    what = file_kind(info.st_mode)
     raise OSError(
         f"`{name}`: {str(path)!r} exists and is {what}, not a regular file. Remove it or pass another `{name}`."
     )
+
+
+def hard_link_message(name: str, path: Path, links: int) -> str:
+    """The refusal of a log path that has other hard links (the same file under other names, maybe elsewhere)."""
+    return (
+        f"`{name}`: {str(path)!r} has {links - 1} other hard link(s): appending to it would change that file under"
+        f" its other names. Remove it or pass another `{name}`."
+    )
+
+
+def _int_digit_limit() -> int:
+    """Python's limit on the digits of an integer it reads from text (``sys.set_int_max_str_digits``; 0: none)."""
+    return int(getattr(sys, "get_int_max_str_digits", lambda: 0)())
+
+
+def digit_limit_problem(err: BaseException) -> str | None:
+    """Why reading JSON failed, in a few words, when the cause is an integer longer than Python reads; else ``None``.
+
+    Python refuses to convert an integer of more than ``sys.get_int_max_str_digits()`` digits (4300 by default) and
+    says so in a ``ValueError`` that names neither the file nor the line: readers use this to name both.
+
+    Example:
+        >>> try:
+        ...     json.loads("1" * 5000)
+        ... except ValueError as err:
+        ...     print(digit_limit_problem(err))
+        holds an integer of more than 4300 digits (Python reads at most 4300)
+        >>> digit_limit_problem(ValueError("something else")) is None
+        True
+    """
+    if isinstance(err, json.JSONDecodeError) or not isinstance(err, ValueError):
+        return None
+    if "integer string conversion" not in str(err):
+        return None
+    limit = _int_digit_limit()
+    return f"holds an integer of more than {limit} digits (Python reads at most {limit})"
+
+
+def line_with_long_integer(path: str | os.PathLike[str]) -> int | None:
+    """The 1-based number of the first line of ``path`` with a run of digits longer than Python reads; ``None`` if
+    there is none or the file cannot be read. Reads 1 MiB at a time, however long the lines.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "report.json"
+        >>> _ = path.write_text('{\\n"a": 1,\\n"b": ' + "7" * 5000 + "}")
+        >>> line_with_long_integer(path)
+        3
+    """
+    limit = _int_digit_limit()
+    if limit <= 0:
+        return None
+    number, run = 1, 0
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            last = 0
+            for match in _DIGITS_OR_NEWLINE.finditer(chunk):
+                if match.start() != last:
+                    run = 0  # something else came between: a new run
+                last = match.end()
+                if match.group() == b"\n":
+                    number, run = number + 1, 0
+                    continue
+                run += last - match.start()
+                if run > limit:
+                    return number
+            if last != len(chunk):
+                run = 0
+    return None
+
+
+_DIGITS_OR_NEWLINE = re.compile(rb"[0-9]+|\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``.
 
     A reader never sees half a file; when the write fails (a full disk) the temporary file is removed and the
-    error is raised to the caller, who decides whether to warn.
+    error is raised to the caller, who decides whether to warn. The temporary file is created afresh
+    (``O_EXCL | O_NOFOLLOW``): a link planted at its name is removed, never written through.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a stale temporary file, or a link planted at its name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with os.fdopen(os.open(tmp, flags, 0o644), "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

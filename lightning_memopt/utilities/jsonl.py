@@ -11,13 +11,20 @@ The records themselves are described in ``docs/memory-log.md``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_memopt.utilities.checks import check_writable_dir
-from lightning_memopt.utilities.files import check_regular_file, is_runtime_failure
+from lightning_memopt.utilities.files import (
+    check_regular_file,
+    hard_link_message,
+    is_runtime_failure,
+    symlink_message,
+)
 from lightning_memopt.utilities.trainer import default_artifact_dir
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -25,6 +32,10 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["JsonlWriter", "rank_log_writer"]
+
+#: Opening a path that is a symbolic link with ``O_NOFOLLOW`` fails (where the system has the flag).
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_LINK_ERRNOS = frozenset({errno.ELOOP, errno.EMLINK})
 
 
 class _SharedFile:
@@ -38,10 +49,26 @@ class _SharedFile:
 
     def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        check_regular_file("dirpath", self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            check_regular_file("dirpath", self.path)
+        except OSError as err:
+            if err.errno is None:  # our own refusal (a link, a pipe, a hard link): its message says the fix
+                raise _Refused(str(err)) from None
+            raise
+        try:
+            # O_NOFOLLOW: a link planted at the path since the check is refused, never followed to its target.
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno in _LINK_ERRNOS and os.path.islink(self.path):
+                raise _Refused(symlink_message("dirpath", self.path)) from err
+            raise
         try:
             info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                what = f"{str(self.path)!r} is not a regular file"
+                raise _Refused(f"`dirpath`: {what}. Remove it or pass another `dirpath`.")
+            if info.st_nlink > 1:
+                raise _Refused(hard_link_message("dirpath", self.path, info.st_nlink))
             if info.st_size > 0 and os.pread(fd, 1, info.st_size - 1) != b"\n":
                 os.write(fd, b"\n")  # a torn last line from a killed run: start on a fresh line
         except BaseException:
@@ -101,6 +128,10 @@ class JsonlWriter:
     * ``write`` never raises. When the file cannot be written (a full disk, the directory removed or replaced
       by a file mid-run), it warns once that records from that step on are not stored, and drops later records;
       a record that cannot be serialised is skipped with one warning.
+    * The path is never written through a symbolic link, nor appended to when it has other hard links (the link
+      could point at any file outside the folder): ``rank_log_writer`` refuses such a path in ``setup``, and one
+      planted later is refused when the file is opened (``O_NOFOLLOW``), with the one warning above, naming the
+      path and the fix. The directory itself may be a link: it is the user's choice.
     * ``close`` never raises, so it is safe in ``on_exception``.
     * Not picklable state (the open file) is dropped on pickling.
 
@@ -135,7 +166,7 @@ class JsonlWriter:
         if self._stopped:
             return False
         try:
-            line = (json.dumps(record, allow_nan=False, default=_default) + "\n").encode("utf-8")
+            line = (_ENCODER.encode(record) + "\n").encode("utf-8")
         except (TypeError, ValueError) as err:
             self._warn.warn(
                 "serialise", f"{self.owner}: a record could not be written as JSON ({err}); it was skipped."
@@ -195,6 +226,8 @@ class JsonlWriter:
         where = f"{phase} step {step}" if step is not None else "this point"
         if isinstance(err, _Replaced):
             reason = f"{err} while the run was writing it"
+        elif isinstance(err, _Refused):
+            reason = str(err).rstrip(".")
         elif is_runtime_failure(err):
             reason = f"the file system refused the write ({err})"
         else:
@@ -211,10 +244,18 @@ class _Replaced(OSError):
     """The file being appended to is no longer the one at the path."""
 
 
+class _Refused(OSError):
+    """The path is not a file of its own (a symbolic link, another file's hard link): its message says the fix."""
+
+
 def _default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+#: One encoder for every record (``json.dumps`` with arguments builds a new one per call).
+_ENCODER = json.JSONEncoder(allow_nan=False, default=_default)
 
 
 def rank_log_writer(
@@ -226,8 +267,9 @@ def rank_log_writer(
 ) -> JsonlWriter:
     """The writer of ``<dirpath>/memory_rank{rank}.jsonl``, resolved in ``setup`` where every rank is present.
 
-    A bad ``dirpath`` (a file, under a file, not writable, a log path that is a pipe or a directory) raises
-    ``OSError`` naming it; a full disk only warns later, at the first record that cannot be stored.
+    A bad ``dirpath`` (a file, under a file, not writable, a log path that is a pipe, a directory, a symbolic link
+    or another file's hard link) raises ``OSError`` naming it; a full disk only warns later, at the first record
+    that cannot be stored.
     ``current`` is kept when it already writes that file, so fitting twice appends to one open file.
     """
     directory = Path(dirpath) if dirpath is not None else default_artifact_dir(trainer, "memory")

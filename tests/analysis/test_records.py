@@ -66,6 +66,11 @@ def test_missing_file_and_directory(tmp_path):
             "line 1 `allocated_bytes` is '12'",
         ),
         ('{"time": NaN, "rank": 0, "phase": "train", "event": "step"}\n', "line 1 holds NaN"),
+        (
+            '{"time": 1, "rank": 0, "phase": "train", "event": "step"}\n'
+            '{"time": 2, "rank": 0, "phase": "train", "event": "step", "global_step": ' + "9" * 5000 + "}\n",
+            "bad.jsonl: line 2 holds an integer of more than 4300 digits",
+        ),
     ],
 )
 def test_load_memory_log_names_the_line_of_a_wrong_type(tmp_path, content, match):
@@ -108,6 +113,16 @@ BAD_RECORDS = [
     ),
     pytest.param(
         '{"time": 9, "rank": 0, "phase": "train", "event": "step", "run_id": 5}', "`run_id` is 5", id="run-id-int"
+    ),
+    pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": 1' + "0" * 4999 + "}",
+        "holds an integer of more than 4300 digits",
+        id="integer-of-5000-digits",
+    ),
+    pytest.param(
+        '{"time": 9, "rank": 0, "phase": "train", "event": "step", "note": [' + "7" * 5000 + "]}",
+        "holds an integer of more than 4300 digits",
+        id="integer-of-5000-digits-in-any-field",
     ),
     pytest.param("[1, 2, 3]", "a JSON value that is an array, not an object", id="list"),
     pytest.param("42", "a JSON value that is a number, not an object", id="number"),

@@ -21,6 +21,7 @@ import torch
 
 from lightning_memopt import MemoryAudit, MemoryMonitor, OOMReporter
 from lightning_memopt.utilities import jsonl
+from tests.helpers.lightning import pl
 from tests.helpers.models import TinyModel
 from tests.helpers.pipes import PipeWatchdog
 from tests.helpers.trainer import make_trainer
@@ -286,3 +287,41 @@ def test_a_full_disk_at_setup_is_a_warning_not_an_error(tmp_path, monkeypatch):
 
 def _enospc_open(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("callback", [MemoryMonitor, MemoryAudit])
+def test_jsonl_path_that_is_a_planted_symlink_is_refused_in_setup(tmp_path, callback):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "victim.txt"
+    target.write_text("precious\n")
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    (memory / "memory_rank0.jsonl").symlink_to(target)
+    trainer = make_trainer(tmp_path, callbacks=[callback(dirpath=memory)])
+    with pytest.raises(OSError, match="is a symbolic link") as info:
+        trainer.fit(TinyModel())
+    assert "`dirpath`" in str(info.value) and "memory_rank0.jsonl" in str(info.value)
+    assert "Remove the link or pass another `dirpath`" in str(info.value)
+    assert target.read_text() == "precious\n"
+
+
+def test_a_symlink_planted_after_setup_stops_the_log_and_training_goes_on(tmp_path):
+    target = tmp_path / "victim.txt"
+    target.write_text("precious\n")
+    memory = tmp_path / "memory"
+
+    class Plant(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):  # after setup checked the path, before the first record
+            (memory / "memory_rank0.jsonl").symlink_to(target)
+
+    callbacks = [Plant(), *_callbacks(tmp_path)[:2]]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, max_steps=3, limit_train_batches=3, limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyModel())
+    assert trainer.global_step == 3
+    stopped = [str(w.message) for w in caught if "are not stored" in str(w.message)]
+    assert {m.split(":")[0] for m in stopped} == {"MemoryMonitor", "MemoryAudit"} and len(stopped) == 2, stopped
+    assert all("symbolic link" in m and str(memory / "memory_rank0.jsonl") in m for m in stopped), stopped
+    assert target.read_text() == "precious\n"

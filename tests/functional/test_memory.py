@@ -1,9 +1,11 @@
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
 
+from lightning_memopt.functional import host_memory
 from lightning_memopt.functional import memory as mem
 from lightning_memopt.functional.memory import (
     MEMORY_FIELDS,
@@ -35,18 +37,50 @@ def test_host_rss_tracks_a_large_allocation():
     del block
 
 
-def test_host_rss_falls_back_to_proc_when_psutil_fails(monkeypatch):
+def test_host_rss_is_read_from_proc_without_asking_psutil(monkeypatch):
     class Broken:
         def memory_info(self):
             raise RuntimeError("no psutil here")
 
     import psutil
 
-    monkeypatch.setattr(mem, "_PROCESS", Broken())
-    value = mem.host_rss_bytes()
+    monkeypatch.setattr(host_memory, "_PROCESS", Broken())
+    value = host_memory.host_rss_bytes()
     assert value is not None  # Linux has /proc/self/statm
     # an independent reading of the same thing (psutil itself, unpatched): bytes, not pages
     assert abs(value - psutil.Process().memory_info().rss) < 64 * 2**20
+
+
+def test_host_rss_without_proc_comes_from_psutil(monkeypatch):
+    import psutil
+
+    no_proc = host_memory._StatmReader()
+    no_proc.failed = True  # what a system without /proc gives
+    monkeypatch.setattr(host_memory, "_STATM", no_proc)
+    value = host_memory.host_rss_bytes()
+    assert value is not None and abs(value - psutil.Process().memory_info().rss) < 64 * 2**20
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc/self/statm"), reason="needs fork and /proc")
+def test_host_rss_in_a_forked_child_is_the_childs_own():
+    before = host_memory.host_rss_bytes()  # the parent's descriptor of its statm is open now
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: 256 MiB more than its parent, read through the package and independently
+        try:
+            block = bytearray(256 * 2**20)
+            block[::4096] = b"x" * len(block[::4096])
+            value = host_memory.host_rss_bytes()
+            with open("/proc/self/statm") as f:
+                own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            os.write(write_end, f"{value} {own}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    value, own = (int(x) for x in os.read(read_end, 100).split())
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    assert abs(value - own) < 16 * 2**20 and value > before + 128 * 2**20  # not the parent's figure
 
 
 def test_cuda_reading_maps_allocator_stats(monkeypatch):

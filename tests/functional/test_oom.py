@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import sys
 from collections import namedtuple
 
 import pytest
@@ -354,6 +355,29 @@ def test_load_report_roundtrip_and_errors(tmp_path):
         load_report(other)
     with pytest.raises(ValueError, match="is a directory"):
         load_report(tmp_path)
+
+
+@pytest.mark.skipif(getattr(sys, "get_int_max_str_digits", lambda: 0)() != 4300, reason="Python's default digit limit")
+def test_a_report_with_an_integer_of_5000_digits_is_refused_naming_the_file_and_the_line(tmp_path, capsys):
+    text = json.dumps(_full_report(), indent=2)
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if '"global_step"' in line)
+    lines[at] = lines[at].split(":")[0] + ": " + "7" * 5000 + ","
+    path = tmp_path / "oom_report_rank0.json"
+    path.write_text("\n".join(lines))
+    with pytest.raises(ValueError) as info:
+        load_report(path)
+    message = str(info.value)
+    assert (
+        message.startswith(f"{path}: ")
+        and f"more than 4300 digits (Python reads at most 4300) at line {at + 1}" in message
+    )
+    from lightning_memopt.cli import main
+
+    # `report` reads with limits: the number is shown cut with a marker, the rest of the report is printed
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "global step 77777777777777777777... (a number of more than 1000 characters, not shown)" in out
 
 
 # ---------------------------------------------------------------------------------------------------- secrets in values

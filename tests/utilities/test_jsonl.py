@@ -142,3 +142,48 @@ def test_each_writer_of_a_shared_file_warns_with_its_own_name(tmp_path, monkeypa
     monkeypatch.undo()
     first.close()
     second.close()
+
+
+# ------------------------------------------------------------------------------------------------ planted links
+def _plant_link(tmp_path):
+    """``(log path, target)``: the log path is a symbolic link to a file outside the log's folder."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "victim.txt"
+    target.write_text("precious\n")
+    folder = tmp_path / "memory"
+    folder.mkdir()
+    path = folder / "memory_rank0.jsonl"
+    path.symlink_to(target)
+    return path, target
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["planted-before-open", "planted-after-the-check"])
+def test_a_planted_symlink_is_never_followed_and_warns_once_with_the_fix(tmp_path, monkeypatch, race):
+    path, target = _plant_link(tmp_path)
+    if race:  # the link appears between the check and the open: O_NOFOLLOW refuses it
+        monkeypatch.setattr(jsonl, "check_regular_file", lambda name, path: None)
+    writer = JsonlWriter(path, owner="Tester")
+    with pytest.warns(UserWarning) as caught:
+        assert writer.write(_record(1)) is False
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith("Tester: records from train step 1 on are not stored")
+    assert str(path) in message and "symbolic link" in message and "Remove the link" in message, message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, then silence
+        assert writer.write(_record(2)) is False
+    writer.close()
+    assert target.read_text() == "precious\n"  # the target is unchanged
+    assert path.is_symlink()
+
+
+def test_a_hard_link_to_another_file_is_not_appended_to(tmp_path):
+    target = tmp_path / "victim.txt"
+    target.write_text("precious\n")
+    path = tmp_path / "memory_rank0.jsonl"
+    os.link(target, path)
+    writer = JsonlWriter(path, owner="Tester")
+    with pytest.warns(UserWarning, match="hard link"):
+        assert writer.write(_record(1)) is False
+    writer.close()
+    assert target.read_text() == "precious\n"

@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_memopt.functional.oom.schema import OOMReport
 from lightning_memopt.functional.oom.sections import json_default
-from lightning_memopt.utilities.files import regular_file_problem
+from lightning_memopt.utilities.files import digit_limit_problem, line_with_long_integer, regular_file_problem
 from lightning_memopt.utilities.json_capped import JSONLimits, JSONReadError, load_json_capped
 
 __all__ = ["load_report", "report_json", "report_paths"]
@@ -74,6 +74,13 @@ def load_report(path: str | os.PathLike[str], limits: JSONLimits | None = None) 
         raise ValueError(f"{name}: not valid JSON ({err.msg} at line {err.lineno}). {hint}") from None
     except RecursionError:
         raise ValueError(f"{name}: not valid JSON (nested too deeply to read). {hint}") from None
+    except ValueError as err:  # Python's refusal of a too long integer names no file: this says which, and where
+        too_long = digit_limit_problem(err)
+        if too_long is None:
+            raise ValueError(f"{name}: cannot be read ({err}). {hint}") from None
+        line = line_with_long_integer(name)
+        where = f" at line {line}" if line is not None else ""
+        raise ValueError(f"{name}: not an out-of-memory report: it {too_long}{where}. {hint}") from None
     if not isinstance(report, dict) or not str(report.get("format", "")).startswith("lightning-memopt/oom-report/"):
         raise ValueError(f"{name}: not an out-of-memory report (no 'format' field of OOMReporter). {hint}")
     return report
