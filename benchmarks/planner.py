@@ -326,13 +326,13 @@ def _enable_checkpointing(module: nn.Module, checkpointing: Any) -> None:
         raise RuntimeError(f"checkpointing {checkpointing!r} wrapped nothing in {type(module).__name__}")
 
 
-def plain_steps(module: nn.Module, batch: Any, precision: str, steps: int = 2) -> None:
+def plain_steps(module: nn.Module, batch: Any, precision: str, steps: int = 2, device_type: str = "cpu") -> None:
     """Lightning's order, written out: training step (autocast for bf16-mixed), zero_grad, backward, optimizer step."""
     module.train()
     optimizer = _optimizer(module)
     for i in range(steps):
         mixed = precision == "bf16-mixed"
-        with torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
+        with torch.autocast(device_type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
             loss = _loss(module, batch, i)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

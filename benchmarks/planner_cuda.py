@@ -25,8 +25,6 @@ Needs a CUDA GPU (exits with a message and code 2 without one).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import sys
 import time
@@ -42,30 +40,17 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _machine import machine_info  # noqa: E402  (benchmarks/_machine.py)
-from planner import PRECISIONS, _enable_checkpointing, _loss, _optimizer, model_specs  # noqa: E402
+from planner import PRECISIONS, _enable_checkpointing, model_specs, plain_steps  # noqa: E402
 
 from lightning_memopt.planner import estimate_memory  # noqa: E402
+from tests.helpers.measured_step import cuda_fit_peak, empty_cuda_allocator  # noqa: E402
 
 #: The ratios counted in the verdict.
 BANDS = (0.05, 0.10)
-#: The accelerator of the measured fits (a CPU smoke run of this script swaps it).
-ACCELERATOR = "cuda"
 
 
 def _to_cuda(batch: Any) -> Any:
     return tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, batch)
-
-
-def _empty_allocator() -> int:
-    """Release cached blocks and cuBLAS workspaces, reset the peak; returns the bytes still allocated."""
-    gc.collect()
-    torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
 
 
 def measured_plain(build: Any, batch: Any, precision: str, checkpointing: Any) -> int:
@@ -73,49 +58,14 @@ def measured_plain(build: Any, batch: Any, precision: str, checkpointing: Any) -
     module = build()
     if checkpointing:
         _enable_checkpointing(module, checkpointing)
-    base = _empty_allocator()
+    base = empty_cuda_allocator()
     module = module.cuda()
     batch = _to_cuda(batch)
-    module.train()
-    optimizer = _optimizer(module)
-    for i in range(2):
-        mixed = precision == "bf16-mixed"
-        with torch.autocast("cuda", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
-            loss = _loss(module, batch, i)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        del loss
-        optimizer.step()
+    plain_steps(module, batch, precision, device_type="cuda")
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    del module, batch, optimizer
+    del module, batch
     return peak
-
-
-def measured_fit(entry: Any, precision: str, batch_size: int) -> int:
-    """The allocator's peak of a real ``Trainer.fit`` of a zoo module on the GPU: two optimizer steps."""
-    from tests.helpers.lightning import pl
-
-    module = entry.build(batch_size=batch_size)
-    manual = not module.automatic_optimization
-    config = module.configure_optimizers() if manual else None
-    optimizers = len(config) if isinstance(config, (list, tuple)) else 1
-    trainer = pl.Trainer(
-        accelerator=ACCELERATOR,
-        devices=1,
-        precision=precision,
-        max_steps=2 * optimizers,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    base = _empty_allocator()
-    trainer.fit(module)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def _row(model: str, estimate: Any, measured: int, **fields: Any) -> dict[str, Any]:
@@ -180,7 +130,7 @@ def zoo_rows(gpu: tuple[int, int], batch_size: int = 8) -> list[dict]:
                     precision=precision,
                     gpu=gpu,
                 )
-                measured = measured_fit(entry, precision, batch_size)
+                measured = cuda_fit_peak(entry, precision, batch_size)
                 return _row(label["model"], est, measured, **{k: v for k, v in label.items() if k != "model"})
 
             _safe(rows, label, work)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,14 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_memopt.functional.planning import LiveBytes
 
-__all__ = ["cuda_fit_peak", "measured_peak", "memtracker_peak", "trainer_peak", "training_step_loss"]
+__all__ = [
+    "cuda_fit_peak",
+    "empty_cuda_allocator",
+    "measured_peak",
+    "memtracker_peak",
+    "trainer_peak",
+    "training_step_loss",
+]
 
 
 def training_step_loss(model: nn.Module, batch: Any, batch_idx: int) -> Tensor:
@@ -125,6 +133,18 @@ def memtracker_peak(module: nn.Module, batch: Any, precision: str = "32-true", s
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
+def empty_cuda_allocator() -> int:
+    """Release CUDA's cached blocks and cuBLAS workspaces and reset the peak; returns the bytes still allocated."""
+    gc.collect()
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
 def cuda_fit_peak(entry: Any, precision: str, batch_size: int, optimizer_steps: int = 2) -> int:
     """``torch.cuda.max_memory_allocated()`` over a real ``Trainer.fit`` of a zoo entry on the GPU
     (``optimizer_steps`` optimizer steps), from an empty allocator: cached blocks and cuBLAS workspaces released."""
@@ -145,13 +165,7 @@ def cuda_fit_peak(entry: Any, precision: str, batch_size: int, optimizer_steps: 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = empty_cuda_allocator()
     trainer.fit(module)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
