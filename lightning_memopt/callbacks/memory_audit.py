@@ -200,15 +200,12 @@ class MemoryAudit(RankLogCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        samples = self._session.sampler.samples
-        return {"leak_samples": [list(sample) for sample in samples], "leak_reported": self._session.leak_reported}
+        return self._session.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        samples = self._session.sampler.samples
-        samples.clear()
-        samples.extend((int(step), int(value)) for step, value in state_dict.get("leak_samples", []))
-        self._session.leak_reported = bool(state_dict.get("leak_reported", False))
+        """Restore the leak samples; a bad or missing value (harmless: the window fills again) warns, starts fresh."""
+        self._session.load_state_dict(state_dict, "MemoryAudit")
 
     # ---------------------------------------------------------------- internals
     def _guarded(self, key: str, fn: Any, *args: Any) -> None:
