@@ -179,7 +179,7 @@ class MemoryPrecision(Precision):
             self._namespace, normalized if normalized in ("16-true", "bf16-true", "64-true") else "32-true"
         )
         self._previous_matmul: dict[str, str] | None = None
-        self._pending_state: dict[str, Any] | None = None
+        self._pending_state: tuple[Any] | None = None  # (state,): a checkpoint's state may itself be None
         self._warn = WarnOnce()
 
     # ----------------------------------------------------------------------------------------------- resolution
@@ -226,7 +226,7 @@ class MemoryPrecision(Precision):
         ):
             self._delegate = _plain_plugin(namespace, choice.precision)
         if self._pending_state is not None:
-            load_delegate_state(self._delegate, self._pending_state)
+            load_delegate_state(self._delegate, self._pending_state[0])
         self._pending_state = None
         return choice
 
@@ -376,7 +376,7 @@ class MemoryPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the scaler; a bad or missing key warns and leaves it fresh (``load_delegate_state``)."""
         if self.choice is None:  # restored before setup: applied once the delegate exists
-            self._pending_state = state_dict
+            self._pending_state = (state_dict,)
         else:
             load_delegate_state(self._delegate, state_dict)
 
