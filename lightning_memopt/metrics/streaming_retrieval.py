@@ -27,7 +27,7 @@ from lightning_memopt.functional.retrieval import (
     rank_rows,
     summarize_rank_histogram,
 )
-from lightning_memopt.functional.retrieval.options import check_features, repeated_text_message
+from lightning_memopt.functional.retrieval.options import check_features, check_state_tensors, repeated_text_message
 from lightning_memopt.functional.retrieval.summaries import top_k_tuple
 from lightning_memopt.metrics.retrieval_sync import DistributedCollectives
 from lightning_memopt.metrics.retrieval_texts import StoredTexts
@@ -269,6 +269,9 @@ class StreamingRetrievalMetric(Metric):
         for old, new in _OLD_STATE_NAMES.items():  # checkpoints written before the state was renamed
             if prefix + old in state_dict and prefix + new not in state_dict:
                 state_dict[prefix + new] = state_dict.pop(prefix + old)
+        for name in self._defaults:  # a mangled state fails here, naming it, rather than in a later update
+            if prefix + name in state_dict:
+                check_state_tensors("StreamingRetrievalMetric", name, state_dict[prefix + name])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # torchmetrics keeps the caller's list objects as the states: later updates would append to the caller's
         # state dict (and to every other metric loaded from it). Own copies of the lists instead.

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StateField", "as_bool", "as_float", "as_int", "as_list", "as_optional", "load_state"]
+__all__ = ["StateField", "as_bool", "as_float", "as_int", "as_list", "as_optional", "load_state", "state_error"]
 
 _repr = reprlib.Repr()
 _repr.maxlevel, _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 2, 4, 4, 40, 40
@@ -122,6 +122,16 @@ def as_optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else convert(value)
 
 
+def state_error(owner: str, key: str, expected: str, value: Any) -> ValueError:
+    """The error for a saved ``key`` of ``owner`` that does not hold ``expected``: names all three and the fix.
+
+    Example:
+        >>> print(state_error("Metric", "ids", "a list of tensors", "x"))  # doctest: +ELLIPSIS
+        Metric: the checkpoint's state key 'ids' must be a list of tensors, got 'x' (str). Resume from ...
+    """
+    return ValueError(f"{owner}: the checkpoint's state key {key!r} must be {expected}, got {_describe(value)}. {FIX}")
+
+
 def load_state(owner: str, state: Any, schema: Mapping[str, StateField]) -> dict[str, Any]:
     """Check ``state`` against ``schema``: every key of ``schema`` with a checked (or fresh) value.
 
@@ -163,10 +173,10 @@ def load_state(owner: str, state: Any, schema: Mapping[str, StateField]) -> dict
                 result[key] = field.convert(state[key])
                 continue
             except (TypeError, ValueError, OverflowError) as err:
+                if not field.harmless:
+                    raise state_error(owner, key, field.expected, state[key]) from err
                 problem = f"{owner}: the checkpoint's state key {key!r} must be {field.expected}, got "
                 problem += _describe(state[key])
-                if not field.harmless:
-                    raise ValueError(f"{problem}. {FIX}") from err
         if not field.harmless:
             raise ValueError(f"{problem}; it cannot start fresh. {FIX}")
         result[key] = field.fresh()

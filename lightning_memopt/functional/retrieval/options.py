@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from lightning_memopt.utilities.state import state_error
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
@@ -20,6 +22,7 @@ __all__ = [
     "Ties",
     "V2TGallery",
     "check_features",
+    "check_state_tensors",
     "repeated_text_message",
 ]
 
@@ -123,3 +126,23 @@ def repeated_text_message(ids: Tensor, repeated: Tensor, kept: Tensor, owner: st
         " the first embedding is kept and later ones are ignored (captions are deduplicated by `text_ids`). Give"
         " each distinct caption its own id, or use protocol='paired' to rank every row's own text."
     )
+
+
+def check_state_tensors(owner: str, key: str, value: Any) -> None:
+    """Raise a ``ValueError`` naming ``owner``, ``key`` and the value unless a loaded list state holds its tensors.
+
+    ``*features`` states hold 2-D float tensors (rows x dim), the id states 1-D int64 tensors; a state is a list of
+    them, or one tensor once concatenated. Losing rows of an evaluation is not harmless, so nothing starts fresh.
+
+    Example:
+        >>> check_state_tensors("M", "sample_ids", [torch.arange(3)])  # valid: returns None
+    """
+    features = key.endswith("features")
+    expected = "a list of 2-D float tensors" if features else "a list of 1-D int64 tensors"
+    parts = [value] if isinstance(value, Tensor) else value
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(part, Tensor) for part in parts):
+        raise state_error(owner, key, expected, value)
+    for part in parts:
+        good = part.dim() == 2 and part.dtype in FEATURE_DTYPES if features else part.dim() == 1
+        if not good or (not features and part.dtype != torch.int64):
+            raise state_error(owner, key, expected, value)
