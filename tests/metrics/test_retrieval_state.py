@@ -28,11 +28,13 @@ def _fresh():
 
 
 @pytest.mark.parametrize("key", STATES)
-@pytest.mark.parametrize("value", [*MANGLED, "wrong shape"], ids=repr)
+@pytest.mark.parametrize("value", [*MANGLED, "wrong shape", "wrong dtype"], ids=repr)
 def test_a_mangled_metric_state_is_an_error_naming_the_metric_and_state(key, value):
     _, state = _saved()
     if value == "wrong shape":  # features as 1-D, ids as 2-D float
-        value = [torch.zeros(3)] if key.endswith("features") else [torch.zeros(2, 2)]
+        value = [torch.zeros(3)] if key.endswith("features") else [torch.zeros(2, 2, dtype=torch.int64)]
+    if value == "wrong dtype":  # integer features, float ids
+        value = [torch.zeros(2, 4, dtype=torch.int64)] if key.endswith("features") else [torch.zeros(3)]
     state[key] = value
     with pytest.raises(ValueError) as info:
         _fresh().load_state_dict(state)
