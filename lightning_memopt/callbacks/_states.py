@@ -4,18 +4,14 @@ One schema per callback, ``key -> StateField``. A harmless key (a statistic) tha
 fresh; any other raises ``ValueError`` naming the callback, the key, the value and the fix. ``MemoryAudit``'s leak
 samples are checked by its core, :class:`lightning_memopt.functional.audit_session.AuditSession`.
 
-=================  ========================  ===============================================================
-callback           key                       when missing or bad
-=================  ========================  ===============================================================
-AutoMicroBatch     ``micro_batch_size``      error: the size that fits decides how the resumed run splits
-AutoMicroBatch     ``retries``               fresh (0): a statistic
-CacheCleaner       ``calls``, ``seconds``    fresh (0): statistics
-GarbageCollector   ``calls``, ``seconds``,   fresh (0): statistics
-                   ``collected``
-MemoryMonitor      ``last_logged_train_step``  fresh (-1): the resumed run still skips the steps its log holds
-OOMReporter        ``reported_steps``,       fresh (empty, 0): at worst one failure is reported twice
-                   ``num_reports``
-=================  ========================  ===============================================================
+When a key is missing or bad:
+
+* ``AutoMicroBatch.micro_batch_size``: an error (the size that fits decides how the resumed run splits its batches;
+  ``None``, a size not found yet, is valid and keeps the configured start);
+* ``AutoMicroBatch.retries``, ``CacheCleaner.calls``/``seconds``, ``GarbageCollector.calls``/``seconds``/
+  ``collected``: fresh at 0 (statistics);
+* ``MemoryMonitor.last_logged_train_step``: fresh at -1 (a resumed run still skips the steps its log holds);
+* ``OOMReporter.reported_steps``/``num_reports``: fresh, empty and 0 (at worst one failure is reported twice).
 """
 
 from __future__ import annotations
