@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from lightning_memopt.callbacks._micro_batch_loop import MicroBatchOptimization, optimization_class
+from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.functional.ddp_sync import check_ddp_for_micro_batches, check_strategy_for_micro_batches
 from lightning_memopt.functional.micro_batch import check_first_batch, loader_batch_size
@@ -180,10 +181,10 @@ class AutoMicroBatch(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        size = state_dict.get("micro_batch_size")
-        self.micro_batch_size = int(size) if size is not None else self.micro_batch_size
-        self.retries = int(state_dict.get("retries", 0))
-        self._restored = True
+        """Restore the size; a bad or missing one raises (see ``callbacks/_states.py``), a bad ``retries`` warns."""
+        state = restore_state("AutoMicroBatch", state_dict)
+        size, self.retries, self._restored = state["micro_batch_size"], state["retries"], True
+        self.micro_batch_size = self.micro_batch_size if size is None else size
 
     # ------------------------------------------------------------------------------------------- a batch
 

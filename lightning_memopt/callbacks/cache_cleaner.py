@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
+from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.callbacks._timed import TimedCallsCounters
 from lightning_memopt.functional.collection import TimedCalls
 from lightning_memopt.functional.memory import empty_device_cache, supports_device_memory
@@ -155,5 +156,6 @@ class CacheCleaner(TimedCallsCounters, Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.calls = int(state_dict.get("calls", 0))
-        self.seconds = float(state_dict.get("seconds", 0.0))
+        """Restore the totals; a bad or missing one (statistics only) warns and starts at 0."""
+        state = restore_state("CacheCleaner", state_dict)
+        self.calls, self.seconds = state["calls"], state["seconds"]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.callbacks._timed import TimedCallsCounters
 from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
 from lightning_memopt.utilities.checks import check_bool, check_choice, check_non_negative_int, check_positive_int
@@ -198,6 +199,6 @@ class GarbageCollector(TimedCallsCounters, Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.calls = int(state_dict.get("calls", 0))
-        self.seconds = float(state_dict.get("seconds", 0.0))
-        self.collected = int(state_dict.get("collected", 0))
+        """Restore the totals; a bad or missing one (statistics only) warns and starts at 0."""
+        state = restore_state("GarbageCollector", state_dict)
+        self.calls, self.seconds, self.collected = state["calls"], state["seconds"], state["collected"]

@@ -29,6 +29,7 @@ __all__ = ["MemoryAudit"]
 
 _FLAGS = ("audit_fit_start", "detect_leaks", "check_grad_tracking", "collect_garbage", "audit_dataloaders")
 _OVERHEAD_HINT = "Use e.g. 0.01 for 1 % of the training time, or None for a fixed interval."
+_DUPLICATE_HINT = "Use e.g. 0.5 to warn at half a copy."
 
 
 class MemoryAudit(RankLogCallback):
@@ -89,17 +90,16 @@ class MemoryAudit(RankLogCallback):
         audit_dataloaders: bool = True,
     ) -> None:
         check_path("dirpath", dirpath)
-        check_fraction("duplicate_fraction", duplicate_fraction, hint="Use e.g. 0.5 to warn at half a copy.")
         check_positive_int("leak_every_n_steps", leak_every_n_steps)
         check_positive_int("leak_window", leak_window)
+        leak_max_overhead = check_fraction("leak_max_overhead", leak_max_overhead, allow_none=True, hint=_OVERHEAD_HINT)
         sampler = LeakSampler(leak_window, leak_min_bytes_per_step, leak_max_overhead)  # checks window and bytes
         check_positive_int("max_listed", max_listed)
         flags = (audit_fit_start, detect_leaks, check_grad_tracking, collect_garbage, audit_dataloaders)
         for name, flag in zip(_FLAGS, flags):
             check_bool(name, flag)
-        check_fraction("leak_max_overhead", leak_max_overhead, allow_none=True, hint=_OVERHEAD_HINT)
         self.dirpath = None if dirpath is None else Path(dirpath)
-        self.duplicate_fraction = float(duplicate_fraction)
+        self.duplicate_fraction = check_fraction("duplicate_fraction", duplicate_fraction, hint=_DUPLICATE_HINT)
         self.leak_every_n_steps, self.leak_window = leak_every_n_steps, leak_window
         self.leak_min_bytes_per_step, self.leak_max_overhead = leak_min_bytes_per_step, leak_max_overhead
         self.audit_fit_start, self.detect_leaks, self.check_grad_tracking = flags[:3]
@@ -200,15 +200,12 @@ class MemoryAudit(RankLogCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        samples = self._session.sampler.samples
-        return {"leak_samples": [list(sample) for sample in samples], "leak_reported": self._session.leak_reported}
+        return self._session.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        samples = self._session.sampler.samples
-        samples.clear()
-        samples.extend((int(step), int(value)) for step, value in state_dict.get("leak_samples", []))
-        self._session.leak_reported = bool(state_dict.get("leak_reported", False))
+        """Restore the leak samples; a bad or missing value (harmless: the window fills again) warns, starts fresh."""
+        self._session.load_state_dict(state_dict, "MemoryAudit")
 
     # ---------------------------------------------------------------- internals
     def _guarded(self, key: str, fn: Any, *args: Any) -> None:

@@ -16,6 +16,7 @@ from lightning_memopt.callbacks._memory_log import (
     last_train_step,
     position,
 )
+from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import (
     PEAK_FIELDS,
@@ -177,7 +178,7 @@ class MemoryMonitor(RankLogCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_logged_train_step = int(state_dict.get("last_logged_train_step", -1))
+        self._last_logged_train_step = restore_state("MemoryMonitor", state_dict)["last_logged_train_step"]
 
     def record_event(self, trainer: pl.Trainer, event: str, batch_idx: int | None = None, **fields: Any) -> None:
         """Write a record of another callback's event (``AutoMicroBatch``'s ``micro_batch``) to this rank's log.

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightning_memopt.callbacks._states import MAX_REMEMBERED_REPORTS as _MAX_REMEMBERED
+from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.callbacks.oom_trainer import trainer_optimizers, trainer_position, trainer_settings
 from lightning_memopt.functional import oom
 from lightning_memopt.functional.checkpointing import is_checkpointed
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OOMReporter"]
 
-_MAX_REMEMBERED = 100
 #: Set on an exception object once it is reported, so the same error is never written twice.
 _REPORTED_MARK = "_lightning_memopt_reported"
 
@@ -155,8 +156,8 @@ class OOMReporter(RunIdCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._reported_steps = list(state_dict.get("reported_steps", []))[-_MAX_REMEMBERED:]
-        self._num_reports = int(state_dict.get("num_reports", 0))
+        state = restore_state("OOMReporter", state_dict)  # statistics: a bad or missing value warns, starts fresh
+        self._reported_steps, self._num_reports = state["reported_steps"], state["num_reports"]
 
     @property
     def _recording(self) -> bool:  # a pickled copy holds a released lease: it records nothing

@@ -201,7 +201,7 @@ def apply_memory_fraction(
     state = state or AllocatorState()
     if fraction is None:
         return state
-    check_fraction("memory_fraction", fraction)
+    fraction = check_fraction("memory_fraction", fraction)  # a Python float, whatever real number came in
     device = torch.device(device)
     if device.type != "cuda":
         (warn or WarnOnce()).warn(

@@ -27,9 +27,23 @@ from lightning_memopt.functional.leak_watch import HolderWatch, LeakSampler, gro
 from lightning_memopt.functional.leaks import GradFnHolder, Growth, grad_fn_holders, metric_states_requiring_grad
 from lightning_memopt.functional.loaders import LoaderMemory
 from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.utilities.state import StateField, as_bool, as_int, as_list, load_state
 from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__ = ["AuditMemory", "AuditSession", "Emit"]
+
+
+def _sample(value: Any) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError("not a [step, bytes] pair")
+    return as_int(0)(value[0]), as_int(0)(value[1])
+
+
+#: The saved leak check: losing it only restarts the leak window (and may warn about a leak a second time).
+_STATE = {
+    "leak_samples": StateField(as_list(_sample), "a list of [step, bytes] pairs of non-negative ints", default=[]),
+    "leak_reported": StateField(as_bool, "a bool", default=False),
+}
 
 #: Writes one record and returns it: ``emit(reading, event, batch_idx, **keys) -> record``.
 Emit = Callable[..., Any]
@@ -92,6 +106,20 @@ class AuditSession:
         self.leak_reported = False
         #: The leak verdict that was warned about, if any.
         self.leak: Growth | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The leak samples and whether a leak was reported, for a checkpoint."""
+        return {"leak_samples": [list(sample) for sample in self.sampler.samples], "leak_reported": self.leak_reported}
+
+    def load_state_dict(self, state_dict: Any, owner: str = "MemoryAudit") -> None:
+        """Restore :meth:`state_dict`'s values; a bad or missing one warns (naming ``owner``) and starts fresh.
+
+        Both keys are harmless to lose: the leak window fills again (the last ``window`` samples are kept).
+        """
+        state = load_state(owner, state_dict, _STATE)
+        self.sampler.samples.clear()
+        self.sampler.samples.extend(state["leak_samples"])
+        self.leak_reported = state["leak_reported"]
 
     def new_fit(self, resumed: bool) -> None:
         """Start a fit: findings warn again; a new run (not ``resumed``) also forgets its leak samples."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.functional.host_memory import host_rss_bytes
-from lightning_memopt.utilities.checks import check_device
+from lightning_memopt.utilities.checks import check_device, check_device_usable
 
 __all__ = [
     "MEMORY_FIELDS",
@@ -133,6 +133,7 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
         device = torch.device("cuda", device)
     device = torch.device(device)
     if device.type in ("cuda", "xpu") and device.index is None:
+        check_device_usable(device)
         module = getattr(torch, device.type)
         device = torch.device(device.type, module.current_device())
     return device
@@ -207,7 +208,9 @@ def read_memory(device: torch.device | str | int | None = None) -> MemoryReading
 
     Raises:
         ValueError: if ``device`` is not a ``torch.device``, a device string (``"cuda:0"``, ``"cpu"``), an index
-            (int >= 0) or ``None``.
+            (int >= 0) or ``None``; or names a CUDA/XPU device this process cannot use (the backend is not
+            available, or the index is out of range: :func:`check_device_usable`). A monitoring hook that reads
+            through this turns the error into one warning.
 
     Example:
         >>> r = read_memory("cpu")
@@ -216,6 +219,7 @@ def read_memory(device: torch.device | str | int | None = None) -> MemoryReading
     """
     check_device("device", device)
     device = resolve_device(device)
+    check_device_usable(device)
     fields: dict[str, int | None] = {}
     if supports_device_memory(device):
         if device.type == "cuda":

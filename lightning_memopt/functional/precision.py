@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from lightning_memopt.utilities.checks import check_choice
+from lightning_memopt.utilities.state import StateField, as_float, as_int, load_state
 
 __all__ = [
     "PRECISION_ALIASES",
@@ -21,6 +22,7 @@ __all__ = [
     "choose_precision",
     "has_native_bf16",
     "has_own_precision",
+    "load_delegate_state",
     "normalize_precision",
     "own_precision_strategy",
 ]
@@ -185,3 +187,38 @@ def has_own_precision(strategy: Any) -> bool:
         [True, True, True, False, False, False]
     """
     return own_precision_strategy(strategy) is not None
+
+
+def _scale(value: Any) -> float:
+    number = as_float(0.0)(value)
+    if number <= 0:
+        raise ValueError("not positive")
+    return number
+
+
+#: A ``torch.amp.GradScaler``'s state. Harmless to lose: a fresh scaler finds its scale again within a few steps
+#: (each overflow skips one step), so a bad or missing key warns and the whole scaler starts fresh.
+_SCALER_STATE = {
+    "scale": StateField(_scale, "a finite, positive number"),
+    "growth_factor": StateField(_scale, "a finite, positive number"),
+    "backoff_factor": StateField(_scale, "a finite, positive number"),
+    "growth_interval": StateField(as_int(1), "a positive int"),
+    "_growth_tracker": StateField(as_int(0), "a non-negative int"),
+}
+
+
+def load_delegate_state(delegate: Any, state: Any, owner: str = "MemoryPrecision") -> None:
+    """Load a checkpoint's precision ``state`` into ``delegate`` (Lightning's precision plugin), checked first.
+
+    A plugin with a gradient scaler gets the scaler's five keys, each checked; one that is missing or bad warns
+    (naming ``owner`` and the key) and leaves the scaler fresh. An empty state (a run without a scaler) leaves it
+    fresh silently. A plugin without a scaler keeps no state: a non-empty one warns and is ignored.
+    """
+    if isinstance(state, dict) and not state:
+        return
+    if getattr(delegate, "scaler", None) is None:
+        load_state(owner, state, {})  # warns about what it ignores
+        return
+    checked = load_state(owner, state, _SCALER_STATE)
+    if all(value is not None for value in checked.values()):
+        delegate.load_state_dict(checked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,9 +27,10 @@ from lightning_memopt.functional.retrieval import (
     rank_rows,
     summarize_rank_histogram,
 )
-from lightning_memopt.functional.retrieval.options import check_features
+from lightning_memopt.functional.retrieval.options import check_features, check_state_tensors, repeated_text_message
 from lightning_memopt.functional.retrieval.summaries import top_k_tuple
 from lightning_memopt.metrics.retrieval_sync import DistributedCollectives
+from lightning_memopt.metrics.retrieval_texts import StoredTexts
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -42,7 +44,8 @@ class StreamingRetrievalMetric(Metric):
     r"""Exact video->text and text->video R@K, median and mean rank, computed in blocks from CPU-held features.
 
     Each ``update`` adds one row per sample (video features, the features of its caption, ids). Features are
-    detached and kept on the CPU; a caption repeated across rows (same ``text_ids``) is stored once. ``compute``
+    detached and kept on the CPU; a caption repeated across rows (same ``text_ids``) is stored once, with its first
+    embedding (a later one with other features is ignored and warns once per metric). ``compute``
     multiplies blocks of videos and texts on the metric's device and counts, for every query, the non-positive
     gallery items scoring above its best positive (``rank0``); no similarity matrix, sort or top-k is materialised.
     Under DDP **every process calls** ``compute()`` (it synchronises; video features never leave their process) and
@@ -144,10 +147,10 @@ class StreamingRetrievalMetric(Metric):
             self.add_state(name, default=[], dist_reduce_fx="cat")
         #: What the last `compute()` / `compute_ranks()` ranked (see the class docstring).
         self.last_compute_stats: dict[str, Any] | None = None
-        # Derived from the `unique_text_ids` state: valid only for the exact state objects it was built from (see
-        # `_known_text_ids`), so a load, merge, sync or reset can never leave it stale.
-        self._seen_text_ids: set[int] = set()
-        self._seen_token: tuple[Any, ...] | None = None
+        # Derived from the `unique_text_ids` state: valid only for the exact state objects it was built from, so a
+        # load, merge, sync or reset can never leave it stale.
+        self._texts = StoredTexts()
+        self._warned_text_repeat = False  # caption ids given again with other features: warned once, then unchecked
         self._warn = WarnOnce()
 
     # ------------------------------------------------------------------------------------------- update
@@ -165,28 +168,6 @@ class StreamingRetrievalMetric(Metric):
     def text_ids(self) -> list[Tensor]:
         """The ids of the stored captions, once each: a read-only alias of the ``unique_text_ids`` state."""
         return self.unique_text_ids
-
-    def _text_ids_token(self) -> tuple[Any, ...]:
-        """What identifies the current `unique_text_ids` state: its length and its first and last tensor objects."""
-        ids = self.unique_text_ids
-        if isinstance(ids, Tensor):  # a synced state is one tensor
-            return (ids,)
-        return (len(ids), ids[0] if ids else None, ids[-1] if ids else None)
-
-    def _known_text_ids(self) -> set[int]:
-        """The caption ids stored so far; rebuilt whenever the state is not the one the cache was built from."""
-        token, cached = self._text_ids_token(), self._seen_token
-        same = (
-            cached is not None
-            and len(token) == len(cached)
-            and all(a is b if not isinstance(a, int) else a == b for a, b in zip(token, cached))
-        )
-        if not same:  # loaded, merged, synced or reset: rebuild from the state itself
-            stored = self.unique_text_ids
-            ids = stored if isinstance(stored, list) else [stored]
-            self._seen_text_ids = {int(i) for t in ids for i in t.tolist()}
-            self._seen_token = token
-        return self._seen_text_ids
 
     def _feature_dim(self) -> int | None:
         """The feature dim of the stored rows, read from the state (never cached: states can be replaced)."""
@@ -209,7 +190,8 @@ class StreamingRetrievalMetric(Metric):
         Args:
             video_features: ``(B, D)`` video embeddings.
             text_features: ``(B, D)`` the embedding of each row's caption.
-            text_ids: ``B`` caption ids (ints, or strings hashed stably); required unless ``protocol="paired"``.
+            text_ids: ``B`` caption ids (ints, or strings hashed stably); required unless ``protocol="paired"``. An id
+                seen before keeps its first features: other features for it are ignored, with one warning.
             sample_ids: ``B`` sample ids; repeated samples count once. Give them under DDP validation.
             video_ids: ``B`` video ids, for datasets with several captions per video.
         """
@@ -240,17 +222,37 @@ class StreamingRetrievalMetric(Metric):
         if self.protocol == "paired":
             self.text_features.append(self._store(text_features))
             return
-        known = self._known_text_ids()
-        new_rows = []
+        known = self._texts.positions(self.unique_text_ids)
+        first_rows: dict[int, int] = {}  # caption id -> its first row in this update, for captions new here
+        repeats: list[tuple[int, int]] = []
         for row, tid in enumerate(t_ids.tolist()):
-            if tid not in known:
-                known.add(tid)
-                new_rows.append(row)
-        if new_rows:
-            idx = torch.tensor(new_rows, dtype=torch.int64)
+            if tid in known or tid in first_rows:
+                repeats.append((row, tid))
+            else:
+                first_rows[tid] = row
+        if repeats and not self._warned_text_repeat:
+            self._check_repeats(text_features, repeats, first_rows)
+        if first_rows:
+            idx = torch.tensor(list(first_rows.values()), dtype=torch.int64)
             self.unique_text_ids.append(t_ids[idx])
             self.text_features.append(self._store(text_features.detach().index_select(0, idx.to(text_features.device))))
-            self._seen_token = self._text_ids_token()  # the cache already holds what was just appended
+            self._texts.stored(self.unique_text_ids, list(first_rows))
+
+    def _check_repeats(self, text_features: Tensor, repeats: list[tuple[int, int]], first_rows: dict[int, int]) -> None:
+        """Warn once when a caption id comes again with other features than the ones stored (which are kept)."""
+        rows = torch.tensor([row for row, _ in repeats], dtype=torch.int64, device=text_features.device)
+        new = text_features.detach().index_select(0, rows)
+        earlier = [tid for _, tid in repeats if tid not in first_rows]
+        stored = iter(self._texts.features(self.text_features, earlier) if earlier else ())
+        kept = [
+            (text_features.detach()[first_rows[tid]] if tid in first_rows else next(stored)).to("cpu", new.dtype)
+            for _, tid in repeats
+        ]
+        ids = torch.tensor([tid for _, tid in repeats], dtype=torch.int64)
+        message = repeated_text_message(ids, new.cpu(), torch.stack(kept), "StreamingRetrievalMetric")
+        if message is not None:
+            self._warned_text_repeat = True
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> None:
@@ -260,14 +262,16 @@ class StreamingRetrievalMetric(Metric):
     @override
     def reset(self) -> None:
         super().reset()
-        self._seen_text_ids = set()
-        self._seen_token = None
+        self._texts.clear()
 
     @override
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         for old, new in _OLD_STATE_NAMES.items():  # checkpoints written before the state was renamed
             if prefix + old in state_dict and prefix + new not in state_dict:
                 state_dict[prefix + new] = state_dict.pop(prefix + old)
+        for name in self._defaults:  # a mangled state fails here, naming it, rather than in a later update
+            if prefix + name in state_dict:
+                check_state_tensors("StreamingRetrievalMetric", name, state_dict[prefix + name])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # torchmetrics keeps the caller's list objects as the states: later updates would append to the caller's
         # state dict (and to every other metric loaded from it). Own copies of the lists instead.

@@ -22,6 +22,7 @@ from lightning_memopt.functional.precision import (
     PrecisionInput,
     choose_precision,
     has_own_precision,
+    load_delegate_state,
     normalize_precision,
     own_precision_strategy,
 )
@@ -182,7 +183,7 @@ class MemoryPrecision(Precision):
             self._namespace, normalized if normalized in ("16-true", "bf16-true", "64-true") else "32-true"
         )
         self._matmul: Lease | None = None  # the process's setting: shared with fits that overlap this one
-        self._pending_state: dict[str, Any] | None = None
+        self._pending_state: tuple[Any] | None = None  # (state,): a checkpoint's state may itself be None
         self._warn = WarnOnce()
 
     # ----------------------------------------------------------------------------------------------- resolution
@@ -228,8 +229,8 @@ class MemoryPrecision(Precision):
             not same_namespace or isinstance(current, mixed) or getattr(current, "precision", None) != choice.precision
         ):
             self._delegate = _plain_plugin(namespace, choice.precision)
-        if self._pending_state:
-            self._delegate.load_state_dict(self._pending_state)
+        if self._pending_state is not None:
+            load_delegate_state(self._delegate, self._pending_state[0])
         self._pending_state = None
         return choice
 
@@ -375,10 +376,11 @@ class MemoryPrecision(Precision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler; a bad or missing key warns and leaves it fresh (``load_delegate_state``)."""
         if self.choice is None:  # restored before setup: applied once the delegate exists
-            self._pending_state = state_dict
+            self._pending_state = (state_dict,)
         else:
-            self._delegate.load_state_dict(state_dict)
+            load_delegate_state(self._delegate, state_dict)
 
     @override
     def teardown(self) -> None:

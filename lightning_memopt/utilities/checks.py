@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 __all__ = [
     "check_bool",
     "check_choice",
     "check_device",
+    "check_device_usable",
     "check_fraction",
     "check_non_negative_int",
     "check_non_negative_number",
@@ -54,6 +56,23 @@ def _suffix(hint: str | None) -> str:
     return f" {hint}" if hint else ""
 
 
+def _real(value: Any) -> float | None:
+    """``value`` as a Python float if it is a real number (``numbers.Real``: int, float, NumPy scalars, not a bool)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, TypeError, ValueError):  # an int too large for a float
+        return None
+
+
+def _number_hint(value: Any, hint: str | None) -> str | None:
+    """A hint for a tensor or array holding one number (refused: it may live on a device, or carry autograd)."""
+    if hint is None and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return "Pass a Python number, e.g. `value.item()`."
+    return hint
+
+
 def check_positive_int(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is an int >= 1 (or ``None`` when ``allow_none``).
 
@@ -82,21 +101,34 @@ def check_non_negative_int(name: str, value: Any, hint: str | None = None) -> No
         raise ValueError(f"`{name}` must be a non-negative int, got {value!r}.{_suffix(hint)}")
 
 
-def check_fraction(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a number in (0, 1].
+@overload
+def check_fraction(name: str, value: Any, hint: str | None = ..., allow_none: Literal[False] = ...) -> float: ...
+@overload
+def check_fraction(name: str, value: Any, hint: str | None = ..., allow_none: bool = ...) -> float | None: ...
+
+
+def check_fraction(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> float | None:
+    """``value`` as a Python float; ``ValueError`` unless it is a real number in (0, 1] (or ``None`` when allowed).
+
+    Any real number type is accepted (``numbers.Real``: int, float, ``fractions.Fraction``, NumPy scalars such as
+    ``numpy.float32(0.9)``); bools are refused, and so are tensors and arrays (with a hint to pass ``.item()``).
 
     Example:
+        >>> check_fraction("warn_threshold", 0.5)
+        0.5
         >>> check_fraction("warn_threshold", 90)
         Traceback (most recent call last):
         ...
         ValueError: `warn_threshold` must be a fraction in (0, 1], got 90. Did you mean 0.9 (90 %)?
     """
     if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        if hint is None and isinstance(value, (int, float)) and 1 < value <= 100:
-            hint = f"Did you mean {value / 100:g} ({value:g} %)?"
-        raise ValueError(f"`{name}` must be a fraction in (0, 1], got {value!r}.{_suffix(hint)}")
+        return None
+    number = _real(value)
+    if number is None or not 0 < number <= 1:
+        if hint is None and number is not None and 1 < number <= 100:
+            hint = f"Did you mean {number / 100:g} ({number:g} %)?"
+        raise ValueError(f"`{name}` must be a fraction in (0, 1], got {value!r}.{_suffix(_number_hint(value, hint))}")
+    return number
 
 
 def check_bool(name: str, value: Any, hint: str | None = None) -> None:
@@ -170,23 +202,27 @@ def check_choice(name: str, value: Any, choices: Iterable[Any], hint: str | None
     raise ValueError(f"`{name}` must be one of {allowed}, got {value!r}.{_suffix(hint)}")
 
 
-def _check_finite_number(name: str, value: Any, positive: bool, hint: str | None, allow_none: bool) -> None:
+def _check_finite_number(name: str, value: Any, positive: bool, hint: str | None, allow_none: bool) -> float | None:
     if value is None and allow_none:
-        return
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    if ok:
-        try:
-            ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-        except OverflowError:  # an int too large for a float
-            ok = False
-    if not ok:
+        return None
+    number = _real(value)
+    if number is None or not math.isfinite(number) or not (number > 0 if positive else number >= 0):
         what = "a finite, positive number" if positive else "a finite, non-negative number"
         what += " or None" if allow_none else ""
-        raise ValueError(f"`{name}` must be {what}, got {value!r}.{_suffix(hint)}")
+        raise ValueError(f"`{name}` must be {what}, got {value!r}.{_suffix(_number_hint(value, hint))}")
+    return number
 
 
-def check_positive_number(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int or float > 0 that is finite (no NaN, no inf, no bool).
+@overload
+def check_positive_number(name: str, value: Any, hint: str | None = ..., allow_none: Literal[False] = ...) -> float: ...
+@overload
+def check_positive_number(name: str, value: Any, hint: str | None = ..., allow_none: bool = ...) -> float | None: ...
+
+
+def check_positive_number(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> float | None:
+    """``value`` as a Python float; ``ValueError`` unless it is a finite real number > 0 (no NaN, inf or bool).
+
+    Any real number type is accepted, as by :func:`check_fraction`.
 
     Example:
         >>> check_positive_number("total_memory_gib", float("nan"))
@@ -194,11 +230,23 @@ def check_positive_number(name: str, value: Any, hint: str | None = None, allow_
         ...
         ValueError: `total_memory_gib` must be a finite, positive number, got nan.
     """
-    _check_finite_number(name, value, True, hint, allow_none)
+    return _check_finite_number(name, value, True, hint, allow_none)
 
 
-def check_non_negative_number(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int or float >= 0 that is finite (no NaN, no inf, no bool).
+@overload
+def check_non_negative_number(
+    name: str, value: Any, hint: str | None = ..., allow_none: Literal[False] = ...
+) -> float: ...
+@overload
+def check_non_negative_number(
+    name: str, value: Any, hint: str | None = ..., allow_none: bool = ...
+) -> float | None: ...
+
+
+def check_non_negative_number(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> float | None:
+    """``value`` as a Python float; ``ValueError`` unless it is a finite real number >= 0 (no NaN, inf or bool).
+
+    Any real number type is accepted, as by :func:`check_fraction`.
 
     Example:
         >>> check_non_negative_number("gradient_clip_val", float("inf"), allow_none=True)
@@ -206,7 +254,7 @@ def check_non_negative_number(name: str, value: Any, hint: str | None = None, al
         ...
         ValueError: `gradient_clip_val` must be a finite, non-negative number or None, got inf.
     """
-    _check_finite_number(name, value, False, hint, allow_none)
+    return _check_finite_number(name, value, False, hint, allow_none)
 
 
 def check_str(
@@ -261,6 +309,38 @@ def check_device(name: str, value: Any, allow_none: bool = True) -> None:
     allowed = "a torch.device, a device string such as 'cuda:0' or 'cpu', a CUDA device index (int >= 0)"
     allowed += " or None" if allow_none else ""
     raise ValueError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__}).{_suffix(hint)}")
+
+
+def check_device_usable(device: Any) -> None:
+    """Raise ``ValueError`` when ``device`` is a CUDA or XPU device that this process cannot use.
+
+    Raises:
+        ValueError: the backend is not available (a CPU-only build of torch, no driver, ``CUDA_VISIBLE_DEVICES``
+            hiding every GPU), or the index is not below the number of devices this process sees; the message names
+            the device and the fix.
+
+    Example:
+        >>> import torch
+        >>> check_device_usable(torch.device("cpu"))  # other device types are not checked
+    """
+    import torch
+
+    if device.type not in ("cuda", "xpu"):
+        return
+    kind = device.type.upper()
+    module = getattr(torch, device.type, None)
+    if module is None or not module.is_available():
+        raise ValueError(
+            f"`device` is {str(device)!r}, but {kind} is not available in this process (torch {torch.__version__},"
+            f" {kind} devices visible: 0). Pass `'cpu'` (host memory only), or run where a GPU is visible"
+            " (check the driver and `CUDA_VISIBLE_DEVICES`)."
+        )
+    count = int(module.device_count())
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"`device` is {str(device)!r}, but this process sees {count} {kind} device(s) (indices 0 to {count - 1})."
+            f" Pass an index below {count}; `CUDA_VISIBLE_DEVICES` renumbers the visible GPUs from 0."
+        )
 
 
 def check_writable_dir(name: str, path: str | os.PathLike[str]) -> Path:

@@ -83,6 +83,12 @@ def test_host_rss_in_a_forked_child_is_the_childs_own():
     assert abs(value - own) < 16 * 2**20 and value > before + 128 * 2**20  # not the parent's figure
 
 
+def _visible_gpus(monkeypatch, count):
+    """A process that sees ``count`` CUDA devices (for the parts of torch.cuda the readings ask first)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
 def test_cuda_reading_maps_allocator_stats(monkeypatch):
     stats = {
         "allocated_bytes.all.current": 100,
@@ -94,6 +100,7 @@ def test_cuda_reading_maps_allocator_stats(monkeypatch):
         "num_ooms": 1,
     }
     seen = {}
+    _visible_gpus(monkeypatch, 2)
     monkeypatch.setattr(mem, "supports_device_memory", lambda device: True)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: seen.setdefault("stats", device) and stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (700, 1000))
@@ -108,6 +115,7 @@ def test_cuda_reading_maps_allocator_stats(monkeypatch):
 
 
 def test_missing_allocator_keys_are_null_not_invented(monkeypatch):
+    _visible_gpus(monkeypatch, 1)
     monkeypatch.setattr(mem, "supports_device_memory", lambda device: True)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"allocated_bytes.all.current": 5})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1, 2))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_memopt.functional.retrieval.ids import as_id_tensor
+from lightning_memopt.functional.retrieval.ids import as_id_tensor, first_occurrence
 from lightning_memopt.functional.retrieval.options import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     MEDIANS,
@@ -20,6 +21,7 @@ from lightning_memopt.functional.retrieval.options import (
     Ties,
     V2TGallery,
     check_features,
+    repeated_text_message,
 )
 from lightning_memopt.functional.retrieval.ranking import LOCAL, RetrievalRanks, rank_rows
 from lightning_memopt.functional.retrieval.summaries import summarize_ranks, top_k_tuple
@@ -50,8 +52,9 @@ def retrieval_ranks(
     Args:
         video_features: ``(N, D)`` one row per sample.
         text_features: ``(N, D)`` the caption of each sample.
-        text_ids: caption id of each row (ints or strings); rows with the same id share one gallery text. Needed by
-            ``protocol="dedup"``; ignored by ``"paired"``.
+        text_ids: caption id of each row (ints or strings); rows with the same id share one gallery text (the first
+            row's features; later rows of the id with other features warn). Needed by ``protocol="dedup"``; ignored
+            by ``"paired"``.
         video_ids: video id of each row; rows with the same id are one video whose positives are all its captions.
             ``None``: each (deduplicated) row is its own video.
         sample_ids: sample id of each row; repeated samples (padding of a distributed sampler) count once.
@@ -92,6 +95,7 @@ def retrieval_ranks(
         raise ValueError("`text_ids` is required by protocol='dedup'; pass caption ids or use protocol='paired'.")
     else:
         text_keys = as_id_tensor(text_ids, "text_ids", n)
+        _warn_if_texts_differ(text_keys, text_features)
     counts = rank_rows(
         video_features.detach(),
         text_keys,
@@ -135,3 +139,19 @@ def streaming_retrieval(
     out = summarize_ranks(ranks.v2t, top_k, median, prefix="v2t/")
     out.update(summarize_ranks(ranks.t2v, top_k, median, prefix="t2v/"))
     return out
+
+
+def _warn_if_texts_differ(text_keys: Tensor, text_features: Tensor) -> None:
+    """Warn when a caption id's later rows carry other features than its first row (the one that is ranked)."""
+    _, first, inverse = first_occurrence(text_keys)
+    source = first[inverse]
+    repeats = torch.nonzero(source != torch.arange(text_keys.numel())).flatten()
+    if repeats.numel() == 0:
+        return
+    features = text_features.detach()
+    kept = features.index_select(0, source[repeats].to(features.device))
+    message = repeated_text_message(
+        text_keys[repeats], features.index_select(0, repeats.to(features.device)), kept, "retrieval_ranks"
+    )
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=4)

@@ -42,7 +42,10 @@ def choose_block_sizes(
     text_block_size: int | None = None,
     n_groups: int = 0,
 ) -> tuple[int, int]:
-    """Block sizes whose working set fits ``memory_budget_bytes``; explicit sizes are kept as given.
+    """Block sizes whose working set fits ``memory_budget_bytes``; explicit sizes are kept up to the data's size.
+
+    A block never holds more rows than there are (an explicit ``video_block_size=10**12`` on 6 videos is a block of
+    6): every buffer sized by a block is then sized by the data.
 
     The working set is the float32 texts on the device, one float32 video block, the score block and the comparison
     buffer (and, for the group-max gallery, one float per video and group).
@@ -52,12 +55,14 @@ def choose_block_sizes(
         (2048, 4096)
         >>> choose_block_sizes(117_000, 23_000, 512, memory_budget_bytes=80 * 2**20)
         (1024, 4096)
+        >>> choose_block_sizes(6, 3, 512, video_block_size=10**12, text_block_size=10**12)
+        (6, 3)
     """
     device = torch.device(device)
     max_video_block, max_text_block = _CUDA_MAX_BLOCK if device.type == "cuda" else _CPU_MAX_BLOCK
-    text_block = text_block_size or max(1, min(max_text_block, n_text))
+    text_block = max(1, min(text_block_size or max_text_block, n_text))
     if video_block_size is not None:
-        return video_block_size, text_block
+        return max(1, min(video_block_size, n_video)), text_block
     fixed = n_text * dim * 4
     per_video_row = (2 * text_block + dim + n_groups) * 4
     video_block = (memory_budget_bytes - fixed) // per_video_row

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from lightning_memopt.utilities.state import state_error
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
@@ -20,6 +22,8 @@ __all__ = [
     "Ties",
     "V2TGallery",
     "check_features",
+    "check_state_tensors",
+    "repeated_text_message",
 ]
 
 #: Default working-set budget for one block computation (score block, comparison buffer, upcast features).
@@ -92,3 +96,53 @@ def check_features(video_features: Tensor, text_features: Tensor) -> None:
         if x.numel() and not bool(torch.isfinite(x).all()):
             raise ValueError(f"`{name}` contains NaN or inf values; retrieval ranks are undefined for them.")
     _warn_if_float64(video_features, text_features)
+
+
+def repeated_text_message(ids: Tensor, repeated: Tensor, kept: Tensor, owner: str) -> str | None:
+    """The warning for caption ids given again with other features, or ``None`` when every repeat matches.
+
+    ``repeated[i]`` is a later embedding of caption ``ids[i]``, ``kept[i]`` the one ranked (its first). Features
+    match when they are equal up to rounding (``torch.isclose`` with ``rtol = max(1e-4, 8 * eps)`` of ``kept``'s
+    dtype, ``atol=1e-6``): a caption embedded again in another batch stays silent.
+
+    Example:
+        >>> ids, kept = torch.tensor([4, 9]), torch.ones(2, 3)
+        >>> repeated_text_message(ids, kept.clone(), kept, "f") is None
+        True
+        >>> print(repeated_text_message(ids, torch.tensor([[1.0, 1, 1], [0, 1, 1]]), kept, "f"))  # doctest: +ELLIPSIS
+        f: text id 9 was given again with other features (largest difference 1); the first embedding is kept ...
+    """
+    if ids.numel() == 0:
+        return None
+    repeated = repeated.detach().to(device=kept.device, dtype=kept.dtype)
+    rtol = max(1e-4, 8 * torch.finfo(kept.dtype).eps)
+    differs = ~torch.isclose(repeated, kept, rtol=rtol, atol=1e-6).all(dim=1)
+    if not bool(differs.any()):
+        return None
+    first = int(torch.nonzero(differs)[0, 0])
+    gap = float((repeated[first].float() - kept[first].float()).abs().max())
+    return (
+        f"{owner}: text id {int(ids[first])} was given again with other features (largest difference {gap:.3g});"
+        " the first embedding is kept and later ones are ignored (captions are deduplicated by `text_ids`). Give"
+        " each distinct caption its own id, or use protocol='paired' to rank every row's own text."
+    )
+
+
+def check_state_tensors(owner: str, key: str, value: Any) -> None:
+    """Raise a ``ValueError`` naming ``owner``, ``key`` and the value unless a loaded list state holds its tensors.
+
+    ``*features`` states hold 2-D float tensors (rows x dim), the id states 1-D int64 tensors; a state is a list of
+    them, or one tensor once concatenated. Losing rows of an evaluation is not harmless, so nothing starts fresh.
+
+    Example:
+        >>> check_state_tensors("M", "sample_ids", [torch.arange(3)])  # valid: returns None
+    """
+    features = key.endswith("features")
+    expected = "a list of 2-D float tensors" if features else "a list of 1-D int64 tensors"
+    parts = [value] if isinstance(value, Tensor) else value
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(part, Tensor) for part in parts):
+        raise state_error(owner, key, expected, value)
+    for part in parts:
+        good = part.dim() == 2 and part.dtype in FEATURE_DTYPES if features else part.dim() == 1
+        if not good or (not features and part.dtype != torch.int64):
+            raise state_error(owner, key, expected, value)

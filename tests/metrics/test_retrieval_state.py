@@ -1,0 +1,59 @@
+"""A StreamingRetrievalMetric's saved states are checked on load: a mangled one is an error naming the metric, the
+state and the value (losing evaluation rows is not harmless), never a failure in a later update or compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memopt.metrics import StreamingRetrievalMetric
+from tests.helpers.retrieval import make_data
+
+STATES = ["video_features", "text_features", "row_text_ids", "sample_ids", "unique_text_ids"]
+MANGLED = [None, "x", -1, [1, 2], {"a": torch.zeros(2)}, [None]]
+
+
+def _saved():
+    video, text, ids = make_data(n=6, d=4, n_captions=3, seed=8)
+    metric = StreamingRetrievalMetric(top_k=(1,))
+    metric.persistent(True)
+    metric.update(video, text, text_ids=ids, sample_ids=torch.arange(6))
+    return metric, metric.state_dict()
+
+
+def _fresh():
+    metric = StreamingRetrievalMetric(top_k=(1,))
+    metric.persistent(True)
+    return metric
+
+
+@pytest.mark.parametrize("key", STATES)
+@pytest.mark.parametrize("value", [*MANGLED, "wrong shape", "wrong dtype"], ids=repr)
+def test_a_mangled_metric_state_is_an_error_naming_the_metric_and_state(key, value):
+    _, state = _saved()
+    if value == "wrong shape":  # features as 1-D, ids as 2-D float
+        value = [torch.zeros(3)] if key.endswith("features") else [torch.zeros(2, 2, dtype=torch.int64)]
+    if value == "wrong dtype":  # integer features, float ids
+        value = [torch.zeros(2, 4, dtype=torch.int64)] if key.endswith("features") else [torch.zeros(3)]
+    state[key] = value
+    with pytest.raises(ValueError) as info:
+        _fresh().load_state_dict(state)
+    message = str(info.value)
+    assert message.startswith(f"StreamingRetrievalMetric: the checkpoint's state key {key!r} must be a list of ")
+    assert "got " in message and "checkpoint" in message
+
+
+def test_a_valid_state_loads_and_computes_the_same_and_an_old_name_still_loads():
+    saved, state = _saved()
+    expected = saved.compute()
+    loaded = _fresh()
+    loaded.load_state_dict(state)
+    assert loaded.compute() == expected
+    old = dict(_saved()[1])
+    old["text_ids"] = old.pop("unique_text_ids")  # the state's name before it was renamed
+    renamed = _fresh()
+    renamed.load_state_dict(old)
+    assert renamed.compute() == expected
+    old["text_ids"] = "x"
+    with pytest.raises(ValueError, match="'unique_text_ids' must be a list of 1-D int64 tensors, got 'x'"):
+        _fresh().load_state_dict(old)
