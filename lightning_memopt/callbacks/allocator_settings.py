@@ -67,9 +67,8 @@ class AllocatorSettings(Callback):
                 " Example: 'expandable_segments:True,max_split_size_mb:128'."
             )
         check_alloc_conf(allocator_conf)
-        check_fraction("memory_fraction", memory_fraction, allow_none=True)
         self.allocator_conf = allocator_conf
-        self.memory_fraction = memory_fraction
+        self.memory_fraction = check_fraction("memory_fraction", memory_fraction, allow_none=True)
         self._warn = WarnOnce()
         self._conf: Lease | None = None
         self._fraction: Lease | None = None

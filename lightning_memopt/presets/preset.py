@@ -141,7 +141,9 @@ class MemoryPreset:
             " False for Lightning's gradient accumulation.",
         )
         check_non_negative_int("gc_every_n_steps", self.gc_every_n_steps, hint="Use 0 for no garbage collector.")
-        check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
+        object.__setattr__(
+            self, "memory_fraction", check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
+        )
         check_str("allocator_conf", self.allocator_conf, hint="Example: 'expandable_segments:True'.")
         check_alloc_conf(self.allocator_conf)
         check_non_negative_number(

@@ -100,3 +100,14 @@ def test_a_monitoring_reader_turns_the_error_into_one_warning(monkeypatch):
     assert readings == [None, None]
     said = [str(w.message) for w in caught]
     assert len(said) == 1 and said[0].startswith("MemoryMonitor: reading memory failed") and "cuda:0" in said[0]
+
+
+def test_a_numpy_memory_fraction_is_stored_as_a_python_float():
+    numpy = pytest.importorskip("numpy")
+    from lightning_memopt import AllocatorSettings, MemoryPreset
+
+    for holder in (
+        AllocatorSettings(memory_fraction=numpy.float32(0.5)),
+        MemoryPreset(memory_fraction=numpy.float32(0.5)),
+    ):
+        assert type(holder.memory_fraction) is float and holder.memory_fraction == 0.5
