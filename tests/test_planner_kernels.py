@@ -152,11 +152,39 @@ def _qkv(dtype=torch.float32, head=8, heads=(4, 4, 4), length=(16, 16), grad=Fal
     return q, k, v
 
 
-# (inputs, attn_mask, extra arguments, compute capability) -> the kernel torch 2.13's sdp_utils.cpp picks
+# (inputs, attn_mask, extra arguments, compute capability) -> the kernel torch's sdp_utils.cpp picks; the sm90 rows
+# marked H200 were seen on one (torch 2.11, cuDNN 9.19, diag run of benchmarks/planner_cuda.py's cases)
 BF16, HALF = torch.bfloat16, torch.float16
 KERNEL_CASES = [
     ("half, no mask, sm80", _qkv(HALF), None, {}, (8, 0), "flash"),
-    ("bf16, no mask, sm90", _qkv(BF16), None, {}, (9, 0), "flash"),
+    ("bf16, no mask, sm90 (cuDNN first)", _qkv(BF16), None, {}, (9, 0), "cudnn"),
+    ("bf16, no-grad mask, sm90 (H200)", _qkv(BF16), torch.zeros(2, 4, 16, 16, dtype=BF16), {}, (9, 0), "cudnn"),
+    (
+        "bf16, mask requiring grad, sm90 (H200)",
+        _qkv(BF16),
+        torch.zeros(2, 4, 16, 16, dtype=BF16, requires_grad=True),
+        {},
+        (9, 0),
+        "efficient",
+    ),
+    ("fp32 on sm90 (H200: cuDNN needs half)", _qkv(), torch.zeros(2, 4, 16, 16), {}, (9, 0), "efficient"),
+    ("bf16, head 256 on sm90 (cuDNN: at most 128)", _qkv(BF16, head=256), None, {}, (9, 0), "flash"),
+    (
+        "permuted bias, last-dim stride 4 (T5's: H200)",
+        _qkv(),
+        torch.zeros(1, 16, 16, 4, requires_grad=True).permute(0, 3, 1, 2),
+        {},
+        (9, 0),
+        "math",
+    ),
+    (
+        "transposed query (last-dim stride 16)",
+        (_qkv()[0].transpose(-1, -2).contiguous().transpose(-1, -2), *_qkv()[1:]),
+        None,
+        {},
+        (8, 0),
+        "math",
+    ),
     ("half, dropout, sm80", _qkv(HALF), None, {"dropout_p": 0.1}, (8, 0), "flash"),
     ("fp32 (flash needs half)", _qkv(), None, {}, (8, 0), "efficient"),
     ("half with a mask (flash takes none)", _qkv(HALF), torch.zeros(16, 16, dtype=HALF), {}, (8, 0), "efficient"),

@@ -52,15 +52,19 @@ def attention_kernel(
     enable_gqa: bool = False,
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
 ) -> str:
-    """The kernel torch's CUDA dispatcher picks for ``scaled_dot_product_attention``: ``"flash"``,
+    """The kernel torch's CUDA dispatcher picks for ``scaled_dot_product_attention``: ``"cudnn"``, ``"flash"``,
     ``"efficient"`` (memory-efficient) or ``"math"``, in torch's default order.
 
-    The rules of torch 2.13's ``sdp_utils.cpp`` that decide it for dense 4-d inputs: flash needs float16/bfloat16, no
-    ``attn_mask``, equal head sizes of at most 256 (192 when training on sm86/sm89), a square sequence when causal,
-    and sm80 or newer; memory-efficient takes float32 too and an ``attn_mask`` (one that requires grad included: its
-    backward computes the bias gradient), needs equal query/key head sizes aligned to 8 elements for half precision
-    (4 for float32 on sm80+), the same number of key and query heads, and sm50 or newer; bfloat16 needs sm80 for
-    both. Otherwise math. cuDNN attention comes last in torch's default order and is not chosen.
+    The rules of torch's ``sdp_utils.cpp`` that decide it for dense 4-d inputs, checked against torch 2.11 on an H200
+    (``benchmarks/planner_cuda.py``): every fused kernel needs the last dimension of query, key, value and
+    ``attn_mask`` to have stride 1 (a permuted bias, such as T5's learned position bias, goes to math). On sm90 and
+    sm100 torch built with CUDA 13 (and cuDNN newer than 9.15) tries cuDNN first: float16/bfloat16, an ``attn_mask``
+    that does not require grad, head sizes of at most 128 in multiples of 8, more than one key. Flash needs
+    float16/bfloat16, no ``attn_mask``, equal head sizes of at most 256 (192 when training on sm86/sm89), a square
+    sequence when causal, and sm80 or newer; memory-efficient takes float32 too and an ``attn_mask`` (one that
+    requires grad included: its backward computes the bias gradient), needs equal query/key head sizes aligned to 8
+    elements for half precision (4 for float32 on sm80+), the same number of key and query heads, and sm50 or newer;
+    bfloat16 needs sm80 for both. Otherwise math.
 
     Args:
         query / key / value / attn_mask / dropout_p / is_causal / enable_gqa: the call's arguments.
@@ -72,11 +76,20 @@ def attention_kernel(
         ('efficient', 'flash')
         >>> attention_kernel(q.half(), q.half(), q.half(), compute_capability=(7, 5))  # Turing: no flash
         'efficient'
+        >>> attention_kernel(q.half(), q.half(), q.half(), compute_capability=(9, 0))  # Hopper: cuDNN first
+        'cudnn'
+        >>> bias = torch.zeros(1, 16, 16, 4).permute(0, 3, 1, 2)  # a permuted bias: last-dimension stride 4
+        >>> attention_kernel(q, q, q, bias)
+        'math'
     """
     dtype = query.dtype
     heads_equal = query.size(1) == key.size(1) == value.size(1)
     if dtype == torch.bfloat16 and compute_capability < (8, 0):
         return "math"
+    if any(t.stride(-1) != 1 for t in (query, key, value)) or (attn_mask is not None and attn_mask.stride(-1) != 1):
+        return "math"  # torch's check_last_dim_stride_equals_1_dense, for every fused kernel on a GPU
+    if _cudnn_first(query, key, value, attn_mask, compute_capability):
+        return "cudnn"
     head, value_head = query.size(-1), value.size(-1)
     grad = any(t.requires_grad for t in (query, key, value))
     flash_head_limit = 192 if grad and compute_capability in ((8, 6), (8, 9)) else 256
@@ -103,7 +116,23 @@ def attention_kernel(
     return "math"
 
 
+def _cudnn_first(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, compute_capability: tuple[int, int]
+) -> bool:
+    """Whether cuDNN attention, first in torch's order on sm90/sm100 (CUDA 13 builds), takes the call."""
+    if compute_capability[0] not in (9, 10) or query.dtype not in _HALF:
+        return False
+    heads = (query.size(-1), value.size(-1))
+    return (
+        (attn_mask is None or not attn_mask.requires_grad)
+        and all(h <= 128 and h % 8 == 0 for h in heads)
+        and query.size(-1) == key.size(-1)
+        and key.size(-2) != 1
+    )
+
+
 _KERNEL_TEXT = {
+    "cudnn": "cuDNN (fused kernels: output and float32 row statistics, no L x L matrix)",
     "flash": "flash (fused kernels: output and log-sum-exp, no L x L matrix)",
     "efficient": "memory-efficient (fused kernels: output, log-sum-exp and the bias, no L x L matrix)",
     "math": "math (the L x L scores kept for backward)",
@@ -172,9 +201,10 @@ def cuda_attention(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABIL
 
     The CPU picks its own kernels (math, with the ``L x L`` scores kept for backward, whenever there is a mask or
     dropout). Here :func:`attention_kernel` picks as torch's CUDA dispatcher would for the call's dtype, mask and
-    ``compute_capability``, and the call holds that kernel's memory: flash (the CPU flash kernel: the output and a
-    log-sum-exp), memory-efficient (:class:`_EfficientAttention`: the output, a float32 log-sum-exp, the padded bias
-    and, in backward, the bias gradient) or math (torch's math kernel, as CUDA runs it). The attribute
+    ``compute_capability``, and the call holds that kernel's memory: flash and cuDNN (the CPU flash kernel: the
+    output and a float32 log-sum-exp), memory-efficient (:class:`_EfficientAttention`: the output, a float32
+    log-sum-exp, the padded bias and, in backward, the bias gradient) or math (torch's math kernel, as CUDA runs
+    it). The attribute
     ``torch.nn.functional.scaled_dot_product_attention`` is replaced, so calls from ``F.multi_head_attention_forward``
     and Hugging Face models are seen; code that imported the function by name before keeps the original. Inputs that
     are not 4-d, or have other head counts without ``enable_gqa``, go to the original.
