@@ -302,3 +302,46 @@ def test_a_batch_norm_network_under_bf16_autocast_is_estimated_to_the_byte():
     fake = estimate_memory(model, x, device="cpu", precision="bf16-mixed")
     real = estimate_memory(model, x, device="cpu", precision="bf16-mixed", fake=False)
     assert fake.peak_bytes == real.peak_bytes
+
+
+# ------------------------------------------------------------------------------------------------ CUDA dropout, math
+
+
+def test_a_cuda_dropout_keeps_a_bool_mask_where_the_cpu_keeps_one_of_the_input_s_dtype():
+    # seen on an H200: CUDA's fused native_dropout keeps (output, bool mask); the CPU keeps a float32 noise tensor
+    from lightning_memopt.functional.planning import LiveBytes, cuda_dropout
+
+    x = torch.randn(64, 256, requires_grad=True)
+    with LiveBytes() as cpu:
+        on_cpu = nn.functional.dropout(x, 0.1)
+    with LiveBytes() as cuda, cuda_dropout():
+        on_cuda = nn.functional.dropout(x, 0.1)
+    assert cpu.now - cuda.now == 3 * x.numel()  # 4-byte noise against a 1-byte mask; both keep a 4-byte output
+    assert on_cuda.grad_fn._saved_result1.dtype == torch.bool and on_cpu.shape == on_cuda.shape
+    with cuda_dropout():  # evaluation, p=0 and in-place dropout take the CPU's way on CUDA too
+        assert nn.functional.dropout(x, 0.1, training=False) is x
+        assert nn.functional.dropout(x.detach().clone(), 0.1, inplace=True).grad_fn is None
+
+
+def test_cuda_s_math_attention_computes_half_precision_in_float32_and_keeps_a_bool_dropout_mask():
+    # seen op for op on an H200 (torch 2.11): T5's permuted bias sent bf16 attention to the math kernel, which ran in
+    # float32 (the L x L scores 4 bytes an element, twice the CPU kernel's) and dropped out through native_dropout
+    from lightning_memopt.functional.planning import cuda_attention
+
+    q = torch.randn(2, 4, 16, 8, dtype=BF16, requires_grad=True)
+    bias = torch.zeros(1, 16, 16, 4, dtype=BF16).permute(0, 3, 1, 2)
+    with cuda_attention((9, 0)) as kernels:
+        out = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias, dropout_p=0.1)
+    assert kernels == {"math": 1} and out.dtype == BF16
+    saved = {}
+    stack, seen = [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack += [f for f, _ in node.next_functions]
+        for name in ("_saved_result", "_saved_result1"):
+            if isinstance(getattr(node, name, None), torch.Tensor):
+                saved[type(node).__name__] = getattr(node, name).dtype
+    assert saved == {"SafeSoftmaxBackward0": torch.float32, "NativeDropoutBackward0": torch.bool}

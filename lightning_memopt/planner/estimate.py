@@ -24,6 +24,7 @@ from lightning_memopt.functional.planning import (
     count_training_steps,
     cuda_attention,
     cuda_autocast,
+    cuda_dropout,
     fake_kernel_outputs,
     kernel_scratch,
     use_foreach,
@@ -304,6 +305,7 @@ def estimate_memory(
         _quiet_fake_tensor_log(),
         attending as attention,
         cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
+        cuda_dropout() if cuda and fake else contextlib.nullcontext(),
     ):
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*reference is not registered.*")

@@ -7,13 +7,14 @@ storage's bytes when it first appears and subtracts them when the storage is fre
 a real step holds (the tests compare with the same counter over real tensors, and with torch's ``MemTracker``); the
 few kernels whose fake implementation returns fewer bytes than the real one (oneDNN's LSTM workspace, the float32
 statistics of mixed-precision normalizations) are corrected in ``corrections.py`` (:func:`fake_kernel_outputs`, with
-the list); what CUDA does differently is modelled in ``cuda.py`` (:func:`attention_kernel` and
-:func:`cuda_attention`, :func:`cuda_autocast`, :func:`use_foreach`, the allocator's 512-byte blocks, cuBLAS
-workspaces; cuDNN's RNN reserve in ``corrections.py``) and listed in the estimate's ``assumptions``.
+the list); what CUDA does differently is modelled in ``cuda.py`` (:func:`cuda_autocast`, :func:`cuda_dropout`,
+:func:`use_foreach`, the allocator's 512-byte blocks, cuBLAS workspaces), ``attention.py`` (:func:`attention_kernel`
+and :func:`cuda_attention`) and ``corrections.py`` (cuDNN's RNN reserve) and listed in the estimate's ``assumptions``.
 
 Nothing here imports Lightning: the step is given as plain callables.
 """
 
+from lightning_memopt.functional.planning.attention import attention_assumption, attention_kernel, cuda_attention
 from lightning_memopt.functional.planning.corrections import (
     cudnn_rnn_reserve_bytes,
     fake_kernel_outputs,
@@ -25,10 +26,8 @@ from lightning_memopt.functional.planning.cuda import (
     CUDA_AUTOCAST_FP32,
     CUDA_BLOCK_BYTES,
     DEFAULT_COMPUTE_CAPABILITY,
-    attention_assumption,
-    attention_kernel,
-    cuda_attention,
     cuda_autocast,
+    cuda_dropout,
     use_foreach,
 )
 from lightning_memopt.functional.planning.steps import (
@@ -54,6 +53,7 @@ __all__ = [
     "count_training_steps",
     "cuda_attention",
     "cuda_autocast",
+    "cuda_dropout",
     "cudnn_rnn_reserve_bytes",
     "fake_kernel_outputs",
     "fake_tensor_of",
