@@ -135,6 +135,7 @@ def test_a_fit_reports_the_loaders_and_warns_about_persistent_validation_workers
     assert "dataloaders" in text and "persistent_workers=True" in text  # analyze shows the finding
 
 
+@pytest.mark.slow  # two fits: over 2 s on a loaded core
 def test_a_clean_fit_says_nothing_and_the_audit_can_be_turned_off(tmp_path):
     audit, warned, records = _fit(tmp_path / "clean", LoaderModel())
     assert warned == [] and len(audit.loaders) == 2
