@@ -59,7 +59,7 @@ def warn_every_time(message: str, category: type[Warning] = UserWarning, stackle
         filename, lineno, module_globals = "sys", 1, None
     module = module_globals.get("__name__") if module_globals else None
     warnings.warn_explicit(
-        printable(message, keep_newlines=True),
+        printable(message),
         category,
         filename,
         lineno,
@@ -72,7 +72,8 @@ def warn_every_time(message: str, category: type[Warning] = UserWarning, stackle
 class WarnOnce:
     """Emits each keyed warning at most once per instance (per :meth:`reset`, with ``every_time=True``).
 
-    Messages are escaped for the terminal (:func:`~lightning_memopt.utilities.formatting.printable`, newlines kept).
+    Messages are escaped for the terminal (:func:`~lightning_memopt.utilities.formatting.printable`) and kept on one
+    line: a newline in a path or a value (a ``dirpath``) cannot pose as another line.
 
     With ``every_time=True`` the warnings are findings rather than failures: they skip Python's once-per-place
     registry (see :func:`warn_every_time`), and the owner calls :meth:`reset` when a new run starts.
@@ -103,7 +104,7 @@ class WarnOnce:
         if self.every_time:
             warn_every_time(message, category, stacklevel=3)
         else:
-            warnings.warn(printable(message, keep_newlines=True), category, stacklevel=3)
+            warnings.warn(printable(message), category, stacklevel=3)
         return True
 
     def reset(self) -> None:

@@ -79,7 +79,8 @@ def test_warnings_and_rank_zero_messages_are_escaped(caplog):
         warnings.simplefilter("always")
         WarnOnce().warn("k", "bad \x1b]0;title\x07 path\nsecond line")
         warn_every_time("\u202eevil")
-    assert [str(w.message) for w in caught] == ["bad \\x1b]0;title\\x07 path\nsecond line", "\\u202eevil"]
+    # one line each: a newline in a path (a dirpath) cannot pose as another warning line
+    assert [str(w.message) for w in caught] == ["bad \\x1b]0;title\\x07 path\\nsecond line", "\\u202eevil"]
     with caplog.at_level(logging.INFO):
         rank_zero_info("preset \x1b[1mbold\x1b[0m")
     assert "preset \\x1b[1mbold\\x1b[0m" in caplog.text and "\x1b" not in caplog.text
