@@ -185,6 +185,7 @@ def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(mask.logical_not(), float("-inf"))
 
 
+@torch.autocast("cpu", enabled=False)  # a kernel's own ops: autocast acted on the call, not inside it
 def _cuda_math(
     query: Tensor,
     key: Tensor,
@@ -199,20 +200,6 @@ def _cuda_math(
     inputs computed in float32 unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` (the CPU
     kernel computes them in their own precision), and dropout through CUDA's fused kernel, whose mask is kept as bool
     (the CPU's holds a mask in the scores' dtype). Seen op for op on an H200 (torch 2.11)."""
-    with torch.autocast("cpu", enabled=False):  # a kernel's own ops: autocast acted on the call, not inside it
-        return _math_ops(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-def _math_ops(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-) -> Tensor:
     origin = query.dtype
     if origin in _HALF and not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed():
         query, key, value = query.float(), key.float(), value.float()
