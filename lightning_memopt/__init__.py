@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from lightning_memopt.functional.conversion import to_device_and_dtype
     from lightning_memopt.functional.memory import MemoryReading, read_memory
     from lightning_memopt.metrics import StreamingRetrievalMetric
-    from lightning_memopt.planner import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
+    from lightning_memopt.planner import MemoryEstimate, MemoryEstimateError, MemoryPlan, estimate_memory, plan_memory
     from lightning_memopt.plugins import MemoryPrecision
     from lightning_memopt.presets import MemoryPreset, MemoryPresetCLI
+    from lightning_memopt.utilities.oom import is_out_of_memory_error
 
 #: Where each public name lives.
 _EXPORTS = {
@@ -47,6 +48,8 @@ _EXPORTS = {
     "StreamingRetrievalMetric": "lightning_memopt.metrics",
     "to_device_and_dtype": "lightning_memopt.functional.conversion",
     "MemoryEstimate": "lightning_memopt.planner",
+    "MemoryEstimateError": "lightning_memopt.planner",
+    "is_out_of_memory_error": "lightning_memopt.utilities.oom",
     "MemoryPlan": "lightning_memopt.planner",
     "estimate_memory": "lightning_memopt.planner",
     "plan_memory": "lightning_memopt.planner",
@@ -60,6 +63,7 @@ __all__ = [
     "GradientCheckpointing",
     "MemoryAudit",
     "MemoryEstimate",
+    "MemoryEstimateError",
     "MemoryMonitor",
     "MemoryPlan",
     "MemoryPrecision",
@@ -70,6 +74,7 @@ __all__ = [
     "StreamingRetrievalMetric",
     "__version__",
     "estimate_memory",
+    "is_out_of_memory_error",
     "plan_memory",
     "read_memory",
     "to_device_and_dtype",
