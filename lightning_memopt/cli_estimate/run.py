@@ -9,6 +9,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_memopt.cli_estimate.batches import batch_bytes, batch_source, describe_batch
@@ -101,27 +102,34 @@ def _one_line(err: BaseException, budget_flag: str | None = None) -> str:
     return text
 
 
-def _run(args: argparse.Namespace) -> int:
-    specs, trainer, memory = read_sections(args)
-    check_flags(args)
-    model_spec = specs["model"]
-    if model_spec is None or not model_spec.get("class_path"):
-        where = "the config's model section has no class_path; " if model_spec is not None else ""
-        raise EstimateInputError(
-            f"--model: {where}pass --model CLASS_PATH (the LightningModule, e.g."
-            " examples.dreams.module.SpectraFineTuner), or --config FILE with model.class_path."
-        )
+@dataclass
+class _Settings:
+    """What the flags and the config decide, before the model is built."""
 
-    # ---- torch from here on
-    from torch import nn
+    devices: int
+    num_nodes: int
+    budget: str | None
+    budget_flag: str | None
+    memory: dict[str, Any] | None
+    preset: Any
+    precision: str
+    checkpointing: Any
+    accumulate: int
+    preset_batch: int | None
 
-    from lightning_memopt.planner import estimate_memory, plan_memory
-    from lightning_memopt.utilities.formatting import format_bytes
+    @property
+    def world(self) -> int:
+        return self.devices * self.num_nodes
 
+    @property
+    def planning(self) -> bool:
+        return self.budget is not None
+
+
+def _settings(args: argparse.Namespace, trainer: dict[str, Any], memory: dict[str, Any] | None) -> _Settings:
     in_memory = memory if memory is not None else {}
     devices = args.devices or int_setting(trainer.get("devices")) or int_setting(in_memory.get("devices")) or 1
     num_nodes = args.num_nodes or int_setting(trainer.get("num_nodes")) or int_setting(in_memory.get("num_nodes")) or 1
-    world = devices * num_nodes
     budget, budget_flag = budget_setting(args)
     planning = budget is not None
     if memory is not None and not is_preset_section(memory):
@@ -133,37 +141,88 @@ def _run(args: argparse.Namespace) -> int:
     preset = None if memory is None else memory_preset(memory, devices, num_nodes, f"--config: {MEMORY_SECTION}")
     # when planning, what the memory: section leaves to the preset (null) the plan chooses; what it sets is kept
     written = {k for k, v in (memory or {}).items() if v is not None}
+    accumulate, preset_batch = _accumulation(preset, trainer)
+    return _Settings(
+        devices=devices,
+        num_nodes=num_nodes,
+        budget=budget,
+        budget_flag=budget_flag,
+        memory=memory,
+        preset=preset,
+        precision=_precision(args, trainer, preset, written, planning),
+        checkpointing=_checkpointing(args, preset, written, planning),
+        accumulate=accumulate,
+        preset_batch=preset_batch,
+    )
+
+
+def _precision(
+    args: argparse.Namespace, trainer: dict[str, Any], preset: Any, written: set[str], planning: bool
+) -> str:
+    """``--precision``, else the preset's (``auto`` when planning and the config leaves it open), else the Trainer's."""
     if args.precision is not None:
-        precision = precision_setting(args.precision, "--precision")
-    elif preset is not None and planning and "precision" not in written:
-        precision = "auto"
-    elif preset is not None:
-        precision = precision_setting(preset.precision, f"{MEMORY_SECTION}.precision (config)")
-        if precision == "auto" and not planning and args.device == "cuda":
-            precision = "bf16-mixed"
-            say(
-                f"note: {MEMORY_SECTION}.precision auto is estimated as bf16-mixed, what MemoryPrecision picks on a"
-                " GPU that computes bf16 (compute capability 8.0+); pass --precision 16-mixed for an older GPU."
-            )
-    else:
-        precision = precision_setting(trainer.get("precision") or "auto", "trainer.precision (config)")
+        return precision_setting(args.precision, "--precision")
+    if preset is None:
+        return precision_setting(trainer.get("precision") or "auto", "trainer.precision (config)")
+    if planning and "precision" not in written:
+        return "auto"
+    precision = precision_setting(preset.precision, f"{MEMORY_SECTION}.precision (config)")
+    if precision == "auto" and not planning and args.device == "cuda":
+        say(
+            f"note: {MEMORY_SECTION}.precision auto is estimated as bf16-mixed, what MemoryPrecision picks on a"
+            " GPU that computes bf16 (compute capability 8.0+); pass --precision 16-mixed for an older GPU."
+        )
+        return "bf16-mixed"
+    return precision
+
+
+def _checkpointing(args: argparse.Namespace, preset: Any, written: set[str], planning: bool) -> Any:
+    """``--checkpointing``, else what the preset turns on (the model as it is when estimating without it)."""
     if args.checkpointing is None and preset is not None and (not planning or written & _CHECKPOINTING_KEYS):
         checkpointing = preset_checkpointing(preset)
-        if checkpointing is False and not planning:
-            checkpointing = None  # the model as it is
-    else:
-        checkpointing = checkpointing_setting(args.checkpointing or "auto", planning=planning)
-    if preset is not None:
-        accumulate = preset.accumulate_grad_batches
-        start = preset.auto_micro_batch_start  # with auto_micro_batch the step runs at the micro-batch it starts at
-        preset_batch: int | None = start if isinstance(start, int) else preset.batch_size
-        if isinstance(start, int) and start < preset.batch_size:  # its micro-batches accumulate into one batch
-            accumulate *= -(-preset.batch_size // start)
-    else:
+        return None if checkpointing is False and not planning else checkpointing
+    return checkpointing_setting(args.checkpointing or "auto", planning=planning)
+
+
+def _accumulation(preset: Any, trainer: dict[str, Any]) -> tuple[int, int | None]:
+    """Micro-batches per optimizer step, and the batch the preset gives the DataLoader (``None`` without one)."""
+    if preset is None:
         accumulate = trainer.get("accumulate_grad_batches")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             accumulate = 1
-        preset_batch = None
+        return accumulate, None
+    accumulate = preset.accumulate_grad_batches
+    start = preset.auto_micro_batch_start  # with auto_micro_batch the step runs at the micro-batch it starts at
+    if isinstance(start, int) and start < preset.batch_size:  # its micro-batches accumulate into one batch
+        accumulate *= -(-preset.batch_size // start)
+    return accumulate, start if isinstance(start, int) else preset.batch_size
+
+
+def _run(args: argparse.Namespace) -> int:
+    specs, trainer, memory = read_sections(args)
+    check_flags(args)
+    model_spec = specs["model"]
+    if model_spec is None or not model_spec.get("class_path"):
+        where = "the config's model section has no class_path; " if model_spec is not None else ""
+        raise EstimateInputError(
+            f"--model: {where}pass --model CLASS_PATH (the LightningModule, e.g."
+            " examples.dreams.module.SpectraFineTuner), or --config FILE with model.class_path."
+        )
+    settings = _settings(args, trainer, memory)
+    model = _build_model(model_spec)
+    batch_fn, own_batch_size, source = batch_source(args, specs, model)
+    params = list(model.parameters())
+    out = [
+        f"Model: {model_spec['class_path']} ({sum(p.numel() for p in params):,} parameters,"
+        f" {sum(p.numel() for p in params if p.requires_grad):,} trainable)"
+    ]
+    run = _Run(args, settings, model, optimizer_setting(specs), batch_fn, source, out)
+    batch_size = args.batch_size or settings.preset_batch or own_batch_size
+    return run.plan(batch_size) if settings.planning else run.estimate(batch_size)
+
+
+def _build_model(model_spec: dict[str, Any]) -> Any:
+    from torch import nn
 
     model = _build_on_meta(model_spec)
     if not isinstance(model, nn.Module):
@@ -171,105 +230,137 @@ def _run(args: argparse.Namespace) -> int:
             f"--model: {model_spec['class_path']} built a {type(model).__name__}, not a"
             " LightningModule or torch.nn.Module."
         )
-    optimizer = optimizer_setting(specs)
-    batch_fn, own_batch_size, source = batch_source(args, specs, model)
-    batch_size = args.batch_size or preset_batch or own_batch_size
-    params = list(model.parameters())
-    out = [
-        f"Model: {model_spec['class_path']} ({sum(p.numel() for p in params):,} parameters,"
-        f" {sum(p.numel() for p in params if p.requires_grad):,} trainable)"
-    ]
+    return model
 
-    if budget is None:
+
+@dataclass
+class _Run:
+    """The estimate, or the plan, of one model with its settings; ``out`` collects the lines printed at the end."""
+
+    args: argparse.Namespace
+    settings: _Settings
+    model: Any
+    optimizer: Any
+    batch_fn: Callable[[int], Any]
+    source: str
+    out: list[str]
+
+    def estimate(self, batch_size: int | None) -> int:
+        from lightning_memopt.planner import estimate_memory
+
         if batch_size is None:
             raise EstimateInputError(
                 "--batch-size: needed for the estimate (B of --batch-shape); or pass --gpu /"
                 " --device-memory and --effective-batch-size to plan the micro-batch."
             )
-        batch = batch_fn(batch_size)
-        if args.device == "cuda":
-            _check_fits_a_gpu(batch, batch_size, source)
+        batch = self.batch_fn(batch_size)
+        if self.args.device == "cuda":
+            _check_fits_a_gpu(batch, batch_size, self.source)
+        settings = self.settings
         estimate = _guarded(
             lambda: estimate_memory(
-                model,
+                self.model,
                 batch,
-                precision="32-true" if precision == "auto" else precision,
-                optimizer=optimizer,
-                device=args.device,
-                checkpointing=checkpointing,
-                accumulate_grad_batches=accumulate,
+                precision="32-true" if settings.precision == "auto" else settings.precision,
+                optimizer=self.optimizer,
+                device=self.args.device,
+                checkpointing=settings.checkpointing,
+                accumulate_grad_batches=settings.accumulate,
             ),
-            model,
-            source,
-            budget_flag,
+            self.model,
+            self.source,
+            settings.budget_flag,
         )
-        print("\n".join([*out, f"Batch {batch_size}: {source}: {describe_batch(batch)}", str(estimate)]))
+        print("\n".join([*self.out, f"Batch {batch_size}: {self.source}: {describe_batch(batch)}", str(estimate)]))
         return 0
 
-    effective = args.effective_batch_size
-    if effective is None and preset is not None and preset.effective_batch_size is not None:
-        effective = preset.effective_batch_size
-        where = f"{MEMORY_SECTION}.effective_batch_size; --effective-batch-size sets it"
-        out.append(f"Effective batch: {effective} ({where})")
+    def plan(self, batch_size: int | None) -> int:
+        from lightning_memopt.planner import plan_memory
+
+        settings, args = self.settings, self.args
+        effective = self._effective_batch(batch_size)
+        say(
+            f"planning {type(self.model).__name__} for {settings.budget}, effective batch {effective}:"
+            " one line per estimate"
+        )
+        started = time.perf_counter()
+        plan = _guarded(
+            lambda: plan_memory(
+                self.model,
+                self.batch_fn,
+                effective_batch_size=effective,
+                budget_bytes=settings.budget,
+                devices=settings.devices,
+                num_nodes=settings.num_nodes,
+                margin=args.margin,
+                precision=settings.precision,
+                checkpointing=settings.checkpointing,
+                optimizer=self.optimizer,
+                device=args.device,
+                progress=say,
+            ),
+            self.model,
+            self.source,
+            settings.budget_flag,
+        )
+        count = len(plan.trials)
+        say(f"{count} estimate{'s' if count != 1 else ''} in {time.perf_counter() - started:.1f} s")
+        print("\n".join([*self.out, *self._plan_lines(plan)]))
+        return 0 if plan.feasible else 1
+
+    def _effective_batch(self, batch_size: int | None) -> int:
+        """``--effective-batch-size``, else the preset's, else the batch x accumulation x devices."""
+        args, settings = self.args, self.settings
+        preset, world = settings.preset, settings.world
+        effective = args.effective_batch_size
+        if effective is None and preset is not None and preset.effective_batch_size is not None:
+            effective = preset.effective_batch_size
+            where = f"{MEMORY_SECTION}.effective_batch_size; --effective-batch-size sets it"
+            self.out.append(f"Effective batch: {effective} ({where})")
+        elif effective is None:
+            if batch_size is None:
+                raise EstimateInputError(
+                    "--effective-batch-size: needed to plan (samples per optimizer step over all"
+                    " devices); there is no batch size to take it from."
+                )
+            accumulate = settings.accumulate
+            effective = batch_size * accumulate * world
+            how = f"batch size {batch_size}" + (f" x accumulate {accumulate}" if accumulate > 1 else "")
+            how += f" x {world} devices" if world > 1 else ""
+            self.out.append(f"Effective batch: {effective} ({how}; --effective-batch-size sets it)")
+            return _divisible(effective, world)
         if args.batch_size is not None:
             say("note: --batch-size is not used when planning; the plan chooses the micro-batch.")
-    elif effective is None:
-        if batch_size is None:
-            raise EstimateInputError(
-                "--effective-batch-size: needed to plan (samples per optimizer step over all"
-                " devices); there is no batch size to take it from."
-            )
-        effective = batch_size * accumulate * world
-        how = f"batch size {batch_size}" + (f" x accumulate {accumulate}" if accumulate > 1 else "")
-        how += f" x {world} devices" if world > 1 else ""
-        out.append(f"Effective batch: {effective} ({how}; --effective-batch-size sets it)")
-    elif args.batch_size is not None:
-        say("note: --batch-size is not used when planning; the plan chooses the micro-batch.")
+        return _divisible(effective, world)
+
+    def _plan_lines(self, plan: Any) -> list[str]:
+        from lightning_memopt.utilities.formatting import format_bytes
+
+        size = plan.micro_batch_size or 1
+        role = "the micro-batch" if plan.feasible else "the smallest tried"
+        lines = [f"Batch {size} ({role}): {self.source}: {describe_batch(self.batch_fn(size))}"]
+        if plan.estimate is not None:
+            if not plan.feasible:
+                lines.append(
+                    f"The smallest setting tried (micro-batch {size}, activation checkpointing"
+                    f" {'on' if plan.gradient_checkpointing else 'off'}) does not fit"
+                    f" {format_bytes(plan.usable_bytes)}:"
+                )
+            lines += [str(plan.estimate), ""]
+        lines.append(str(plan))
+        if plan.feasible:
+            lines += ["", f"# the plan as MemoryPresetCLI's {MEMORY_SECTION}: section, to paste into the config:"]
+            lines.append(memory_snippet(self.settings.memory, plan))
+        return lines
+
+
+def _divisible(effective: int, world: int) -> int:
     if effective % world:
         raise EstimateInputError(
             f"--effective-batch-size: {effective} must divide by devices x num nodes = {world}"
             f" (every device gets the same batch); use a multiple of {world}."
         )
-    say(f"planning {type(model).__name__} for {budget}, effective batch {effective}: one line per estimate")
-    started = time.perf_counter()
-    plan = _guarded(
-        lambda: plan_memory(
-            model,
-            batch_fn,
-            effective_batch_size=effective,
-            budget_bytes=budget,
-            devices=devices,
-            num_nodes=num_nodes,
-            margin=args.margin,
-            precision=precision,
-            checkpointing=checkpointing,
-            optimizer=optimizer,
-            device=args.device,
-            progress=say,
-        ),
-        model,
-        source,
-        budget_flag,
-    )
-    count = len(plan.trials)
-    say(f"{count} estimate{'s' if count != 1 else ''} in {time.perf_counter() - started:.1f} s")
-    size = plan.micro_batch_size or 1
-    role = "the micro-batch" if plan.feasible else "the smallest tried"
-    out.append(f"Batch {size} ({role}): {source}: {describe_batch(batch_fn(size))}")
-    if plan.estimate is not None:
-        if not plan.feasible:
-            out.append(
-                f"The smallest setting tried (micro-batch {size}, activation checkpointing"
-                f" {'on' if plan.gradient_checkpointing else 'off'}) does not fit"
-                f" {format_bytes(plan.usable_bytes)}:"
-            )
-        out += [str(plan.estimate), ""]
-    out.append(str(plan))
-    if plan.feasible:
-        out += ["", f"# the plan as MemoryPresetCLI's {MEMORY_SECTION}: section, to paste into the config:"]
-        out.append(memory_snippet(memory, plan))
-    print("\n".join(out))
-    return 0 if plan.feasible else 1
+    return effective
 
 
 def _check_fits_a_gpu(batch: Any, batch_size: int, source: str) -> None:
