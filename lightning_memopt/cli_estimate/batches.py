@@ -29,53 +29,14 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
     """
     import torch
 
-    parsed: list[tuple[str | None, list[int | None], Any]] = []
     specs = list(specs)
-    for spec in specs:
-        where = f"--batch-shape {spec!r}"
-        name, sep, rest = spec.partition("=")
-        if not sep:
-            name, rest = "", spec
-        name = name.strip()
-        if sep and not NAME.match(name):
-            raise EstimateInputError(f"{where}: {name!r} is not a name (letters, digits, _).")
-        dims_text, colon, dtype_text = rest.partition(":")
-        dtype = torch.float32
-        if colon:
-            named = getattr(torch, dtype_text.strip(), None)
-            if not isinstance(named, torch.dtype):
-                raise EstimateInputError(
-                    f"{where}: {dtype_text.strip()!r} is not a torch dtype (float32, bfloat16,"
-                    " float16, int64, int32, bool, ...)."
-                )
-            dtype = named
-        dims: list[int | None] = []
-        for dim in dims_text.split(","):
-            dim = dim.strip()
-            if dim in ("B", "b"):
-                dims.append(None)
-            elif dim.isdigit() and int(dim) > 0:
-                dims.append(int(dim))
-            else:
-                raise EstimateInputError(
-                    f"{where}: dimension {dim!r} is neither B (the micro-batch) nor a positive"
-                    " int. Example: --batch-shape B,128,64:float32"
-                )
-        parsed.append((name or None, dims, dtype))
-    named = [p[0] is not None for p in parsed]
-    if any(named) and not all(named):
-        raise EstimateInputError("--batch-shape: name all tensors (name=B,...: a dict) or none (a tensor or tuple).")
-    names = [p[0] for p in parsed if p[0] is not None]
-    if len(set(names)) != len(names):
-        raise EstimateInputError(f"--batch-shape: a name given twice ({', '.join(names)}).")
-    if not any(None in dims for _, dims, _ in parsed):
-        raise EstimateInputError(
-            "--batch-shape: no tensor has the micro-batch dimension B; write it where the batch goes, e.g. B,128,64."
-        )
+    parsed = [_parse_spec(spec) for spec in specs]
+    names = _check_specs(parsed)
 
     def make(b: int) -> Any:
         tensors = []
-        for (name, dims, dtype), spec in zip(parsed, specs):
+        for (name, dims, given), spec in zip(parsed, specs):
+            dtype = torch.float32 if given is None else given
             shape = [b if d is None else d for d in dims]
             nbytes = math.prod(shape) * dtype.itemsize
             if nbytes > INT64_MAX:
@@ -90,6 +51,61 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
         return tensors[0][1] if len(tensors) == 1 else tuple(t for _, t in tensors)
 
     return make
+
+
+_Spec = tuple[str | None, list[int | None], Any]
+
+
+def _parse_spec(spec: str) -> _Spec:
+    """``name=B,128:int64`` -> ``("name", [None, 128], torch.int64)``; the name is ``None`` without ``=``."""
+    where = f"--batch-shape {spec!r}"
+    name, sep, rest = spec.partition("=")
+    if not sep:
+        name, rest = "", spec
+    name = name.strip()
+    if sep and not NAME.match(name):
+        raise EstimateInputError(f"{where}: {name!r} is not a name (letters, digits, _).")
+    dims_text, colon, dtype_text = rest.partition(":")
+    dtype = _parse_dtype(dtype_text.strip(), where) if colon else None
+    return name or None, [_parse_dim(dim.strip(), where) for dim in dims_text.split(",")], dtype
+
+
+def _parse_dtype(text: str, where: str) -> Any:
+    import torch
+
+    named = getattr(torch, text, None)
+    if not isinstance(named, torch.dtype):
+        raise EstimateInputError(
+            f"{where}: {text!r} is not a torch dtype (float32, bfloat16, float16, int64, int32, bool, ...)."
+        )
+    return named
+
+
+def _parse_dim(dim: str, where: str) -> int | None:
+    """``B`` (the micro-batch) -> ``None``; a positive int -> itself."""
+    if dim in ("B", "b"):
+        return None
+    if dim.isdigit() and int(dim) > 0:
+        return int(dim)
+    raise EstimateInputError(
+        f"{where}: dimension {dim!r} is neither B (the micro-batch) nor a positive int."
+        " Example: --batch-shape B,128,64:float32"
+    )
+
+
+def _check_specs(parsed: list[_Spec]) -> list[str]:
+    """The names of the specs, checked together: all named or none, each once, and B somewhere."""
+    named = [p[0] is not None for p in parsed]
+    if any(named) and not all(named):
+        raise EstimateInputError("--batch-shape: name all tensors (name=B,...: a dict) or none (a tensor or tuple).")
+    names = [p[0] for p in parsed if p[0] is not None]
+    if len(set(names)) != len(names):
+        raise EstimateInputError(f"--batch-shape: a name given twice ({', '.join(names)}).")
+    if not any(None in dims for _, dims, _ in parsed):
+        raise EstimateInputError(
+            "--batch-shape: no tensor has the micro-batch dimension B; write it where the batch goes, e.g. B,128,64."
+        )
+    return names
 
 
 def dtype_name(dtype: Any) -> str:
@@ -144,7 +160,13 @@ def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int 
     ``source`` is a datamodule (``prepare_data()`` and ``setup("fit")`` run first) or a LightningModule that defines
     its own ``train_dataloader``. Returns the function and the loader's own batch size (``None`` if it has none).
     """
-    from torch.utils.data import DataLoader, IterableDataset
+    loader = _train_loader(source, where)
+    return _LoaderBatches(loader, f"{where}: ", type(source).__name__), loader.batch_size
+
+
+def _train_loader(source: Any, where: str) -> Any:
+    """``source.train_dataloader()`` after ``prepare_data`` and ``setup("fit")``, checked to batch automatically."""
+    from torch.utils.data import DataLoader
 
     name = type(source).__name__
     for hook, call in (
@@ -169,42 +191,52 @@ def loader_batch_fn(source: Any, where: str) -> tuple[Callable[[int], Any], int 
             f"{where}: {name}'s DataLoader has automatic batching off (its dataset yields whole"
             " batches), so batches of another size cannot be made; use --batch-shape instead."
         )
-    dataset, collate = loader.dataset, loader.collate_fn
-    iterable = isinstance(dataset, IterableDataset)
-    last: dict[int, Any] = {}
-    per_sample: list[int] = []  # the bytes of one sample, read once before a batch of many
+    return loader
 
-    def read(b: int) -> Any:
-        if iterable:
-            new = DataLoader(dataset, batch_size=b, collate_fn=collate)
-        else:
-            n = len(cast(Sized, dataset))  # a map-style dataset: its length (a TypeError where it has none)
-            if n == 0:
-                raise EstimateInputError(f"{where}: {name}'s training set is empty.")
-            # the first b samples in order; a set smaller than b is cycled so the batch has b samples
-            new = DataLoader(dataset, batch_size=b, sampler=_Cycled(b, n), collate_fn=collate)
+
+class _LoaderBatches:
+    """``batches(b)``: the first ``b`` samples of a loader's dataset, collated; the last batch is kept."""
+
+    def __init__(self, loader: Any, where: str, name: str) -> None:
+        self.dataset, self.collate = loader.dataset, loader.collate_fn
+        self.where, self.name = where, name
+        self.last: dict[int, Any] = {}
+        self.per_sample: int | None = None  # the bytes of one sample, read once before a batch of many
+
+    def __call__(self, b: int) -> Any:
+        if b not in self.last:
+            if b > 1:  # real data: read only what this machine can hold
+                if self.per_sample is None:
+                    self.per_sample = batch_bytes(self.read(1))
+                _check_host_memory(b, self.per_sample, f"{self.where}{b} samples of {self.name}'s training set")
+            batch = self.read(b)
+            self.last.clear()  # keep one batch: the planner asks for each size once, or twice in a row
+            self.last[b] = batch
+        return self.last[b]
+
+    def read(self, b: int) -> Any:
         try:
-            return next(iter(new))
+            return next(iter(self._loader(b)))
         except StopIteration:
-            raise EstimateInputError(f"{where}: {name}'s training set is empty.") from None
+            raise EstimateInputError(f"{self.where}{self.name}'s training set is empty.") from None
+        except EstimateInputError:
+            raise
         except Exception as err:  # the user's dataset or collate_fn: one line naming the flag
             raise EstimateInputError(
-                f"{where}: reading the first {b} samples of {name}'s training set failed"
+                f"{self.where}reading the first {b} samples of {self.name}'s training set failed"
                 f" ({type(err).__name__}: {squash(err)})."
             ) from None
 
-    def batch_fn(b: int) -> Any:
-        if b not in last:
-            if b > 1:  # real data: read only what this machine can hold
-                if not per_sample:
-                    per_sample.append(batch_bytes(read(1)))
-                _check_host_memory(b, per_sample[0], f"{where}: {b} samples of {name}'s training set")
-            batch = read(b)
-            last.clear()  # keep one batch: the planner asks for each size once, or twice in a row
-            last[b] = batch
-        return last[b]
+    def _loader(self, b: int) -> Any:
+        from torch.utils.data import DataLoader, IterableDataset
 
-    return batch_fn, loader.batch_size
+        if isinstance(self.dataset, IterableDataset):
+            return DataLoader(self.dataset, batch_size=b, collate_fn=self.collate)
+        n = len(cast(Sized, self.dataset))  # a map-style dataset: its length (a TypeError where it has none)
+        if n == 0:
+            raise EstimateInputError(f"{self.where}{self.name}'s training set is empty.")
+        # the first b samples in order; a set smaller than b is cycled so the batch has b samples
+        return DataLoader(self.dataset, batch_size=b, sampler=_Cycled(b, n), collate_fn=self.collate)
 
 
 class _Cycled:

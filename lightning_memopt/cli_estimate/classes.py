@@ -32,40 +32,54 @@ def resolve_class(path: Any, where: str, default_module: str | None = None) -> A
     path = path.strip()
     parts = path.split(".")
     if len(parts) == 1 or not all(NAME.match(p) for p in parts):
-        if default_module is not None and NAME.match(path):
-            module = importlib.import_module(default_module)
-            if hasattr(module, path):
-                return getattr(module, path)
-        raise EstimateInputError(
-            f"{where}: {path!r} is not a full import path; give package.module.Class (e.g."
-            " examples.dreams.module.SpectraFineTuner)."
-        )
+        return _short_name(path, where, default_module)
     _ensure_cwd_importable()
     for i in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:i])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-                continue  # no such module: maybe the last part is an attribute of a shorter one
-            raise EstimateInputError(f"{where}: importing {module_name} for {path!r} failed: {err}.") from None
-        except Exception as err:  # the module itself raised while importing
-            raise EstimateInputError(
-                f"{where}: importing {module_name} for {path!r} failed ({type(err).__name__}: {err})."
-            ) from None
-        owner = module_name
-        for attr in parts[i:]:
-            if not hasattr(obj, attr):
-                raise EstimateInputError(f"{where}: cannot import {path!r}: {owner} has no attribute {attr!r}.")
-            obj = getattr(obj, attr)
-            owner = f"{owner}.{attr}"
-        if not callable(obj):
-            raise EstimateInputError(f"{where}: {path!r} is a {type(obj).__name__}, not a class.")
-        return obj
+        module = _import_module(".".join(parts[:i]), path, where)
+        if module is not None:
+            return _attribute(module, parts[:i], parts[i:], path, where)
     raise EstimateInputError(
         f"{where}: cannot import {path!r}: there is no module named {parts[0]!r} (run from the"
         " directory that holds it, or install it)."
     )
+
+
+def _short_name(path: str, where: str, default_module: str | None) -> Any:
+    """A bare name, looked up in ``default_module`` (``torch.optim`` for an optimizer)."""
+    if default_module is not None and NAME.match(path):
+        module = importlib.import_module(default_module)
+        if hasattr(module, path):
+            return getattr(module, path)
+    raise EstimateInputError(
+        f"{where}: {path!r} is not a full import path; give package.module.Class (e.g."
+        " examples.dreams.module.SpectraFineTuner)."
+    )
+
+
+def _import_module(module_name: str, path: str, where: str) -> Any:
+    """The module, or ``None`` where there is no such module (the last part may be an attribute of a shorter one)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            return None
+        raise EstimateInputError(f"{where}: importing {module_name} for {path!r} failed: {err}.") from None
+    except Exception as err:  # the module itself raised while importing
+        raise EstimateInputError(
+            f"{where}: importing {module_name} for {path!r} failed ({type(err).__name__}: {err})."
+        ) from None
+
+
+def _attribute(module: Any, module_parts: list[str], attrs: list[str], path: str, where: str) -> Any:
+    obj, owner = module, ".".join(module_parts)
+    for attr in attrs:
+        if not hasattr(obj, attr):
+            raise EstimateInputError(f"{where}: cannot import {path!r}: {owner} has no attribute {attr!r}.")
+        obj = getattr(obj, attr)
+        owner = f"{owner}.{attr}"
+    if not callable(obj):
+        raise EstimateInputError(f"{where}: {path!r} is a {type(obj).__name__}, not a class.")
+    return obj
 
 
 def build(value: Any, where: str, default_module: str | None = None) -> Any:

@@ -174,13 +174,10 @@ def parse_overrides(tokens: list[str], sections: set[str]) -> list[tuple[str, li
     return out
 
 
-def read_sections(
-    args: argparse.Namespace,
-) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any], dict[str, Any] | None]:
-    """The class specs (``model``, ``data``, ``optimizer``), the ``trainer`` section and the ``memory`` section
-    (``MemoryPresetCLI``'s preset; ``None`` without one), configs then command line."""
+def _read_configs(paths: list[str]) -> dict[str, Any]:
+    """The ``--config`` files merged in order: class specs and mappings merge, other values are replaced."""
     config: dict[str, Any] = {}
-    for path in args.config or []:
+    for path in paths:
         for key, value in load_config(path).items():
             if key in CLASS_SECTIONS:
                 config[key] = _merge_specs(config.get(key), class_spec(value, f"--config {path}: {key}"))
@@ -188,6 +185,25 @@ def read_sections(
                 config[key] = {**config[key], **value}
             else:
                 config[key] = value
+    return config
+
+
+def _memory_section(memory: Any) -> dict[str, Any] | None:
+    if memory is None or isinstance(memory, dict):
+        return None if memory is None else dict(memory)
+    raise EstimateInputError(
+        f"--config: the {MEMORY_SECTION}: section must be a mapping of MemoryPreset fields (e.g. {{name:"
+        f" max-savings, effective_batch_size: 256, micro_batch_size: 16}}), got {type(memory).__name__}"
+        f" {memory!r}."
+    )
+
+
+def read_sections(
+    args: argparse.Namespace,
+) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any], dict[str, Any] | None]:
+    """The class specs (``model``, ``data``, ``optimizer``), the ``trainer`` section and the ``memory`` section
+    (``MemoryPresetCLI``'s preset; ``None`` without one), configs then command line."""
+    config = _read_configs(args.config or [])
     specs: dict[str, dict[str, Any] | None] = {s: config.get(s) for s in CLASS_SECTIONS}
     for section in CLASS_SECTIONS:
         flag = getattr(args, section)
@@ -199,15 +215,7 @@ def read_sections(
         else:
             specs[section] = _merge_specs(specs[section], {"class_path": text, "init_args": {}})
     trainer = dict(config["trainer"]) if isinstance(config.get("trainer"), dict) else {}
-    memory = config.get(MEMORY_SECTION)
-    if isinstance(memory, dict):
-        memory = dict(memory)
-    elif memory is not None:
-        raise EstimateInputError(
-            f"--config: the {MEMORY_SECTION}: section must be a mapping of MemoryPreset fields (e.g. {{name:"
-            f" max-savings, effective_batch_size: 256, micro_batch_size: 16}}), got {type(memory).__name__}"
-            f" {memory!r}."
-        )
+    memory = _memory_section(config.get(MEMORY_SECTION))
     sections = {*CLASS_SECTIONS, *_OTHER_SECTIONS, *(k for k, v in config.items() if isinstance(v, dict))}
     for section, keys, value in parse_overrides(list(getattr(args, "overrides", None) or []), sections):
         if section in CLASS_SECTIONS:
