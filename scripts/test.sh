@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Set up ./.venv (CPU torch without a GPU) and run the lint check and the test suite.
+# Set up ./.venv (CPU torch without a GPU); run the lint checks, the documentation build and the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh test
+bash scripts/bootstrap.sh test,docs
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+# The documentation site: a broken link, page or API reference fails the build.
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 .venv/bin/python -m pytest "$@"
