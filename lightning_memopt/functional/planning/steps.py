@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,30 +163,38 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
     """
     memo: dict[int, Any] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in memo:
+            memo[id(tensor)] = _twin_tensor(tensor, mode, dtype)
+    for tensor in _attribute_tensors(module):  # tensors held as plain attributes (torchmetrics states, defaults)
         if id(tensor) in memo:
             continue
-        if tensor.device.type == "meta" and mode is None:
-            raise FakeStepError(
-                "a model on the meta device has no data to run a real step with; estimate it on fake tensors"
-                " (fake=True)"
-            )
-        twin = tensor.detach().clone() if mode is None else fake_tensor_of(tensor, mode)
-        if dtype is not None and twin.is_floating_point():
-            twin = twin.to(dtype)
-        if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
-            twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
-        memo[id(tensor)] = twin
-    for sub in module.modules():  # tensors held as plain attributes (torchmetrics states and their defaults)
-        for name, value in vars(sub).items():
-            if name in ("_parameters", "_buffers", "_modules"):
-                continue
-            for tensor in tree_flatten(value)[0]:
-                if isinstance(tensor, Tensor) and id(tensor) not in memo:
-                    if mode is not None:
-                        memo[id(tensor)] = fake_tensor_of(tensor, mode)
-                    elif tensor.device.type != "meta":
-                        memo[id(tensor)] = tensor.detach().clone()
+        if mode is not None:
+            memo[id(tensor)] = fake_tensor_of(tensor, mode)
+        elif tensor.device.type != "meta":
+            memo[id(tensor)] = tensor.detach().clone()
     return copy.deepcopy(module, memo)
+
+
+def _twin_tensor(tensor: Tensor, mode: Any | None, dtype: torch.dtype | None) -> Tensor:
+    """A parameter's or buffer's twin: fake (or a real copy without ``mode``), cast to ``dtype``, still a Parameter."""
+    if tensor.device.type == "meta" and mode is None:
+        raise FakeStepError(
+            "a model on the meta device has no data to run a real step with; estimate it on fake tensors (fake=True)"
+        )
+    twin = tensor.detach().clone() if mode is None else fake_tensor_of(tensor, mode)
+    if dtype is not None and twin.is_floating_point():
+        twin = twin.to(dtype)
+    if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
+        twin = nn.Parameter(twin, requires_grad=tensor.requires_grad)
+    return twin
+
+
+def _attribute_tensors(module: nn.Module) -> Iterator[Tensor]:
+    """The tensors the modules hold as plain attributes (outside their parameters, buffers and submodules)."""
+    for sub in module.modules():
+        for name, value in vars(sub).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                yield from (t for t in tree_flatten(value)[0] if isinstance(t, Tensor))
 
 
 def count_training_steps(
@@ -255,96 +263,26 @@ def count_training_steps(
         (True, 'forward')
     """
     counter = _StepBytes(block_bytes, scratch, outputs)
-    mode = None
-    if fake:
-        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
-        batch = tree_map(lambda t: fake_tensor_of(t, mode) if isinstance(t, Tensor) else t, batch)
-    elif any(t.device.type == "meta" for t in _tensors(batch)):
-        raise FakeStepError(
-            "a batch on the meta device has no data to run a real step with; estimate it on fake tensors"
-        )
+    mode, batch = _fake_batch(batch, fake)
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
-    handles = []
-    micro_batches = 1 if manual is not None else min(accumulate_grad_batches, 2)
+    loop = _StepLoop(counter, step_fn, steps, accumulate_grad_batches, step_context, manual)
+    handles: list[Any] = []
     try:
         with mode if mode is not None else contextlib.nullcontext():
             if prepare is not None:
                 prepare(model)
             if batch_fn is not None:
                 batch = batch_fn(batch)
-            params = list(model.parameters())
-            trainable = [p for p in params if p.requires_grad]
-            for p in params:
-                counter.track(p, "parameters")
-            for b in model.buffers():
-                counter.track(b, "buffers")
-            for t in _tensors(batch):
-                counter.track(t, "batch")
-            # sizes before the steps run (a module may replace its buffers in forward)
-            parameter_bytes = sum(counter.storage_bytes(p) for p in unique_storages(params))
-            trainable_bytes = sum(counter.storage_bytes(p) for p in unique_storages(trainable))
-            buffer_bytes = sum(counter.storage_bytes(b) for b in model.buffers())
-            batch_bytes = sum(counter.storage_bytes(t) for t in unique_storages(_tensors(batch)))
+            sizes = _track_inputs(counter, model, batch)
+            trainable = [p for p in model.parameters() if p.requires_grad]
             for p in trainable:
                 handles.append(p.register_post_accumulate_grad_hook(lambda p: counter.relabel(p.grad, "gradients")))
             with counter:
                 optimizers = make_optimizers(model)
                 if prepare_optimizers is not None:
                     prepare_optimizers(optimizers)
-
-                def label_states() -> None:
-                    for state in _optimizer_state_tensors(optimizers):
-                        counter.relabel(state, "optimizer_states")
-
-                if manual is not None:
-                    manual(
-                        model,
-                        [CountedOptimizer(o, counter, label_states) for o in optimizers],
-                        functools.partial(counted_backward, counter),
-                    )
-                for step in range(steps):
-                    counter.step = step
-                    for micro_batch in range(micro_batches):
-                        counter.micro_batch = micro_batch
-                        counter.phase = "forward"
-                        with step_context() if step_context is not None else contextlib.nullcontext():
-                            loss = step_fn(model, batch, step * accumulate_grad_batches + micro_batch)
-                            if manual is None and accumulate_grad_batches > 1:
-                                loss = loss / accumulate_grad_batches  # Lightning's normalised closure loss
-                        if manual is not None:
-                            del loss  # the step optimized itself
-                            continue
-                        if micro_batch == 0:  # Lightning zeroes the gradients at the first micro-batch only
-                            counter.phase = "zero_grad"
-                            for optimizer in optimizers:
-                                optimizer.zero_grad(set_to_none=True)
-                        counter.phase = "backward"
-                        backward_outside_torch_function(loss)  # CUDA modes stay on for checkpointed recomputes
-                        del loss
-                    if manual is None:
-                        counter.phase = "optimizer step"
-                        for optimizer in optimizers:
-                            optimizer.step()
-                        label_states()
-                    counter.phase = "setup"
-            states = unique_storages(_optimizer_state_tensors(optimizers))
-            count = StepCount(
-                peak_bytes=counter.peak,
-                peak_phase=counter.peak_phase,
-                peak_step=counter.peak_step,
-                at_peak=_parts_at_peak(counter, states),
-                parameter_bytes=parameter_bytes,
-                trainable_parameter_bytes=trainable_bytes,
-                buffer_bytes=buffer_bytes,
-                gradient_bytes=sum(counter.storage_bytes(p.grad) for p in trainable if p.grad is not None),
-                optimizer_state_bytes=sum(counter.storage_bytes(t) for t in states),
-                batch_bytes=batch_bytes,
-                phase_peaks={
-                    k: v for k, v in counter.phase_peaks.items() if k in ("forward", "backward", "optimizer step")
-                },
-                peak_micro_batch=counter.peak_micro_batch,
-                accumulate_grad_batches=1 if manual is not None else accumulate_grad_batches,
-            )
+                loop.run(model, batch, optimizers)
+            count = _step_count(counter, optimizers, trainable, sizes, loop.accumulate_grad_batches)
     except _FAKE_EXCEPTIONS as err:
         if not fake:
             raise
@@ -353,6 +291,123 @@ def count_training_steps(
         for handle in handles:
             handle.remove()
     return count
+
+
+def _fake_batch(batch: Any, fake: bool) -> tuple[Any, Any]:
+    """The fake tensor mode (``None`` for a real step) and the batch in it."""
+    if not fake:
+        if any(t.device.type == "meta" for t in _tensors(batch)):
+            raise FakeStepError(
+                "a batch on the meta device has no data to run a real step with; estimate it on fake tensors"
+            )
+        return None, batch
+    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
+    return mode, tree_map(lambda t: fake_tensor_of(t, mode) if isinstance(t, Tensor) else t, batch)
+
+
+def _track_inputs(counter: LiveBytes, model: nn.Module, batch: Any) -> dict[str, int]:
+    """Label the parameters, buffers and batch; their sizes before the steps run (forward may replace buffers)."""
+    params = list(model.parameters())
+    for p in params:
+        counter.track(p, "parameters")
+    for b in model.buffers():
+        counter.track(b, "buffers")
+    for t in _tensors(batch):
+        counter.track(t, "batch")
+    return {
+        "parameter_bytes": sum(counter.storage_bytes(p) for p in unique_storages(params)),
+        "trainable_parameter_bytes": sum(
+            counter.storage_bytes(p) for p in unique_storages([p for p in params if p.requires_grad])
+        ),
+        "buffer_bytes": sum(counter.storage_bytes(b) for b in model.buffers()),
+        "batch_bytes": sum(counter.storage_bytes(t) for t in unique_storages(_tensors(batch))),
+    }
+
+
+def _step_count(
+    counter: _StepBytes,
+    optimizers: list[torch.optim.Optimizer],
+    trainable: Sequence[Tensor],
+    sizes: dict[str, int],
+    accumulate_grad_batches: int,
+) -> StepCount:
+    states = unique_storages(_optimizer_state_tensors(optimizers))
+    return StepCount(
+        peak_bytes=counter.peak,
+        peak_phase=counter.peak_phase,
+        peak_step=counter.peak_step,
+        at_peak=_parts_at_peak(counter, states),
+        gradient_bytes=sum(counter.storage_bytes(p.grad) for p in trainable if p.grad is not None),
+        optimizer_state_bytes=sum(counter.storage_bytes(t) for t in states),
+        phase_peaks={k: v for k, v in counter.phase_peaks.items() if k in ("forward", "backward", "optimizer step")},
+        peak_micro_batch=counter.peak_micro_batch,
+        accumulate_grad_batches=accumulate_grad_batches,
+        **sizes,
+    )
+
+
+class _StepLoop:
+    """Lightning's order of a training step, run on a counted model (see :func:`count_training_steps`)."""
+
+    def __init__(
+        self,
+        counter: _StepBytes,
+        step_fn: Callable[[nn.Module, Any, int], Tensor],
+        steps: int,
+        accumulate_grad_batches: int,
+        step_context: Callable[[], contextlib.AbstractContextManager] | None,
+        manual: Callable[[nn.Module, list[CountedOptimizer], Callable[..., None]], None] | None,
+    ) -> None:
+        self.counter, self.step_fn, self.steps = counter, step_fn, steps
+        self.step_context = step_context or contextlib.nullcontext
+        self.manual = manual
+        #: micro-batches per optimizer step (a manually optimized step does its own)
+        self.accumulate_grad_batches = 1 if manual is not None else accumulate_grad_batches
+        self._scale = accumulate_grad_batches  # the index of a step's first batch counts every micro-batch
+        self.micro_batches = min(self.accumulate_grad_batches, 2)  # from the third on they repeat the second
+
+    def run(self, model: nn.Module, batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        counter = self.counter
+        label_states = functools.partial(_label_states, counter, optimizers)
+        if self.manual is not None:
+            counted = [CountedOptimizer(o, counter, label_states) for o in optimizers]
+            self.manual(model, counted, functools.partial(counted_backward, counter))
+        for step in range(self.steps):
+            counter.step = step
+            for micro_batch in range(self.micro_batches):
+                self._micro_batch(model, batch, optimizers, step, micro_batch)
+            if self.manual is None:
+                counter.phase = "optimizer step"
+                for optimizer in optimizers:
+                    optimizer.step()
+                label_states()
+            counter.phase = "setup"
+
+    def _micro_batch(
+        self, model: nn.Module, batch: Any, optimizers: list[torch.optim.Optimizer], step: int, micro_batch: int
+    ) -> None:
+        counter = self.counter
+        counter.micro_batch = micro_batch
+        counter.phase = "forward"
+        with self.step_context():
+            loss = self.step_fn(model, batch, step * self._scale + micro_batch)
+            if self.accumulate_grad_batches > 1:
+                loss = loss / self.accumulate_grad_batches  # Lightning's normalised closure loss
+        if self.manual is not None:
+            del loss  # the step optimized itself
+            return
+        if micro_batch == 0:  # Lightning zeroes the gradients at the first micro-batch only
+            counter.phase = "zero_grad"
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+        counter.phase = "backward"
+        backward_outside_torch_function(loss)  # CUDA modes stay on for checkpointed recomputes
+        del loss
+
+
+def _label_states(counter: LiveBytes, optimizers: list[torch.optim.Optimizer]) -> None:
+    for state in _optimizer_state_tensors(optimizers):
+        counter.relabel(state, "optimizer_states")
 
 
 def _parts_at_peak(counter: LiveBytes, states: list[Tensor]) -> dict[str, int]:
