@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import textwrap
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_memopt.__about__ import __version__
 from lightning_memopt.utilities.formatting import printable
@@ -61,12 +64,39 @@ with a dotted line.
 """
 
 
+#: The widest line ``--help`` prints, whatever the terminal.
+HELP_WIDTH = 100
+
+
+class _Paragraphs(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's paragraphs and indented examples, refilled to the terminal (100 columns at most)."""
+
+    def __init__(self, prog: str, **kwargs: Any) -> None:
+        kwargs["width"] = min(kwargs.get("width") or shutil.get_terminal_size().columns - 2, HELP_WIDTH)
+        super().__init__(prog, **kwargs)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = text.strip("\n").split("\n\n")
+        return "\n\n".join(p if p.startswith(" ") else _fill(p, width, indent) for p in paragraphs) + "\n"
+
+
+def _fill(paragraph: str, width: int, indent: str) -> str:
+    """A paragraph refilled; an example line (indented) inside it stays as it is."""
+    lines = paragraph.splitlines()
+    head = [line for line in lines if not line.startswith(" ")]
+    tail = lines[len(head) :] if lines[: len(head)] == head else []
+    if not tail:
+        head = lines
+    filled = textwrap.fill(" ".join(head), width, initial_indent=indent, subsequent_indent=indent)
+    return "\n".join([filled, *tail])
+
+
 def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "analyze",
         help="summarise memory JSONL logs and plot a timeline",
         description=_ANALYZE_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Paragraphs,
     )
     parser.add_argument("logs", nargs="+", metavar="LOG", help="memory_rank*.jsonl files written by MemoryMonitor")
     parser.add_argument(
@@ -104,7 +134,9 @@ def _run_analyze(args: argparse.Namespace) -> int:
 
 
 def _add_report(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("report", help="print an out-of-memory report (JSON from OOMReporter) as Markdown")
+    parser = subparsers.add_parser(
+        "report", help="print an out-of-memory report (JSON from OOMReporter) as Markdown", formatter_class=_Paragraphs
+    )
     parser.add_argument(
         "reports",
         nargs="+",
@@ -191,9 +223,10 @@ the trials and the verdict; --precision auto picks bf16-mixed where the GPU comp
 exit codes: 0 an estimate, or a plan that fits; 1 nothing fits the budget (the advice says what would: 8-bit
 optimizer states or sharding); 2 bad input (one line on stderr naming the argument).
 
-example (from the repository root):
+example (from the repository root, or an unpacked sdist):
   lightning-memopt estimate --config examples/dreams/config.yaml \\
-      --model examples.dreams.module.SpectraFineTuner --data examples.dreams.module.SpectraDataModule \\
+      --model examples.dreams.module.SpectraFineTuner \\
+      --data examples.dreams.module.SpectraDataModule \\
       --model.model_preset small --gpu A100-40GB --effective-batch-size 64
 """
 
@@ -203,9 +236,10 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         "estimate",
         help="predict a training step's peak memory and plan micro-batch, precision and checkpointing",
         description=_ESTIMATE_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [--config FILE.yaml] [--model CLASS_PATH] [--model.NAME VALUE ...] [--data CLASS_PATH |"
-        " --batch-shape SPEC ...] [--gpu NAME | --device-memory SIZE] [--effective-batch-size N] [options]",
+        formatter_class=_Paragraphs,
+        usage="%(prog)s [--config FILE.yaml] [--model CLASS_PATH] [--model.NAME VALUE ...]\n"
+        "         [--data CLASS_PATH | --batch-shape SPEC ...] [--gpu NAME | --device-memory SIZE]\n"
+        "         [--effective-batch-size N] [options]",
     )
     what = parser.add_argument_group("model and batch")
     what.add_argument(
@@ -332,7 +366,9 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-memopt", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-memopt", description=__doc__.splitlines()[0].replace("``", ""), formatter_class=_Paragraphs
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_analyze(subparsers)

@@ -270,3 +270,15 @@ def test_report_starts_without_importing_lightning(tmp_path):
 )
 def test_report_starts_without_importing_torch(tmp_path):
     assert _heavy_modules_after_report(tmp_path) == "HEAVY []"
+
+
+@pytest.mark.parametrize("command", [[], ["analyze"], ["report"], ["estimate"]])
+@pytest.mark.parametrize("columns", ["60", "100", "240"])
+def test_every_help_fits_100_columns_without_markup(command, columns, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", columns)
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: lightning-memopt")
+    assert max(map(len, text.splitlines())) <= 100
+    assert "``" not in text
