@@ -212,8 +212,12 @@ def _grad_fn_tensors_sampled(value: Any, max_depth: int) -> tuple[int, int]:
             return 0, 0
         if not sampled:
             seen.add(id(obj))
-        found = [count(v, depth + 1, sampled) for v in items if type(v) not in _NEVER_HOLD]
-        return sum(c for c, _ in found), sum(b for _, b in found)
+        total = nbytes = 0
+        for v in items:
+            if type(v) not in _NEVER_HOLD:
+                c, b = count(v, depth + 1, sampled)
+                total, nbytes = total + c, nbytes + b
+        return total, nbytes
 
     return count(value, 0, True)
 
