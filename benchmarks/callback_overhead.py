@@ -274,7 +274,7 @@ def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps:
                 holder_samples_s=audit_parts["holder_sample"],
                 leak_walks_s=audit_parts["leak_sample"],
                 batch_end_after_first_step_s=sum(s for step, s in clock.batch_end if step != 1),
-                leak_every_n_steps=cb.leak_every_n_steps,
+                leak_every_n_train_steps=cb.leak_every_n_train_steps,
             )
     return result
 
@@ -486,8 +486,8 @@ def print_report(
         scan = costs["audit_attribute_scan_with_data_on_module_s"]
         print(
             f"  had the LightningModule kept the token lists as an attribute: {scan:.2f} s per attribute scan,"
-            f" i.e. {1000 * scan / audits[0]['leak_every_n_steps']:.0f} ms per step at leak_every_n_steps="
-            f"{audits[0]['leak_every_n_steps']}"
+            f" i.e. {1000 * scan / audits[0]['leak_every_n_train_steps']:.0f} ms per step at leak_every_n_train_steps="
+            f"{audits[0]['leak_every_n_train_steps']}"
         )
     print(
         "\nper call here: gc.collect(0) {gc_collect_gen0_ms:.3f} ms, gc.collect(1) {gc_collect_gen1_ms:.3f} ms,"

@@ -5,7 +5,7 @@ trivial model (one ``Linear(4, 1)``, one thread: Lightning's own loop is most of
 spent inside the two callbacks' hooks:
 
 * configurations in one process, in alternating order, ``--rounds`` pairs: no callbacks, and
-  ``MemoryMonitor(log_every_n_steps=1)`` + ``MemoryAudit(leak_every_n_steps=1)`` writing one log file;
+  ``MemoryMonitor(log_every_n_steps=1)`` + ``MemoryAudit(leak_every_n_train_steps=1)`` writing one log file;
 * per step: the seconds inside the callbacks' ``on_train_batch_end`` hooks over all steps but the first (whose
   footprint audit is a one-off), divided by the steps; split into the CPU leak walks (held by
   ``leak_max_overhead`` to a fraction of training time, so they cost a share of the step, not a fixed time) and the
@@ -131,7 +131,7 @@ def run_fit(config: str, steps: int, root: Path, profile: cProfile.Profile | Non
     if config == "monitor+audit":
         callbacks = [
             MemoryMonitor(dirpath=root / "memory", log_every_n_steps=1),
-            MemoryAudit(dirpath=root / "memory", leak_every_n_steps=1),
+            MemoryAudit(dirpath=root / "memory", leak_every_n_train_steps=1),
         ]
     clocks = [HookClock(cb) for cb in callbacks]
     trainer_ref: list[pl.Trainer] = []

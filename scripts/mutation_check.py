@@ -209,10 +209,10 @@ MUTANTS = (
     ),
     Mutant(
         "audit-walk-budget-ignored",
-        "lightning_memopt/functional/leak_watch.py",
+        "lightning_memopt/functional/leaks.py",
         "return self._walk_s <= self.max_overhead * (self.clock() - self._last_walk_end)",
         "return True",
-        ("tests/functional/test_leak_watch.py", "tests/callbacks/test_memory_audit.py"),
+        ("tests/functional/test_leaks.py", "tests/callbacks/test_memory_audit.py"),
     ),
     Mutant(
         "jsonl-shared-file-closed-by-first-writer",

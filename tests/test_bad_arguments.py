@@ -283,7 +283,9 @@ ROWS = [
     row(MemoryAudit, {"detect_leaks": "no"}, says("detect_leaks", "no"), case="audit-detect-str"),
     row(MemoryAudit, {"check_grad_tracking": "no"}, says("check_grad_tracking", "no"), case="audit-grad-str"),
     row(MemoryAudit, {"collect_garbage": "no"}, says("collect_garbage", "no"), case="audit-collect-str"),
-    row(MemoryAudit, {"leak_every_n_steps": True}, says("leak_every_n_steps", True), case="audit-every-bool"),
+    row(
+        MemoryAudit, {"leak_every_n_train_steps": True}, says("leak_every_n_train_steps", True), case="audit-every-bool"
+    ),
     row(MemoryAudit, {"leak_window": 10.0}, says("leak_window", 10.0), case="audit-window-float"),
     row(
         MemoryAudit,

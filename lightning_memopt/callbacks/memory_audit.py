@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
 from lightning_memopt.callbacks._memory_log import RankLogCallback, position
-from lightning_memopt.functional.audit import fit_loaders, named_loaders
-from lightning_memopt.functional.audit_session import AuditSession
-from lightning_memopt.functional.leak_watch import LeakSampler
-from lightning_memopt.functional.leaks import Growth
-from lightning_memopt.functional.loaders import LoaderMemory
+from lightning_memopt.functional.audit import AuditSession
+from lightning_memopt.functional.leaks import Growth, LeakSampler
+from lightning_memopt.functional.loaders import LoaderMemory, fit_loaders, named_loaders
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import position_record
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.namespaces import rank_zero_info
+from lightning_memopt.utilities.quiet import WIDTH, note_inactive, report_inactive
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryAudit"]
 
-_FLAGS = ("audit_fit_start", "detect_leaks", "check_grad_tracking", "collect_garbage", "audit_dataloaders")
+_FLAGS = ("audit_fit_start", "detect_leaks", "check_grad_tracking", "collect_garbage", "audit_dataloaders", "verbose")
 _OVERHEAD_HINT = "Use e.g. 0.01 for 1 % of the training time, or None for a fixed interval."
 _DUPLICATE_HINT = "Use e.g. 0.5 to warn at half a copy."
 
@@ -40,20 +39,26 @@ class MemoryAudit(RankLogCallback):
     * **Duplicate copies**: unowned live tensors on the training device that mirror the parameters (shape and
       values up to bf16 rounding); one warning, saying where they are held, when they add up to at least
       ``duplicate_fraction`` of the parameters' elements.
-    * **Leaks**: every ``leak_every_n_steps`` optimizer steps, the module's attributes holding more tensors with
-      autograd history at every sample, then allocated bytes (on CPU: live tensor bytes, within
+    * **Leaks**: every ``leak_every_n_train_steps`` optimizer steps, the module's attributes holding more tensors
+      with autograd history at every sample, then allocated bytes (on CPU: live tensor bytes, within
       ``leak_max_overhead``); one warning when ``leak_window`` samples rise steadily.
     * **Grad tracking**: ``validation_step`` outputs with autograd history or grad left on; metric states that
       require grad. **DataLoaders**: their host memory and wasteful settings, each with its fix.
 
-    A failing audit warns once; training goes on. Records go to ``<dirpath>/memory_rank{rank}.jsonl`` (shared with
-    ``MemoryMonitor``); each check, its records and cost in detail: ``docs/memory-log.md``.
+    What it finds warns (from this package's modules, so ``filterwarnings(module="lightning_memopt")`` reaches it);
+    a clean audit prints nothing unless ``verbose``. A failing check warns once; training goes on. Records go to
+    ``<dirpath>/memory_rank{rank}.jsonl`` (shared with ``MemoryMonitor``); each check, its records and cost in
+    detail: ``docs/memory-log.md``. The work is done by a Trainer-free
+    :class:`~lightning_memopt.functional.audit.AuditSession`; this callback picks the steps and writes the records.
 
     Args:
-        dirpath: Directory of the JSONL files. Default: ``<trainer.log_dir or default_root_dir>/memory``.
+        dirpath: Directory of the JSONL files, kept as a ``str``. Default (resolved in ``setup``): the directory
+            shared by the package's writers under ``trainer.log_dir`` (or ``default_root_dir``).
         duplicate_fraction: Fraction in (0, 1] of the parameters' elements that unowned copies must mirror before
             a duplicate warning.
-        leak_every_n_steps: Optimizer steps between leak samples.
+        leak_every_n_train_steps: Optimizer steps (``trainer.global_step``, as ``ModelCheckpoint`` counts them)
+            between leak samples; also the interval of the metric-state check and, in validation batches, of the
+            output check.
         leak_window: Samples judged together (at least 3): growth must last ``leak_window`` samples.
         leak_min_bytes_per_step: Growth per optimizer step below which nothing is reported (1: any sustained growth).
         audit_fit_start: Whether to audit the footprint and duplicates at fit start and after the first step.
@@ -62,23 +67,30 @@ class MemoryAudit(RankLogCallback):
         max_listed: How many of the largest unowned tensors / duplicate copies each record lists.
         collect_garbage: Whether to run one full ``gc.collect()`` before each of the two audits.
         leak_max_overhead: Fraction of training time the CPU leak samples' object walks may take; ``None``: sample
-            every ``leak_every_n_steps`` whatever it costs.
+            every ``leak_every_n_train_steps`` whatever it costs.
         audit_dataloaders: Whether to report the DataLoaders' host memory and wasteful settings.
+        verbose: Whether to print the footprint table at fit start and after the first step, and each DataLoader's
+            host memory; otherwise they go to the ``lightning_memopt`` logger at INFO (its records, in the log file,
+            are written either way).
 
     Logged metrics (rank zero, once at fit start, bytes):
         ``memory/audit/{parameters,buffers,gradients,optimizer_states}_bytes``,
         ``memory/audit/unexplained_bytes`` (devices with allocator readings), ``memory/audit/duplicate_bytes``.
 
+    Device: every check runs on CPU too (leak samples then count live tensor bytes); allocated bytes the model does
+    not explain need allocator readings (CUDA). With every check off it notes itself inactive in the one line per
+    fit (:mod:`lightning_memopt.utilities.quiet`).
+
     Example:
         >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(callbacks=[MemoryAudit(leak_every_n_steps=50)], logger=False)
+        >>> trainer = Trainer(callbacks=[MemoryAudit(leak_every_n_train_steps=50)], logger=False)
     """
 
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
         duplicate_fraction: float = 0.5,
-        leak_every_n_steps: int = 10,
+        leak_every_n_train_steps: int = 10,
         leak_window: int = 10,
         leak_min_bytes_per_step: int = 1,
         audit_fit_start: bool = True,
@@ -88,36 +100,40 @@ class MemoryAudit(RankLogCallback):
         collect_garbage: bool = True,
         leak_max_overhead: float | None = 0.01,
         audit_dataloaders: bool = True,
+        verbose: bool = False,
     ) -> None:
         check_path("dirpath", dirpath)
-        check_positive_int("leak_every_n_steps", leak_every_n_steps)
+        check_positive_int("leak_every_n_train_steps", leak_every_n_train_steps)
         check_positive_int("leak_window", leak_window)
         leak_max_overhead = check_fraction("leak_max_overhead", leak_max_overhead, allow_none=True, hint=_OVERHEAD_HINT)
         sampler = LeakSampler(leak_window, leak_min_bytes_per_step, leak_max_overhead)  # checks window and bytes
         check_positive_int("max_listed", max_listed)
-        flags = (audit_fit_start, detect_leaks, check_grad_tracking, collect_garbage, audit_dataloaders)
+        flags = (audit_fit_start, detect_leaks, check_grad_tracking, collect_garbage, audit_dataloaders, verbose)
         for name, flag in zip(_FLAGS, flags):
             check_bool(name, flag)
-        self.dirpath = None if dirpath is None else Path(dirpath)
+        # a `str` as ModelCheckpoint keeps it (the ignore goes once the shared base declares `str | None` too)
+        self.dirpath = None if dirpath is None else os.fspath(dirpath)  # type: ignore[assignment]
         self.duplicate_fraction = check_fraction("duplicate_fraction", duplicate_fraction, hint=_DUPLICATE_HINT)
-        self.leak_every_n_steps, self.leak_window = leak_every_n_steps, leak_window
+        self.leak_every_n_train_steps, self.leak_window = leak_every_n_train_steps, leak_window
         self.leak_min_bytes_per_step, self.leak_max_overhead = leak_min_bytes_per_step, leak_max_overhead
         self.audit_fit_start, self.detect_leaks, self.check_grad_tracking = flags[:3]
         self.max_listed, self.collect_garbage, self.audit_dataloaders = max_listed, collect_garbage, audit_dataloaders
+        self.verbose = verbose
         self._warn = WarnOnce()  # failures of the audit itself: once per instance
         self._session = AuditSession(DeviceMemory("cpu"), sampler, self.duplicate_fraction, max_listed, collect_garbage)
+        self._active = any(flags[:3]) or audit_dataloaders
         self._last_sampled_step = -1
         self._first_step_audited = False
-        self._next_sample_step = leak_every_n_steps
+        self._next_sample_step = leak_every_n_train_steps
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once
-        return self._generate_state_key(dirpath=str(self.dirpath) if self.dirpath else None)
+        return self._generate_state_key(dirpath=self.dirpath)
 
     @property
     def loaders(self) -> list[LoaderMemory]:
         """The DataLoader audit of the last fit: one :class:`~lightning_memopt.functional.loaders.LoaderMemory` each."""
-        return self._session.loaders.loaders
+        return self._session.loaders
 
     @property
     def last_audit(self) -> dict[str, Any] | None:
@@ -131,36 +147,42 @@ class MemoryAudit(RankLogCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not self._active:
+            note_inactive(trainer, "MemoryAudit", "every check is off")
+            return
         self._session.memory = DeviceMemory(trainer_device(trainer))
         self._session.rank = trainer.global_rank
         self._open_log(trainer, "MemoryAudit")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report_inactive(trainer)  # the one line about every inactive callback, whichever reaches here first
         # every fit reports its own findings; a resumed run keeps its leak window (see `state_dict`)
         self._session.new_fit(resumed=trainer.global_step > 0)
         self._last_sampled_step = -1
         self._first_step_audited = False
-        self._next_sample_step = (trainer.global_step // self.leak_every_n_steps + 1) * self.leak_every_n_steps
+        every = self.leak_every_n_train_steps
+        self._next_sample_step = (trainer.global_step // every + 1) * every
         if self.audit_fit_start:
             self._guarded("audit", self._audit, trainer, pl_module, "fit_start")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._session.new_loaders()
         if self.audit_dataloaders:
-            self._guarded("dataloaders", self._audit_loaders, trainer)
+            limit_val = getattr(trainer, "limit_val_batches", 1)
+            named = fit_loaders(trainer.train_dataloader, trainer.val_dataloaders, limit_val)
+            self._guarded("dataloaders", self._session.start_loaders, named, self._emitter(trainer))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if "train" in self._session.loaders.unmeasured:  # the first batch: how big the batches prepared ahead are
+        if "train" in self._session.unmeasured:  # the first batch: how big the batches prepared ahead are
             self._guarded("dataloaders", self._measure_loader, trainer, "train", batch)
 
     @override
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._session.loaders.unmeasured and trainer.state.fn == "fit":
+        if self._session.unmeasured and trainer.state.fn == "fit":
             val = named_loaders("val", trainer.val_dataloaders)
             if dataloader_idx < len(val):
                 self._guarded("dataloaders", self._measure_loader, trainer, val[dataloader_idx][0], batch)
@@ -177,20 +199,20 @@ class MemoryAudit(RankLogCallback):
             self._first_step_audited = True
             self._guarded("audit", self._audit, trainer, pl_module, "first_step")
         if self.detect_leaks and not session.leak_reported and step >= self._next_sample_step:
-            self._next_sample_step = step + self.leak_every_n_steps
+            self._next_sample_step = step + self.leak_every_n_train_steps
             # The common cause first, on every device and cheaply: attributes of the module that keep tensors
             # with autograd history, more of them every step. The full walk (CPU) waits for its time budget.
             self._guarded("leak", session.holder_sample, pl_module, step, batch_idx, self._emitter(trainer))
             if not session.leak_reported and session.sampler.due(session.memory.has_device_memory):
                 self._guarded("leak", session.leak_sample, pl_module, step, batch_idx, self._emitter(trainer))
-        if step % self.leak_every_n_steps == 0 and self.check_grad_tracking:
+        if step % self.leak_every_n_train_steps == 0 and self.check_grad_tracking:
             self._guarded("metric-states", session.check_metric_states, pl_module)
 
     @override
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self.check_grad_tracking and batch_idx % self.leak_every_n_steps == 0:
+        if self.check_grad_tracking and batch_idx % self.leak_every_n_train_steps == 0:
             self._guarded("validation-grad", self._session.check_validation_outputs, outputs, batch_idx)
 
     @override
@@ -214,6 +236,14 @@ class MemoryAudit(RankLogCallback):
         except Exception as err:
             self._warn.warn(f"failed-{key}", f"MemoryAudit: the {key} check failed ({err!r}); training goes on.")
 
+    def _say(self, text: str) -> None:
+        """A routine report: printed (rank zero, each line within the width) when ``verbose``, else logged at INFO."""
+        if not self.verbose:
+            log.info(text)
+            return
+        lines = [textwrap.fill(line, WIDTH, subsequent_indent="  ") if line else line for line in text.splitlines()]
+        rank_zero_info("\n".join(lines))
+
     def _emitter(self, trainer: pl.Trainer) -> Any:
         """``emit(reading, event, batch_idx, **keys)`` for the session: writes one record of this rank, returns it."""
 
@@ -228,19 +258,11 @@ class MemoryAudit(RankLogCallback):
     def _audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         result = self._session.audit(pl_module, optimizers, when, self._emitter(trainer))
-        if when == "fit_start":
-            rank_zero_info(result.text(when))
-            if trainer.global_rank == 0 and trainer.loggers:
-                log_to_loggers(trainer, result.metrics(self._session.warn_duplicates), self._warn, "MemoryAudit")
-        else:
-            log.info(result.text(when))
-
-    def _audit_loaders(self, trainer: pl.Trainer) -> None:
-        limit_val = getattr(trainer, "limit_val_batches", 1)
-        named = fit_loaders(trainer.train_dataloader, trainer.val_dataloaders, limit_val)
-        self._session.start_loaders(named, self._emitter(trainer))
+        self._say(result.text(when))
+        if when == "fit_start" and trainer.global_rank == 0 and trainer.loggers:
+            log_to_loggers(trainer, result.metrics(self._session.warn_duplicates), self._warn, "MemoryAudit")
 
     def _measure_loader(self, trainer: pl.Trainer, name: str, batch: Any) -> None:
-        summary = self._session.measure_loader(name, batch, self._emitter(trainer))
-        if summary is not None:
-            rank_zero_info(summary)
+        info = self._session.measure_loader(name, batch, self._emitter(trainer))
+        if info is not None and trainer.global_rank == 0:
+            self._say(f"MemoryAudit: DataLoader {info.summary()}")

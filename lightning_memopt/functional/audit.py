@@ -1,16 +1,20 @@
-"""The Trainer-free core of ``MemoryAudit``: the model audit, where stray copies are held, the DataLoader watch and
-the texts of the findings.
+"""The Trainer-free core of ``MemoryAudit``: :class:`AuditSession`, the state of one audit across a fit and every
+decision it makes (the model audit, where stray copies are held, the leak samples, the DataLoader reports and the
+texts of the findings).
 
-Nothing here knows about a Trainer or a hook; :class:`~lightning_memopt.callbacks.MemoryAudit` calls these, writes
-the records and warns.
+The callback gives the session the model, the step and an ``emit`` function that writes one record
+(``emit(reading, event, batch_idx, **keys)``, see ``docs/memory-log.md``); the session decides what to write and
+what to warn. Tests drive it with a fake memory reader and a list as ``emit``. The maths of leaks lives in
+:mod:`~lightning_memopt.functional.leaks`, what a DataLoader costs in :mod:`~lightning_memopt.functional.loaders`.
 """
 
 from __future__ import annotations
 
+import gc
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,21 +25,36 @@ from lightning_memopt.functional.footprint import (
     StorageKey,
     find_duplicates,
     find_storage_holders,
+    model_footprint,
+    tensor_names,
     unexplained_bytes,
 )
 from lightning_memopt.functional.footprint.storage import INSPECTION_ERRORS
-from lightning_memopt.functional.leaks import tensors_with_grad_fn
+from lightning_memopt.functional.leaks import (
+    GradFnHolder,
+    Growth,
+    HolderWatch,
+    LeakSampler,
+    grad_fn_holders,
+    growth_message,
+    leak_message,
+    metric_states_requiring_grad,
+    tensors_with_grad_fn,
+)
 from lightning_memopt.functional.loaders import LoaderMemory, batch_bytes, loader_memory
+from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.state import StateField, as_bool, as_int, as_list, load_state
+from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__ = [
-    "LoaderWatch",
+    "AuditMemory",
+    "AuditSession",
+    "Emit",
     "ModelAudit",
     "audit_model",
     "duplicates_message",
-    "fit_loaders",
     "metric_states_message",
-    "named_loaders",
     "validation_findings",
     "where_held",
 ]
@@ -206,74 +225,213 @@ def metric_states_message(rank: int, found: Sequence[str]) -> str:
     )
 
 
-def named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
-    """``(name, loader)`` for a loader or a list / dict of them, as the Trainer holds them.
-
-    Example:
-        >>> named_loaders("val", ["a", "b"]), named_loaders("train", "a"), named_loaders("val", None)
-        ([('val[0]', 'a'), ('val[1]', 'b')], [('train', 'a')], [])
-    """
-    if isinstance(loaders, (list, tuple)):
-        return [(f"{name}[{i}]" if len(loaders) > 1 else name, dl) for i, dl in enumerate(loaders)]
-    if isinstance(loaders, dict):
-        return [(f"{name}[{key}]", dl) for key, dl in loaders.items()]
-    return [] if loaders is None else [(name, loaders)]
+def _sample(value: Any) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError("not a [step, bytes] pair")
+    return as_int(0)(value[0]), as_int(0)(value[1])
 
 
-def fit_loaders(train: Any, val: Any, limit_val_batches: Any = 1) -> list[tuple[str, Any]]:
-    """``(name, loader)`` of a fit's loaders: ``train`` and, unless validation is off, ``val``.
+#: The saved leak check: losing it only restarts the leak window (and may warn about a leak a second time).
+_STATE = {
+    "leak_samples": StateField(as_list(_sample), "a list of [step, bytes] pairs of non-negative ints", default=[]),
+    "leak_reported": StateField(as_bool, "a bool", default=False),
+}
 
-    Example:
-        >>> fit_loaders("t", ["v"]), fit_loaders("t", ["v"], limit_val_batches=0)
-        ([('train', 't'), ('val', 'v')], [('train', 't')])
-    """
-    named = named_loaders("train", train)
-    if val is not None and limit_val_batches != 0:
-        named += named_loaders("val", val)
-    return named
+#: Writes one record and returns it: ``emit(reading, event, batch_idx, **keys) -> record``.
+Emit = Callable[..., Any]
 
 
-class LoaderWatch:
-    """The DataLoaders of a fit: their settings at train start, their bytes at each one's first batch.
+class AuditMemory(Protocol):
+    """The device an audit reads: :class:`~lightning_memopt.functional.memory.DeviceMemory` or a fake."""
+
+    device: torch.device
+    has_device_memory: bool
+
+    def read(self) -> MemoryReading: ...
+
+
+class AuditSession:
+    """The state of ``MemoryAudit`` across a fit and every decision it makes; raises what its checks raise.
 
     Args:
-        device_type: Where training runs (``"cuda"``, ``"cpu"``...).
-        host_total_bytes: The host's memory, for the finding about batches prepared ahead.
+        memory: The training device's memory.
+        sampler: The leak samples (:class:`LeakSampler`) and the time budget of their object walks.
+        duplicate_fraction: Fraction of the parameters' elements stray copies must mirror before a warning.
+        max_listed: How many of the largest unowned tensors / copies a record lists.
+        collect_garbage: Whether to run one full ``gc.collect()`` before each audit.
+        rank: The rank, for the warnings.
 
     Example:
-        >>> from torch.utils.data import DataLoader, TensorDataset
-        >>> watch = LoaderWatch("cpu", host_total_bytes=2**34)
-        >>> [info.host_bytes for info in watch.start([("train", DataLoader(TensorDataset(torch.zeros(8, 4))))])]
-        [None]
-        >>> watch.measure("train", [torch.zeros(1, 4)]).batch_bytes, [i.name for i in watch.loaders]
-        (16, ['train'])
+        >>> from lightning_memopt.functional.memory import DeviceMemory
+        >>> records = []
+        >>> session = AuditSession(DeviceMemory("cpu"), LeakSampler(3, 1, None), 0.5, 5, collect_garbage=False)
+        >>> emit = lambda reading, event, batch_idx, **keys: records.append((event, keys.get("audit")))
+        >>> session.audit(torch.nn.Linear(2, 2), [], "fit_start", emit).footprint.total_bytes()
+        24
+        >>> records
+        [('audit', 'fit_start')]
     """
 
-    def __init__(self, device_type: str, host_total_bytes: int) -> None:
-        self.device_type = device_type
-        self.host_total_bytes = host_total_bytes
+    def __init__(
+        self,
+        memory: AuditMemory,
+        sampler: LeakSampler,
+        duplicate_fraction: float,
+        max_listed: int,
+        collect_garbage: bool,
+        rank: int = 0,
+    ) -> None:
+        self.memory = memory
+        self.sampler = sampler
+        self.holders = HolderWatch(sampler.window)
+        #: The DataLoader audit of the fit: one :class:`LoaderMemory` per loader (its bytes once measured).
         self.loaders: list[LoaderMemory] = []
+        #: The loaders whose first batch is not measured yet, by name.
         self.unmeasured: dict[str, Any] = {}
+        self.host_total_bytes = 0
+        self.duplicate_fraction = duplicate_fraction
+        self.max_listed = max_listed
+        self.collect_garbage = collect_garbage
+        self.rank = rank
+        #: What the audit found: each warned once per fit (:meth:`new_fit`), every fit.
+        self.findings = WarnOnce(every_time=True)
+        self.duplicates_seen: frozenset[Any] = frozenset()
+        self.warn_duplicates = False
+        #: The last ``audit`` record emitted (``fit_start`` or ``first_step``).
+        self.last_audit: dict[str, Any] | None = None
+        self.leak_reported = False
+        #: The leak verdict that was warned about, if any.
+        self.leak: Growth | None = None
 
-    def start(self, named: Sequence[tuple[str, Any]]) -> list[LoaderMemory]:
-        """The settings of every loader now (before its workers start): one :class:`LoaderMemory` per DataLoader."""
+    def state_dict(self) -> dict[str, Any]:
+        """The leak samples and whether a leak was reported, for a checkpoint."""
+        return {"leak_samples": [list(sample) for sample in self.sampler.samples], "leak_reported": self.leak_reported}
+
+    def load_state_dict(self, state_dict: Any, owner: str = "MemoryAudit") -> None:
+        """Restore :meth:`state_dict`'s values; a bad or missing one warns (naming ``owner``) and starts fresh.
+
+        Both keys are harmless to lose: the leak window fills again (the last ``window`` samples are kept).
+        """
+        state = load_state(owner, state_dict, _STATE)
+        self.sampler.samples.clear()
+        self.sampler.samples.extend(state["leak_samples"])
+        self.leak_reported = state["leak_reported"]
+
+    def new_fit(self, resumed: bool) -> None:
+        """Start a fit: findings warn again, loaders are audited afresh; a new run (not ``resumed``) also forgets its
+        leak samples."""
+        self.findings.reset()
+        self.duplicates_seen = frozenset()
+        self.loaders, self.unmeasured = [], {}
+        if not resumed:
+            self.sampler.samples.clear()
+            self.leak_reported, self.leak = False, None
+        self.holders.samples.clear()
+        self.sampler.restart()
+
+    # ---------------------------------------------------------------- footprint and duplicates
+    def audit(self, module: torch.nn.Module, optimizers: Sequence[Any], when: str, emit: Emit) -> ModelAudit:
+        """Audit the footprint and stray copies (``when``: ``fit_start``/``first_step``): emit the ``audit`` record
+        and, once per fit, a ``duplicates`` warning (also warned)."""
+        if self.collect_garbage:
+            gc.collect()
+        footprint = model_footprint(module, optimizers)
+        live = self.sampler.timed_walk(self.memory.device, names=tensor_names(module, optimizers))
+        reading = self.memory.read()
+        device = str(self.memory.device)
+        # Copies found at fit start still count after the first step moved the weights away from their values.
+        result = audit_model(
+            module, footprint, live, reading.allocated_bytes, device, self.max_listed, self.duplicates_seen
+        )
+        dup = result.duplicates
+        self.duplicates_seen = dup.signatures
+        self.warn_duplicates = dup.num_tensors > 0 and dup.fraction >= self.duplicate_fraction
+        self.last_audit = emit(reading, "audit", None, **result.fields(when, self.max_listed))
+        if self.warn_duplicates:
+            message = duplicates_message(self.rank, when, device, dup, where_held(module, dup))
+            if self.findings.warn("duplicates", message):
+                keys = {"duplicate_bytes": dup.bytes, "num_duplicate_tensors": dup.num_tensors}
+                emit(reading, "warning", None, check="duplicates", message=message, **keys)
+        return result
+
+    # ---------------------------------------------------------------- dataloaders
+    def start_loaders(self, named: Sequence[tuple[str, Any]], emit: Emit) -> None:
+        """Report the settings of the fit's loaders (``(name, loader)``, see ``fit_loaders``) before their workers
+        start; each one's bytes wait for its first batch (:meth:`measure_loader`)."""
+        import psutil
+
+        self.host_total_bytes = int(psutil.virtual_memory().total)
         self.unmeasured = dict(named)
-        return [info for name, loader in named if (info := self._audit(name, loader, None)) is not None]
+        for name, loader in named:
+            self._report_loader(name, loader, None, emit)
 
-    def measure(self, name: str, batch: Any) -> LoaderMemory | None:
-        """The loader ``name`` again with the bytes of its first ``batch`` (``None`` once measured)."""
+    def measure_loader(self, name: str, batch: Any, emit: Emit) -> LoaderMemory | None:
+        """Report loader ``name`` with the bytes of its first ``batch``; ``None`` once measured (or not a loader)."""
         loader = self.unmeasured.pop(name, None)
-        return None if loader is None else self._audit(name, loader, batch_bytes(batch))
+        return None if loader is None else self._report_loader(name, loader, batch_bytes(batch), emit)
 
-    def _audit(self, name: str, loader: Any, nbytes: int | None) -> LoaderMemory | None:
+    def _report_loader(self, name: str, loader: Any, nbytes: int | None, emit: Emit) -> LoaderMemory | None:
+        """Audit one loader: emit its ``dataloaders`` record once measured; on rank zero warn (and emit) each
+        finding once per fit."""
         info = loader_memory(
             loader,
             name,
-            self.device_type,
+            self.memory.device.type,
             host_total_bytes=self.host_total_bytes,
             evaluation=name.startswith("val"),
             batch_bytes=nbytes,
         )
-        if info is not None:
-            self.loaders = [*(i for i in self.loaders if i.name != name), info]
+        if info is None:
+            return None
+        self.loaders = [*(i for i in self.loaders if i.name != name), info]
+        reading = self.memory.read()
+        if nbytes is not None:
+            emit(reading, "dataloaders", None, loader=info.as_dict(), host_total_bytes=self.host_total_bytes)
+        if self.rank == 0:  # the loaders are the same on every rank: rank zero speaks for them
+            for finding in info.findings:
+                message = f"MemoryAudit: {finding}"
+                if self.findings.warn(f"loader-{finding}", message):
+                    emit(reading, "warning", None, check="dataloaders", message=message, loader=info.name)
         return info
+
+    # ---------------------------------------------------------------- leaks
+    def holder_sample(self, module: torch.nn.Module, step: int, batch_idx: int, emit: Emit) -> None:
+        """The cheap leak check: attributes of ``module`` holding more tensors with autograd history every sample."""
+        holders = grad_fn_holders(module)
+        found = self.holders.add(step, holders)
+        if found is not None:
+            self._report_leak(batch_idx, found.growth, holders, found.describe(), emit)
+
+    def leak_sample(self, module: torch.nn.Module, step: int, batch_idx: int, emit: Emit) -> None:
+        """One memory sample (allocated bytes; on CPU live tensor bytes); a leak warning when the window grows."""
+        memory = self.memory
+        value = memory.read().allocated_bytes if memory.has_device_memory else self.sampler.live_bytes(memory.device)
+        growth = None if value is None else self.sampler.add(step, value)
+        if growth is not None:
+            steps = [s for s, _ in self.sampler.samples]
+            what = growth_message(growth, steps, memory.device, allocated=memory.has_device_memory)
+            self._report_leak(batch_idx, growth, grad_fn_holders(module), what, emit)
+
+    def _report_leak(self, batch_idx: int, growth: Growth, holders: list[GradFnHolder], what: str, emit: Emit) -> None:
+        self.leak_reported, self.leak = True, growth
+        message = leak_message(self.rank, what, holders)
+        self.findings.warn("leak", message)
+        keys = {
+            "bytes_per_step": growth.bytes_per_step,
+            "first_step": growth.first_step,
+            "samples": list(self.sampler.samples),
+            "grad_fn_holders": [{"path": h.path, "num_tensors": h.num_tensors, "bytes": h.bytes} for h in holders],
+        }
+        emit(self.memory.read(), "warning", batch_idx, check="leak", message=message, **keys)
+
+    # ---------------------------------------------------------------- grad tracking
+    def check_validation_outputs(self, outputs: Any, batch_idx: int) -> None:
+        """Warn (once per fit each) about validation outputs with autograd history and grad left enabled."""
+        for key, message in validation_findings(self.rank, outputs, batch_idx, torch.is_grad_enabled()):
+            self.findings.warn(key, message)
+
+    def check_metric_states(self, module: torch.nn.Module) -> None:
+        """Warn (once per fit) about metric states holding tensors that require grad."""
+        found = metric_states_requiring_grad(module)
+        if found:
+            self.findings.warn("metric-states-grad", metric_states_message(self.rank, found))

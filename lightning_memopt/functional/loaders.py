@@ -1,4 +1,4 @@
-"""What a DataLoader's settings cost in host memory, and the settings that waste it.
+"""What a DataLoader's settings cost in host memory, the settings that waste it, and the loaders of a fit.
 
 A DataLoader with ``num_workers`` workers keeps up to ``num_workers x prefetch_factor`` batches prepared ahead (in
 shared memory), and with ``pin_memory`` a page-locked copy of each before it goes to the GPU. Each worker is a
@@ -18,7 +18,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["LoaderMemory", "batch_bytes", "loader_memory"]
+__all__ = ["LoaderMemory", "batch_bytes", "fit_loaders", "loader_memory", "named_loaders"]
 
 #: A Python list, tuple or dict with at least this many elements in a dataset is worth a finding under workers.
 PYTHON_OBJECTS_THRESHOLD = 100_000
@@ -174,3 +174,30 @@ def loader_memory(
         pinned_bytes=pinned,
         findings=findings,
     )
+
+
+def named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
+    """``(name, loader)`` for a loader or a list / dict of them, as the Trainer holds them.
+
+    Example:
+        >>> named_loaders("val", ["a", "b"]), named_loaders("train", "a"), named_loaders("val", None)
+        ([('val[0]', 'a'), ('val[1]', 'b')], [('train', 'a')], [])
+    """
+    if isinstance(loaders, (list, tuple)):
+        return [(f"{name}[{i}]" if len(loaders) > 1 else name, dl) for i, dl in enumerate(loaders)]
+    if isinstance(loaders, dict):
+        return [(f"{name}[{key}]", dl) for key, dl in loaders.items()]
+    return [] if loaders is None else [(name, loaders)]
+
+
+def fit_loaders(train: Any, val: Any, limit_val_batches: Any = 1) -> list[tuple[str, Any]]:
+    """``(name, loader)`` of a fit's loaders: ``train`` and, unless validation is off, ``val``.
+
+    Example:
+        >>> fit_loaders("t", ["v"]), fit_loaders("t", ["v"], limit_val_batches=0)
+        ([('train', 't'), ('val', 'v')], [('train', 't')])
+    """
+    named = named_loaders("train", train)
+    if val is not None and limit_val_batches != 0:
+        named += named_loaders("val", val)
+    return named

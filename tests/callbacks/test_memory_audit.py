@@ -4,6 +4,7 @@ import json
 import logging
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ import torchmetrics
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+import lightning_memopt
 from lightning_memopt import MemoryAudit, MemoryMonitor
+from lightning_memopt.callbacks import memory_audit
+from lightning_memopt.utilities import quiet
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -23,8 +27,24 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+PACKAGE = Path(lightning_memopt.__file__).parent
+
+
 def _audit_warnings(caught, word):
-    return [str(w.message) for w in caught if "MemoryAudit" in str(w.message) and word in str(w.message)]
+    """The texts of MemoryAudit's warnings that contain ``word``; each must point at a module of this package (so
+    ``filterwarnings(module="lightning_memopt...")`` reaches it), never at Lightning's hook caller."""
+    found = [w for w in caught if "MemoryAudit" in str(w.message) and word in str(w.message)]
+    assert [w.filename for w in found if not Path(w.filename).is_relative_to(PACKAGE)] == []
+    return [str(w.message) for w in found]
+
+
+def _printed(monkeypatch):
+    """What MemoryAudit prints to the console (Lightning's ``rank_zero_info``), and the one inactive line."""
+    lines = []
+    record = lambda message, *args, **kwargs: lines.append(message)  # noqa: E731
+    monkeypatch.setattr(memory_audit, "rank_zero_info", record)
+    monkeypatch.setattr(quiet, "rank_zero_info", record)
+    return lines
 
 
 class HiddenModel(TinyModel):
@@ -65,8 +85,8 @@ class TiedModel(TinyModel):
     [
         ({"leak_window": 2}, "`leak_window` must be at least 3"),
         ({"leak_window": 0}, "`leak_window` must be a positive int, got 0"),
-        ({"leak_every_n_steps": 0}, "`leak_every_n_steps` must be a positive int, got 0"),
-        ({"leak_every_n_steps": 2.5}, "`leak_every_n_steps` must be a positive int, got 2.5"),
+        ({"leak_every_n_train_steps": 0}, "`leak_every_n_train_steps` must be a positive int, got 0"),
+        ({"leak_every_n_train_steps": 2.5}, "`leak_every_n_train_steps` must be a positive int, got 2.5"),
         ({"duplicate_fraction": 50}, r"`duplicate_fraction` must be a fraction in \(0, 1\], got 50"),
         ({"duplicate_fraction": 0}, "`duplicate_fraction`"),
         ({"leak_min_bytes_per_step": 0}, "`leak_min_bytes_per_step` must be a positive int"),
@@ -80,15 +100,28 @@ def test_bad_arguments_raise_in_init(kwargs, match):
         MemoryAudit(**kwargs)
 
 
-def test_footprint_at_fit_start_written_printed_and_logged(tmp_path, caplog):
+def test_the_leak_interval_counts_optimizer_steps_and_dirpath_is_kept_as_a_str(tmp_path):
+    audit = MemoryAudit(dirpath=tmp_path / "audit", leak_every_n_train_steps=3)
+    assert audit.leak_every_n_train_steps == 3
+    assert isinstance(audit.dirpath, str) and audit.dirpath == str(tmp_path / "audit")  # as ModelCheckpoint keeps it
+    assert MemoryAudit().dirpath is None  # the default is resolved in `setup`
+    with pytest.raises(TypeError, match="leak_every_n_steps"):  # renamed, no alias
+        MemoryAudit(leak_every_n_steps=3)
+    with pytest.raises(ValueError, match="`verbose` must be a bool"):
+        MemoryAudit(verbose="yes")
+
+
+def test_footprint_at_fit_start_written_logged_and_printed_only_when_verbose(tmp_path, caplog, monkeypatch):
+    printed = _printed(monkeypatch)
     audit = MemoryAudit(detect_leaks=False)
     monitor = MemoryMonitor(log_every_n_steps=1)
     trainer = make_trainer(tmp_path, callbacks=[audit, monitor], max_steps=2)
     model = TinyModel(in_features=27)  # shapes no other test's leftovers share
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="lightning_memopt"):
         trainer.fit(model)
-    path = tmp_path / "memory" / "memory_rank0.jsonl"  # the MemoryMonitor's file
-    assert audit.path == path
+    assert printed == []  # a clean audit is silent on the console: its text goes to the package logger
+    path = monitor.path  # the MemoryMonitor's file, shared
+    assert audit.path == path and path.name == "memory_rank0.jsonl"
     records = _records(path)
     audits = [r for r in records if r["event"] == "audit"]
     assert [r["audit"] for r in audits] == ["fit_start", "first_step"]
@@ -108,6 +141,23 @@ def test_footprint_at_fit_start_written_printed_and_logged(tmp_path, caplog):
     assert start["duplicates"] is None
     assert "parameters" in caplog.text and "footprint" in caplog.text
     json.dumps(audit.last_audit)
+    make_trainer(tmp_path, callbacks=[MemoryAudit(detect_leaks=False, verbose=True)], max_steps=2).fit(model)
+    text = "\n".join(printed)
+    assert "MemoryAudit (fit start): model and optimizer footprint" in text and "(first step)" in text
+    assert "MemoryAudit: DataLoader train: batch_size=4," in text  # one long line, wrapped
+    assert max(len(line) for line in text.splitlines()) <= quiet.WIDTH
+
+
+def test_with_every_check_off_it_is_named_in_the_one_inactive_line_and_writes_nothing(tmp_path, monkeypatch):
+    printed = _printed(monkeypatch)
+    flags = ("audit_fit_start", "detect_leaks", "check_grad_tracking", "audit_dataloaders")
+    audit = MemoryAudit(**dict.fromkeys(flags, False))
+    make_trainer(tmp_path, callbacks=[audit], max_steps=2).fit(TinyModel())
+    assert printed == [quiet.inactive_line({"MemoryAudit": "every check is off"})]
+    assert audit.path is None and list(tmp_path.rglob("*.jsonl")) == []
+    printed.clear()
+    make_trainer(tmp_path, callbacks=[MemoryAudit(**dict.fromkeys(flags[1:], False))], max_steps=1).fit(TinyModel())
+    assert printed == []  # one check on: active, and quiet
 
 
 def test_fp32_duplicate_of_bf16_model_detected_with_byte_count(tmp_path):
@@ -169,7 +219,7 @@ def test_small_copy_below_fraction_is_not_reported(tmp_path):
     finally:
         _STRAY.clear()
     assert _audit_warnings(caught, "not owned") == []
-    start = next(r for r in _records(tmp_path / "memory" / "memory_rank0.jsonl") if r.get("audit") == "fit_start")
+    start = next(r for r in _records(audit.path) if r.get("audit") == "fit_start")
     assert start["duplicates"]["num_tensors"] == 1  # seen and recorded, below the fraction that warns
     assert start["duplicates"]["bytes"] == 3 * 249 * 4
 
@@ -186,7 +236,7 @@ def test_tied_weights_are_not_duplicates(tmp_path):
 
 
 def test_leak_warning_names_growth_step_and_attribute(tmp_path):
-    audit = MemoryAudit(leak_every_n_steps=2, leak_window=5, audit_fit_start=False, leak_max_overhead=None)
+    audit = MemoryAudit(leak_every_n_train_steps=2, leak_window=5, audit_fit_start=False, leak_max_overhead=None)
     model = LeakyModel()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -198,7 +248,7 @@ def test_leak_warning_names_growth_step_and_attribute(tmp_path):
     assert audit.leak is not None and audit.leak.first_step == 4  # the first sample above the one before
     # backward frees what the graph saved: what stays is the float32 loss itself, 4 bytes per step
     assert 4 <= audit.leak.bytes_per_step < 64
-    warning = next(r for r in _records(tmp_path / "memory" / "memory_rank0.jsonl") if r["event"] == "warning")
+    warning = next(r for r in _records(audit.path) if r["event"] == "warning")
     assert warning["check"] == "leak" and warning["global_step"] == 10  # within the first window
     assert warning["grad_fn_holders"][0]["path"] == "self.losses"
     assert warning["grad_fn_holders"][0]["num_tensors"] == 10
@@ -228,7 +278,9 @@ def test_clean_model_no_warning_over_200_steps(tmp_path):
 
 def test_leak_samples_only_on_interval(tmp_path):
     calls = []
-    audit = MemoryAudit(leak_every_n_steps=5, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=None)
+    audit = MemoryAudit(
+        leak_every_n_train_steps=5, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=None
+    )
     real = audit._session.sampler.walk
     audit._session.sampler.walk = lambda *a, **k: calls.append(1) or real(*a, **k)  # the object walk, counted
     make_trainer(tmp_path, callbacks=[audit], max_steps=20, accumulate_grad_batches=2, limit_train_batches=40).fit(
@@ -240,7 +292,9 @@ def test_leak_samples_only_on_interval(tmp_path):
 
 def test_cpu_samples_wait_until_training_time_pays_for_the_walk(tmp_path):
     now = [0.0]  # a fake clock: each training batch takes 0.125 s, each object walk 1 s (exact in binary)
-    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=0.5)
+    audit = MemoryAudit(
+        leak_every_n_train_steps=1, audit_fit_start=False, check_grad_tracking=False, leak_max_overhead=0.5
+    )
     sampler = audit._session.sampler
     real_walk = sampler.walk
 
@@ -285,7 +339,7 @@ def test_grad_tracking_checks(tmp_path):
         warnings.simplefilter("always")
         make_trainer(
             tmp_path,
-            callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)],
+            callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_train_steps=1)],
             max_steps=4,
             limit_val_batches=2,
             inference_mode=False,
@@ -293,15 +347,15 @@ def test_grad_tracking_checks(tmp_path):
     assert len(_audit_warnings(caught, "validation_step (batch 0) returned 1 tensors with autograd")) == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)], max_steps=2).fit(
-            MetricWithGrad()
-        )
+        make_trainer(
+            tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_train_steps=1)], max_steps=2
+        ).fit(MetricWithGrad())
     assert _audit_warnings(caught, "metric states hold tensors that require grad: self.preds.value")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_steps=1)], max_steps=2).fit(
-            TinyModel()
-        )
+        make_trainer(
+            tmp_path, callbacks=[MemoryAudit(audit_fit_start=False, leak_every_n_train_steps=1)], max_steps=2
+        ).fit(TinyModel())
     assert [str(w.message) for w in caught if "MemoryAudit" in str(w.message)] == []
 
 
@@ -310,13 +364,13 @@ def test_audit_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
         raise RuntimeError("gc walk broke")
 
     monkeypatch.setattr(gc, "get_objects", broken)
-    audit = MemoryAudit(leak_every_n_steps=1, leak_window=3, leak_max_overhead=None)
+    audit = MemoryAudit(leak_every_n_train_steps=1, leak_window=3, leak_max_overhead=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = make_trainer(tmp_path, callbacks=[audit], max_steps=6)
         trainer.fit(TinyModel())
     assert trainer.global_step == 6
-    failed = [str(w.message) for w in caught if "MemoryAudit" in str(w.message) and "failed" in str(w.message)]
+    failed = _audit_warnings(caught, "failed")
     assert len([m for m in failed if "audit check" in m]) == 1
     assert len([m for m in failed if "leak check" in m]) == 1
     assert all("training goes on" in m for m in failed)
@@ -338,11 +392,11 @@ def test_misbehaving_object_in_gc_is_skipped(tmp_path):
 
 
 def test_state_dict_keeps_leak_window_and_pickles(tmp_path):
-    audit = MemoryAudit(leak_every_n_steps=1, audit_fit_start=False, leak_max_overhead=None)
+    audit = MemoryAudit(leak_every_n_train_steps=1, audit_fit_start=False, leak_max_overhead=None)
     make_trainer(tmp_path, callbacks=[audit], max_steps=4).fit(TinyModel())
     state = audit.state_dict()
     assert [s for s, _ in state["leak_samples"]] == [1, 2, 3, 4] and state["leak_reported"] is False
-    fresh = MemoryAudit(leak_every_n_steps=1)
+    fresh = MemoryAudit(leak_every_n_train_steps=1)
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.state_dict() == state
     assert pickle.loads(pickle.dumps(audit)).state_dict() == state

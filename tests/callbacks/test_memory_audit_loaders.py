@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+import lightning_memopt
 from lightning_memopt import MemoryAudit, MemoryPreset
 from lightning_memopt.analysis.memory_log import format_summary, load_memory_log, summarize_memory_log
 from lightning_memopt.functional.loaders import batch_bytes, loader_memory
@@ -114,9 +115,10 @@ def _fit(tmp_path, model, **kwargs):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(tmp_path, callbacks=[audit], max_steps=2, limit_val_batches=1, val_check_interval=1).fit(model)
-    ours = [
-        str(w.message) for w in caught if "MemoryAudit: val" in str(w.message) or "MemoryAudit: train" in str(w.message)
-    ]
+    found = [w for w in caught if str(w.message).startswith(("MemoryAudit: val", "MemoryAudit: train"))]
+    package = os.path.dirname(lightning_memopt.__file__)
+    assert [w.filename for w in found if not w.filename.startswith(package + os.sep)] == []  # filterable by module
+    ours = [str(w.message) for w in found]
     records = [json.loads(line) for line in (tmp_path / "memory" / "memory_rank0.jsonl").read_text().splitlines()]
     return audit, ours, records
 

@@ -80,7 +80,7 @@ def test_one_reading_per_step_costs_one_write_no_open_and_no_rebuilt_key(tmp_pat
     callbacks = [
         _Between(True, clock),
         MemoryMonitor(dirpath=memory, log_every_n_steps=1),
-        MemoryAudit(dirpath=memory, leak_every_n_steps=1, leak_window=3, collect_garbage=False),
+        MemoryAudit(dirpath=memory, leak_every_n_train_steps=1, leak_window=3, collect_garbage=False),
         _Between(False, clock),
     ]
     trainer = make_trainer(

@@ -19,7 +19,7 @@ TORN = '{"time": 1700000000.5, "rank": 0, "phase": "train", "event": "st'
 def _callbacks(directory: Path) -> list:
     return [
         MemoryMonitor(dirpath=directory, log_every_n_steps=1),
-        MemoryAudit(dirpath=directory, leak_every_n_steps=1, leak_window=3, collect_garbage=False),
+        MemoryAudit(dirpath=directory, leak_every_n_train_steps=1, leak_window=3, collect_garbage=False),
     ]
 
 

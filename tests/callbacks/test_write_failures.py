@@ -52,7 +52,7 @@ def _raise_oom(model):
 def _callbacks(directory):
     return [
         MemoryMonitor(dirpath=directory / "memory", log_every_n_steps=1),
-        MemoryAudit(dirpath=directory / "memory", leak_every_n_steps=1, leak_window=3, collect_garbage=False),
+        MemoryAudit(dirpath=directory / "memory", leak_every_n_train_steps=1, leak_window=3, collect_garbage=False),
         OOMReporter(dirpath=directory / "oom", top_k_tensors=0),
     ]
 

@@ -97,7 +97,7 @@ def test_watching_callbacks_leave_training_bitwise_unchanged(entry: ZooModel, tm
 @pytest.mark.parametrize("entry", zoo_params())
 def test_audit_footprint_is_the_model_and_training_is_unchanged(entry: ZooModel, tmp_path):
     reference, _ = _fit(entry, tmp_path / "plain")
-    audit = MemoryAudit(dirpath=tmp_path / "audit", leak_every_n_steps=1, leak_window=3)
+    audit = MemoryAudit(dirpath=tmp_path / "audit", leak_every_n_train_steps=1, leak_window=3)
     module, _ = _fit(entry, tmp_path / "audited", callbacks=[audit])
     _assert_same_weights(module, reference)
     by_category = audit.last_audit["footprint"]["bytes_by_category"]

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memopt.functional.audit import fit_loaders, named_loaders
-from lightning_memopt.functional.audit_session import AuditSession
+from lightning_memopt.functional.audit import AuditSession
 from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
 from lightning_memopt.functional.footprint import live_tensors
-from lightning_memopt.functional.leak_watch import LeakSampler
+from lightning_memopt.functional.leaks import LeakSampler
+from lightning_memopt.functional.loaders import fit_loaders, named_loaders
 from lightning_memopt.functional.memory import DeviceMemory
 from tests.helpers.fake_device import FakeAllocator
 
@@ -81,12 +81,14 @@ def test_loader_findings_warn_once_on_rank_zero_and_other_ranks_only_write():
     for rank, expected in ((0, ["warning", "dataloaders"]), (1, ["dataloaders"])):
         session, sink = _session(DeviceMemory("cpu"), rank=rank), Sink()
         session.start_loaders(named, sink)
-        assert session.measure_loader("val", [torch.zeros(4, 4)], sink) == (
-            None if rank else "MemoryAudit: DataLoader " + session.loaders.loaders[-1].summary()
-        )
+        assert session.unmeasured == dict(named)
+        measured = session.measure_loader("val", [torch.zeros(4, 4)], sink)
+        assert measured is session.loaders[-1] and measured.batch_bytes == 4 * 4 * 4
         assert session.measure_loader("val", [torch.zeros(4, 4)], sink) is None  # measured once
         assert [event for event, _, _ in sink] == expected
-        assert [info.name for info in session.loaders.loaders] == ["train", "val"]
+        assert [info.name for info in session.loaders] == ["train", "val"]
+        session.new_fit(resumed=False)  # the next fit audits its own loaders
+        assert session.loaders == [] and session.unmeasured == {}
     assert named_loaders("val", {"a": 1}) == [("val[a]", 1)]
 
 
