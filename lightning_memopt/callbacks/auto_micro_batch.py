@@ -84,6 +84,17 @@ class MicroBatchSettings:
     restore_buffers: bool = True
 
 
+def halving_line(size: int, new: int, reason: str, samples: int, global_step: int) -> str:
+    """What rank zero prints when the micro-batch is halved, wrapped to 100 columns.
+
+    Example:
+        >>> halving_line(16, 8, "out of memory", 16, 0)
+        'AutoMicroBatch: micro-batch 16 -> 8 (out of memory; batch of 16, global step 0).'
+    """
+    line = f"AutoMicroBatch: micro-batch {size} -> {new} ({reason}; batch of {samples}, global step {global_step})."
+    return textwrap.fill(line, width=WIDTH, subsequent_indent="  ")
+
+
 # ----------------------------------------------------------------------------------------------- the loop
 
 
@@ -311,8 +322,7 @@ class MicroBatchOptimization:
         state.micro_batch_size, state.retries = new, state.retries + 1
         reason = "out of memory" if here else "out of memory on another process"
         if trainer.is_global_zero:
-            line = f"AutoMicroBatch: micro-batch {size} -> {new} ({reason}; batch of {samples}, global step"
-            rank_zero_info(textwrap.fill(f"{line} {trainer.global_step}).", width=WIDTH, subsequent_indent="  "))
+            rank_zero_info(halving_line(size, new, reason, samples, trainer.global_step))
         log_to_loggers(trainer, {"memory/micro_batch_size": float(new)}, self._warn, "AutoMicroBatch")
         for monitor in self._monitors:  # each rank writes its own log; no collective
             monitor.record_event(
