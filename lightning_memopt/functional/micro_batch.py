@@ -19,8 +19,8 @@ __all__ = ["batch_size_of", "check_first_batch", "count_samples", "loader_batch_
 
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 _OVERRIDE = (
-    " Pass `AutoMicroBatch(split_batch=fn)`, where `fn(batch, start, stop)` returns the samples [start, stop) of the"
-    " batch (and `batch_size=fn2(batch)` if the batch size cannot be read from a tensor's first dim)."
+    " Pass `AutoMicroBatch(split_batch_fn=fn)`, where `fn(batch, start, stop)` returns the samples [start, stop) of"
+    " the batch (and `batch_size_fn=fn2`, where `fn2(batch)` counts them, if no tensor's first dim does)."
 )
 
 
@@ -71,43 +71,58 @@ def batch_size_of(batch: Any) -> int:
     return found[0]
 
 
+def _slice_tensor(batch: Tensor, start: int, stop: int, size: int, path: str) -> Tensor:
+    if batch.dim() == 0:
+        return batch
+    if batch.shape[0] != size:
+        raise TypeError(
+            f"AutoMicroBatch cannot split `{path}`: a tensor of shape {tuple(batch.shape)} whose first dim is not"
+            f" the batch size {size}." + _OVERRIDE
+        )
+    return batch[start:stop]
+
+
+def _slice_values(batch: list | tuple, start: int, stop: int, size: int, path: str) -> list | tuple:
+    """A flat list or tuple of plain values: one per sample, or refused."""
+    if len(batch) != size:
+        raise TypeError(
+            f"AutoMicroBatch cannot split `{path}`: a {type(batch).__name__} of {len(batch)} plain values, not one"
+            f" per sample (batch size {size})." + _OVERRIDE
+        )
+    return type(batch)(batch[start:stop])
+
+
+def _same_mapping(batch: Mapping, items: dict) -> Any:
+    """``items`` in ``batch``'s own mapping type where its constructor takes a dict (else a plain dict)."""
+    cls: Any = type(batch)  # a Mapping subclass; its constructor is not Mapping's
+    if cls is dict:
+        return items
+    try:
+        return cls(items)
+    except TypeError:
+        return items
+
+
 def _slice(batch: Any, start: int, stop: int, size: int, path: str) -> Any:
     if isinstance(batch, Tensor):
-        if batch.dim() == 0:
-            return batch
-        if batch.shape[0] != size:
-            raise TypeError(
-                f"AutoMicroBatch cannot split `{path}`: a tensor of shape {tuple(batch.shape)} whose first dim is not"
-                f" the batch size {size}." + _OVERRIDE
-            )
-        return batch[start:stop]
+        return _slice_tensor(batch, start, stop, size, path)
     if isinstance(batch, _PLAIN):
         return batch
+
+    def inner(value: Any, where: str) -> Any:
+        return _slice(value, start, stop, size, where)
+
     if isinstance(batch, Mapping):
-        items = {key: _slice(value, start, stop, size, f"{path}[{key!r}]") for key, value in batch.items()}
-        cls: Any = type(batch)  # a Mapping subclass; its constructor is not Mapping's
-        try:
-            return cls(items) if cls is not dict else items
-        except TypeError:
-            return items
+        return _same_mapping(batch, {key: inner(value, f"{path}[{key!r}]") for key, value in batch.items()})
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            f.name: _slice(getattr(batch, f.name), start, stop, size, f"{path}.{f.name}")
-            for f in dataclasses.fields(batch)
-            if f.init
-        }
-        return dataclasses.replace(batch, **changes)
+        fields = [f.name for f in dataclasses.fields(batch) if f.init]
+        return dataclasses.replace(batch, **{name: inner(getattr(batch, name), f"{path}.{name}") for name in fields})
     if _is_namedtuple(batch):
-        return type(batch)(*(_slice(v, start, stop, size, f"{path}.{name}") for name, v in zip(batch._fields, batch)))
+        return type(batch)(*(inner(v, f"{path}.{name}") for name, v in zip(batch._fields, batch)))
     if _is_flat_sequence(batch):
-        if len(batch) != size:
-            raise TypeError(
-                f"AutoMicroBatch cannot split `{path}`: a {type(batch).__name__} of {len(batch)} plain values, not one"
-                f" per sample (batch size {size})." + _OVERRIDE
-            )
-        return type(batch)(batch[start:stop])
+        return _slice_values(batch, start, stop, size, path)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(v, start, stop, size, f"{path}[{i}]") for i, v in enumerate(batch))
+        return type(batch)(inner(v, f"{path}[{i}]") for i, v in enumerate(batch))
     raise TypeError(
         f"AutoMicroBatch cannot split `{path}` of type {type(batch).__module__}.{type(batch).__qualname__}: the default"
         " slicer handles tensors, dicts, tuples, lists, namedtuples, dataclasses and lists of plain values." + _OVERRIDE
@@ -130,23 +145,23 @@ def slice_batch(batch: Any, start: int, stop: int, size: int | None = None) -> A
     return _slice(batch, start, stop, size, "batch")
 
 
-def count_samples(batch: Any, batch_size: Callable[[Any], int] | None = None) -> int:
-    """The number of samples of ``batch``: ``batch_size(batch)`` if given, else :func:`batch_size_of`.
+def count_samples(batch: Any, batch_size_fn: Callable[[Any], int] | None = None) -> int:
+    """The number of samples of ``batch``: ``batch_size_fn(batch)`` if given, else :func:`batch_size_of`.
 
     Raises:
         ValueError: when that is not a positive int.
     """
-    size = batch_size(batch) if batch_size is not None else batch_size_of(batch)
+    size = batch_size_fn(batch) if batch_size_fn is not None else batch_size_of(batch)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"AutoMicroBatch: the batch size of a batch must be a positive int, got {size!r}.")
     return size
 
 
 def micro_batch_of(
-    batch: Any, start: int, stop: int, size: int, split_batch: Callable[[Any, int, int], Any] | None = None
+    batch: Any, start: int, stop: int, size: int, split_batch_fn: Callable[[Any, int, int], Any] | None = None
 ) -> Any:
     """The samples ``[start, stop)`` of a batch of ``size``: the batch itself when that is all of it, else
-    ``split_batch(batch, start, stop)`` if given, else :func:`slice_batch`.
+    ``split_batch_fn(batch, start, stop)`` if given, else :func:`slice_batch`.
 
     Example:
         >>> import torch
@@ -156,8 +171,8 @@ def micro_batch_of(
     """
     if start == 0 and stop == size:
         return batch
-    if split_batch is not None:
-        return split_batch(batch, start, stop)
+    if split_batch_fn is not None:
+        return split_batch_fn(batch, start, stop)
     return slice_batch(batch, start, stop, size)
 
 
@@ -179,8 +194,8 @@ def loader_batch_size(loader: Any) -> int | None:
 def check_first_batch(
     batch: Any,
     size: int,
-    split_batch: Callable[[Any, int, int], Any] | None = None,
-    batch_size: Callable[[Any], int] | None = None,
+    split_batch_fn: Callable[[Any, int, int], Any] | None = None,
+    batch_size_fn: Callable[[Any], int] | None = None,
     expected_size: int | None = None,
 ) -> str | None:
     """Check, on the first batch, that it can be split: cut one sample off it and count that sample.
@@ -188,8 +203,8 @@ def check_first_batch(
     Args:
         batch: the first batch.
         size: its number of samples (:func:`count_samples`).
-        split_batch: the user's slicer (``None``: :func:`slice_batch`).
-        batch_size: the user's batch-size function (``None``: :func:`batch_size_of`).
+        split_batch_fn: the user's slicer (``None``: :func:`slice_batch`).
+        batch_size_fn: the user's batch-size function (``None``: :func:`batch_size_of`).
         expected_size: the DataLoader's ``batch_size``, if known.
 
     Returns:
@@ -197,7 +212,7 @@ def check_first_batch(
         (e.g. the time dim of a ``(T, B, F)`` batch), naming the tensor; else ``None``.
 
     Raises:
-        TypeError: the default slicer cannot split the batch (naming the element and the ``split_batch`` fix).
+        TypeError: the default slicer cannot split the batch (naming the element and the ``split_batch_fn`` fix).
         ValueError: the one-sample slice does not count as one sample.
 
     Example:
@@ -206,20 +221,20 @@ def check_first_batch(
         "AutoMicroBatch splits batches along the first dim of `batch['x']`"
     """
     if size > 1:
-        one = micro_batch_of(batch, 0, 1, size, split_batch)
-        counted = count_samples(one, batch_size)
+        one = micro_batch_of(batch, 0, 1, size, split_batch_fn)
+        counted = count_samples(one, batch_size_fn)
         if counted != 1:
             raise ValueError(
-                f"AutoMicroBatch: the first sample of the first batch, cut off by `split_batch`, counts as {counted}"
-                " samples by `batch_size`, not 1. `split_batch(batch, start, stop)` must return the samples"
-                " [start, stop) and `batch_size(batch)` count them."
+                f"AutoMicroBatch: the first sample of the first batch, cut off by `split_batch_fn`, counts as {counted}"
+                " samples by `batch_size_fn`, not 1. `split_batch_fn(batch, start, stop)` must return the samples"
+                " [start, stop) and `batch_size_fn(batch)` count them."
             )
-    if split_batch is not None or batch_size is not None or expected_size is None or size == expected_size:
+    if split_batch_fn is not None or batch_size_fn is not None or expected_size is None or size == expected_size:
         return None
     found = _first_size(batch, "batch")
     where = f"`{found[1]}`" if found is not None else "the batch"
     return (
         f"AutoMicroBatch splits batches along the first dim of {where} ({size} samples in the first batch), but the"
         f" DataLoader's batch_size is {expected_size}. If that dim is not the samples (a time-major (T, B, F)"
-        " batch is split along time), pass `AutoMicroBatch(batch_size=fn, split_batch=fn2)`."
+        " batch is split along time), pass `AutoMicroBatch(batch_size_fn=fn, split_batch_fn=fn2)`."
     )

@@ -160,14 +160,14 @@ def test_batch_types_split_by_the_default_slicer(tmp_path, kind):
 
 
 def test_a_custom_batch_type_needs_the_override_and_works_with_it(tmp_path):
-    with pytest.raises(TypeError, match=r"Custom.*split_batch=fn"):
+    with pytest.raises(TypeError, match=r"Custom.*split_batch_fn=fn"):
         fit(tmp_path, Typed("custom", forward_budget=4, batch_size=8), [AutoMicroBatch()])
 
     def split(batch, start, stop):
         return Custom(batch.x[start:stop], batch.y[start:stop], batch.idx[start:stop])
 
     model = Typed("custom", forward_budget=4, batch_size=8)
-    callback = AutoMicroBatch(split_batch=split, batch_size=lambda b: b.x.shape[0])
+    callback = AutoMicroBatch(split_batch_fn=split, batch_size_fn=lambda b: b.x.shape[0])
     fit(tmp_path / "override", model, [callback], max_steps=2)
     assert model.seen_sizes == [8, 4, 4, 4, 4]
 
@@ -194,7 +194,7 @@ def test_slicer_edges():
     assert batch_size_of(batch) == 6
     with pytest.raises(TypeError, match=r"batch\['w'\].*first dim is not the batch size 6"):
         slice_batch({"x": torch.zeros(6), "w": torch.zeros(5)}, 0, 3)
-    with pytest.raises(TypeError, match=r"cannot tell the batch size.*split_batch=fn"):
+    with pytest.raises(TypeError, match=r"cannot tell the batch size.*split_batch_fn=fn"):
         batch_size_of({"names": ["a", "b"]})
 
 
@@ -205,7 +205,8 @@ def test_slicer_edges():
         ({"micro_batch_size": "big"}, "micro_batch_size"),
         ({"min_micro_batch_size": 0}, "min_micro_batch_size"),
         ({"micro_batch_size": 2, "min_micro_batch_size": 4}, "min_micro_batch_size"),
-        ({"split_batch": 3}, "split_batch"),
+        ({"split_batch_fn": 3}, "split_batch_fn"),
+        ({"batch_size_fn": 16}, "batch_size_fn"),
     ],
 )
 def test_bad_arguments(kwargs, match):

@@ -320,7 +320,7 @@ def test_lightning_cli_builds_the_callback_from_command_line_arguments_and_it_ru
     )
     callback = _the_callback(cli)
     assert (callback.start_micro_batch_size, callback.micro_batch_size, callback.min_micro_batch_size) == (4, 4, 2)
-    assert callback.split_batch is None and callback.batch_size is None
+    assert callback.split_batch_fn is None and callback.batch_size_fn is None
     cli.trainer.fit(cli.model)
     assert cli.model.seen_sizes == [4, 2, 2, 2, 2]  # started at 4, halved to 2 for the forward budget
     assert cli.trainer.global_step == 1
@@ -336,7 +336,7 @@ FUNCTIONS = "lightning_memopt.functional.micro_batch"
         ({}, ("auto", None, 1, None, None)),
         ({"micro_batch_size": "auto", "min_micro_batch_size": 3}, ("auto", None, 3, None, None)),
         (
-            {"split_batch": f"{FUNCTIONS}.slice_batch", "batch_size": f"{FUNCTIONS}.batch_size_of"},
+            {"split_batch_fn": f"{FUNCTIONS}.slice_batch", "batch_size_fn": f"{FUNCTIONS}.batch_size_of"},
             ("auto", None, 1, "slice_batch", "batch_size_of"),
         ),
     ],
@@ -349,7 +349,7 @@ def test_lightning_cli_builds_the_callback_from_a_yaml_config(tmp_path, init_arg
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
     built = _the_callback(_cli(tmp_path, [f"--config={path}"]))
-    functions = [getattr(fn, "__qualname__", fn) for fn in (built.split_batch, built.batch_size)]
+    functions = [getattr(fn, "__qualname__", fn) for fn in (built.split_batch_fn, built.batch_size_fn)]
     assert (built.start_micro_batch_size, built.micro_batch_size, built.min_micro_batch_size, *functions) == expected
 
 

@@ -40,10 +40,8 @@ def test_each_change_is_a_micro_batch_record_in_the_memory_log(tmp_path, caplog)
     # printed once per change, by rank zero, with the reason
     printed = [m for m in caplog.messages if m.startswith("AutoMicroBatch:")]
     assert printed == [
-        "AutoMicroBatch: out of memory at a micro-batch of 16 (batch of 16, global step 0); running the batch again"
-        " with micro-batches of 8.",
-        "AutoMicroBatch: out of memory at a micro-batch of 8 (batch of 16, global step 0); running the batch again"
-        " with micro-batches of 4.",
+        "AutoMicroBatch: micro-batch 16 -> 8 (out of memory; batch of 16, global step 0).",
+        "AutoMicroBatch: micro-batch 8 -> 4 (out of memory; batch of 16, global step 0).",
     ]
     assert trainer.global_step == 3 and callback.micro_batch_size == 4
 

@@ -81,7 +81,7 @@ def _collate(samples):
 
 def test_a_batch_that_cannot_be_split_is_refused_before_its_first_step(tmp_path):
     model = WithOpaque()
-    with pytest.raises(TypeError, match=r"cannot split `batch\[3\]` of type .*Opaque.*split_batch=fn") as caught:
+    with pytest.raises(TypeError, match=r"cannot split `batch\[3\]` of type .*Opaque.*split_batch_fn=fn") as caught:
         fit(tmp_path, model, [AutoMicroBatch()])
     assert model.seen_sizes == [] and model.counts == []  # no training_step ran, no optimizer stepped
     assert caught.value.__cause__ is None  # no out-of-memory error happened
@@ -121,7 +121,7 @@ def test_an_error_raised_in_a_retry_has_the_out_of_memory_error_as_its_cause(tmp
 
     model = Net(backward_budget=4)
     with pytest.raises(KeyError, match="cannot cut 8") as caught:
-        fit(tmp_path, model, [AutoMicroBatch(split_batch=split)])
+        fit(tmp_path, model, [AutoMicroBatch(split_batch_fn=split)])
     assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
     assert "backward of 16 samples" in str(caught.value.__cause__)
 

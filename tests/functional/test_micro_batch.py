@@ -15,7 +15,7 @@ class Opaque:
 
 def test_an_element_the_slicer_cannot_split_is_refused_by_its_place_and_the_fix():
     batch = {"x": torch.zeros(8, 3), "meta": Opaque()}
-    with pytest.raises(TypeError, match=r"cannot split `batch\['meta'\]`.*split_batch=fn"):
+    with pytest.raises(TypeError, match=r"cannot split `batch\['meta'\]`.*split_batch_fn=fn"):
         check_first_batch(batch, 8)
 
 
@@ -24,22 +24,22 @@ def test_a_tensor_whose_first_dim_is_not_the_batch_size_is_refused():
         check_first_batch((torch.zeros(8, 2), torch.zeros(4, 8)), 8)
 
 
-def test_a_split_batch_whose_one_sample_counts_as_more_is_refused():
+def test_a_split_batch_fn_whose_one_sample_counts_as_more_is_refused():
     def split(batch, start, stop):
         return batch  # ignores start and stop
 
     with pytest.raises(ValueError, match="counts as 8 samples"):
-        check_first_batch(torch.zeros(8, 2), 8, split_batch=split)
+        check_first_batch(torch.zeros(8, 2), 8, split_batch_fn=split)
 
 
-def test_a_batch_of_one_and_a_good_split_batch_pass():
+def test_a_batch_of_one_and_a_good_split_batch_fn_pass():
     calls = []
 
     def split(batch, start, stop):
         calls.append((start, stop))
         return batch[start:stop]
 
-    assert check_first_batch(torch.zeros(8, 2), 8, split_batch=split, expected_size=4) is None  # the user's split
+    assert check_first_batch(torch.zeros(8, 2), 8, split_batch_fn=split, expected_size=4) is None  # the user's split
     assert calls == [(0, 1)]
     assert check_first_batch({"x": torch.zeros(1, 2), "meta": Opaque()}, 1) is None  # nothing to split
 

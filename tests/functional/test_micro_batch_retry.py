@@ -129,7 +129,7 @@ def test_an_inactive_agreement_sends_nothing():
 def test_micro_batches_and_sample_counts():
     x = torch.arange(6)
     assert micro_batch_of(x, 0, 6, 6) is x and micro_batch_of(x, 2, 4, 6).tolist() == [2, 3]
-    assert micro_batch_of(x, 2, 4, 6, split_batch=lambda b, s, e: ("mine", s, e)) == ("mine", 2, 4)
+    assert micro_batch_of(x, 2, 4, 6, split_batch_fn=lambda b, s, e: ("mine", s, e)) == ("mine", 2, 4)
     assert count_samples({"x": x}) == 6 and count_samples(x, lambda b: 3) == 3
     # a 0-dim tensor (a scalar such as a temperature) has no samples: the next tensor tells the size
     assert count_samples({"temperature": torch.tensor(0.5), "x": x}) == 6
