@@ -117,10 +117,10 @@ MUTANTS = (
         ("tests/analysis/test_summary.py",),
     ),
     Mutant(
-        "retrieval-old-checkpoint-key-dropped",
+        "retrieval-caption-stored-again",
         "lightning_memopt/metrics/streaming_retrieval.py",
-        '_OLD_STATE_NAMES = {"text_ids": "unique_text_ids"}',
-        "_OLD_STATE_NAMES: dict[str, str] = {}",
+        "if tid in known or tid in first_rows:",
+        "if tid in first_rows:",
         ("tests/metrics/test_streaming_retrieval.py",),
     ),
     Mutant(

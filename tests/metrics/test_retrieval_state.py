@@ -43,17 +43,9 @@ def test_a_mangled_metric_state_is_an_error_naming_the_metric_and_state(key, val
     assert "got " in message and "checkpoint" in message
 
 
-def test_a_valid_state_loads_and_computes_the_same_and_an_old_name_still_loads():
+def test_a_valid_state_loads_and_computes_the_same():
     saved, state = _saved()
     expected = saved.compute()
     loaded = _fresh()
     loaded.load_state_dict(state)
     assert loaded.compute() == expected
-    old = dict(_saved()[1])
-    old["text_ids"] = old.pop("unique_text_ids")  # the state's name before it was renamed
-    renamed = _fresh()
-    renamed.load_state_dict(old)
-    assert renamed.compute() == expected
-    old["text_ids"] = "x"
-    with pytest.raises(ValueError, match="'unique_text_ids' must be a list of 1-D int64 tensors, got 'x'"):
-        _fresh().load_state_dict(old)
