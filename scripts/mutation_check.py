@@ -105,8 +105,8 @@ MUTANTS = (
     Mutant(
         "analysis-negative-bytes-accepted",
         "lightning_memopt/analysis/records.py",
-        "if value is not None and not (is_finite_number(value) and value >= 0):",
-        "if value is not None and not is_finite_number(value):",
+        "return is_finite_number(value) and value >= 0",
+        "return is_finite_number(value)",
         ("tests/analysis/test_records.py",),
     ),
     Mutant(
