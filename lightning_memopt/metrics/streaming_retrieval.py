@@ -418,10 +418,13 @@ class StreamingRetrievalMetric(Metric):
                 check_state_tensors("StreamingRetrievalMetric", name, state_dict[prefix + name])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # torchmetrics keeps the caller's list objects as the states: later updates would append to the caller's
-        # state dict (and to every other metric loaded from it). Own copies of the lists instead.
+        # state dict (and to every other metric loaded from it). Own copies of the lists instead; a state saved as
+        # one tensor (concatenated, as a sync leaves it) becomes a list of that one chunk, or of none without rows.
         for name in self._defaults:
             value = getattr(self, name)
-            if isinstance(value, list):
+            if isinstance(value, Tensor):
+                setattr(self, name, [value] if value.shape[0] else [])
+            elif isinstance(value, list):
                 setattr(self, name, list(value))
 
     @override

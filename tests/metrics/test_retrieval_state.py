@@ -49,3 +49,17 @@ def test_a_valid_state_loads_and_computes_the_same():
     loaded = _fresh()
     loaded.load_state_dict(state)
     assert loaded.compute() == expected
+
+
+def test_a_state_saved_as_one_tensor_per_state_loads_and_computes_the_same():
+    """A state may be saved concatenated (one tensor, as a sync leaves it); a state without rows as an empty one."""
+    saved, state = _saved()
+    expected = saved.compute()
+    joined = {key: torch.cat(value) if value else torch.zeros(0, dtype=torch.int64) for key, value in state.items()}
+    loaded = _fresh()
+    loaded.load_state_dict(joined)
+    assert loaded.compute() == expected
+    assert loaded.video_ids == [] and [t.shape for t in loaded.video_features] == [(6, 4)]
+    video, text, ids = make_data(n=6, d=4, n_captions=3, seed=8)
+    loaded.update(video, text, text_ids=ids, sample_ids=torch.arange(6))  # the same rows again: counted once
+    assert loaded.compute() == expected
