@@ -19,7 +19,7 @@ import json
 import os
 import stat
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -106,12 +106,13 @@ def _is_byte_count(value: Any) -> bool:
 
 #: ``(keys, check, what a value must be)``, in the order a record is checked: required keys first (checked whatever
 #: their value), then optional ones (checked unless null).
-_REQUIRED_FIELDS = (
+_FieldRule = tuple[tuple[str, ...], Callable[[Any], bool], str]
+_REQUIRED_FIELDS: tuple[_FieldRule, ...] = (
     (("time",), is_finite_number, "a number of seconds"),
     (("rank",), _is_rank, "an int >= 0"),
     (("phase", "event"), _is_str, "a string"),
 )
-_OPTIONAL_FIELDS = (
+_OPTIONAL_FIELDS: tuple[_FieldRule, ...] = (
     (OPTIONAL_STR_KEYS, _is_str, "a string"),
     (OPTIONAL_INT_KEYS, _is_int64, "an int"),
     (BYTE_KEYS, _is_byte_count, "a number of bytes"),
