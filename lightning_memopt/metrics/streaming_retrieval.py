@@ -82,7 +82,7 @@ class _DistributedCollectives(Collectives):
             "Every process must call `StreamingRetrievalMetric.compute()` (it synchronises): call it on all ranks, not"
             ' under `if trainer.is_global_zero`, and log its values with `sync_dist=True, reduce_fx="max"`.'
         )
-        try:
+        try:  # a plain all_gather: gather_all_tensors would first enter a barrier, which carries no token
             dist.all_gather(out, token, group=self.group)
         except RuntimeError as err:
             raise RuntimeError(f"{problem} The first collective of compute() failed: {err}") from err
@@ -99,7 +99,10 @@ class _DistributedCollectives(Collectives):
         return reduced.to(values.device)
 
     def all_gather_rows(self, rows: Tensor) -> Tensor:
-        """Concatenate every process's rows of a 2-D tensor (row counts may differ), in rank order."""
+        """Concatenate every process's rows of a 2-D tensor (row counts may differ), in rank order.
+
+        torchmetrics' ``gather_all_tensors`` exchanges the shapes, pads to the longest and trims what it gathered.
+        """
         if not self.active:
             return rows
         return torch.cat(gather_all_tensors(rows.to(self.device), group=self.group)).to(rows.device)
