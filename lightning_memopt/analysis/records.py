@@ -19,7 +19,7 @@ import json
 import os
 import stat
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -88,6 +88,37 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_rank(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_int64(value: Any) -> bool:
+    return _is_int(value) and abs(value) < 2**63
+
+
+def _is_byte_count(value: Any) -> bool:
+    return is_finite_number(value) and value >= 0
+
+
+#: ``(keys, check, what a value must be)``, in the order a record is checked: required keys first (checked whatever
+#: their value), then optional ones (checked unless null).
+_FieldRule = tuple[tuple[str, ...], Callable[[Any], bool], str]
+_REQUIRED_FIELDS: tuple[_FieldRule, ...] = (
+    (("time",), is_finite_number, "a number of seconds"),
+    (("rank",), _is_rank, "an int >= 0"),
+    (("phase", "event"), _is_str, "a string"),
+)
+_OPTIONAL_FIELDS: tuple[_FieldRule, ...] = (
+    (OPTIONAL_STR_KEYS, _is_str, "a string"),
+    (OPTIONAL_INT_KEYS, _is_int64, "an int"),
+    (BYTE_KEYS, _is_byte_count, "a number of bytes"),
+)
+
+
 def record_problem(record: Any) -> str | None:
     """Why ``record`` cannot be used (one short phrase), or ``None`` when it can.
 
@@ -102,27 +133,15 @@ def record_problem(record: Any) -> str | None:
         return f"is not a memory record (a JSON value that is {kind}, not an object)"
     if any(key not in record for key in REQUIRED_KEYS):
         return f"is not a memory record (needs keys {', '.join(REQUIRED_KEYS)})"
-    value = record["time"]
-    if not is_finite_number(value):
-        return f"`time` is {_show(value)}, not a number of seconds"
-    value = record["rank"]
-    if not _is_int(value) or value < 0:
-        return f"`rank` is {_show(value)}, not an int >= 0"
-    for key in ("phase", "event"):
-        if not isinstance(record[key], str):
-            return f"`{key}` is {_show(record[key])}, not a string"
-    for key in OPTIONAL_STR_KEYS:
-        value = record.get(key)
-        if value is not None and not isinstance(value, str):
-            return f"`{key}` is {_show(value)}, not a string"
-    for key in OPTIONAL_INT_KEYS:
-        value = record.get(key)
-        if value is not None and (not _is_int(value) or abs(value) >= 2**63):
-            return f"`{key}` is {_show(value)}, not an int"
-    for key in BYTE_KEYS:
-        value = record.get(key)
-        if value is not None and not (is_finite_number(value) and value >= 0):
-            return f"`{key}` is {_show(value)}, not a number of bytes"
+    for keys, check, expected in _REQUIRED_FIELDS:
+        for key in keys:
+            if not check(record[key]):
+                return f"`{key}` is {_show(record[key])}, not {expected}"
+    for keys, check, expected in _OPTIONAL_FIELDS:
+        for key in keys:
+            value = record.get(key)
+            if value is not None and not check(value):
+                return f"`{key}` is {_show(value)}, not {expected}"
     return None
 
 

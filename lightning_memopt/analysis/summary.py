@@ -139,19 +139,32 @@ class _PhaseStats:
             self.device = r["device"]
         self.device_total = _max(self.device_total, r.get("device_total_bytes"))
         if event == "warning":
-            self.warnings += 1
-            check = finding_check(r)
-            seen = self.checks.get(check, 0)
-            self.checks[check] = seen + 1
-            if seen < LISTED_FINDINGS:
-                self.findings.append((check, finding_text(r), r.get("global_step"), r.get("epoch"), t))
+            self._add_warning(r, t)
         elif event == MICRO_BATCH_EVENT:
-            self.num_changes += 1
-            self.micro_batch_size = int_field(r, "micro_batch_size") or self.micro_batch_size
-            if len(self.changes) < LISTED_CHANGES:
-                self.changes.append((MICRO_BATCH_EVENT, micro_batch_text(r), r.get("global_step"), r.get("epoch"), t))
-        if event not in READING_EVENTS:
-            return
+            self._add_micro_batch(r, t)
+        elif event in READING_EVENTS:
+            self._add_peaks(r, t)
+            if event == "step":
+                self._add_step(r)
+
+    def _add_warning(self, r: Mapping[str, Any], t: float) -> None:
+        """Count the warning per check; keep the first ``LISTED_FINDINGS`` of each check as findings."""
+        self.warnings += 1
+        check = finding_check(r)
+        seen = self.checks.get(check, 0)
+        self.checks[check] = seen + 1
+        if seen < LISTED_FINDINGS:
+            self.findings.append((check, finding_text(r), r.get("global_step"), r.get("epoch"), t))
+
+    def _add_micro_batch(self, r: Mapping[str, Any], t: float) -> None:
+        """Count AutoMicroBatch's change, keep the size it set and the first ``LISTED_CHANGES`` as findings."""
+        self.num_changes += 1
+        self.micro_batch_size = int_field(r, "micro_batch_size") or self.micro_batch_size
+        if len(self.changes) < LISTED_CHANGES:
+            self.changes.append((MICRO_BATCH_EVENT, micro_batch_text(r), r.get("global_step"), r.get("epoch"), t))
+
+    def _add_peaks(self, r: Mapping[str, Any], t: float) -> None:
+        """The peaks of a reading (any of its allocated and reserved figures, host RSS) and where they were."""
         alloc = None
         for key in ALLOC_KEYS:
             alloc = _max(alloc, r.get(key))
@@ -162,8 +175,9 @@ class _PhaseStats:
         rss = r.get("host_rss_bytes")
         if rss is not None and (self.peak_rss is None or rss > self.peak_rss):
             self.peak_rss, self.peak_rss_at = rss, (r.get("global_step"), r.get("epoch"), t)
-        if event != "step":
-            return
+
+    def _add_step(self, r: Mapping[str, Any]) -> None:
+        """A step reading's means and growth fit (host RSS fitted only while no device figure has come)."""
         self.steps += 1
         step = r.get("global_step")
         value = r.get("allocated_bytes")

@@ -61,22 +61,29 @@ class TimelinePanel:
         if r.get("device") and t < self.device_time:
             self.device, self.device_time = r["device"], t
         if event == "warning":
-            check = finding_check(r)
-            key = r.get("field") if check == "threshold" else None  # the figure that crossed the threshold
-            value = r.get(key) if isinstance(key, str) else None
-            if value is not None and is_finite_number(value) and value >= 0:
-                self.warn_t.append(t)
-                self.warn_v.append(float(value))
-                return
-            seen = self.checks.get(check, 0)
-            self.checks[check] = seen + 1
-            if seen < LISTED_FINDINGS:
-                self.findings.append((t, check, finding_text(r)))
+            self._add_warning(r, t)
+        elif event == MICRO_BATCH_EVENT:
+            if len(self.changes) < LISTED_CHANGES:
+                self.changes.append((t, MICRO_BATCH_EVENT, micro_batch_text(r)))
+        elif event in READING_EVENTS:
+            self._add_reading(r, event, t)
+
+    def _add_warning(self, r: Mapping[str, Any], t: float) -> None:
+        """A threshold warning as a mark at its figure; any other as a finding (the first few of each check)."""
+        check = finding_check(r)
+        key = r.get("field") if check == "threshold" else None  # the figure that crossed the threshold
+        value = r.get(key) if isinstance(key, str) else None
+        if value is not None and is_finite_number(value) and value >= 0:
+            self.warn_t.append(t)
+            self.warn_v.append(float(value))
             return
-        if event == MICRO_BATCH_EVENT and len(self.changes) < LISTED_CHANGES:
-            self.changes.append((t, MICRO_BATCH_EVENT, micro_batch_text(r)))
-        if event not in READING_EVENTS:
-            return
+        seen = self.checks.get(check, 0)
+        self.checks[check] = seen + 1
+        if seen < LISTED_FINDINGS:
+            self.findings.append((t, check, finding_text(r)))
+
+    def _add_reading(self, r: Mapping[str, Any], event: str, t: float) -> None:
+        """The reading's plotted figures, the plot's top and total, and a phase boundary for start and end."""
         for key, _, _ in (*DEVICE_SERIES, *HOST_SERIES):
             value = r.get(key)
             if value is not None:

@@ -1,14 +1,23 @@
-"""StreamingRetrievalMetric: exact video<->text recall and ranks without the full similarity matrix, across ranks."""
+"""StreamingRetrievalMetric: exact video<->text recall and ranks without the full similarity matrix, across ranks.
+
+The metric keeps its rows in list states and ranks them with the shared orchestration
+(:func:`~lightning_memopt.functional.retrieval.rank_rows`), to which it hands ``torch.distributed`` collectives
+(:class:`_DistributedCollectives`); :class:`_StoredTexts` remembers where each stored caption sits in its states.
+"""
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
 from lightning_memopt.functional.retrieval import (
@@ -17,6 +26,7 @@ from lightning_memopt.functional.retrieval import (
     PROTOCOLS,
     TIES,
     V2T_GALLERIES,
+    Collectives,
     Median,
     Protocol,
     RankCounts,
@@ -28,16 +38,150 @@ from lightning_memopt.functional.retrieval import (
     summarize_rank_histogram,
 )
 from lightning_memopt.functional.retrieval.options import check_features, check_state_tensors, repeated_text_message
+from lightning_memopt.functional.retrieval.ranking import ReduceOp
 from lightning_memopt.functional.retrieval.summaries import top_k_tuple
-from lightning_memopt.metrics.retrieval_sync import DistributedCollectives
-from lightning_memopt.metrics.retrieval_texts import StoredTexts
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__ = ["StreamingRetrievalMetric"]
 
-#: The state that holds the id of each stored (unique) caption was called ``text_ids`` before; old checkpoints load.
-_OLD_STATE_NAMES = {"text_ids": "unique_text_ids"}
+#: The first thing every process sends in ``compute()``: a value no other collective is likely to carry.
+_HANDSHAKE = 0x5EED_C0DE_2025
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class _DistributedCollectives(Collectives):
+    """The collectives of a process group; a no-op world of one when not distributed.
+
+    Args:
+        group: the process group (``None``: the default group).
+
+    Example:
+        >>> comm = _DistributedCollectives()  # not distributed here: a world of one
+        >>> comm.rank, comm.world, comm.all_gather_rows(torch.ones(2, 1)).shape
+        (0, 1, torch.Size([2, 1]))
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.world = dist.get_world_size(group) if self.active else 1
+        self.device = torch.device("cpu")
+        if self.active and dist.get_backend(group) == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def handshake(self) -> None:
+        """Check that every process is in ``compute()``: the first collective, with a token only it sends."""
+        if not self.active:
+            return
+        token = torch.tensor([[_HANDSHAKE, self.rank, _HANDSHAKE]], dtype=torch.int64, device=self.device)
+        out = [torch.zeros_like(token) for _ in range(self.world)]
+        problem = (
+            "Every process must call `StreamingRetrievalMetric.compute()` (it synchronises): call it on all ranks, not"
+            ' under `if trainer.is_global_zero`, and log its values with `sync_dist=True, reduce_fx="max"`.'
+        )
+        try:  # a plain all_gather: gather_all_tensors would first enter a barrier, which carries no token
+            dist.all_gather(out, token, group=self.group)
+        except RuntimeError as err:
+            raise RuntimeError(f"{problem} The first collective of compute() failed: {err}") from err
+        got = torch.cat(out).cpu()
+        stray = ((got[:, 0] != _HANDSHAKE) | (got[:, 2] != _HANDSHAKE)).nonzero().flatten().tolist()
+        if stray:
+            raise RuntimeError(f"{problem} Process(es) {stray} were in another collective.")
+
+    def all_reduce(self, values: Tensor, op: ReduceOp) -> Tensor:
+        if not self.active:
+            return values
+        reduced = values.to(self.device).clone()
+        dist.all_reduce(reduced, op=_OPS[op], group=self.group)
+        return reduced.to(values.device)
+
+    def all_gather_rows(self, rows: Tensor) -> Tensor:
+        """Concatenate every process's rows of a 2-D tensor (row counts may differ), in rank order.
+
+        torchmetrics' ``gather_all_tensors`` exchanges the shapes, pads to the longest and trims what it gathered.
+        """
+        if not self.active:
+            return rows
+        return torch.cat(gather_all_tensors(rows.to(self.device), group=self.group)).to(rows.device)
+
+
+def _chunks(state: Any) -> list[Tensor]:
+    """A list state as its tensors (a synced state is one tensor)."""
+    return [state] if isinstance(state, Tensor) else list(state)
+
+
+class _StoredTexts:
+    """Caption id -> position in the ``text_features`` state, valid for the exact state objects it was built from.
+
+    A load, merge, sync, reset or in-place concatenation replaces the state's objects: :meth:`positions` notices
+    (by the state's length and its first and last tensors) and rebuilds from the state itself.
+
+    Example:
+        >>> texts = _StoredTexts()
+        >>> ids = [torch.tensor([7, 3])]
+        >>> texts.positions(ids)
+        {7: 0, 3: 1}
+        >>> ids.append(torch.tensor([5])); texts.stored(ids, [5])
+        >>> texts.positions(ids)[5], texts.features([torch.zeros(2, 1), torch.ones(1, 1)], [5]).tolist()
+        (2, [[1.0]])
+    """
+
+    def __init__(self) -> None:
+        self._positions: dict[int, int] = {}
+        self._starts: list[int] = [0]  # where each chunk of the state starts, and the total at the end
+        self._token: tuple[Any, ...] | None = None
+
+    @staticmethod
+    def _token_of(state: Any) -> tuple[Any, ...]:
+        if isinstance(state, Tensor):
+            return (state,)
+        return (len(state), state[0] if state else None, state[-1] if state else None)
+
+    def _same(self, state: Any) -> bool:
+        token, cached = self._token_of(state), self._token
+        return (
+            cached is not None
+            and len(token) == len(cached)
+            and all(a is b if not isinstance(a, int) else a == b for a, b in zip(token, cached))
+        )
+
+    def positions(self, id_state: Any) -> dict[int, int]:
+        """Each stored caption id's position in the concatenated state (the first one, if an id is there twice)."""
+        if not self._same(id_state):
+            self._positions, self._starts, at = {}, [0], 0
+            for chunk in _chunks(id_state):
+                for text_id in chunk.tolist():
+                    self._positions.setdefault(int(text_id), at)
+                    at += 1
+                self._starts.append(at)
+            self._token = self._token_of(id_state)
+        return self._positions
+
+    def stored(self, id_state: Any, ids: list[int]) -> None:
+        """Record that ``ids`` were just appended to ``id_state`` as one chunk."""
+        at = self._starts[-1]
+        for offset, text_id in enumerate(ids):
+            self._positions.setdefault(text_id, at + offset)
+        self._starts.append(at + len(ids))
+        self._token = self._token_of(id_state)
+
+    def features(self, feature_state: Any, ids: list[int]) -> Tensor:
+        """The stored features of ``ids`` (each must be stored), one row per id, on the state's device."""
+        chunks = _chunks(feature_state)
+        if len(chunks) != len(self._starts) - 1:  # not cut as the ids are: index the whole
+            return dim_zero_cat(chunks)[[self._positions[text_id] for text_id in ids]]
+        rows = []
+        for text_id in ids:
+            at = self._positions[text_id]
+            chunk = bisect.bisect_right(self._starts, at) - 1
+            rows.append(chunks[chunk][at - self._starts[chunk]])
+        return torch.stack(rows)
+
+    def clear(self) -> None:
+        self.__init__()  # type: ignore[misc]
 
 
 class StreamingRetrievalMetric(Metric):
@@ -78,8 +222,7 @@ class StreamingRetrievalMetric(Metric):
         ``stored_feature_bytes`` (features this process held); ``None`` before the first call.
 
     States: ``video_features``, ``row_text_ids``, ``sample_ids``, ``video_ids`` (one entry per row) and
-    ``unique_text_ids``, ``text_features`` (one per stored caption; ``text_ids`` is a read-only alias of
-    ``unique_text_ids``, whose checkpoint key was ``text_ids`` before, and such checkpoints still load).
+    ``unique_text_ids``, ``text_features`` (one per stored caption).
 
     Example:
         >>> import torch
@@ -149,7 +292,7 @@ class StreamingRetrievalMetric(Metric):
         self.last_compute_stats: dict[str, Any] | None = None
         # Derived from the `unique_text_ids` state: valid only for the exact state objects it was built from, so a
         # load, merge, sync or reset can never leave it stale.
-        self._texts = StoredTexts()
+        self._texts = _StoredTexts()
         self._warned_text_repeat = False  # caption ids given again with other features: warned once, then unchecked
         self._warn = WarnOnce()
 
@@ -163,11 +306,6 @@ class StreamingRetrievalMetric(Metric):
             out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             return out.copy_(x)
         return x.to("cpu").clone() if x.device.type == "cpu" else x.to("cpu")
-
-    @property
-    def text_ids(self) -> list[Tensor]:
-        """The ids of the stored captions, once each: a read-only alias of the ``unique_text_ids`` state."""
-        return self.unique_text_ids
 
     def _feature_dim(self) -> int | None:
         """The feature dim of the stored rows, read from the state (never cached: states can be replaced)."""
@@ -195,6 +333,24 @@ class StreamingRetrievalMetric(Metric):
             sample_ids: ``B`` sample ids; repeated samples count once. Give them under DDP validation.
             video_ids: ``B`` video ids, for datasets with several captions per video.
         """
+        t_ids, s_ids, v_ids = self._checked_ids(video_features, text_features, text_ids, sample_ids, video_ids)
+        if t_ids.numel() == 0:
+            return
+        self.video_features.append(self._store(video_features))
+        self.row_text_ids.append(t_ids)
+        if s_ids is not None:
+            self.sample_ids.append(s_ids)
+        if v_ids is not None:
+            self.video_ids.append(v_ids)
+        if self.protocol == "paired":
+            self.text_features.append(self._store(text_features))
+        else:
+            self._store_new_captions(t_ids, text_features)
+
+    def _checked_ids(
+        self, video_features: Tensor, text_features: Tensor, text_ids: Any, sample_ids: Any, video_ids: Any
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The rows' caption, sample and video ids as int64 tensors, after checking the update against the states."""
         check_features(video_features, text_features)
         n, dim = video_features.shape
         stored_dim = self._feature_dim()
@@ -211,17 +367,10 @@ class StreamingRetrievalMetric(Metric):
         for name, ids, state in (("sample_ids", s_ids, self.sample_ids), ("video_ids", v_ids, self.video_ids)):
             if (ids is None) != (len(state) == 0) and self.video_features:
                 raise ValueError(f"`{name}` must be given in every update or in none, got a mix.")
-        if n == 0:
-            return
-        self.video_features.append(self._store(video_features))
-        self.row_text_ids.append(t_ids)
-        if s_ids is not None:
-            self.sample_ids.append(s_ids)
-        if v_ids is not None:
-            self.video_ids.append(v_ids)
-        if self.protocol == "paired":
-            self.text_features.append(self._store(text_features))
-            return
+        return t_ids, s_ids, v_ids
+
+    def _store_new_captions(self, t_ids: Tensor, text_features: Tensor) -> None:
+        """Store the captions not stored before (the first row of each); check the repeated ones until one warns."""
         known = self._texts.positions(self.unique_text_ids)
         first_rows: dict[int, int] = {}  # caption id -> its first row in this update, for captions new here
         repeats: list[tuple[int, int]] = []
@@ -252,7 +401,8 @@ class StreamingRetrievalMetric(Metric):
         message = repeated_text_message(ids, new.cpu(), torch.stack(kept), "StreamingRetrievalMetric")
         if message is not None:
             self._warned_text_repeat = True
-            warnings.warn(message, UserWarning, stacklevel=3)
+            # this, _store_new_captions, update, torchmetrics' update wrapper: the caller's line
+            warnings.warn(message, UserWarning, stacklevel=5)
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> None:
@@ -266,18 +416,18 @@ class StreamingRetrievalMetric(Metric):
 
     @override
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
-        for old, new in _OLD_STATE_NAMES.items():  # checkpoints written before the state was renamed
-            if prefix + old in state_dict and prefix + new not in state_dict:
-                state_dict[prefix + new] = state_dict.pop(prefix + old)
         for name in self._defaults:  # a mangled state fails here, naming it, rather than in a later update
             if prefix + name in state_dict:
                 check_state_tensors("StreamingRetrievalMetric", name, state_dict[prefix + name])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         # torchmetrics keeps the caller's list objects as the states: later updates would append to the caller's
-        # state dict (and to every other metric loaded from it). Own copies of the lists instead.
+        # state dict (and to every other metric loaded from it). Own copies of the lists instead; a state saved as
+        # one tensor (concatenated, as a sync leaves it) becomes a list of that one chunk, or of none without rows.
         for name in self._defaults:
             value = getattr(self, name)
-            if isinstance(value, list):
+            if isinstance(value, Tensor):
+                setattr(self, name, [value] if value.shape[0] else [])
+            elif isinstance(value, list):
                 setattr(self, name, list(value))
 
     @override
@@ -311,7 +461,7 @@ class StreamingRetrievalMetric(Metric):
 
     def _rank(self, gather_v2t: bool) -> RankCounts:
         """Check that every process is here, then rank the stored rows with the shared orchestration."""
-        comm = DistributedCollectives(self.process_group)
+        comm = _DistributedCollectives(self.process_group)
         comm.handshake()
         stored = sum(t.numel() * t.element_size() for t in (*self.video_features, *self.text_features))
         counts = rank_rows(
@@ -350,13 +500,12 @@ class StreamingRetrievalMetric(Metric):
 
 
 def _cat_state(metric: Metric, name: str) -> Tensor:
-    """Concatenate a list state in place (one tensor afterwards) and return it; an empty tensor when no rows."""
-    parts: list[Tensor] = getattr(metric, name)
-    if not parts:
+    """A list state concatenated (``dim_zero_cat``), kept as its one tensor; an empty tensor when it has no rows."""
+    parts: list[Tensor] | Tensor = getattr(metric, name)
+    if isinstance(parts, list) and not parts:
         features = name.endswith("features")
         return torch.empty((0, 0) if features else (0,), dtype=torch.float32 if features else torch.int64)
-    if len(parts) > 1:
-        joined = torch.cat(parts, 0)
-        parts.clear()
-        parts.append(joined)
-    return parts[0]
+    joined = dim_zero_cat(parts)
+    if isinstance(parts, list) and len(parts) > 1:
+        parts[:] = [joined]  # the next compute does not concatenate again
+    return joined

@@ -154,9 +154,16 @@ class _Parser:
 
     def string(self, max_chars: int, budget: bool = True) -> str:
         """The string at ``pos`` (its opening quote), cut at ``max_chars`` (and the document's budget)."""
-        s = self.s
-        s.pos += 1
+        self.s.pos += 1
         limit = max(0, min(max_chars, self.chars_left) if budget else max_chars)
+        parts, kept, closed = self._read_string(limit)
+        rest = 0 if closed else self._skip_string()
+        return self._kept_text(parts, kept, rest, budget)
+
+    def _read_string(self, limit: int) -> tuple[list[str], int, bool]:
+        """Up to ``limit`` decoded characters of the string at ``pos``: its parts, their count, and whether the
+        closing quote came (and was consumed) before the limit."""
+        s = self.s
         parts: list[str] = []
         kept = 0
         while kept < limit:
@@ -173,18 +180,30 @@ class _Parser:
             c = s.buf[s.pos]
             if c == '"':
                 s.pos += 1
-                return self._kept_text(parts, kept, 0, budget)
+                return parts, kept, True
             if c != "\\":
                 raise s.error("Invalid control character in string")
-            s.fill(6)
-            width = 6 if s.buf[s.pos + 1 : s.pos + 2] == "u" else 2
-            try:
-                parts.append(json.loads('"' + s.buf[s.pos : s.pos + width] + '"'))
-            except ValueError:
-                raise s.error("Invalid \\escape") from None
+            parts.append(self._escape())
             kept += 1
-            s.pos += width
-        rest = 0  # the rest is skipped, counted in characters of JSON text
+        return parts, kept, False
+
+    def _escape(self) -> str:
+        """The character of the escape at ``pos`` (``\\n``, ``\\u00e9``, ...), consumed."""
+        s = self.s
+        s.fill(6)
+        width = 6 if s.buf[s.pos + 1 : s.pos + 2] == "u" else 2
+        try:
+            char = json.loads('"' + s.buf[s.pos : s.pos + width] + '"')
+        except ValueError:
+            raise s.error("Invalid \\escape") from None
+        s.pos += width
+        return str(char)
+
+    def _skip_string(self) -> int:
+        """Skip the rest of the string at ``pos`` and its closing quote; returns its length in characters of JSON
+        text."""
+        s = self.s
+        rest = 0
         while True:
             end = _SKIP_STRING.match(s.buf, s.pos).end()  # type: ignore[union-attr]
             rest += end - s.pos
@@ -195,7 +214,7 @@ class _Parser:
                 continue
             if s.buf[s.pos] == '"':
                 s.pos += 1
-                return self._kept_text(parts, kept, rest, budget)
+                return rest
             if len(s.buf) - s.pos >= 6 or not s.fill(6):  # a backslash the pattern left: an invalid escape
                 raise s.error("Invalid \\escape")
 

@@ -1,26 +1,42 @@
-"""Keep credentials out of reports: secret names (:mod:`.secret_names`), secrets inside strings (:mod:`.secret_text`)
-and secrets inside structured values (here).
+"""Keep credentials out of reports: which names hold a secret, secrets inside strings, secrets inside structures.
 
-:func:`redact_secrets` walks a value field by field before anything becomes a string: mappings, lists, tuples,
-sets, dataclasses, named tuples, ``argparse.Namespace`` and other objects with a ``__dict__``. A value stored
-under a secret name is replaced whole; every string goes through :func:`redact_text` and is capped in size.
+**Names** (keys, fields, variables, flags, parameters): :func:`is_secret_name` decides on whole words of the
+name, not substrings. A name is split into its words at ``_``, ``-``, ``.``, spaces and camelCase boundaries
+(``wandbApiKey`` -> ``wandb api key``, ``AWS_SECRET_ACCESS_KEY`` -> ``aws secret access key``), and the words
+decide: ``api_key``, ``access_token``, ``db_password`` and ``client_secret`` are secret; ``tokenizer_name``,
+``author``, ``keyframe_dir``, ``sort_key``, ``auth_mode`` and ``pad_token`` are not.
+
+**Strings**: :func:`redact_text` finds the credentials inside one string in time linear in its length. No
+character is read by more than a bounded number of regex attempts: a pattern starts at a literal word
+(``authorization``, ``bearer``, one of the words that can make a name secret) or at the first character of a
+run (a negative lookbehind on the run's own class), and what follows a repeat can never match a character the
+repeat takes, so giving characters back costs at most the run once. (No possessive quantifiers: Python 3.10 has
+none.) What a regex cannot do in one pass (where a URL's userinfo ends, where a value ends, matching quotes) is
+done by hand with ``str.find`` from a position that only moves forward.
+
+**Structures**: :func:`redact_secrets` walks a value field by field before anything becomes a string: mappings,
+lists, tuples, sets, dataclasses, named tuples, ``argparse.Namespace`` and other objects with a ``__dict__``. A
+value stored under a secret name is replaced whole; every string goes through :func:`redact_text` and is capped in
+size. The walk is its own, not ``lightning_utilities``' ``apply_to_collection``: what a value becomes depends on
+the key or flag it stands under (a mapping's keys, the item after ``--db-password``, a ``{"name": ..., "value":
+...}`` entry), and the walk keeps depth, item and value budgets and a cycle guard.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import enum
+import re
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import lru_cache
 from typing import Any
-
-from lightning_memopt.utilities.secret_names import REDACTED, SECRET_WORDS, is_secret_name, name_words
-from lightning_memopt.utilities.secret_text import MAX_VALUE_CHARS, cap_text, redact_text
 
 __all__ = [
     "MAX_VALUE_CHARS",
     "REDACTED",
-    "SECRET_FRAGMENTS",
     "SECRET_WORDS",
     "cap_text",
     "is_secret_name",
@@ -29,8 +45,525 @@ __all__ = [
     "redact_text",
 ]
 
-#: The words that make a name secret (kept under its former name; see :func:`is_secret_name` for the rules).
-SECRET_FRAGMENTS = SECRET_WORDS
+# === SECRET NAMES ============================================================================================
+
+#: What a secret is replaced with.
+REDACTED = "<redacted>"
+
+#: Words that make a name secret wherever they stand in it (``db_password``, ``gcp_credentials``, ``MYSQL_PWD``).
+SECRET_WORDS: tuple[str, ...] = (
+    "password",
+    "passwd",
+    "pwd",
+    "passphrase",
+    "secret",
+    "secrets",
+    "credential",
+    "credentials",
+    "creds",
+    "bearer",
+    "authorization",
+    "jwt",
+    "cookie",
+    "cookies",
+    "webhook",
+    "dsn",
+    "apikey",
+    "apikeys",
+    "accesskey",
+    "secretkey",
+    "privatekey",
+    "authkey",
+    "accesstoken",
+    "authtoken",
+    "refreshtoken",
+    "sessiontoken",
+    "apitoken",
+    "clientsecret",
+)
+#: Inside one word (no separators: ``PGPASSWORD``, ``dbPassword`` already splits) these still mark a secret.
+_SECRET_INFIXES = ("password", "passwd", "passphrase", "credential", "apikey", "secretkey", "privatekey")
+#: Names that are secret on their own but harmless as part of a longer name (``?key=``, ``?sig=``, ``auth=``).
+_SECRET_ALONE = frozenset({"key", "token", "auth", "pass", "sig", "signature", "otp"})
+#: ``<word> key``: the key is a credential (``api_key``, ``AWS_SECRET_ACCESS_KEY``, ``AccountKey``).
+_KEY_OWNERS = frozenset(
+    {
+        "api",
+        "access",
+        "secret",
+        "private",
+        "client",
+        "signing",
+        "sign",
+        "encryption",
+        "encrypt",
+        "master",
+        "ssh",
+        "gpg",
+        "pgp",
+        "license",
+        "licence",
+        "account",
+        "storage",
+        "subscription",
+        "consumer",
+        "service",
+        "deploy",
+        "app",
+        "auth",
+        "hmac",
+        "session",
+        "shared",
+        "aes",
+        "rsa",
+        "crypto",
+    }
+)
+#: ``<word> token`` where the token is a piece of text, not a credential (``pad_token``, ``eos_token``).
+_TEXT_TOKENS = frozenset(
+    {
+        "pad",
+        "bos",
+        "eos",
+        "unk",
+        "sep",
+        "cls",
+        "mask",
+        "start",
+        "end",
+        "stop",
+        "special",
+        "additional",
+        "image",
+        "audio",
+        "video",
+        "vision",
+        "boi",
+        "eoi",
+        "decoder",
+        "encoder",
+        "prefix",
+        "suffix",
+        "placeholder",
+        "split",
+        "max",
+        "min",
+        "num",
+        "first",
+        "last",
+        "next",
+        "new",
+        "extra",
+        "sentinel",
+        "control",
+        "word",
+        "byte",
+        "subword",
+        "vocab",
+    }
+)
+#: ``auth <word>``: an authorization credential (``auth_header``), not a setting (``auth_mode``).
+_AUTH_CREDENTIALS = frozenset({"header", "headers", "string", "info", "cookie", "value", "data", "code", "pass"})
+#: ``<word> pass``: a password (``db_pass``), not a pass over data (``forward_pass``).
+_PASS_OWNERS = frozenset(
+    {"db", "user", "admin", "root", "login", "proxy", "smtp", "ftp", "mail", "email", "sql", "mysql", "redis", "ldap"}
+)
+#: ``<word> signature``/``sig``: a request signature (``X-Amz-Signature``).
+_SIGNATURE_WORDS = frozenset({"signature", "sig"})
+#: Names longer than this are judged by their last this-many characters (the part a key's name ends with).
+_MAX_NAME_CHARS = 256
+
+# Words: a run of capitals before a capitalised word (the "API" of "APIKey"), a capitalised or lower-case word,
+# a run of capitals, a number. Everything else (``_``, ``-``, ``.``, spaces, brackets) separates.
+_WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+
+
+def name_words(name: str) -> list[str]:
+    """The lower-case words of ``name`` (its last 256 characters when longer).
+
+    Example:
+        >>> name_words("wandbApiKey"), name_words("AWS_SECRET_ACCESS_KEY"), name_words("--db-password")
+        (['wandb', 'api', 'key'], ['aws', 'secret', 'access', 'key'], ['db', 'password'])
+    """
+    return [word.lower() for word in _WORD.findall(str(name)[-_MAX_NAME_CHARS:])]
+
+
+def _is_secret_words(words: list[str]) -> bool:
+    if len(words) == 1 and words[0] in _SECRET_ALONE:
+        return True
+    for i, word in enumerate(words):
+        before = words[i - 1] if i else ""
+        after = words[i + 1] if i + 1 < len(words) else ""
+        if word in SECRET_WORDS or any(infix in word for infix in _SECRET_INFIXES):
+            return True
+        if word in ("key", "keys") and before in _KEY_OWNERS:
+            return True
+        if word == "token" and not after and before not in _TEXT_TOKENS:
+            return True
+        if word == "auth" and after in _AUTH_CREDENTIALS:
+            return True
+        if word == "pass" and not after and before in _PASS_OWNERS:
+            return True
+        if word in _SIGNATURE_WORDS and not after:
+            return True
+    return False
+
+
+@lru_cache(maxsize=4096)
+def _is_secret_cached(name: str) -> bool:
+    return _is_secret_words(name_words(name))
+
+
+def is_secret_name(name: object) -> bool:
+    """Whether a key, field, variable, flag or parameter called ``name`` may hold a secret.
+
+    Decided on the whole words of the name (:func:`name_words`), never on substrings: a word from
+    :data:`SECRET_WORDS` anywhere (``db_password``, ``client_secret``, ``gcp_credentials``); ``key`` after
+    ``api``/``access``/``secret``/``private``/``client``/... (``api_key``, ``AWS_SECRET_ACCESS_KEY``); a name
+    ending in ``token`` unless it is a piece of text (``access_token``, ``HF_TOKEN``, not ``pad_token``);
+    ``auth`` before ``header``/``string``/... (``auth_header``, not ``auth_mode``); ``key``, ``token``,
+    ``auth``, ``pass``, ``sig`` or ``signature`` as the whole name. Not a string: ``False``.
+
+    Example:
+        >>> [is_secret_name(n) for n in ("TORCH_HUB_TOKEN", "api_key", "clientSecret", "--db-password")]
+        [True, True, True, True]
+        >>> [is_secret_name(n) for n in ("NCCL_DEBUG", "tokenizer_name", "sort_key", "author", "pad_token")]
+        [False, False, False, False, False]
+    """
+    if not isinstance(name, str):
+        return False
+    return _is_secret_cached(name[-_MAX_NAME_CHARS:])
+
+
+# === SECRETS IN STRINGS ======================================================================================
+
+#: The longest string kept whole in a report (characters); the rest is cut with a ``...[truncated N chars]`` marker.
+MAX_VALUE_CHARS = 65_536
+# A string at most this much over the cap is kept (a string that was already cut, with its marker, stays as it is).
+_MARKER_ROOM = 64
+# How far past the cap a cut string is still scanned, so that a secret across the cut is seen whole.
+_SCAN_MARGIN = 4096
+# Candidates (a secret-looking word before a separator, a URL with "@") examined in one string by one pass; past
+# this, the rest of the string is replaced by a marker: no configuration holds that many, and time stays bounded.
+_MAX_HITS = 20_000
+
+# --- URLs: scheme://userinfo@host ----------------------------------------------------------------------------
+# A scheme (entered at its first character) and what follows up to the first "@", stopping at a space, a quote
+# or the next "://": every character is read by one attempt only.
+_URL_WITH_AT = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://(?:[^\s\"'<>`@:]|:(?!//))*@")
+_URL_END = re.compile(r"[\s\"'<>`]|://")
+_AUTHORITY_END = re.compile(r"[/?#]")
+
+# --- HTTP authorization ----------------------------------------------------------------------------------------
+_AUTH_SCHEMES = r"(?:bearer|basic|token|digest|negotiate|ntlm|dpop|apikey|oauth|aws4-hmac-sha256)"
+_AUTHORIZATION = re.compile(
+    r"(?P<head>\b(?:proxy-)?authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:" + _AUTH_SCHEMES + r"[ \t]+)?)"
+    r"(?P<credential>[^\s\"',;]+)",
+    re.IGNORECASE,
+)
+_BEARER = re.compile(r"(?P<head>\bbearer\s+)(?P<credential>[A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
+_BASIC = re.compile(r"(?P<head>\bbasic\s+)(?P<credential>[A-Za-z0-9+/]{4,}={0,2})", re.IGNORECASE)
+
+# --- name/value pairs ------------------------------------------------------------------------------------------
+# Searched in the lower-cased text. A word that can make a name secret, the rest of the name up to the next such
+# word (so that no character is read by two attempts), a closing quote, spaces and a separator:
+# name=value | name = value | name: value | "name": value | 'name', 'value'. The name's start is found backwards
+# from the word (_NAME_TAIL). A flag (--name value) is entered only at a "-" that starts a word, and only when a
+# word that can make it secret follows (the lookahead reads the flag once).
+_TRIGGERS = r"(?:pass|pwd|secret|cred|bearer|auth|jwt|cookie|webhook|dsn|key|token|sig|otp)"
+_PAIR = re.compile(
+    _TRIGGERS + r"(?:(?!" + _TRIGGERS + r")[a-z0-9_\-])*(?P<close>\\?[\"'])?(?P<space>[ \t]*)"
+    r"(?P<sep>[:=]|(?<=[\"']),)"
+)
+_FLAG = re.compile(
+    r"-(?<![a-z0-9_\-]-)(?=-?[a-z][a-z0-9_\-]*?" + _TRIGGERS + r")-?[a-z][a-z0-9_\-]*(?P<space>[ \t]+)(?![ \t]|[\"']?-)"
+)
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_NAME_TAIL = re.compile(r"(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]*\Z")
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+# {"name": "DB_PASSWORD", "value": "x"} and its YAML form (- name: DB_PASSWORD / value: x).
+_NAMED_VALUE = re.compile(
+    r"\b(?:name|key)[\"']?[ \t]*[:=][ \t]*[\"']?(?P<secret_name>[A-Za-z0-9_\-.]+)[\"']?[\s,]*"
+    r"[\"']?value[\"']?[ \t]*(?P<sep>[:=])"
+)
+_TIGHT_END = re.compile(r"[\s&#;,\"'<>()\[\]{}]")  # name=value in a URL query, a command line, a repr
+_LINE_END = re.compile(r"[\r\n,}\]]")  # name: value (YAML, headers) and name = value (INI): to the end of the line
+_WORD_END = re.compile(r"\s")  # --flag value
+_SPACES = re.compile(r"[ \t]*")
+_VALUE_ENDS = {"tight": _TIGHT_END, "line": _LINE_END, "word": _WORD_END}
+_CONSTANTS = frozenset({"", "None", "null", "true", "false", "True", "False", "~", REDACTED})
+
+
+def cap_text(text: str, max_chars: int = MAX_VALUE_CHARS) -> str:
+    """``text`` cut to ``max_chars`` characters with a ``...[truncated N chars]`` marker (N: how many were cut).
+
+    A string no more than 64 characters over the cap is returned whole, so that cutting twice changes nothing.
+
+    Example:
+        >>> cap_text("x" * 200, max_chars=10)
+        'xxxxxxxxxx...[truncated 190 chars]'
+    """
+    if len(text) <= max_chars + _MARKER_ROOM:
+        return text
+    return f"{text[:max_chars]}...[truncated {len(text) - max_chars} chars]"
+
+
+def _looks_like_credential(text: str) -> bool:
+    """Long, or mixing digits/symbols into letters: a token, not an English word after ``Bearer``."""
+    if len(text) >= 16:
+        return True
+    return len(text) >= 8 and any(not c.isalpha() for c in text)
+
+
+def _is_basic_credential(text: str) -> bool:
+    """Base64 of ``user:password``, which is what follows ``Basic`` in an HTTP header."""
+    try:
+        decoded = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return b":" in decoded
+
+
+def _userinfo_end(region: str) -> int | None:
+    """Where the userinfo of ``region`` (a URL after ``scheme://``) ends (its ``@``), ``None`` without one.
+
+    The standard form ends at the last ``@`` before the first ``/``, ``?`` or ``#``. A password holding one of
+    those (``u:pa/ss@host``) is recognised too: ``user:`` followed by something that is not a port, then ``@``.
+    """
+    found = _AUTHORITY_END.search(region)
+    authority_end = found.start() if found else len(region)
+    at = region.rfind("@", 0, authority_end)
+    if at >= 0:
+        return at
+    colon = region.find(":", 0, authority_end)
+    if colon < 0 or authority_end == len(region) or region[colon + 1 : authority_end].isdigit():
+        return None
+    at = region.find("@", authority_end)
+    if at < 0:
+        return None
+    found = _AUTHORITY_END.search(region, at)
+    return region.rfind("@", 0, found.start() if found else len(region))
+
+
+def _redact_userinfo(userinfo: str) -> str:
+    user, colon, _ = userinfo.partition(":")
+    if colon:  # user:password keeps the user
+        return f"{user}:{REDACTED}"
+    # A lone userinfo is a user (git@host) or a token (https://<token>@host): tokens are long and have digits.
+    if len(user) >= 16 or (len(user) >= 12 and any(c.isdigit() for c in user)) or user == REDACTED:
+        return REDACTED
+    return userinfo
+
+
+def _redact_urls(text: str) -> str:
+    if "@" not in text or "://" not in text:
+        return text
+    out: list[str] = []
+    pos = search = hits = 0
+    while (match := _URL_WITH_AT.search(text, search)) is not None:
+        hits += 1
+        if hits > _MAX_HITS:
+            return "".join(out) + text[pos : match.start()] + _rest_not_scanned(text, match.start())
+        search = match.end()
+        begin = text.index("://", match.start()) + 3
+        found = _URL_END.search(text, match.end())  # the next URL or the end of this one
+        region = text[begin : found.start() if found else len(text)]
+        userinfo_end = _userinfo_end(region)
+        if userinfo_end is None:
+            continue
+        out += [text[pos:begin], _redact_userinfo(region[:userinfo_end])]
+        pos = begin + userinfo_end
+        search = max(search, pos + 1)
+    return "".join(out) + text[pos:]
+
+
+def _sub(pattern: re.Pattern[str], text: str, replace: Callable[[re.Match[str]], str]) -> str:
+    """``pattern.sub(replace, text)``, stopping after :data:`_MAX_HITS` matches (the rest becomes a marker)."""
+    out: list[str] = []
+    pos = 0
+    for hits, match in enumerate(pattern.finditer(text)):
+        if hits >= _MAX_HITS:
+            return "".join(out) + text[pos : match.start()] + _rest_not_scanned(text, match.start())
+        out += [text[pos : match.start()], replace(match)]
+        pos = match.end()
+    return "".join(out) + text[pos:]
+
+
+def _bearer(match: re.Match[str]) -> str:
+    credential = match.group("credential")
+    return match.group("head") + REDACTED if _looks_like_credential(credential) else match.group(0)
+
+
+def _basic(match: re.Match[str]) -> str:
+    credential = match.group("credential")
+    return match.group("head") + REDACTED if _is_basic_credential(credential) else match.group(0)
+
+
+def _authorization(text: str, low: str) -> str:
+    if "authorization" in low:
+        text = _sub(_AUTHORIZATION, text, lambda m: m.group("head") + REDACTED)
+    if "bearer" in low:
+        text = _sub(_BEARER, text, _bearer)
+    if "basic" in low:
+        text = _sub(_BASIC, text, _basic)
+    return text
+
+
+def _closing_quote(text: str, start: int, quote: str) -> int:
+    """Index of the first ``quote`` at or after ``start`` not escaped by a backslash; -1 if none."""
+    j = start
+    while (j := text.find(quote, j)) >= 0:
+        k = j
+        while k > start and text[k - 1] == "\\":
+            k -= 1
+        if (j - k) % 2 == 0:
+            return j
+        j += 1
+    return -1
+
+
+def _skip_spaces(text: str, i: int) -> int:
+    found = _SPACES.match(text, i)
+    return found.end() if found else i
+
+
+def _value_span(text: str, start: int, style: str) -> tuple[int, int] | None:
+    """``(begin, end)`` of the value that starts at ``start``; quotes are kept out of it. ``None``: no value."""
+    n = len(text)
+    i = _skip_spaces(text, start)
+    if i >= n:
+        return None
+    if text[i] in "\"'":
+        j = _closing_quote(text, i + 1, text[i])
+        end = n if j < 0 else j
+        after = _skip_spaces(text, min(end + 1, n))
+        if style == "comma" and text[after : after + 1] == ":":
+            return None  # 'DB_PASSWORD', 'value': ... - the quoted word is the next key, not a value
+        return i + 1, end
+    if text[i] == "\\" and text[i + 1 : i + 2] in ('"', "'"):
+        j = text.find(text[i : i + 2], i + 2)
+        return i + 2, n if j < 0 else j
+    if style == "comma":  # 'token', 'abc': only a quoted value counts
+        return None
+    found = _VALUE_ENDS[style].search(text, i)
+    end = found.start() if found else n
+    if style == "line":
+        end = i + len(text[i:end].rstrip(" \t"))
+    return i, end
+
+
+def _lower(text: str) -> str:
+    """``text`` lower-cased, index for index (``str.lower`` lengthens a few non-ASCII letters)."""
+    low = text.lower()
+    return low if len(low) == len(text) else text.translate(_ASCII_LOWER)
+
+
+@lru_cache(maxsize=4096)
+def _is_secret_key(name: str) -> bool:
+    # An Authorization header keeps its scheme word: _AUTHORIZATION redacts only the credential after it.
+    return is_secret_name(name) and "authorization" not in name_words(name)
+
+
+def _rest_not_scanned(text: str, start: int) -> str:
+    return f"{REDACTED}...[{len(text) - start} chars not scanned: more than {_MAX_HITS} candidates]"
+
+
+def _pair(match: re.Match[str], text: str, search: int) -> str | None:
+    """How the value after a ``name<sep>`` match is delimited, when the name is secret; ``None`` to leave it."""
+    start = match.start()
+    if start > search and text[start - 1] in _NAME_CHARS:  # the word is inside the name: find where it starts
+        found = _NAME_TAIL.search(text, search, start)
+        start = found.start() if found else start
+    close = match.group("close")
+    if not _is_secret_key(text[start : match.start("close") if close else match.start("space")]):
+        return None
+    sep = match.group("sep")
+    if sep == ",":
+        return "comma"
+    if sep == ":" or match.group("space") or text[match.end() : match.end() + 1] in (" ", "\t"):
+        return "line"
+    return "tight"
+
+
+def _flag(match: re.Match[str], text: str, search: int) -> str | None:
+    return "word" if is_secret_name(text[match.start() : match.start("space")]) else None
+
+
+def _named_value(match: re.Match[str], text: str, search: int) -> str | None:
+    if not is_secret_name(text[match.start("secret_name") : match.end("secret_name")]):
+        return None
+    return "line" if match.group("sep") == ":" else "tight"
+
+
+def _scan(text: str, pattern: re.Pattern[str], decide: Callable[[re.Match[str], str, int], str | None]) -> str:
+    """``text`` with the values after ``pattern``'s matches (searched in its lower-case form) redacted where
+    ``decide`` gives their delimiting style. The search only moves forward."""
+    low = _lower(text)
+    out: list[str] = []
+    pos = search = hits = 0
+    while (match := pattern.search(low, search)) is not None:
+        hits += 1
+        if hits > _MAX_HITS:
+            return "".join(out) + text[pos : match.start()] + _rest_not_scanned(text, match.start())
+        style = decide(match, text, search)
+        search = match.end()
+        span = None if style is None else _value_span(text, match.end(), style)
+        if span is None or text[span[0] : span[1]] in _CONSTANTS:
+            continue
+        out += [text[pos : span[0]], REDACTED]
+        pos = search = max(span[1], search)
+    return "".join(out) + text[pos:]
+
+
+def _redact_all(text: str) -> str:
+    low = _lower(text)
+    text = _authorization(_redact_urls(text), low)
+    if "value" in low:
+        text = _scan(text, _NAMED_VALUE, _named_value)
+    if "-" in low:
+        text = _scan(text, _FLAG, _flag)
+    return _scan(text, _PAIR, _pair)
+
+
+def redact_text(text: str, max_chars: int | None = None) -> str:
+    """``text`` with the credentials inside it replaced by ``"<redacted>"``, in time linear in its length.
+
+    Replaced: the password of a URL's userinfo, also one holding ``/``, ``?`` or ``#`` (all of a lone userinfo
+    that looks like a token, as in ``https://<token>@host``; a plain user as in ``git@host`` stays); the
+    credential after ``Authorization:``, after ``Bearer`` (when it looks like a token) and after ``Basic`` (when
+    it is base64 of ``user:password``); the value after a secret name (:func:`is_secret_name`) in every
+    key/value syntax: ``name=value`` (query strings, env files, command lines), ``name='value'`` (a ``repr``),
+    ``name: value`` (YAML, headers), ``"name": "value"`` (JSON, a dict's repr), ``name = value`` (INI),
+    ``--name value`` and ``--name=value`` (command lines), ``'name', 'value'`` (a pair's repr) and
+    ``{"name": "DB_PASSWORD", "value": ...}``. ``None``, ``null``, ``true`` and ``false`` values are kept.
+    A non-string is returned as it is.
+
+    Args:
+        text: The string to redact.
+        max_chars: Cut the result to this many characters with a ``...[truncated N chars]`` marker
+            (:func:`cap_text`); only the part kept (and a margin) is scanned. Default: no cap.
+
+    Example:
+        >>> redact_text("https://alice:hunter2@example.com/data?x=1&token=abc123")
+        'https://alice:<redacted>@example.com/data?x=1&token=<redacted>'
+        >>> redact_text("Namespace(lr=0.1, db_password='hunter2', tokenizer='t5-small')")
+        "Namespace(lr=0.1, db_password='<redacted>', tokenizer='t5-small')"
+        >>> redact_text("https://example.com/path?x=1")
+        'https://example.com/path?x=1'
+    """
+    if not isinstance(text, str):
+        return text
+    try:
+        if max_chars is None or len(text) <= max_chars + _MARKER_ROOM:
+            return _redact_all(text)
+        head = _redact_all(text[: max_chars + _SCAN_MARGIN])
+        return f"{head[:max_chars]}...[truncated {len(text) - max_chars} chars]"
+    except Exception:  # never expected; a report must not fail because of redaction
+        return REDACTED
+
+
+# === SECRETS IN STRUCTURES ===================================================================================
+
 #: Containers nested deeper than this are replaced whole: cheaper than walking them and never leaks.
 _MAX_DEPTH = 64
 #: Items of one container kept; the rest is cut with a ``...[truncated N items]`` marker.

@@ -43,17 +43,23 @@ def test_a_mangled_metric_state_is_an_error_naming_the_metric_and_state(key, val
     assert "got " in message and "checkpoint" in message
 
 
-def test_a_valid_state_loads_and_computes_the_same_and_an_old_name_still_loads():
+def test_a_valid_state_loads_and_computes_the_same():
     saved, state = _saved()
     expected = saved.compute()
     loaded = _fresh()
     loaded.load_state_dict(state)
     assert loaded.compute() == expected
-    old = dict(_saved()[1])
-    old["text_ids"] = old.pop("unique_text_ids")  # the state's name before it was renamed
-    renamed = _fresh()
-    renamed.load_state_dict(old)
-    assert renamed.compute() == expected
-    old["text_ids"] = "x"
-    with pytest.raises(ValueError, match="'unique_text_ids' must be a list of 1-D int64 tensors, got 'x'"):
-        _fresh().load_state_dict(old)
+
+
+def test_a_state_saved_as_one_tensor_per_state_loads_and_computes_the_same():
+    """A state may be saved concatenated (one tensor, as a sync leaves it); a state without rows as an empty one."""
+    saved, state = _saved()
+    expected = saved.compute()
+    joined = {key: torch.cat(value) if value else torch.zeros(0, dtype=torch.int64) for key, value in state.items()}
+    loaded = _fresh()
+    loaded.load_state_dict(joined)
+    assert loaded.compute() == expected
+    assert loaded.video_ids == [] and [t.shape for t in loaded.video_features] == [(6, 4)]
+    video, text, ids = make_data(n=6, d=4, n_captions=3, seed=8)
+    loaded.update(video, text, text_ids=ids, sample_ids=torch.arange(6))  # the same rows again: counted once
+    assert loaded.compute() == expected

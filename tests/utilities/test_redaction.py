@@ -279,3 +279,15 @@ def test_sequences_argv_pairs_and_name_value_entries():
         {"name": "MODE", "value": "fast"},
         {"key": R, "val": R},  # "key" alone is a secret name too (Google's ?key=): both go
     ]
+
+
+def test_redaction_is_one_module_without_old_names():
+    """Names, strings and structures live in ``utilities/redaction.py``; the unreleased alias is gone."""
+    import importlib.util
+
+    from lightning_memopt.utilities import redaction
+
+    assert not hasattr(redaction, "SECRET_FRAGMENTS")
+    assert set(redaction.__all__) >= {"SECRET_WORDS", "cap_text", "name_words", "redact_secrets", "redact_text"}
+    for old in ("secret_names", "secret_text"):
+        assert importlib.util.find_spec(f"lightning_memopt.utilities.{old}") is None

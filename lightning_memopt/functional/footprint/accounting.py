@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -106,6 +106,10 @@ class Footprint:
         )
 
 
+#: A tensor the model or its optimizers own: ``(category, name, tensor)``.
+_Owned = tuple[str, str, torch.Tensor]
+
+
 def _unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
 
@@ -117,37 +121,60 @@ def _param_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def _owned(module: torch.nn.Module, optimizers: Sequence[Any]) -> Iterable[tuple[str, str, torch.Tensor]]:
-    """``(category, name, tensor)`` for every tensor the module and optimizers own, in accounting order."""
-    names = _param_names(module)
-    for name, param in module.named_parameters(remove_duplicate=False):
-        yield "parameters", name, param
-    optimizers = [_unwrap_optimizer(opt) for opt in optimizers]
+def _param_groups(optimizers: Sequence[Any]) -> Iterator[tuple[int, int, Mapping[str, Any]]]:
+    """``(optimizer index, group index, param group)`` of every (unwrapped) optimizer."""
     for i, opt in enumerate(optimizers):
         for g, group in enumerate(getattr(opt, "param_groups", ())):
-            for j, param in enumerate(group.get("params", ())):
-                if isinstance(param, torch.Tensor):
-                    yield "parameters", names.get(id(param), f"optimizer{i}.param_groups[{g}].params[{j}]"), param
+            yield i, g, group
+
+
+def _parameters(module: torch.nn.Module, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
+    """The module's parameters, then the optimizers' (named after the module's where they are the same tensor)."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        yield "parameters", name, param
+    for i, g, group in _param_groups(optimizers):
+        for j, param in enumerate(group.get("params", ())):
+            if isinstance(param, torch.Tensor):
+                yield "parameters", names.get(id(param), f"optimizer{i}.param_groups[{g}].params[{j}]"), param
+
+
+def _buffers(module: torch.nn.Module) -> Iterator[_Owned]:
     for name, buf in module.named_buffers(remove_duplicate=False):
         if isinstance(buf, torch.Tensor):
             yield "buffers", name, buf
+
+
+def _gradients(module: torch.nn.Module, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
+    """The gradients of the module's parameters, then of the optimizers' parameters the module does not have."""
     for name, param in module.named_parameters(remove_duplicate=False):
         if param.grad is not None:
             yield "gradients", f"{name}.grad", param.grad
+    for i, g, group in _param_groups(optimizers):
+        for param in group.get("params", ()):
+            if isinstance(param, torch.Tensor) and id(param) not in names and param.grad is not None:
+                yield "gradients", f"optimizer{i}.param_groups[{g}].params.grad", param.grad
+
+
+def _optimizer_states(optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
+    """The tensors of each optimizer's per-parameter state (``exp_avg``, ...)."""
     for i, opt in enumerate(optimizers):
-        for g, group in enumerate(getattr(opt, "param_groups", ())):
-            for param in group.get("params", ()):
-                if isinstance(param, torch.Tensor) and id(param) not in names and param.grad is not None:
-                    yield "gradients", f"optimizer{i}.param_groups[{g}].params.grad", param.grad
-    for i, opt in enumerate(optimizers):
-        state = getattr(opt, "state", {})
-        for param, param_state in list(state.items()):
+        for param, param_state in list(getattr(opt, "state", {}).items()):
             if not isinstance(param_state, Mapping):
                 continue
             pname = names.get(id(param), "?")
             for key, value in param_state.items():
                 if isinstance(value, torch.Tensor):
                     yield "optimizer_states", f"optimizer{i}.state[{pname}].{key}", value
+
+
+def _owned(module: torch.nn.Module, optimizers: Sequence[Any]) -> Iterator[_Owned]:
+    """``(category, name, tensor)`` for every tensor the module and optimizers own, in accounting order."""
+    names = _param_names(module)
+    unwrapped = [_unwrap_optimizer(opt) for opt in optimizers]
+    yield from _parameters(module, unwrapped, names)
+    yield from _buffers(module)
+    yield from _gradients(module, unwrapped, names)
+    yield from _optimizer_states(unwrapped, names)
 
 
 def model_footprint(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Footprint:

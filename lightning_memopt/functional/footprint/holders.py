@@ -16,6 +16,20 @@ __all__ = ["MODULE_INTERNALS", "find_storage_holders", "iter_held_tensors"]
 MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
+def _children(value: Any, where: str) -> list[tuple[str, Any]]:
+    """``(path, item)`` of what a module (parameters, buffers, attributes), mapping or collection holds; ``[]`` for
+    anything else."""
+    if isinstance(value, torch.nn.Module):
+        named = [*value.named_parameters(), *value.named_buffers()]
+        named += [(k, v) for k, v in vars(value).items() if k not in MODULE_INTERNALS]
+        return [(f"{where}.{k}", v) for k, v in named]
+    if isinstance(value, Mapping):
+        return [(f"{where}[{k!r}]", v) for k, v in list(value.items())]
+    if isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
+        return [(f"{where}[{i}]", v) for i, v in enumerate(list(value))]
+    return []
+
+
 def iter_held_tensors(
     obj: Any,
     path: str = "",
@@ -50,20 +64,12 @@ def iter_held_tensors(
             return
         if depth >= max_depth or isinstance(value, (str, bytes, int, float, bool, type(None))):
             return
-        try:
-            if isinstance(value, torch.nn.Module):
-                if not into_modules:
-                    return
-                owner = owner or where
-                named = [*value.named_parameters(), *value.named_buffers()]
-                named += [(k, v) for k, v in vars(value).items() if k not in MODULE_INTERNALS]
-                items = [(f"{where}.{k}", v) for k, v in named]
-            elif isinstance(value, Mapping):
-                items = [(f"{where}[{k!r}]", v) for k, v in list(value.items())]
-            elif isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
-                items = [(f"{where}[{i}]", v) for i, v in enumerate(list(value))]
-            else:
+        if isinstance(value, torch.nn.Module):
+            if not into_modules:
                 return
+            owner = owner or where
+        try:
+            items = _children(value, where)
         except INSPECTION_ERRORS:  # a container that breaks while being listed
             return
         for item_path, item in items:

@@ -47,14 +47,13 @@ from lightning_memopt.functional.oom.store import (
     save_report,
 )
 from lightning_memopt.functional.oom.suggestions import suggest_fixes
-from lightning_memopt.utilities.redaction import REDACTED, SECRET_FRAGMENTS, is_secret_name  # kept importable here
+from lightning_memopt.utilities.redaction import REDACTED, is_secret_name  # kept importable here
 
 __all__ = [
     "ALLOCATOR_ENV_VARS",
     "ENV_PREFIXES",
     "REDACTED",
     "REPORT_FORMAT",
-    "SECRET_FRAGMENTS",
     "CheckpointingState",
     "MemorySection",
     "OOMReport",
