@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -17,17 +18,11 @@ from lightning_memopt.callbacks._memory_log import (
 )
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
-from lightning_memopt.functional.monitoring import (
-    PEAK_FIELDS,
-    STEP_FIELDS,
-    MonitorRecords,
-    cross_rank_metrics,
-    cross_rank_values,
-)
+from lightning_memopt.functional.monitoring import MonitorRecords, cross_rank_metrics, cross_rank_values
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.namespaces import rank_zero_only
-from lightning_memopt.utilities.quiet import note_inactive, report_inactive
+from lightning_memopt.utilities.quiet import WIDTH, note_inactive, report_inactive
 from lightning_memopt.utilities.run_id import run_id
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
@@ -36,7 +31,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["MemoryMonitor"]
-_ = (STEP_FIELDS, PEAK_FIELDS)  # importable from here as before; defined in functional.monitoring
 _INTERVAL_HINT = "Pass None to use the trainer's `log_every_n_steps`."
 _CROSS_HINT = "Pass None to never exchange readings between ranks."
 
@@ -226,8 +220,8 @@ class MemoryMonitor(RankLogCallback):
             return  # the reading failed (warned once)
         self._write(records[:1])
         self._log_metrics(trainer, metrics)
-        for message in warnings:
-            log.warning(message)
+        for message in warnings:  # the record keeps the message on one line; the console gets 100 columns
+            log.warning(textwrap.fill(message, WIDTH, subsequent_indent="  ", break_long_words=False))
         self._write(records[1:])  # one `warning` record per threshold crossing
 
     def _phase_start(self, trainer: pl.Trainer, phase: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from lightning_memopt.utilities.checks import (
 )
 from lightning_memopt.utilities.files import check_dir_creatable
 from lightning_memopt.utilities.oom import is_out_of_memory_error
-from lightning_memopt.utilities.quiet import WIDTH, note_inactive, report_inactive
+from lightning_memopt.utilities.quiet import note_inactive, report_inactive
 from lightning_memopt.utilities.run_id import ensure_run_id, run_id
 from lightning_memopt.utilities.shared_state import Lease
 from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
@@ -235,12 +234,9 @@ class OOMReporter(ArtifactCallback):
         finally:
             slot.release()
         if failed:
-            message = (
-                f"OOMReporter: out-of-memory on rank {rank}, but the report could not be written"
-                f" ({'; '.join(failed)}). The original error is re-raised unchanged."
-            )
-            log.error(textwrap.fill(message, WIDTH, subsequent_indent="  ", break_long_words=False))
-            self._warn.warn("write", message)
+            header = f"OOMReporter: out-of-memory on rank {rank}; the report could not be written (error re-raised):"
+            log.error(header + "\n  %s" * len(failed), *failed)  # a line per failure, paths escaped onto it
+            self._warn.warn("write", f"{header} {'; '.join(failed)}")
             return
         self._num_reports += 1
         log.warning("OOMReporter: out-of-memory on rank %d; report written to\n  %s", rank, slot.paths["md"])

@@ -8,6 +8,7 @@ import torch
 
 from lightning_memopt.callbacks import MemoryMonitor
 from lightning_memopt.callbacks import memory_monitor as mm
+from lightning_memopt.functional.monitoring import STEP_FIELDS
 from tests.helpers.fake_device import FakeAllocator
 from tests.helpers.memory_records import RECORD_KEYS
 from tests.helpers.models import TinyModel
@@ -57,7 +58,7 @@ def test_logged_keys_with_device_readings(tmp_path, monkeypatch):
     calls = memory_calls(logger)
     step_metrics = [m for _, m in calls if "memory/train/allocated_bytes" in m]
     assert len(step_metrics) == 2
-    assert set(step_metrics[0]) == {f"memory/train/{f}" for f in mm.STEP_FIELDS}
+    assert set(step_metrics[0]) == {f"memory/train/{f}" for f in STEP_FIELDS}
     end = [m for _, m in calls if "memory/train/peak_allocated_bytes" in m]
     assert end == [{"memory/train/peak_allocated_bytes": 1000.0, "memory/train/peak_reserved_bytes": 1000.0}]
 
@@ -147,7 +148,7 @@ def test_threshold_warns_once_per_crossing(tmp_path, monkeypatch, caplog):
     ]
     assert warnings_[0]["fraction"] == pytest.approx(0.95)
     assert "[rank 0]" in warnings_[0]["message"] and "warn_threshold" in warnings_[0]["message"]
-    assert sum("above `warn_threshold`" in m for m in caplog.messages) == 4
+    assert sum("above `warn_threshold`" in " ".join(m.split()) for m in caplog.messages) == 4  # wrapped at 100
 
 
 def test_interval_defaults_to_the_trainers_log_every_n_steps(tmp_path):
@@ -389,3 +390,15 @@ def test_warnings_from_hooks_point_at_this_package(tmp_path, monkeypatch):
         make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=2).fit(TinyModel())
     ours = [w for w in caught if "MemoryMonitor" in str(w.message)]
     assert ours and all(f"{os.sep}lightning_memopt{os.sep}" in w.filename for w in ours), [w.filename for w in ours]
+
+
+def test_threshold_warning_fits_100_columns_and_the_record_keeps_one_line(tmp_path, monkeypatch, caplog):
+    fake = FakeAllocator(total=10 * 2**30).install(monkeypatch, mm)
+    fake.set(int(9.5 * 2**30))
+    with caplog.at_level("WARNING", logger="lightning_memopt"):
+        make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=1).fit(TinyModel())
+    (printed,) = [m for m in caplog.messages if "warn_threshold" in m and "allocated memory" in m]
+    assert len(printed.splitlines()) == 2 and all(len(line) <= 100 for line in printed.splitlines())
+    records = read_jsonl(tmp_path / "memopt" / "memory_rank0.jsonl")
+    (record,) = [r for r in records if r["event"] == "warning" and r["field"] == "allocated_bytes"]
+    assert " ".join(printed.split()) == record["message"] and len(record["message"]) > 100

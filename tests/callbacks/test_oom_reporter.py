@@ -247,7 +247,10 @@ def test_reporter_never_raises_over_the_original_error(tmp_path, monkeypatch, ca
         _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path / "full"))
     assert err is model.raised and type(err) is torch.OutOfMemoryError and str(err) == MESSAGE
     assert "could not be written" in caplog.text and "No space left" in caplog.text
-    assert all(len(line) <= 100 for m in caplog.messages for line in m.splitlines())  # wrapped to 100 columns
+    (message,) = [m for m in caplog.messages if "could not be written" in m]
+    header, *failures = message.splitlines()
+    assert len(header) <= 100 and failures  # one line per failure, each starting with the file that failed
+    assert all(line.startswith(f"  {tmp_path / 'full'}") and "No space left" in line for line in failures)
 
 
 def test_each_oom_is_reported_once_and_a_retry_gets_its_own_report(tmp_path):
