@@ -87,7 +87,7 @@ def test_footprint_at_fit_start_written_printed_and_logged(tmp_path, caplog):
     model = TinyModel(in_features=27)  # shapes no other test's leftovers share
     with caplog.at_level(logging.INFO):
         trainer.fit(model)
-    path = tmp_path / "memory" / "memory_rank0.jsonl"  # the MemoryMonitor's file
+    path = tmp_path / "memopt" / "memory_rank0.jsonl"  # the MemoryMonitor's file
     assert audit.path == path
     records = _records(path)
     audits = [r for r in records if r["event"] == "audit"]
@@ -169,7 +169,7 @@ def test_small_copy_below_fraction_is_not_reported(tmp_path):
     finally:
         _STRAY.clear()
     assert _audit_warnings(caught, "not owned") == []
-    start = next(r for r in _records(tmp_path / "memory" / "memory_rank0.jsonl") if r.get("audit") == "fit_start")
+    start = next(r for r in _records(tmp_path / "memopt" / "memory_rank0.jsonl") if r.get("audit") == "fit_start")
     assert start["duplicates"]["num_tensors"] == 1  # seen and recorded, below the fraction that warns
     assert start["duplicates"]["bytes"] == 3 * 249 * 4
 
@@ -198,7 +198,7 @@ def test_leak_warning_names_growth_step_and_attribute(tmp_path):
     assert audit.leak is not None and audit.leak.first_step == 4  # the first sample above the one before
     # backward frees what the graph saved: what stays is the float32 loss itself, 4 bytes per step
     assert 4 <= audit.leak.bytes_per_step < 64
-    warning = next(r for r in _records(tmp_path / "memory" / "memory_rank0.jsonl") if r["event"] == "warning")
+    warning = next(r for r in _records(tmp_path / "memopt" / "memory_rank0.jsonl") if r["event"] == "warning")
     assert warning["check"] == "leak" and warning["global_step"] == 10  # within the first window
     assert warning["grad_fn_holders"][0]["path"] == "self.losses"
     assert warning["grad_fn_holders"][0]["num_tensors"] == 10
