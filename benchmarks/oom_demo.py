@@ -80,7 +80,7 @@ def main() -> int:
     long_len = math.ceil(3 * total / (BYTES_PER_TOKEN_ESTIMATE * BATCH))
     os.makedirs(args.out, exist_ok=True)
 
-    reporter = OOMReporter(dirpath=args.out, record_history=True, max_entries=args.max_entries, top_k_tensors=15)
+    reporter = OOMReporter(dirpath=args.out, record_history=True, max_entries=args.max_entries, max_listed=15)
     trainer = pl.Trainer(
         accelerator="cuda",
         devices=1,

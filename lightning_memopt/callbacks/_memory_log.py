@@ -1,4 +1,9 @@
-"""What ``MemoryMonitor`` and ``MemoryAudit`` share: the per-rank log writer, positions and guarded readings."""
+"""What the writers share: ``dirpath`` (all of them), the per-rank log writer, positions and guarded readings.
+
+:class:`ArtifactCallback` is the base of every callback that writes files (``MemoryMonitor``, ``MemoryAudit``,
+``OOMReporter``): one way to store ``dirpath`` and one default. :class:`RankLogCallback` adds the JSONL log that
+``MemoryMonitor`` and ``MemoryAudit`` share.
+"""
 
 from __future__ import annotations
 
@@ -14,19 +19,51 @@ from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.monitoring import MemoryReader, Position
 from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
 from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
+from lightning_memopt.utilities.trainer import default_artifact_dir
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["GuardedReader", "RankLogCallback", "last_train_epoch", "last_train_step", "position"]
+__all__ = ["ArtifactCallback", "GuardedReader", "RankLogCallback", "last_train_epoch", "last_train_step", "position"]
 
 
-class RankLogCallback(RunIdCallback):
+class ArtifactCallback(RunIdCallback):
+    """Base of the callbacks that write files under ``dirpath``.
+
+    ``dirpath`` is stored as a ``str`` (``os.fspath`` of what was given, as Lightning's ``ModelCheckpoint``) or
+    ``None``; ``None`` resolves in ``setup`` (:meth:`_resolve_dirpath`, where every rank is present) to
+    :func:`~lightning_memopt.utilities.trainer.default_artifact_dir`:
+    ``<trainer.log_dir or default_root_dir>/memopt``, one directory for the JSONL logs and the OOM reports.
+
+    Example:
+        >>> from pathlib import Path
+        >>> writer = ArtifactCallback()
+        >>> writer.dirpath = Path("logs") / "memory"
+        >>> writer.dirpath
+        'logs/memory'
+    """
+
+    _dirpath: str | None = None
+
+    @property
+    def dirpath(self) -> str | None:
+        """The directory given by the user, as a ``str``; ``None``: the default, resolved in ``setup``."""
+        return self._dirpath
+
+    @dirpath.setter
+    def dirpath(self, value: str | os.PathLike[str] | None) -> None:
+        self._dirpath = None if value is None else os.fspath(value)
+
+    def _resolve_dirpath(self, trainer: pl.Trainer) -> Path:
+        """``dirpath``, or the default directory when it is ``None``. Call from ``setup``: it may communicate."""
+        return Path(self.dirpath if self.dirpath is not None else default_artifact_dir(trainer))
+
+
+class RankLogCallback(ArtifactCallback):
     """Base of the callbacks that write ``<dirpath>/memory_rank{rank}.jsonl``: one writer, opened in ``setup``
     (:meth:`_open_log`), closed at teardown and when training stops with an exception."""
 
-    dirpath: Path | None = None
     _writer: JsonlWriter | None = None
 
     @property
@@ -35,7 +72,9 @@ class RankLogCallback(RunIdCallback):
         return None if self._writer is None else self._writer.path
 
     def _open_log(self, trainer: pl.Trainer, owner: str) -> None:
-        self._writer = rank_log_writer(trainer, self.dirpath, trainer.global_rank, self._writer, owner)
+        self._writer = rank_log_writer(
+            trainer, self._resolve_dirpath(trainer), trainer.global_rank, self._writer, owner
+        )
         ensure_run_id(trainer)
 
     def _write(self, records: Iterable[dict[str, Any]]) -> None:

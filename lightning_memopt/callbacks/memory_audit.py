@@ -111,8 +111,7 @@ class MemoryAudit(RankLogCallback):
         flags = (audit_fit_start, detect_leaks, check_grad_tracking, collect_garbage, audit_dataloaders, verbose)
         for name, flag in zip(_FLAGS, flags):
             check_bool(name, flag)
-        # a `str` as ModelCheckpoint keeps it (the ignore goes once the shared base declares `str | None` too)
-        self.dirpath = None if dirpath is None else os.fspath(dirpath)  # type: ignore[assignment]
+        self.dirpath = dirpath  # stored as a str (the shared base), as ModelCheckpoint keeps it
         self.duplicate_fraction = check_fraction("duplicate_fraction", duplicate_fraction, hint=_DUPLICATE_HINT)
         self.leak_every_n_train_steps, self.leak_window = leak_every_n_train_steps, leak_window
         self.leak_min_bytes_per_step, self.leak_max_overhead = leak_min_bytes_per_step, leak_max_overhead

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
@@ -18,16 +18,11 @@ from lightning_memopt.callbacks._memory_log import (
 )
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
-from lightning_memopt.functional.monitoring import (
-    PEAK_FIELDS,
-    STEP_FIELDS,
-    MonitorRecords,
-    cross_rank_metrics,
-    cross_rank_values,
-)
+from lightning_memopt.functional.monitoring import MonitorRecords, cross_rank_metrics, cross_rank_values
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.namespaces import rank_zero_only
+from lightning_memopt.utilities.quiet import WIDTH, note_inactive, report_inactive
 from lightning_memopt.utilities.run_id import run_id
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
@@ -36,7 +31,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["MemoryMonitor"]
-_ = (STEP_FIELDS, PEAK_FIELDS)  # importable from here as before; defined in functional.monitoring
 _INTERVAL_HINT = "Pass None to use the trainer's `log_every_n_steps`."
 _CROSS_HINT = "Pass None to never exchange readings between ranks."
 
@@ -71,22 +65,27 @@ class MemoryMonitor(RankLogCallback):
     resuming, file failures and cost: ``docs/memory-log.md``.
 
     Args:
-        dirpath: Directory of the JSONL files. Default: ``<trainer.log_dir or default_root_dir>/memory``.
-        log_every_n_steps: Reading interval. Default: the trainer's ``log_every_n_steps``.
+        dirpath: Directory of the JSONL files. Default: ``<trainer.log_dir or default_root_dir>/memopt``,
+            resolved in ``setup`` (the same directory as ``MemoryAudit``'s records and ``OOMReporter``'s reports).
+        log_every_n_steps: Reading interval: optimizer steps (``trainer.global_step``) in training, batches in the
+            other phases. Default: the trainer's ``log_every_n_steps``.
         warn_threshold: Fraction of the device total in (0, 1] above which a warning is emitted.
         log_to_loggers: Whether to send readings to the trainer's loggers.
-        cross_rank_every_n_steps: With several ranks, on the logged steps that are also a multiple of this (with 5
-            and 2: steps 10, 20, 30...) the ranks exchange their readings (one ``all_gather`` of three numbers) and
-            rank zero logs their min, max and mean. ``None`` (default) never communicates.
+        cross_rank_every_n_train_steps: With several ranks, on the logged optimizer steps that are also a multiple
+            of this (with 5 and 2: steps 10, 20, 30...) the ranks exchange their readings (one ``all_gather`` of
+            three numbers) and rank zero logs their min, max and mean. ``None`` (default) never communicates.
+        verbose: Also print each phase's peak memory at its end (rank zero, through the ``lightning_memopt``
+            logger).
 
     Logged metrics (bytes unless the name says otherwise; ``<phase>`` is train/validate/test/predict):
         * ``memory/<phase>/allocated_bytes``, ``reserved_bytes``, ``active_bytes``, ``device_free_bytes``,
           ``host_rss_bytes``, ``num_alloc_retries`` (count), ``num_ooms`` (count): every logged step.
         * ``memory/<phase>/peak_allocated_bytes``, ``memory/<phase>/peak_reserved_bytes``: once, at the phase end.
-        * ``memory/train/{allocated,reserved,host_rss}_bytes_{min,max,mean}``: with ``cross_rank_every_n_steps``.
+        * ``memory/train/{allocated,reserved,host_rss}_bytes_{min,max,mean}``: with ``cross_rank_every_n_train_steps``.
 
     Device requirements: CUDA (and XPU) give every field; MPS gives allocated/reserved bytes and the recommended
-    maximum; on CPU only ``host_rss_bytes`` is known and the rest is ``null``.
+    maximum; on CPU only ``host_rss_bytes`` is known and the rest is ``null`` (the fit's one line about
+    inactive callbacks says so).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -99,18 +98,23 @@ class MemoryMonitor(RankLogCallback):
         log_every_n_steps: int | None = None,
         warn_threshold: float = 0.9,
         log_to_loggers: bool = True,
-        cross_rank_every_n_steps: int | None = None,
+        cross_rank_every_n_train_steps: int | None = None,
+        verbose: bool = False,
     ) -> None:
         check_path("dirpath", dirpath)
         check_positive_int("log_every_n_steps", log_every_n_steps, allow_none=True, hint=_INTERVAL_HINT)
         check_fraction("warn_threshold", warn_threshold)
         check_bool("log_to_loggers", log_to_loggers)
-        check_positive_int("cross_rank_every_n_steps", cross_rank_every_n_steps, allow_none=True, hint=_CROSS_HINT)
-        self.dirpath = None if dirpath is None else Path(dirpath)
+        check_bool("verbose", verbose)
+        check_positive_int(
+            "cross_rank_every_n_train_steps", cross_rank_every_n_train_steps, allow_none=True, hint=_CROSS_HINT
+        )
+        self.dirpath = dirpath
         self.log_every_n_steps = log_every_n_steps
         self.warn_threshold = float(warn_threshold)
         self.log_to_loggers = log_to_loggers
-        self.cross_rank_every_n_steps = cross_rank_every_n_steps
+        self.cross_rank_every_n_train_steps = cross_rank_every_n_train_steps
+        self.verbose = verbose
 
         self._warn = WarnOnce()
         self._reader = GuardedReader(DeviceMemory("cpu"), self._warn, "MemoryMonitor")
@@ -122,7 +126,7 @@ class MemoryMonitor(RankLogCallback):
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once
-        return self._generate_state_key(dirpath=str(self.dirpath) if self.dirpath else None)
+        return self._generate_state_key(dirpath=self.dirpath)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -133,11 +137,11 @@ class MemoryMonitor(RankLogCallback):
         self._world_size = trainer.world_size
         self._open_log(trainer, "MemoryMonitor")
         if not memory.has_device_memory:
-            self._warn.warn(
-                "no-device-memory",
-                f"MemoryMonitor: device {device} gives no allocator readings; only host memory"
-                " (`host_rss_bytes`) is recorded and device fields are null.",
-            )
+            note_inactive(trainer, "MemoryMonitor", f"no allocator readings on {device.type}, host RSS only")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report_inactive(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -164,7 +168,11 @@ class MemoryMonitor(RankLogCallback):
         self._last_logged_train_step = step
         if step > self._skip_until_step:
             self._log_step(trainer, "train", batch_idx)
-        if self.cross_rank_every_n_steps and self._world_size > 1 and step % self.cross_rank_every_n_steps == 0:
+        if (
+            self.cross_rank_every_n_train_steps
+            and self._world_size > 1
+            and step % self.cross_rank_every_n_train_steps == 0
+        ):
             self._cross_rank(trainer)
 
     # The other phases: a reading at their start and end, and every `_interval` batches.
@@ -212,8 +220,8 @@ class MemoryMonitor(RankLogCallback):
             return  # the reading failed (warned once)
         self._write(records[:1])
         self._log_metrics(trainer, metrics)
-        for message in warnings:
-            log.warning(message)
+        for message in warnings:  # the record keeps the message on one line; the console gets 100 columns
+            log.warning(textwrap.fill(message, WIDTH, subsequent_indent="  ", break_long_words=False))
         self._write(records[1:])  # one `warning` record per threshold crossing
 
     def _phase_start(self, trainer: pl.Trainer, phase: str) -> None:
@@ -230,7 +238,7 @@ class MemoryMonitor(RankLogCallback):
                 return
             self._write(records)
             self._log_metrics(trainer, metrics)
-            if peaks.get("peak_allocated_bytes") is not None:
+            if self.verbose and peaks.get("peak_allocated_bytes") is not None:
                 rank_zero_only(log.info)(
                     f"MemoryMonitor: {phase} peak allocated {format_bytes(peaks['peak_allocated_bytes'])},"
                     f" peak reserved {format_bytes(peaks.get('peak_reserved_bytes'))} on {reading.device}."

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from lightning_memopt.callbacks._memory_log import ArtifactCallback
 from lightning_memopt.callbacks._states import MAX_REMEMBERED_REPORTS as _MAX_REMEMBERED
 from lightning_memopt.callbacks._states import restore_state
-from lightning_memopt.callbacks.oom_trainer import trainer_optimizers, trainer_position, trainer_settings
 from lightning_memopt.functional import oom
 from lightning_memopt.functional.checkpointing import is_checkpointed
 from lightning_memopt.functional.memory import read_memory
@@ -26,7 +26,8 @@ from lightning_memopt.utilities.checks import (
 )
 from lightning_memopt.utilities.files import check_dir_creatable
 from lightning_memopt.utilities.oom import is_out_of_memory_error
-from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
+from lightning_memopt.utilities.quiet import note_inactive, report_inactive
+from lightning_memopt.utilities.run_id import ensure_run_id, run_id
 from lightning_memopt.utilities.shared_state import Lease
 from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
@@ -40,7 +41,7 @@ __all__ = ["OOMReporter"]
 _REPORTED_MARK = "_lightning_memopt_reported"
 
 
-class OOMReporter(RunIdCallback):
+class OOMReporter(ArtifactCallback):
     """Writes a JSON and a Markdown post-mortem on every rank where fit/validate/test/predict dies of out-of-memory.
 
     When the trainer stops on an out-of-memory error (any device, library or the host: see
@@ -53,7 +54,8 @@ class OOMReporter(RunIdCallback):
     * ``oom_report_rank{r}.md``: the same, readable (the sections are in ``docs/oom-report.md``);
     * ``oom_snapshot_rank{r}.pickle`` with ``record_history=True`` on CUDA: the allocator's history, for
       https://pytorch.org/memory_viz. Recording starts in ``setup`` and stops at ``teardown`` or after an
-      exception; it costs time on every allocation (use it to investigate). Other devices warn once.
+      exception; it costs time on every allocation (use it to investigate). On a device without allocator
+      history (a CPU) the fit's one line about inactive callbacks says so; a CUDA build without it warns once.
 
     It never raises over the user's error (a failing part is listed in ``report_errors``; an unwritable report
     is logged and warned about), reports each error once, and never communicates with other ranks at the failure.
@@ -63,13 +65,13 @@ class OOMReporter(RunIdCallback):
 
     Args:
         dirpath: Directory of the reports; created when the first report is written. Default:
-            ``<trainer.log_dir or default_root_dir>/oom``, resolved in ``setup``.
+            ``<trainer.log_dir or default_root_dir>/memopt`` (next to the memory logs), resolved in ``setup``.
         record_history: Record CUDA allocator history and write an allocator snapshot at the failure.
         max_entries: How many allocator events the history keeps (a ring buffer).
-        top_k_tensors: How many of the largest live tensors on the device to list (0 to skip the scan).
+        max_listed: How many of the largest live tensors on the device to list (0 to skip the scan).
 
     Example:
-        >>> reporter = OOMReporter(dirpath="oom_reports", top_k_tensors=10)
+        >>> reporter = OOMReporter(dirpath="oom_reports", max_listed=10)
         >>> reporter.state_dict()
         {'reported_steps': [], 'num_reports': 0}
     """
@@ -79,17 +81,17 @@ class OOMReporter(RunIdCallback):
         dirpath: str | os.PathLike[str] | None = None,
         record_history: bool = False,
         max_entries: int = 100_000,
-        top_k_tensors: int = 20,
+        max_listed: int = 20,
     ) -> None:
         super().__init__()
         check_path("dirpath", dirpath)
         check_bool("record_history", record_history)
         check_positive_int("max_entries", max_entries, hint="It bounds how many allocator events are kept.")
-        check_non_negative_int("top_k_tensors", top_k_tensors, hint="Use 0 to leave out the live-tensor list.")
-        self.dirpath = None if dirpath is None else os.fspath(dirpath)
+        check_non_negative_int("max_listed", max_listed, hint="Use 0 to leave out the live-tensor list.")
+        self.dirpath = dirpath
         self.record_history = record_history
         self.max_entries = max_entries
-        self.top_k_tensors = top_k_tensors
+        self.max_listed = max_listed
         self._reported_steps: list[str] = []
         self._num_reports = 0
         self._history: Lease | None = None  # allocator history is the process's: shared with overlapping fits
@@ -106,25 +108,15 @@ class OOMReporter(RunIdCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Everything that may need the other ranks (``trainer.log_dir`` broadcasts) is resolved here, where all
         # ranks are present; `on_exception` runs on the failing rank alone and must not communicate.
-        directory = Path(self.dirpath) if self.dirpath is not None else default_artifact_dir(trainer, "oom")
-        self._resolved_dir = check_dir_creatable("dirpath", directory)
+        self._resolved_dir = check_dir_creatable("dirpath", self._resolve_dirpath(trainer))
         self._checkpointing_at_start = None
         ensure_run_id(trainer)
-        if not self.record_history or self._recording:
-            return
-        device = trainer_device(trainer)
-        try:
-            if device.type == "cuda" and _torch_private.supports_memory_history():
-                self._history = _torch_private.borrow_memory_history(self.max_entries, self._warn)
-        except Exception as err:
-            self._warn.warn("history", f"OOMReporter: allocator history could not be started ({err!r}).")
-            return
-        if not self._recording:
-            self._warn.warn(
-                "history",
-                f"OOMReporter(record_history=True): allocator history needs a CUDA device and a torch build that"
-                f" records it; this run is on {device.type!r}. Reports are still written, without a snapshot.",
-            )
+        if self.record_history and not self._recording:
+            self._start_history(trainer)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report_inactive(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -163,6 +155,25 @@ class OOMReporter(RunIdCallback):
     def _recording(self) -> bool:  # a pickled copy holds a released lease: it records nothing
         return self._history is not None and self._history.held
 
+    def _start_history(self, trainer: pl.Trainer) -> None:
+        """Borrow the process's allocator history (CUDA); say why not where it cannot be recorded."""
+        device = trainer_device(trainer)
+        if device.type != "cuda":
+            note_inactive(trainer, "OOMReporter(record_history=True)", f"no allocator history on {device.type}")
+            return
+        try:
+            if _torch_private.supports_memory_history():
+                self._history = _torch_private.borrow_memory_history(self.max_entries, self._warn)
+        except Exception as err:
+            self._warn.warn("history", f"OOMReporter: allocator history could not be started ({err!r}).")
+            return
+        if not self._recording:
+            self._warn.warn(
+                "history",
+                "OOMReporter(record_history=True): this torch build records no CUDA allocator history."
+                " Reports are still written, without a snapshot.",
+            )
+
     def _stop_history(self) -> None:
         history, self._history = self._history, None
         if history is None:
@@ -177,7 +188,7 @@ class OOMReporter(RunIdCallback):
         guard = oom.SectionGuard(catch=(Exception,))  # a part that fails is listed in the report, never raised
         memory = oom.failure_memory(lambda: read_memory(device), guard)  # first: nothing may change it
         when = oom.failure_position(
-            functools.partial(trainer_position, trainer),
+            functools.partial(_trainer_position, trainer),
             device=device,
             traceback=exception.__traceback__,
             run_id=run_id(trainer),
@@ -192,7 +203,7 @@ class OOMReporter(RunIdCallback):
         self._reported_steps = [*self._reported_steps, step_key][-_MAX_REMEMBERED:]
         rank = int(when.get("rank") or 0)
         # Never `trainer.log_dir` here: it is a collective, and only this rank is in `on_exception`.
-        directory = self._resolved_dir or Path(self.dirpath or Path(trainer.default_root_dir) / "oom")
+        directory = self._resolved_dir or Path(self.dirpath or default_artifact_dir(trainer, communicate=False))
         slot = oom.reserve_report(check_writable_dir("dirpath", directory), rank, float(when["time"]))
         try:
             report = oom.build_oom_report(
@@ -202,8 +213,8 @@ class OOMReporter(RunIdCallback):
                 device=device,
                 module=pl_module,
                 sources=oom.ReportSources(
-                    settings=functools.partial(trainer_settings, trainer),
-                    optimizers=functools.partial(trainer_optimizers, trainer),
+                    settings=functools.partial(_trainer_settings, trainer),
+                    optimizers=functools.partial(_trainer_optimizers, trainer),
                     is_checkpointed=is_checkpointed,
                     snapshot=functools.partial(
                         oom.take_snapshot,
@@ -215,7 +226,7 @@ class OOMReporter(RunIdCallback):
                     ),
                 ),
                 message=_safe_str(exception),
-                top_k_tensors=self.top_k_tensors,
+                max_listed=self.max_listed,
                 checkpointing_at_start=self._checkpointing_at_start,
                 guard=guard,
             )
@@ -223,15 +234,49 @@ class OOMReporter(RunIdCallback):
         finally:
             slot.release()
         if failed:
-            message = (
-                f"OOMReporter: out-of-memory on rank {rank}, but the report could not be written"
-                f" ({'; '.join(failed)}). The original error is re-raised unchanged."
-            )
-            log.error(message)
-            self._warn.warn("write", message)
+            header = f"OOMReporter: out-of-memory on rank {rank}; the report could not be written (error re-raised):"
+            log.error(header + "\n  %s" * len(failed), *failed)  # a line per failure, paths escaped onto it
+            self._warn.warn("write", f"{header} {'; '.join(failed)}")
             return
         self._num_reports += 1
-        log.warning("OOMReporter: out-of-memory on rank %d; report written to %s", rank, slot.paths["md"])
+        log.warning("OOMReporter: out-of-memory on rank %d; report written to\n  %s", rank, slot.paths["md"])
+
+
+# What the report reads from the Trainer at a failure, as the plain values `functional.oom` takes. Attribute reads
+# only: nothing here communicates with other ranks (`on_exception` runs on the failing rank alone). A read that
+# fails raises; `build_oom_report`'s guard lists it in the report's `report_errors`.
+def _trainer_position(trainer: pl.Trainer) -> oom.TrainerPosition:
+    """Rank, world size, trainer function and stage, epoch and global step."""
+    state = trainer.state
+    return {
+        "rank": trainer.global_rank,
+        "local_rank": trainer.local_rank,
+        "node_rank": trainer.node_rank,
+        "world_size": trainer.world_size,
+        "fn": None if state.fn is None else str(state.fn.value),
+        "stage": None if state.stage is None else str(state.stage.value),
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+    }
+
+
+def _trainer_settings(trainer: pl.Trainer) -> oom.TrainerSettings:
+    """Precision, accumulation, world size, strategy and accelerator (class names), devices and nodes."""
+    return {
+        "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+        "world_size": int(trainer.world_size),
+        "precision": str(trainer.precision),
+        "strategy": type(trainer.strategy).__name__,
+        "accelerator": type(trainer.accelerator).__name__,
+        "num_devices": trainer.num_devices,
+        "num_nodes": trainer.num_nodes,
+        "device_ids": str(list(trainer.device_ids)),
+    }
+
+
+def _trainer_optimizers(trainer: pl.Trainer) -> list[Any]:
+    """The trainer's optimizers (none before they are configured)."""
+    return list(getattr(trainer, "optimizers", []) or [])
 
 
 def _markdown(report: oom.OOMReport) -> str:

@@ -74,10 +74,24 @@ def is_out_of_memory_error(err: BaseException | None) -> bool:
     Checks, in order: ``isinstance(err, torch.OutOfMemoryError)`` (CUDA and the backends that use it), Python's
     ``MemoryError`` (host), then the messages of other backends and libraries (MPS, XPU, ROCm, cuBLAS, cuDNN
     allocation failures, ``CUDA error: out of memory`` from the runtime, the CPU allocator). Errors that wrap
-    an out-of-memory error (``raise ... from oom``, or raised while handling one) count too.
+    an out-of-memory error (``raise ... from oom``, or raised while handling one) count too, up to 8 links deep.
+    Lightning's ``is_oom_error`` reads CUDA message text only and misses most of these.
+
+    ``OOMReporter`` decides with this function; use it where your own code must tell an out-of-memory error from
+    a bug, e.g. to retry a step with less memory and let every other error through::
+
+        try:
+            loss = step(batch)
+        except Exception as err:
+            if not is_out_of_memory_error(err):
+                raise
+            loss = step_in_halves(batch)
 
     Args:
         err: Any exception, or ``None``.
+
+    Returns:
+        ``True`` for an out-of-memory error, or an error caused by one; ``False`` otherwise (and for ``None``).
 
     Example:
         >>> is_out_of_memory_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
@@ -88,6 +102,15 @@ def is_out_of_memory_error(err: BaseException | None) -> bool:
         True
         >>> is_out_of_memory_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
         False
+        >>> try:
+        ...     try:
+        ...         raise torch.OutOfMemoryError("CUDA out of memory.")
+        ...     except torch.OutOfMemoryError as oom:
+        ...         raise RuntimeError("training step 12 failed") from oom
+        ... except RuntimeError as err:
+        ...     wrapped = err
+        >>> is_out_of_memory_error(wrapped)
+        True
     """
     oom_types = _oom_error_types()
     seen: set[int] = set()

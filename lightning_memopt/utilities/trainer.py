@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,24 +10,33 @@ import torch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["default_artifact_dir", "log_to_loggers", "phase_of_stage", "trainer_device"]
+__all__ = ["ARTIFACT_SUBDIR", "default_artifact_dir", "log_to_loggers", "trainer_device"]
 
-_STAGE_TO_PHASE = {"fit": "train", "validate": "validate", "test": "test", "predict": "predict"}
-
-
-def phase_of_stage(stage: str) -> str:
-    """Map a Lightning stage (``fit``, ``validate``, ...) to the phase word used in records."""
-    return _STAGE_TO_PHASE.get(stage, stage)
+#: The folder, under the trainer's log directory, of every file the package writes by default.
+ARTIFACT_SUBDIR = "memopt"
 
 
-def default_artifact_dir(trainer: pl.Trainer, subdir: str) -> Path:
-    """``<trainer.log_dir or default_root_dir>/<subdir>``: where callbacks put their files by default."""
+def default_artifact_dir(trainer: pl.Trainer, communicate: bool = True) -> str:
+    """``<trainer.log_dir or default_root_dir>/memopt``: the default ``dirpath`` of every writer.
+
+    ``MemoryMonitor`` and ``MemoryAudit`` (``memory_rank{r}.jsonl``) and ``OOMReporter`` (``oom_report_rank{r}.*``)
+    write there side by side. Resolve it in ``setup``: ``trainer.log_dir`` broadcasts under DDP. Where only one
+    rank runs (``on_exception``) pass ``communicate=False``: ``trainer.log_dir`` is not read then.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> default_artifact_dir(SimpleNamespace(log_dir="logs/version_0", default_root_dir="."))
+        'logs/version_0/memopt'
+        >>> default_artifact_dir(SimpleNamespace(log_dir=None, default_root_dir="root"))
+        'root/memopt'
+    """
     base = None
-    try:
-        base = trainer.log_dir
-    except Exception:  # some loggers raise while being set up
-        base = None
-    return Path(base or trainer.default_root_dir) / subdir
+    if communicate:
+        try:
+            base = trainer.log_dir
+        except Exception:  # some loggers raise while being set up
+            base = None
+    return os.path.join(base or trainer.default_root_dir, ARTIFACT_SUBDIR)
 
 
 def trainer_device(trainer: pl.Trainer) -> torch.device:
@@ -37,10 +45,6 @@ def trainer_device(trainer: pl.Trainer) -> torch.device:
         return torch.device(trainer.strategy.root_device)
     except Exception:
         return torch.device("cpu")
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], warn: Any, who: str) -> None:

@@ -127,7 +127,7 @@ def test_an_error_raised_in_a_retry_has_the_out_of_memory_error_as_its_cause(tmp
 
 
 def test_the_oom_report_of_a_run_that_gave_up_gives_the_whole_batch_and_the_micro_batch(tmp_path):
-    reporter = OOMReporter(dirpath=tmp_path / "reports", top_k_tensors=0)
+    reporter = OOMReporter(dirpath=tmp_path / "reports", max_listed=0)
     with pytest.raises(torch.OutOfMemoryError, match="still ran out of memory"):
         fit(tmp_path, Net(forward_budget=0), [AutoMicroBatch(min_micro_batch_size=2), reporter], accumulate=2)
     report = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())

@@ -70,7 +70,7 @@ def _did_its_job(callback, trainer, during, tmp_path):
         assert callback.last_audit["footprint"]["bytes_by_category"]["parameters"] == (32 * 2 + 2) * 4
         assert [i.name for i in callback.loaders] == ["train"]
     elif name == "OOMReporter":  # no out-of-memory: no report and not even its directory
-        assert not (tmp_path / "oom").exists()
+        assert not (tmp_path / "memopt").exists()
     elif name == "CacheCleaner":  # a CPU has no allocator cache: nothing emptied, nothing counted
         assert (callback.calls, callback.seconds) == (0, 0.0)
     elif name == "GarbageCollector":  # automatic collection off during the fit, given back after it

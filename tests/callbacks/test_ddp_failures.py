@@ -33,10 +33,10 @@ def test_oom_on_one_rank_ends_the_run_with_a_report(tmp_path, where):
     reports = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("oom_report_rank*"))
     documented = [r for r in reports if "-" not in r.rsplit("/", 1)[1]]  # each report also has a name of its own
     assert documented == [
-        "logs/lightning_logs/version_0/oom/oom_report_rank1.json",
-        "logs/lightning_logs/version_0/oom/oom_report_rank1.md",
+        "logs/lightning_logs/version_0/memopt/oom_report_rank1.json",
+        "logs/lightning_logs/version_0/memopt/oom_report_rank1.md",
     ], output
-    assert len(reports) == 4 and all("/oom/oom_report_rank1" in r for r in reports), output
+    assert len(reports) == 4 and all("/memopt/oom_report_rank1" in r for r in reports), output
     reports = documented
     report = json.loads((tmp_path / reports[0]).read_text())
     assert report["when"]["rank"] == 1 and report["error"]["type"] == "torch.OutOfMemoryError"

@@ -120,8 +120,8 @@ def test_footprint_at_fit_start_written_logged_and_printed_only_when_verbose(tmp
     with caplog.at_level(logging.INFO, logger="lightning_memopt"):
         trainer.fit(model)
     assert printed == []  # a clean audit is silent on the console: its text goes to the package logger
-    path = monitor.path  # the MemoryMonitor's file, shared
-    assert audit.path == path and path.name == "memory_rank0.jsonl"
+    path = monitor.path  # the MemoryMonitor's file, shared, in the one default directory
+    assert audit.path == path == tmp_path / "memopt" / "memory_rank0.jsonl"
     records = _records(path)
     audits = [r for r in records if r["event"] == "audit"]
     assert [r["audit"] for r in audits] == ["fit_start", "first_step"]

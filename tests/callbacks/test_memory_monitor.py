@@ -8,6 +8,7 @@ import torch
 
 from lightning_memopt.callbacks import MemoryMonitor
 from lightning_memopt.callbacks import memory_monitor as mm
+from lightning_memopt.functional.monitoring import STEP_FIELDS
 from tests.helpers.fake_device import FakeAllocator
 from tests.helpers.memory_records import RECORD_KEYS
 from tests.helpers.models import TinyModel
@@ -57,7 +58,7 @@ def test_logged_keys_with_device_readings(tmp_path, monkeypatch):
     calls = memory_calls(logger)
     step_metrics = [m for _, m in calls if "memory/train/allocated_bytes" in m]
     assert len(step_metrics) == 2
-    assert set(step_metrics[0]) == {f"memory/train/{f}" for f in mm.STEP_FIELDS}
+    assert set(step_metrics[0]) == {f"memory/train/{f}" for f in STEP_FIELDS}
     end = [m for _, m in calls if "memory/train/peak_allocated_bytes" in m]
     assert end == [{"memory/train/peak_allocated_bytes": 1000.0, "memory/train/peak_reserved_bytes": 1000.0}]
 
@@ -70,7 +71,7 @@ def test_jsonl_schema_in_every_phase(tmp_path):
     trainer.validate(model, verbose=False)
     trainer.test(model, verbose=False)
     trainer.predict(model)
-    path = tmp_path / "memory" / "memory_rank0.jsonl"
+    path = tmp_path / "memopt" / "memory_rank0.jsonl"
     assert monitor.path == path
     records = read_jsonl(path)
     for rec in records:
@@ -105,7 +106,7 @@ def test_peaks_are_per_phase_with_mocked_cuda_readings(tmp_path, monkeypatch):
         val_check_interval=2,
     )
     trainer.fit(Model())
-    records = read_jsonl(tmp_path / "memory" / "memory_rank0.jsonl")
+    records = read_jsonl(tmp_path / "memopt" / "memory_rank0.jsonl")
     ends = {r["phase"]: r for r in records if r["event"] == "phase_end" and r["phase"] == "train"}
     val_ends = [r for r in records if r["event"] == "phase_end" and r["phase"] == "validate"]
     assert len(val_ends) == 2
@@ -136,7 +137,7 @@ def test_threshold_warns_once_per_crossing(tmp_path, monkeypatch, caplog):
     )
     with caplog.at_level("WARNING", logger="lightning_memopt"):
         trainer.fit(Model())
-    records = read_jsonl(tmp_path / "memory" / "memory_rank0.jsonl")
+    records = read_jsonl(tmp_path / "memopt" / "memory_rank0.jsonl")
     warnings_ = [r for r in records if r["event"] == "warning"]
     # Two crossings (steps 2 and 5), each for allocated and reserved: 4 records, not one per step above.
     assert [(r["global_step"], r["field"]) for r in warnings_] == [
@@ -147,7 +148,7 @@ def test_threshold_warns_once_per_crossing(tmp_path, monkeypatch, caplog):
     ]
     assert warnings_[0]["fraction"] == pytest.approx(0.95)
     assert "[rank 0]" in warnings_[0]["message"] and "warn_threshold" in warnings_[0]["message"]
-    assert sum("above `warn_threshold`" in m for m in caplog.messages) == 4
+    assert sum("above `warn_threshold`" in " ".join(m.split()) for m in caplog.messages) == 4  # wrapped at 100
 
 
 def test_interval_defaults_to_the_trainers_log_every_n_steps(tmp_path):
@@ -220,7 +221,7 @@ def test_resumed_run_appends_without_duplicate_steps(tmp_path):
         enable_checkpointing=True,
     )
     trainer.fit(TinyModel())
-    path = tmp_path / "memory" / "memory_rank0.jsonl"
+    path = tmp_path / "memopt" / "memory_rank0.jsonl"
     first = read_jsonl(path)
     assert [r["global_step"] for r in first if r["event"] == "step"] == [1, 2, 3, 4]
     # Resume from step 2: steps 3 and 4 are run again but already in the file.
@@ -260,7 +261,7 @@ def test_dirpath_and_default_under_log_dir(tmp_path):
         tmp_path, callbacks=[monitor], logger=CSVLogger(tmp_path / "logs"), max_steps=1, limit_val_batches=0
     )
     trainer.fit(TinyModel())
-    assert monitor.path == tmp_path / "logs" / "lightning_logs" / "version_0" / "memory" / "memory_rank0.jsonl"
+    assert monitor.path == tmp_path / "logs" / "lightning_logs" / "version_0" / "memopt" / "memory_rank0.jsonl"
     assert monitor.path.exists()
     custom = MemoryMonitor(dirpath=tmp_path / "mine" / "deeper")
     make_trainer(tmp_path, callbacks=[custom], max_steps=1, limit_val_batches=0).fit(TinyModel())
@@ -275,7 +276,7 @@ def test_dirpath_and_default_under_log_dir(tmp_path):
         ({"warn_threshold": 0}, "`warn_threshold` must be a fraction in \\(0, 1\\], got 0"),
         ({"warn_threshold": 1.5}, "got 1.5"),
         ({"warn_threshold": 90}, "Did you mean 0.9"),
-        ({"cross_rank_every_n_steps": 0}, "`cross_rank_every_n_steps`"),
+        ({"cross_rank_every_n_train_steps": 0}, "`cross_rank_every_n_train_steps`"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -325,9 +326,79 @@ def test_train_phase_end_carries_the_epoch_of_the_last_batch(tmp_path, max_epoch
     make_trainer(tmp_path, callbacks=[monitor], max_epochs=max_epochs, max_steps=max_steps, limit_train_batches=3).fit(
         TinyModel()
     )
-    records = [json.loads(line) for line in (tmp_path / "memory" / "memory_rank0.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "memopt" / "memory_rank0.jsonl").read_text().splitlines()]
     end = next(r for r in records if r["phase"] == "train" and r["event"] == "phase_end")
     last_step = max(
         (r for r in records if r["phase"] == "train" and r["event"] == "step"), key=lambda r: r["global_step"]
     )
     assert end["epoch"] == last_step["epoch"] == last_epoch
+
+
+# ---------------------------------------------------------------- issue 23: names, intervals, quiet CPU runs
+def test_cross_rank_interval_counts_optimizer_steps_and_the_old_name_is_gone(tmp_path):
+    class TwoRanks(MemoryMonitor):  # a second rank, without a process group: record when the exchange would run
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            self._world_size, self.exchanged = 2, []
+
+        def _cross_rank(self, trainer):
+            self.exchanged.append((trainer.global_step, trainer.fit_loop.epoch_loop.batch_progress.current.ready))
+
+    monitor = TwoRanks(log_every_n_steps=1, cross_rank_every_n_train_steps=2)
+    trainer = make_trainer(tmp_path, callbacks=[monitor], max_steps=4, limit_train_batches=8, accumulate_grad_batches=2)
+    trainer.fit(TinyModel())
+    assert monitor.exchanged == [(2, 4), (4, 8)]  # optimizer steps 2 and 4 (batches 4 and 8), once each
+    with pytest.raises(TypeError, match="cross_rank_every_n_steps"):
+        MemoryMonitor(cross_rank_every_n_steps=2)
+
+
+def test_on_cpu_one_inactive_line_and_no_warning(tmp_path, caplog):
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO"):
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=2).fit(TinyModel())
+    assert [str(w.message) for w in caught if "MemoryMonitor" in str(w.message)] == []
+    ours = [m for m in caplog.messages if "MemoryMonitor" in m]
+    assert ours == ["lightning-memopt: inactive here: MemoryMonitor (no allocator readings on cpu, host RSS only)."]
+    assert (tmp_path / "memopt" / "memory_rank0.jsonl").exists()  # host RSS is still recorded
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_phase_peaks_printed_only_when_verbose(tmp_path, monkeypatch, caplog, verbose):
+    FakeAllocator().install(monkeypatch, mm).set(1000)
+    with caplog.at_level("INFO", logger="lightning_memopt"):
+        make_trainer(
+            tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1, verbose=verbose)], max_steps=2, limit_val_batches=0
+        ).fit(TinyModel())
+    peaks = [m for m in caplog.messages if "peak allocated" in m]
+    assert len(peaks) == (1 if verbose else 0)
+    ours = [r.getMessage() for r in caplog.records if r.name == "lightning_memopt"]
+    assert all(len(line) <= 100 for m in ours for line in m.splitlines())
+
+
+def test_warnings_from_hooks_point_at_this_package(tmp_path, monkeypatch):
+    from lightning_memopt.callbacks import OOMReporter
+
+    with warnings.catch_warnings(record=True) as caught:  # a CPU fit: nothing of ours located in Lightning's call.py
+        warnings.simplefilter("always")
+        callbacks = [MemoryMonitor(log_every_n_steps=1), OOMReporter(record_history=True)]
+        make_trainer(tmp_path, callbacks=callbacks, max_steps=2).fit(TinyModel())
+    assert [f"{w.filename}: {w.message}" for w in caught if w.filename.endswith("call.py")] == []
+    fake = FakeAllocator().install(monkeypatch, mm)
+    fake.fail = True  # the reading fails in on_train_start's phase bookkeeping and at every step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=2).fit(TinyModel())
+    ours = [w for w in caught if "MemoryMonitor" in str(w.message)]
+    assert ours and all(f"{os.sep}lightning_memopt{os.sep}" in w.filename for w in ours), [w.filename for w in ours]
+
+
+def test_threshold_warning_fits_100_columns_and_the_record_keeps_one_line(tmp_path, monkeypatch, caplog):
+    fake = FakeAllocator(total=10 * 2**30).install(monkeypatch, mm)
+    fake.set(int(9.5 * 2**30))
+    with caplog.at_level("WARNING", logger="lightning_memopt"):
+        make_trainer(tmp_path, callbacks=[MemoryMonitor(log_every_n_steps=1)], max_steps=1).fit(TinyModel())
+    (printed,) = [m for m in caplog.messages if "warn_threshold" in m and "allocated memory" in m]
+    assert len(printed.splitlines()) == 2 and all(len(line) <= 100 for line in printed.splitlines())
+    records = read_jsonl(tmp_path / "memopt" / "memory_rank0.jsonl")
+    (record,) = [r for r in records if r["event"] == "warning" and r["field"] == "allocated_bytes"]
+    assert " ".join(printed.split()) == record["message"] and len(record["message"]) > 100

@@ -96,7 +96,7 @@ def _kept(directory, ext=".json"):
 def test_the_largest_tensors_are_named_by_their_owner(tmp_path):
     model = FailingModel("forward", at=1)
     model.big = torch.nn.Parameter(torch.zeros(2048, 4096))  # 32 MiB: larger than anything else alive here
-    reporter = OOMReporter(dirpath=tmp_path / "reports", top_k_tensors=3)
+    reporter = OOMReporter(dirpath=tmp_path / "reports", max_listed=3)
     _fit_and_fail(tmp_path, model, reporter, max_steps=5)
     top = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())["holders"]["top_tensors"]
     assert (top[0]["name"], top[0]["shape"], top[0]["bytes"]) == ("big", [2048, 4096], 32 * 2**20)
@@ -107,7 +107,7 @@ def test_the_largest_tensors_are_named_by_their_owner(tmp_path):
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_training_oom_report_has_every_field(tmp_path, where):
     model = FailingModel(where, at=2)
-    reporter = OOMReporter(dirpath=tmp_path / "reports", top_k_tensors=5)
+    reporter = OOMReporter(dirpath=tmp_path / "reports", max_listed=5)
     _, err = _fit_and_fail(tmp_path, model, reporter, accumulate_grad_batches=1, max_steps=10)
     # the original exception, unchanged
     assert err is model.raised and type(err) is torch.OutOfMemoryError and str(err) == MESSAGE
@@ -169,7 +169,7 @@ def test_accumulation_is_in_the_effective_batch(tmp_path):
     _fit_and_fail(
         tmp_path,
         model,
-        OOMReporter(dirpath=tmp_path, top_k_tensors=0),
+        OOMReporter(dirpath=tmp_path, max_listed=0),
         accumulate_grad_batches=3,
         max_steps=5,
         limit_train_batches=8,
@@ -184,7 +184,7 @@ def test_validation_oom_and_default_dirpath_created(tmp_path):
     model = FailingModel("validation", at=1)
     _, err = _fit_and_fail(tmp_path / "root", model, OOMReporter())
     assert err is model.raised
-    directory = tmp_path / "root" / "oom"
+    directory = tmp_path / "root" / "memopt"  # the one default of every writer, next to the memory logs
     assert _documented(directory) == ["oom_report_rank0.json", "oom_report_rank0.md"]
     report = json.loads((directory / "oom_report_rank0.json").read_text())
     assert (report["when"]["fn"], report["when"]["stage"], report["when"]["batch_idx"]) == ("fit", "validate", 1)
@@ -247,10 +247,14 @@ def test_reporter_never_raises_over_the_original_error(tmp_path, monkeypatch, ca
         _, err = _fit_and_fail(tmp_path, model, OOMReporter(dirpath=tmp_path / "full"))
     assert err is model.raised and type(err) is torch.OutOfMemoryError and str(err) == MESSAGE
     assert "could not be written" in caplog.text and "No space left" in caplog.text
+    (message,) = [m for m in caplog.messages if "could not be written" in m]
+    header, *failures = message.splitlines()
+    assert len(header) <= 100 and failures  # one line per failure, each starting with the file that failed
+    assert all(line.startswith(f"  {tmp_path / 'full'}") and "No space left" in line for line in failures)
 
 
 def test_each_oom_is_reported_once_and_a_retry_gets_its_own_report(tmp_path):
-    reporter = OOMReporter(dirpath=tmp_path, top_k_tensors=0)
+    reporter = OOMReporter(dirpath=tmp_path, max_listed=0)
     retried = []
 
     class Retrying(FailingModel):
@@ -281,10 +285,10 @@ def test_each_oom_is_reported_once_and_a_retry_gets_its_own_report(tmp_path):
 
 
 def test_second_run_keeps_the_first_report(tmp_path):
-    _fit_and_fail(tmp_path, FailingModel("forward", at=1), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    _fit_and_fail(tmp_path, FailingModel("forward", at=1), OOMReporter(dirpath=tmp_path, max_listed=0))
     first = (tmp_path / "oom_report_rank0.json").read_text()
     first_md = (tmp_path / "oom_report_rank0.md").read_text()
-    _fit_and_fail(tmp_path, FailingModel("forward", at=2), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    _fit_and_fail(tmp_path, FailingModel("forward", at=2), OOMReporter(dirpath=tmp_path, max_listed=0))
     kept = _kept(tmp_path)
     assert len(kept) == 2 and "oom_report_rank0.json" in _files(tmp_path)
     first_json = next(n for n in kept if (tmp_path / n).read_text() == first)
@@ -292,7 +296,7 @@ def test_second_run_keeps_the_first_report(tmp_path):
     assert json.loads((tmp_path / "oom_report_rank0.json").read_text())["when"]["global_step"] == 2
     assert os.path.samefile(tmp_path / "oom_report_rank0.json", tmp_path / max(kept))  # a link to the newest
     # a third run within the same second still keeps both earlier reports
-    _fit_and_fail(tmp_path, FailingModel("forward", at=3), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    _fit_and_fail(tmp_path, FailingModel("forward", at=3), OOMReporter(dirpath=tmp_path, max_listed=0))
     assert len(_kept(tmp_path)) == 3 and len(_files(tmp_path)) == 8
 
 
@@ -358,16 +362,30 @@ def test_credentials_inside_values_are_redacted_in_env_hparams_and_config(tmp_pa
     assert "Hyperparameters" in markdown and "data_url" in markdown
 
 
-def test_record_history_without_cuda_warns_once_and_still_reports(tmp_path):
+def test_record_history_on_cpu_is_one_inactive_note_and_still_reports(tmp_path, caplog):
     reporter = OOMReporter(dirpath=tmp_path, record_history=True)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO"):
         warnings.simplefilter("always")
         _fit_and_fail(tmp_path, FailingModel("forward", at=1), reporter)
-    ours = [w for w in caught if "record_history" in str(w.message)]
-    assert len(ours) == 1
+    assert [w for w in caught if "record_history" in str(w.message)] == []
+    notes = [m for m in caplog.messages if m.startswith("lightning-memopt: inactive here")]
+    assert len(notes) == 1 and "OOMReporter(record_history=True) (no allocator history on cpu)" in notes[0]
     report = json.loads((tmp_path / "oom_report_rank0.json").read_text())
     assert report["snapshot"]["path"] is None and "not available" in report["snapshot"]["reason"]
     assert _documented(tmp_path) == ["oom_report_rank0.json", "oom_report_rank0.md"]
+
+
+def test_record_history_on_a_cuda_build_without_it_warns_from_this_module(tmp_path, monkeypatch):
+    monkeypatch.setattr(module._torch_private, "supports_memory_history", lambda: False)
+    monkeypatch.setattr(module, "trainer_device", lambda trainer: torch.device("cuda", 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[OOMReporter(dirpath=tmp_path, record_history=True)], max_steps=1).fit(
+            TinyModel()
+        )
+    ours = [w for w in caught if "record_history" in str(w.message)]
+    assert len(ours) == 1 and "records no CUDA allocator history" in str(ours[0].message)
+    assert os.path.basename(ours[0].filename) == "oom_reporter.py"  # filterable by module, not Lightning's call.py
 
 
 class _FakeHistory:
@@ -430,7 +448,7 @@ def test_non_oom_error_also_stops_history(tmp_path, monkeypatch):
     ("kwargs", "match"),
     [
         ({"max_entries": 0}, "`max_entries` must be a positive int, got 0"),
-        ({"top_k_tensors": -1}, "`top_k_tensors` must be a non-negative int, got -1"),
+        ({"max_listed": -1}, "`max_listed` must be a non-negative int, got -1"),
         ({"record_history": "yes"}, r"`record_history` must be a bool \(True or False\), got 'yes'"),
         ({"dirpath": 3}, r"`dirpath` must be a path \(str or os.PathLike\) or None, got 3"),
     ],
@@ -448,7 +466,7 @@ def test_state_dict_round_trip():
 
 
 def test_cli_report_prints_markdown(tmp_path, capsys):
-    _fit_and_fail(tmp_path, FailingModel("forward", at=1), OOMReporter(dirpath=tmp_path, top_k_tensors=0))
+    _fit_and_fail(tmp_path, FailingModel("forward", at=1), OOMReporter(dirpath=tmp_path, max_listed=0))
     assert cli_main(["report", str(tmp_path / "oom_report_rank0.json")]) == 0
     out = capsys.readouterr().out
     assert out == (tmp_path / "oom_report_rank0.md").read_text()
@@ -507,7 +525,7 @@ class _BlockModel(FailingModel):
 def test_report_records_activation_checkpointing_and_does_not_suggest_it_again(tmp_path, how):
     from lightning_memopt import GradientCheckpointing
 
-    reporter = OOMReporter(dirpath=tmp_path / "r", top_k_tensors=0)
+    reporter = OOMReporter(dirpath=tmp_path / "r", max_listed=0)
     callbacks = {
         "callback-first": [GradientCheckpointing(), reporter],
         "callback-last": [reporter, GradientCheckpointing()],
@@ -526,3 +544,24 @@ def test_report_records_activation_checkpointing_and_does_not_suggest_it_again(t
         assert state["on"] is True and not suggested, actions
         assert state["wrapped" if how.startswith("callback") else "model_switch"] == ["block"]
     assert "of allocated" not in json.dumps(report["suggestions"])  # CPU: allocated bytes are unknown
+
+
+# ---------------------------------------------------------------- issue 23: one module, names, console width
+def test_trainer_reads_live_in_the_callback_module_and_the_old_name_is_gone():
+    import importlib.util
+
+    assert importlib.util.find_spec("lightning_memopt.callbacks.oom_trainer") is None
+    assert callable(module._trainer_position) and callable(module._trainer_settings)
+    with pytest.raises(TypeError, match="top_k_tensors"):
+        OOMReporter(top_k_tensors=3)
+    assert OOMReporter(max_listed=3).max_listed == 3
+
+
+def test_console_summary_fits_100_columns(tmp_path, caplog):
+    directory = tmp_path / "r"
+    with caplog.at_level("WARNING", logger="lightning_memopt"):
+        _fit_and_fail(tmp_path, FailingModel("forward", at=1), OOMReporter(dirpath=directory, max_listed=0))
+    (summary,) = [m for m in caplog.messages if "out-of-memory on rank 0" in m]
+    first, path = summary.splitlines()
+    assert first == "OOMReporter: out-of-memory on rank 0; report written to"
+    assert path.startswith(f"  {directory / 'oom_report_rank0-'}") and path.endswith(".md")  # alone on its line

@@ -26,7 +26,7 @@ def _report_at_barrier(directory, barrier, index):
     """One job: rank 0, out of memory at the moment every writer passes the barrier."""
     model = TinyModel()
     trainer = make_trainer(directory)
-    reporter = OOMReporter(dirpath=directory, top_k_tensors=0)
+    reporter = OOMReporter(dirpath=directory, max_listed=0)
     reporter.setup(trainer, model, "fit")
     error = torch.OutOfMemoryError(f"CUDA out of memory. (writer {index})")
     barrier.wait(timeout=60)

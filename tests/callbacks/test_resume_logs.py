@@ -99,7 +99,7 @@ def test_every_callback_of_a_run_writes_one_run_id(tmp_path):
             return super().training_step(batch, batch_idx)
 
     directory = tmp_path / "memory"
-    callbacks = [*_callbacks(directory), OOMReporter(dirpath=tmp_path / "oom", top_k_tensors=0)]
+    callbacks = [*_callbacks(directory), OOMReporter(dirpath=tmp_path / "oom", max_listed=0)]
     trainer = make_trainer(tmp_path, callbacks=callbacks, max_steps=5, limit_val_batches=0, logger=False)
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit(Fails())

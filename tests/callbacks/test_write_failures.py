@@ -53,7 +53,7 @@ def _callbacks(directory):
     return [
         MemoryMonitor(dirpath=directory / "memory", log_every_n_steps=1),
         MemoryAudit(dirpath=directory / "memory", leak_every_n_train_steps=1, leak_window=3, collect_garbage=False),
-        OOMReporter(dirpath=directory / "oom", top_k_tensors=0),
+        OOMReporter(dirpath=directory / "oom", max_listed=0),
     ]
 
 
@@ -222,12 +222,12 @@ def test_oom_reporter_refuses_an_unwritable_dirpath_in_setup(tmp_path):  # pragm
 def test_oom_reporter_creates_its_directory_only_when_it_reports(tmp_path):
     trainer = make_trainer(tmp_path, callbacks=[OOMReporter()])
     trainer.fit(TinyModel())
-    assert not (tmp_path / "oom").exists()
+    assert not (tmp_path / "memopt").exists()
     model = StepModel({1: _raise_oom})
     trainer = make_trainer(tmp_path, callbacks=[OOMReporter()])
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit(model)
-    names = sorted(p.name for p in (tmp_path / "oom").iterdir())
+    names = sorted(p.name for p in (tmp_path / "memopt").iterdir())
     assert [n for n in names if "-" not in n] == ["oom_report_rank0.json", "oom_report_rank0.md"]
     assert len(names) == 4  # the same two files under the report's own name
 
@@ -250,7 +250,7 @@ def test_oom_reporter_on_exception_never_asks_the_trainer_for_log_dir(tmp_path, 
     with pytest.raises(torch.OutOfMemoryError):
         trainer.fit(model)
     assert asked and "interrupted" not in asked, asked  # asked in setup (running), never after the failure
-    assert (tmp_path / "oom" / "oom_report_rank0.json").exists()
+    assert (tmp_path / "memopt" / "oom_report_rank0.json").exists()
 
 
 @pytest.mark.parametrize("make", [os.mkfifo, os.mkdir], ids=["named-pipe", "directory"])

@@ -215,8 +215,8 @@ def test_short_run_writes_memory_log_plot_and_checkpoint(tmp_path, spectra_file,
     trainer = main(_short_run_args(tmp_path, spectra_file))
     out = capsys.readouterr().out
     run_dir = tmp_path / "run" / "version_0"
-    log = run_dir / "memory" / "memory_rank0.jsonl"
-    plot = run_dir / "memory" / "memory_timeline.png"
+    log = run_dir / "memopt" / "memory_rank0.jsonl"
+    plot = run_dir / "memopt" / "memory_timeline.png"
     checkpoints = sorted((run_dir / "checkpoints").glob("*.ckpt"))
     assert log.stat().st_size > 0 and plot.stat().st_size > 0
     assert any(p.name == "last.ckpt" for p in checkpoints) and len(checkpoints) >= 2
@@ -231,7 +231,7 @@ def test_short_run_writes_memory_log_plot_and_checkpoint(tmp_path, spectra_file,
     # a second run goes to its own directory (safe to run twice)
     main(_short_run_args(tmp_path, spectra_file, "--no_memory_callbacks"))
     assert (tmp_path / "run" / "version_1" / "checkpoints" / "last.ckpt").exists()
-    assert not (tmp_path / "run" / "version_1" / "memory").exists()
+    assert not (tmp_path / "run" / "version_1" / "memopt").exists()
 
 
 @pytest.mark.slow
@@ -305,7 +305,7 @@ def test_two_process_ddp_on_cpu(tmp_path, spectra_file):
         [sys.executable, str(TRAIN_PY), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    memory = tmp_path / "run" / "version_0" / "memory"
+    memory = tmp_path / "run" / "version_0" / "memopt"
     for rank in (0, 1):
         assert (memory / f"memory_rank{rank}.jsonl").stat().st_size > 0, rank
     assert (memory / "memory_timeline.png").exists()
@@ -396,10 +396,10 @@ def test_lightning_cli_yaml_config_runs(tmp_path, spectra_file, capsys):
         assert name in names, name
     assert type(trainer.precision_plugin).__name__ == "MemoryPrecision"
     run_dir = out_dir / "version_0"
-    assert (run_dir / "memory" / "memory_rank0.jsonl").exists() and (run_dir / "config.yaml").exists()
+    assert (run_dir / "memopt" / "memory_rank0.jsonl").exists() and (run_dir / "config.yaml").exists()
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     out = capsys.readouterr().out
-    assert str(run_dir / "memory" / "memory_timeline.png") in out and "memory summary:" in out
+    assert str(run_dir / "memopt" / "memory_timeline.png") in out and "memory summary:" in out
     assert not math.isnan(float(trainer.callback_metrics["val_loss"]))
 
 

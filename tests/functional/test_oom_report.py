@@ -106,7 +106,7 @@ def _build(variant: str, guard: SectionGuard | None = None) -> OOMReport:
         device=device,
         module=model,
         sources=sources,
-        top_k_tensors=2,
+        max_listed=2,
         guard=guard,
     )
 
@@ -204,7 +204,7 @@ def test_failing_readers_are_listed_and_the_rest_is_reported():
         device=torch.device("cpu"),
         module=torch.nn.Linear(2, 2),
         sources=sources,
-        top_k_tensors=0,
+        max_listed=0,
         guard=guard,
     )
     assert report["report_errors"] == [

@@ -274,7 +274,7 @@ def build_oom_report(
     module: nn.Module,
     sources: ReportSources,
     message: str | None = None,
-    top_k_tensors: int = 20,
+    max_listed: int = 20,
     checkpointing_at_start: CheckpointingState | None = None,
     guard: SectionGuard | None = None,
 ) -> OOMReport:
@@ -289,7 +289,7 @@ def build_oom_report(
         module: The model (footprint, activation checkpointing, ``hparams``).
         sources: Readers of the rest.
         message: The exception's text. Default: ``str(exception)``.
-        top_k_tensors: How many of the largest live tensors to list (0: no ``holders.top_tensors``).
+        max_listed: How many of the largest live tensors to list (0: no ``holders.top_tensors``).
         checkpointing_at_start: Activation checkpointing as seen at train start; reported (with
             ``seen="at train start"``) when it is off at the failure of a training step but was on then.
         guard: Reads each part; its ``problems`` become ``report_errors``. Default: failures raise.
@@ -326,7 +326,7 @@ def build_oom_report(
             module,
             list(sources.optimizers()),
             memory.get("allocated_bytes"),
-            top_k_tensors,
+            max_listed,
             sources.live_tensors,
         ),
         _nothing,

@@ -2,7 +2,7 @@
 
 :class:`OOMReport` is the whole report; each section has a TypedDict of its own. Keys marked ``Required`` are
 always there; the others are missing when the part that fills them failed (the failure is then listed in
-``report_errors``) or, for ``top_tensors``, when ``OOMReporter(top_k_tensors=0)``. ``docs/oom-report.md``
+``report_errors``) or, for ``top_tensors``, when ``OOMReporter(max_listed=0)``. ``docs/oom-report.md``
 describes every key.
 """
 
@@ -133,7 +133,7 @@ class HoldersSection(TypedDict, total=False):
     bytes_by_category: dict[str, int]  # parameters, buffers, gradients, optimizer_states on `device`
     rows: list[FootprintRowDict]  # the same by dtype and device, all devices
     unexplained_bytes: int | None  # allocated minus the above: activations and temporaries
-    top_tensors: list[LiveTensorDict]  # the `top_k_tensors` largest live tensors on `device`
+    top_tensors: list[LiveTensorDict]  # the `max_listed` largest live tensors on `device`
 
 
 class CheckpointingState(TypedDict, total=False):

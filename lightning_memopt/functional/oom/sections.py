@@ -146,7 +146,7 @@ def fill_holders(
     module: nn.Module,
     optimizers: Sequence[Any],
     allocated_bytes: int | None,
-    top_k_tensors: int,
+    max_listed: int,
     live_tensors: Callable[..., Sequence[LiveTensorLike]] = fp.live_tensors,
 ) -> None:
     """Fill the ``holders`` part in place, key by key (a failure keeps what was filled before it).
@@ -157,16 +157,16 @@ def fill_holders(
         module: The model.
         optimizers: Its optimizers.
         allocated_bytes: Allocated bytes of the reading (``None`` on the CPU).
-        top_k_tensors: How many of the largest live tensors to list (0: none, and no ``top_tensors`` key).
+        max_listed: How many of the largest live tensors to list (0: none, and no ``top_tensors`` key).
         live_tensors: ``footprint.live_tensors`` or a fake: ``(device, names=...) -> tensors``, largest first.
     """
     footprint = fp.model_footprint(module, optimizers)
     holders["bytes_by_category"] = footprint.bytes_by_category(str(device))
     holders["rows"] = cast(list[FootprintRowDict], footprint.as_dict().get("rows", []))
     holders["unexplained_bytes"] = fp.unexplained_bytes(allocated_bytes, footprint, str(device))
-    if top_k_tensors:
+    if max_listed:
         names = fp.tensor_names(module, optimizers)
-        live = live_tensors(device, names=names)[:top_k_tensors]
+        live = live_tensors(device, names=names)[:max_listed]
         holders["top_tensors"] = [live_tensor_dict(t) for t in live]
 
 
