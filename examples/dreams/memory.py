@@ -117,7 +117,7 @@ def preset_trainer_kwargs(
 def memory_callbacks(args: argparse.Namespace) -> list[Callback]:
     """Wiring point of the package's callbacks (all on by default; ``--no_memory_callbacks`` removes them).
 
-    They write to ``<run directory>/memory`` (``memory_rank<r>.jsonl``; OOM reports too, if one happens). Those of
+    They write to ``<run directory>/memopt`` (``memory_rank<r>.jsonl``; OOM reports too, if one happens). Those of
     a type the preset also adds (``MemoryMonitor``, ``CacheCleaner``, ``GarbageCollector``) replace the preset's.
     """
     if args.no_memory_callbacks:

@@ -5,7 +5,7 @@ Run from the repository root (CPU, about a minute on 2 cores):
     python examples/dreams/train.py
 
 Each run gets its own directory ``<output_dir>/version_<n>`` (default ``outputs/dreams``) holding the checkpoints,
-``metrics.csv`` and ``memory/`` (one ``memory_rank<r>.jsonl`` per rank and ``memory_timeline.png``). At the end it
+``metrics.csv`` and ``memopt/`` (one ``memory_rank<r>.jsonl`` per rank and ``memory_timeline.png``). At the end it
 prints where they are, the validation loss against the mean-prediction baseline, and the memory summary.
 
 On a GPU, the DreaMS-sized model with the package's strongest memory savings at an effective batch of 256 (the
