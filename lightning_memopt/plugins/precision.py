@@ -415,3 +415,10 @@ class MemoryPrecision(_MemoryPrecisionMixin, Precision, metaclass=abc.ABCMeta):
         >>> trainer.precision_plugin.requested_precision, trainer.precision
         ('auto', '32-true')
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError(
+            f"`{cls.__name__}` cannot subclass `MemoryPrecision`: at setup the plugin becomes Lightning's plugin class"
+            " for the precision it chose, which would drop the subclass's methods. Add behaviour in a Callback, or"
+            " subclass Lightning's precision plugin and pass it to `Trainer(plugins=...)`."
+        )

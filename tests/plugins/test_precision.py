@@ -1,4 +1,5 @@
 import logging
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from lightning_memopt import MemoryPrecision
+from lightning_memopt.utilities.namespaces import is_instance
 from tests.helpers.lightning import lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
@@ -188,9 +190,13 @@ def test_tf32_set_through_the_new_api_by_the_app_is_left_alone(tmp_path):
     torch.backends.cuda.matmul.fp32_precision = "tf32"  # the application uses torch's per-backend API
     try:
         seen = _backend_matmul()
-        with pytest.warns(UserWarning, match=r"left `float32_matmul_precision='medium'` unapplied: TF32 was already"):
+        with pytest.warns(
+            UserWarning, match=r"left `float32_matmul_precision='medium'` unapplied: TF32 was already"
+        ) as w:
             trainer = make_trainer(tmp_path, plugins=[MemoryPrecision("32-true", float32_matmul_precision="medium")])
             trainer.fit(TinyModel())
+        (warned,) = [m for m in w if "unapplied" in str(m.message)]
+        assert warned.filename.endswith(os.path.join("lightning_memopt", "plugins", "precision.py")), warned.filename
         assert _backend_matmul() == seen
         with pytest.raises(RuntimeError):
             torch.get_float32_matmul_precision()  # still the application's state: the two APIs disagree
@@ -309,7 +315,7 @@ def test_auto_on_mocked_gpus_uses_capability_not_is_bf16_supported(monkeypatch, 
     native = capability >= (8, 0)  # ... but only compute capability >= 8.0 has it in hardware
     expected = "bf16-mixed" if native else "16-mixed"
     assert plugin.precision == expected and plugin.choice.precision == expected
-    assert isinstance(plugin, lightning_module("plugins.precision").MixedPrecision)
+    assert is_instance(plugin, "plugins.precision.MixedPrecision")  # Lightning's own, in the first namespace here
     assert plugin.device == "cuda"
     assert isinstance(plugin.scaler, torch.amp.GradScaler) is (not native)
     (said,) = _said(caplog)

@@ -95,7 +95,7 @@ def test_pickle_and_deepcopy_keep_the_class(namespace):
 
 
 def _fit_16_mixed(tmp_path, ckpt_path=None, max_steps=2):
-    plugin = MemoryPrecision("16-mixed")
+    plugin = MemoryPrecision("16-mixed", scaler=torch.amp.GradScaler("cpu"))  # Lightning 2.1 makes a CUDA-only one
     trainer = make_trainer(
         tmp_path,
         plugins=[plugin],
@@ -130,3 +130,10 @@ def test_a_bad_scaler_state_warns_from_this_package_and_starts_fresh(tmp_path):
     (warned,) = [w for w in caught if "checkpoint's state key 'scale'" in str(w.message)]
     assert warned.filename.endswith(HERE), warned.filename
     assert resumed.scaler.state_dict()["_growth_tracker"] != tracker + 1  # fresh: the saved tracker was not loaded
+
+
+def test_a_subclass_is_refused_instead_of_losing_its_methods_at_setup():
+    with pytest.raises(TypeError, match="cannot subclass `MemoryPrecision`.*subclass Lightning's precision plugin"):
+
+        class Mine(MemoryPrecision):
+            pass
