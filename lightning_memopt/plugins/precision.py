@@ -123,11 +123,8 @@ def _lightning_plugin(
     """Lightning's plugin class for ``precision`` in ``namespace`` and the arguments its Trainer builds it with."""
     cls = getattr(importlib.import_module(f"{namespace}.plugins.precision"), _LIGHTNING_CLASSES[precision])
     if precision in ("16-mixed", "bf16-mixed"):
-        return cls, {
-            "precision": precision,
-            "device": device_type,
-            "scaler": scaler if precision == "16-mixed" else None,
-        }
+        fp16_scaler = scaler if precision == "16-mixed" else None  # Lightning's MixedPrecision refuses one for bf16
+        return cls, {"precision": precision, "device": device_type, "scaler": fp16_scaler}
     if precision in ("16-true", "bf16-true"):
         return cls, {"precision": precision}
     if precision.startswith("transformer-engine"):
@@ -176,12 +173,9 @@ class _MemoryPrecisionMixin(_PluginBase):
         normalized = normalize_precision(precision, "precision")
         if float32_matmul_precision is not None:
             check_choice("float32_matmul_precision", float32_matmul_precision, _MATMUL_PRECISIONS)
-        for name, value in (
-            ("allow_emulated_bf16", allow_emulated_bf16),
-            ("exact_accumulation", exact_accumulation),
-            ("verbose", verbose),
-        ):
-            check_bool(name, value)
+        check_bool("allow_emulated_bf16", allow_emulated_bf16)
+        check_bool("exact_accumulation", exact_accumulation)
+        check_bool("verbose", verbose)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
                 f"`scaler` must be a `torch.amp.GradScaler` or None, got {scaler!r}."
