@@ -1,4 +1,4 @@
-"""The precision decision: Lightning's precision names, what a device computes natively, and the mode chosen.
+"""The precision decision: Lightning's precision names, what a device computes natively, and the precision chosen.
 
 Nothing here touches a device or a Trainer: every decision takes plain values (device type, compute capability,
 device name, the Trainer's ``strategy=``) so that it can be tested on a machine without a GPU.
