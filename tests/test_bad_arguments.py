@@ -240,7 +240,7 @@ ROWS = [
     row(retrieval, {"top_k": (0,)}, says("top_k", 0), case="retrieval-topk-zero"),
     row(retrieval, {"median": "upper"}, says("median", "upper"), case="retrieval-median"),
     # ------------------------------------------------------------------ MemoryPrecision
-    row(MemoryPrecision, {"mode": "fp16"}, says("mode", "fp16"), case="precision-mode"),
+    row(MemoryPrecision, {"precision": "fp16"}, says("precision", "fp16"), case="precision-precision"),
     row(
         MemoryPrecision,
         {"float32_matmul_precision": "tf32"},
@@ -255,6 +255,7 @@ ROWS = [
     ),
     row(MemoryPrecision, {"exact_accumulation": 1}, says("exact_accumulation", 1), case="precision-exact-int"),
     row(MemoryPrecision, {"scaler": "cuda"}, says("scaler", "cuda"), case="precision-scaler-str"),
+    row(MemoryPrecision, {"verbose": 1}, says("verbose", 1), case="precision-verbose-int"),
     # ------------------------------------------------------------------ callbacks
     row(MemoryMonitor, {"log_to_loggers": "no"}, says("log_to_loggers", "no"), case="monitor-loggers-str"),
     row(MemoryMonitor, {"dirpath": 123}, says("dirpath", 123), case="monitor-dirpath-int"),

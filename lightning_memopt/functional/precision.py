@@ -1,4 +1,4 @@
-"""The precision decision: Lightning's precision names, what a device computes natively, and the mode chosen.
+"""The precision decision: Lightning's precision names, what a device computes natively, and the precision chosen.
 
 Nothing here touches a device or a Trainer: every decision takes plain values (device type, compute capability,
 device name, the Trainer's ``strategy=``) so that it can be tested on a machine without a GPU.
@@ -21,8 +21,8 @@ __all__ = [
     "PrecisionMode",
     "choose_precision",
     "has_native_bf16",
+    "checked_scaler_state",
     "has_own_precision",
-    "load_delegate_state",
     "normalize_precision",
     "own_precision_strategy",
 ]
@@ -85,10 +85,11 @@ def has_native_bf16(device_type: str, capability: tuple[int, int] | None) -> boo
 
 @dataclass(frozen=True)
 class PrecisionChoice:
-    """The Lightning precision string chosen and the reason, in words."""
+    """The Lightning precision string chosen, the reason in words, and a summary short enough for one line."""
 
     precision: str
     reason: str
+    summary: str = ""
 
 
 def _describe_device(device_type: str, capability: tuple[int, int] | None, device_name: str | None) -> str:
@@ -99,26 +100,26 @@ def _describe_device(device_type: str, capability: tuple[int, int] | None, devic
 
 
 def choose_precision(
-    mode: str,
+    precision: str,
     device_type: str,
     capability: tuple[int, int] | None = None,
     device_name: str | None = None,
     allow_emulated_bf16: bool = False,
     setting: str = "precision={!r}",
 ) -> PrecisionChoice:
-    """Resolve a ``MemoryPrecision`` mode to a Lightning precision string for one device.
+    """Resolve a ``MemoryPrecision`` ``precision`` to a Lightning precision string for one device.
 
     ``"auto"`` picks ``bf16-mixed`` on a GPU with native bf16, ``16-mixed`` (with a GradScaler) on older GPUs and
     ``32-true`` on CPU and other devices. Asking for bf16 on a CUDA GPU without native bf16 raises (suggesting fp16)
     unless ``allow_emulated_bf16`` is set. Lightning's short names (``16``, ``"bf16"``, ...) are accepted
-    (:func:`normalize_precision`). ``setting`` is where the user sets the mode, as a template for the messages
-    (``"MemoryPrecision(mode={!r})"``).
+    (:func:`normalize_precision`). ``setting`` is where the user sets the precision, as a template for the messages
+    (``"MemoryPrecision(precision={!r})"``).
 
     Example:
         >>> choose_precision("auto", "cuda", (8, 0), "NVIDIA A100").precision
         'bf16-mixed'
-        >>> choose_precision("auto", "cuda", (7, 0), "Tesla V100").precision
-        '16-mixed'
+        >>> choose_precision("auto", "cuda", (7, 0), "Tesla V100").summary
+        "'16-mixed' on Tesla V100 (no native bf16: fp16 with a GradScaler)"
         >>> choose_precision("auto", "cpu").precision
         '32-true'
         >>> choose_precision("bf16-mixed", "cuda", (7, 5), "Tesla T4")  # doctest: +ELLIPSIS
@@ -126,34 +127,38 @@ def choose_precision(
         ...
         ValueError: `precision='bf16-mixed'` needs native bf16, but Tesla T4 (compute capability 7.5) ...
     """
-    mode = normalize_precision(mode)
+    precision = normalize_precision(precision)
     where = _describe_device(device_type, capability, device_name)
+    name = device_name or device_type
     native = has_native_bf16(device_type, capability)
-    if mode == "auto":
+    if precision == "auto":
+        if device_type == "cuda" and native:
+            reason = f"{where} has native bf16: bf16 autocast, no loss scaling needed."
+            return PrecisionChoice("bf16-mixed", reason, f"'bf16-mixed' on {name} (native bf16)")
         if device_type == "cuda":
-            if native:
-                return PrecisionChoice("bf16-mixed", f"{where} has native bf16: bf16 autocast, no loss scaling needed.")
-            return PrecisionChoice(
-                "16-mixed",
+            reason = (
                 f"{where} has no native bf16 (needs compute capability >= 8.0; torch would emulate it slowly):"
-                " fp16 autocast with a GradScaler.",
+                " fp16 autocast with a GradScaler."
             )
-        return PrecisionChoice(
-            "32-true",
+            return PrecisionChoice("16-mixed", reason, f"'16-mixed' on {name} (no native bf16: fp16 with a GradScaler)")
+        reason = (
             f"mixed precision is chosen automatically only on CUDA GPUs; {where} trains in fp32. Set"
             f" `{setting.format('bf16-mixed')}` to use bf16 autocast anyway (there, not `Trainer(precision=...)`,"
-            " which Lightning refuses beside this package's precision plugin).",
+            " which Lightning refuses beside this package's precision plugin)."
         )
-    if mode.startswith("bf16") and device_type == "cuda" and not native:
+        return PrecisionChoice("32-true", reason, f"'32-true' on {name} (autocast is chosen on CUDA GPUs only)")
+    if precision.startswith("bf16") and device_type == "cuda" and not native:
         if allow_emulated_bf16:
-            return PrecisionChoice(mode, f"{where} emulates bf16 (slow); used because `allow_emulated_bf16=True`.")
-        fp16 = mode.replace("bf16", "16")
+            reason = f"{where} emulates bf16 (slow); used because `allow_emulated_bf16=True`."
+            return PrecisionChoice(precision, reason, f"{precision!r} on {name} (emulated bf16)")
+        fp16 = precision.replace("bf16", "16")
         raise ValueError(
-            f"`{setting.format(mode)}` needs native bf16, but {where} has none (compute capability >= 8.0 is needed;"
-            f" `torch.cuda.is_bf16_supported()` also counts slow emulation). Use `{setting.format(fp16)}` (fp16 with"
-            " loss scaling) or pass `allow_emulated_bf16=True`."
+            f"`{setting.format(precision)}` needs native bf16, but {where} has none (compute capability >= 8.0 is"
+            f" needed; `torch.cuda.is_bf16_supported()` also counts slow emulation). Use `{setting.format(fp16)}`"
+            " (fp16 with loss scaling) or pass `allow_emulated_bf16=True`."
         )
-    return PrecisionChoice(mode, f"`{setting.format(mode)}` was asked for explicitly on {where}.")
+    reason = f"`{setting.format(precision)}` was asked for explicitly on {where}."
+    return PrecisionChoice(precision, reason, f"{precision!r} on {name} (asked for)")
 
 
 #: Strategies that bring their own precision classes; ``MemoryPrecision`` refuses them instead of misbehaving, and
@@ -207,18 +212,25 @@ _SCALER_STATE = {
 }
 
 
-def load_delegate_state(delegate: Any, state: Any, owner: str = "MemoryPrecision") -> None:
-    """Load a checkpoint's precision ``state`` into ``delegate`` (Lightning's precision plugin), checked first.
+def checked_scaler_state(state: Any, has_scaler: bool, owner: str = "MemoryPrecision") -> dict[str, Any] | None:
+    """A checkpoint's precision ``state``, checked, ready for a precision plugin's ``load_state_dict``; or ``None``.
 
-    A plugin with a gradient scaler gets the scaler's five keys, each checked; one that is missing or bad warns
-    (naming ``owner`` and the key) and leaves the scaler fresh. An empty state (a run without a scaler) leaves it
-    fresh silently. A plugin without a scaler keeps no state: a non-empty one warns and is ignored.
+    A plugin with a gradient scaler (``has_scaler``) gets the scaler's five keys, each checked; one that is missing or
+    bad warns (naming ``owner`` and the key; the warning points at the caller) and gives ``None``: the scaler stays
+    fresh. An empty state (a run without a scaler) gives ``None`` silently. A plugin without a scaler keeps no state:
+    a non-empty one warns and gives ``None``.
+
+    Example:
+        >>> checked_scaler_state({}, has_scaler=True) is None
+        True
+        >>> good = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 7}
+        >>> checked_scaler_state({**good, "_growth_tracker": 3}, has_scaler=True)["growth_interval"]
+        7
     """
     if isinstance(state, dict) and not state:
-        return
-    if getattr(delegate, "scaler", None) is None:
+        return None
+    if not has_scaler:
         load_state(owner, state, {})  # warns about what it ignores
-        return
+        return None
     checked = load_state(owner, state, _SCALER_STATE)
-    if all(value is not None for value in checked.values()):
-        delegate.load_state_dict(checked)
+    return checked if all(value is not None for value in checked.values()) else None

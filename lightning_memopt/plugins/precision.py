@@ -1,14 +1,23 @@
-"""MemoryPrecision: AMP fp16 / bf16 with a real hardware check, true-half modes and TF32 through one API."""
+"""MemoryPrecision: Lightning's own precision plugin for the precision chosen on the training device, plus TF32 and
+exact accumulation.
+
+Lightning's Trainer builds one plugin class per precision (``MixedPrecision``, ``HalfPrecision``, ``Precision``, ...).
+``MemoryPrecision`` can only choose in ``setup``, on the device the Trainer trains on, so at that point the plugin
+*becomes* the class Lightning would have built, from the Trainer's namespace: its class is set to
+``(_MemoryPrecisionMixin, <Lightning's class>)`` and Lightning's ``__init__`` runs with the arguments Lightning's
+Trainer would pass. Everything else (autocast, the GradScaler, half inputs, clipping, the scaler's checkpoint state)
+is Lightning's code, not a copy; the mixin adds only the choice, TF32, the short-window rescale and the checks.
+"""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager
+import textwrap
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -20,19 +29,24 @@ from lightning_memopt.functional.precision import (
     UNSUPPORTED_STRATEGIES,
     PrecisionChoice,
     PrecisionInput,
+    checked_scaler_state,
     choose_precision,
     has_own_precision,
-    load_delegate_state,
     normalize_precision,
     own_precision_strategy,
 )
 from lightning_memopt.utilities.checks import check_bool, check_choice
-from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of
+from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of, rank_zero_info
+from lightning_memopt.utilities.quiet import WIDTH
 from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    _PluginBase = Precision
+else:
+    _PluginBase = object
 
 __all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
 
@@ -87,111 +101,107 @@ def _set_matmul_state(precision: str) -> Restore | None:
     return functools.partial(_restore_matmul_state, previous)
 
 
-def _plugin_class(namespace: str, name: str) -> type:
-    """Lightning's precision plugin ``name`` (``"Precision"``, ``"MixedPrecision"``, ...) in ``namespace``."""
-    return getattr(importlib.import_module(f"{namespace}.plugins.precision"), name)
+#: Lightning's plugin class for each precision, as Lightning's Trainer picks it (its accelerator connector).
+_LIGHTNING_CLASSES = {
+    "32-true": "Precision",
+    "16-mixed": "MixedPrecision",
+    "bf16-mixed": "MixedPrecision",
+    "16-true": "HalfPrecision",
+    "bf16-true": "HalfPrecision",
+    "64-true": "DoublePrecision",
+    "transformer-engine": "TransformerEnginePrecision",
+    "transformer-engine-float16": "TransformerEnginePrecision",
+}
+
+#: The precisions whose plugin is in place from ``__init__`` on (``trainer.init_module()`` runs before setup).
+_TRUE_DTYPES = ("16-true", "bf16-true", "64-true")
 
 
-def _plain_plugin(namespace: str, precision: str) -> Any:
-    """Lightning's plugin for a precision without autocast, built as Lightning's Trainer builds it."""
+def _lightning_plugin(
+    namespace: str, precision: str, device_type: str, scaler: torch.amp.GradScaler | None
+) -> tuple[Any, dict[str, Any]]:
+    """Lightning's plugin class for ``precision`` in ``namespace`` and the arguments its Trainer builds it with."""
+    cls = getattr(importlib.import_module(f"{namespace}.plugins.precision"), _LIGHTNING_CLASSES[precision])
+    if precision in ("16-mixed", "bf16-mixed"):
+        fp16_scaler = scaler if precision == "16-mixed" else None  # Lightning's MixedPrecision refuses one for bf16
+        return cls, {"precision": precision, "device": device_type, "scaler": fp16_scaler}
     if precision in ("16-true", "bf16-true"):
-        return _plugin_class(namespace, "HalfPrecision")(precision)
-    if precision == "64-true":
-        return _plugin_class(namespace, "DoublePrecision")()
+        return cls, {"precision": precision}
     if precision.startswith("transformer-engine"):
         dtype = torch.float16 if precision.endswith("float16") else torch.bfloat16
-        cls = _plugin_class(namespace, "TransformerEnginePrecision")
         keyword = "weights_dtype" if "weights_dtype" in inspect.signature(cls).parameters else "dtype"  # Lightning 2.1
-        return cls(**{keyword: dtype})
-    return _plugin_class(namespace, "Precision")()
+        return cls, {keyword: dtype}
+    return cls, {}
 
 
-class MemoryPrecision(Precision):
-    """A Lightning precision plugin that picks mixed precision from what the GPU really supports.
+@functools.cache
+def _running_class(*lightning_classes: type) -> type:
+    """``MemoryPrecision`` running as ``lightning_classes``: the mixin's methods first, then Lightning's.
 
-    The mode is resolved in ``setup`` on the device the Trainer trains on:
-
-    * ``"auto"``: ``bf16-mixed`` where the GPU has native bf16 (compute capability >= 8.0), else ``16-mixed`` with a
-      ``GradScaler``; ``32-true`` on CPU and other devices. A warning (rank zero) says what was chosen and why.
-    * ``"16-mixed"``, ``"bf16-mixed"``: autocast; asking for bf16 on a GPU without native bf16 raises an error that
-      names the GPU and suggests fp16 (``torch.cuda.is_bf16_supported()`` would say True there: it counts emulation).
-    * ``"16-true"``, ``"bf16-true"``: weights, inputs and tensors created in ``trainer.init_module()`` are half.
-    * ``"32-true"``: plain fp32; ``"64-true"``: fp64; ``"transformer-engine"`` (``-float16``): Lightning's
-      Transformer Engine plugin (needs ``transformer_engine``).
-    * Lightning's short names are accepted and mapped as the Trainer maps them: ``16`` / ``"16"`` is ``"16-mixed"``,
-      ``"bf16"`` is ``"bf16-mixed"``, ``32`` is ``"32-true"``, ``64`` is ``"64-true"``. One difference: on a CPU,
-      Lightning's Trainer replaces ``"16-mixed"`` by ``"bf16-mixed"``; this plugin runs the fp16 autocast asked for
-      (torch supports it on CPUs).
-
-    ``float32_matmul_precision`` is set through ``torch.set_float32_matmul_precision`` at setup and given back exactly
-    at teardown (also after an exception; fits overlapping in one process share it: the first one's value holds until
-    the last ends); where TF32 was set through torch's per-backend API the plugin leaves it alone and warns. With
-    ``exact_accumulation=True`` the loss of an epoch's short last accumulation window is rescaled, so each optimizer
-    step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin replaces
-    ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies get a
-    ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
-
-    Args:
-        mode: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``, ``"bf16"``...).
-        float32_matmul_precision: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (leave as is).
-        allow_emulated_bf16: use bf16 on a GPU without native bf16 instead of raising.
-        scaler: a ``torch.amp.GradScaler`` for the fp16 path (one is made when ``None``).
-        exact_accumulation: fix the short last accumulation window of an epoch (see above).
-
-    Device requirements: any; on CPU ``"auto"`` trains in fp32.
-
-    Example:
-        >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(accelerator="cpu", plugins=[MemoryPrecision("auto")], logger=False)
-        >>> trainer.precision_plugin.mode
-        'auto'
+    The mixin does not bring :class:`~lightning_memopt.utilities.namespaces.Precision` (both namespaces' base), so
+    every method a ``pytorch_lightning`` plugin inherits comes from ``pytorch_lightning``. The class is registered as
+    a :class:`MemoryPrecision` (``isinstance`` holds) and named like it, so its checkpoint key (Lightning stores the
+    plugin's state under the class's ``__qualname__``) does not depend on what was chosen.
     """
+    if lightning_classes == (Precision,):
+        return MemoryPrecision
+    namespace = {"__module__": __name__, "__qualname__": "MemoryPrecision", "__doc__": MemoryPrecision.__doc__}
+    cls = type("MemoryPrecision", (_MemoryPrecisionMixin, *lightning_classes), namespace)
+    MemoryPrecision.register(cls)
+    return cls
 
-    precision: str = "32-true"
+
+def _unpickle(lightning_classes: tuple[type, ...]) -> Any:
+    return object.__new__(_running_class(*lightning_classes))
+
+
+class _MemoryPrecisionMixin(_PluginBase):
+    """What :class:`MemoryPrecision` adds to Lightning's precision plugin; the documentation is there."""
+
+    #: The GradScaler in use: set by Lightning's ``MixedPrecision`` for fp16, ``None`` otherwise.
+    scaler: torch.amp.GradScaler | None = None
 
     def __init__(
         self,
-        mode: PrecisionInput = "auto",
+        precision: PrecisionInput = "auto",
         float32_matmul_precision: Literal["highest", "high", "medium"] | None = None,
         allow_emulated_bf16: bool = False,
         scaler: torch.amp.GradScaler | None = None,
         exact_accumulation: bool = True,
+        verbose: bool = False,
     ) -> None:
-        normalized = normalize_precision(mode, "mode")
+        normalized = normalize_precision(precision, "precision")
         if float32_matmul_precision is not None:
             check_choice("float32_matmul_precision", float32_matmul_precision, _MATMUL_PRECISIONS)
         check_bool("allow_emulated_bf16", allow_emulated_bf16)
         check_bool("exact_accumulation", exact_accumulation)
+        check_bool("verbose", verbose)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
                 f"`scaler` must be a `torch.amp.GradScaler` or None, got {scaler!r}."
                 " Pass `scaler=torch.amp.GradScaler('cuda')`, or None to have one made for fp16."
             )
-        self.mode: str = normalized
+        #: The precision asked for (``"auto"`` or a full Lightning name); ``precision`` is the one running.
+        self.requested_precision: str = normalized
         self.float32_matmul_precision = float32_matmul_precision
         self.allow_emulated_bf16 = allow_emulated_bf16
         self.exact_accumulation = exact_accumulation
-        self._scaler = scaler
+        self.verbose = verbose
+        self._user_scaler = scaler
+        #: What ``setup`` chose and why; ``None`` before.
         self.choice: PrecisionChoice | None = None
-        self.precision = normalized if normalized != "auto" else "32-true"
-        #: The Lightning namespace whose plugins do the work: the Trainer's, once ``setup`` has seen it.
-        self._namespace = NAMESPACES[0]
-        #: Where the user sets ``mode``, for messages (a ``MemoryPreset`` says its own field).
-        self.setting = "MemoryPrecision(mode={!r})"
-        # the true-dtype modes act before setup too (`trainer.init_module()`); the others are chosen in `setup`
-        self._delegate: Any = _plain_plugin(
-            self._namespace, normalized if normalized in ("16-true", "bf16-true", "64-true") else "32-true"
-        )
+        #: Where the user sets ``precision``, for messages (a ``MemoryPreset`` says its own field).
+        self.setting = "MemoryPrecision(precision={!r})"
+        self._namespace = NAMESPACES[0]  # the Trainer's, once `setup` has seen it
+        self._running: tuple[str, str] | None = None  # (precision, device type) of the Lightning plugin in place
+        self._lightning_keys: tuple[str, ...] = ()  # the attributes Lightning's `__init__` set
         self._matmul: Lease | None = None  # the process's setting: shared with fits that overlap this one
         self._pending_state: tuple[Any] | None = None  # (state,): a checkpoint's state may itself be None
         self._warn = WarnOnce()
+        if normalized in _TRUE_DTYPES:  # in place before setup, for `trainer.init_module()`; either Trainer takes it
+            self._become(NAMESPACES[0], normalized, "cpu", dual=True)
 
     # ----------------------------------------------------------------------------------------------- resolution
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The GradScaler in use (fp16 mixed precision only)."""
-        return getattr(self._delegate, "scaler", None)
-
     def resolve(
         self,
         device: torch.device,
@@ -199,10 +209,10 @@ class MemoryPrecision(Precision):
         device_name: str | None = None,
         namespace: str | None = None,
     ) -> PrecisionChoice:
-        """Choose the precision for ``device`` and build the Lightning plugin that implements it.
+        """Choose the precision for ``device`` and become Lightning's plugin for it.
 
         ``capability`` and ``device_name`` are read from the device when ``None`` (CUDA only). ``namespace``
-        (``"lightning.pytorch"`` or ``"pytorch_lightning"``) is where the plugin comes from: the Trainer's.
+        (``"lightning.pytorch"`` or ``"pytorch_lightning"``) is where the plugin class comes from: the Trainer's.
         """
         device = torch.device(device)
         if device.type == "cuda" and torch.cuda.is_available():
@@ -212,27 +222,37 @@ class MemoryPrecision(Precision):
             if device_name is None:
                 device_name = torch.cuda.get_device_name(device)
         choice = choose_precision(
-            self.mode, device.type, capability, device_name, self.allow_emulated_bf16, setting=self.setting
+            self.requested_precision,
+            device.type,
+            capability,
+            device_name,
+            self.allow_emulated_bf16,
+            setting=self.setting,
         )
         self.choice = choice
-        self.precision = choice.precision
-        namespace = namespace or self._namespace
-        same_namespace, self._namespace = namespace == self._namespace, namespace
-        mixed: Any = _plugin_class(namespace, "MixedPrecision")
-        current = self._delegate
-        if isinstance(current, mixed) and current.precision == choice.precision and current.device == device.type:
-            pass  # a second fit keeps the scaler state of the first
-        elif choice.precision in ("16-mixed", "bf16-mixed"):
-            scaler = self._scaler if choice.precision == "16-mixed" else None
-            self._delegate = mixed(choice.precision, device.type, scaler=scaler)
-        elif (
-            not same_namespace or isinstance(current, mixed) or getattr(current, "precision", None) != choice.precision
-        ):
-            self._delegate = _plain_plugin(namespace, choice.precision)
+        self._namespace = namespace or self._namespace
+        self._become(self._namespace, choice.precision, device.type)
         if self._pending_state is not None:
-            load_delegate_state(self._delegate, self._pending_state[0])
-        self._pending_state = None
+            state, self._pending_state = self._pending_state[0], None
+            self.load_state_dict(state)
         return choice
+
+    def _become(self, namespace: str, precision: str, device_type: str, dual: bool = False) -> None:
+        """Become Lightning's plugin for ``precision`` (``dual``: also a plugin of every namespace, before setup).
+
+        Kept as is when nothing changed: a second fit keeps the scaler state of the first.
+        """
+        lightning_class, kwargs = _lightning_plugin(namespace, precision, device_type, self._user_scaler)
+        cls = _running_class(lightning_class, Precision) if dual else _running_class(lightning_class)
+        if type(self) is cls and self._running == (precision, device_type):
+            return
+        for key in self._lightning_keys:  # the previous plugin's attributes (a stale `scaler`, `precision`)
+            self.__dict__.pop(key, None)
+        ours = set(vars(self))
+        self.__class__ = cls
+        lightning_class.__init__(self, **kwargs)
+        self._lightning_keys = tuple(sorted(set(vars(self)) - ours))
+        self._running = (precision, device_type)
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer | None) -> None:
@@ -253,74 +273,33 @@ class MemoryPrecision(Precision):
         else:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
         choice = self.resolve(device, namespace=namespace_of(trainer if trainer is not None else module).__name__)
-        if self.mode == "auto" and getattr(trainer, "global_rank", 0) == 0:
-            message = f"MemoryPrecision(mode='auto') chose precision={choice.precision!r}: {choice.reason}"
-            self._warn.warn("choice", message)
+        self._tell(choice)
         if self.float32_matmul_precision is not None and self._matmul is None:
-            wanted, key = self.float32_matmul_precision, "torch.float32_matmul_precision"
-            self._matmul = borrow(key, wanted, _set_matmul_state, self._warn, "MemoryPrecision")
-            if self._matmul is None:
-                self._warn.warn(
-                    "new_matmul_api",
-                    f"MemoryPrecision left `float32_matmul_precision={self.float32_matmul_precision!r}` unapplied:"
-                    " TF32 was already set through torch's per-backend API (`torch.backends.cuda.matmul."
-                    "fp32_precision`), which does not mix with `torch.set_float32_matmul_precision`. Set it through"
-                    " that API yourself, or drop `float32_matmul_precision` here.",
-                )
+            self._borrow_matmul(self.float32_matmul_precision)
 
-    # ------------------------------------------------------------------------------------------- Precision API
-    @override
-    def convert_module(self, module: Module) -> Module:
-        self._setup(module)
-        return self._delegate.convert_module(module)
+    def _tell(self, choice: PrecisionChoice) -> None:
+        """One line (rank zero) for ``"auto"``: what was chosen; with ``verbose``, the whole reason for any choice."""
+        if self.verbose:
+            text = (
+                f"MemoryPrecision(precision={self.requested_precision!r}) chose {choice.precision!r}: {choice.reason}"
+            )
+            rank_zero_info(textwrap.fill(text, width=WIDTH, subsequent_indent="  "))
+        elif self.requested_precision == "auto":
+            text = f"MemoryPrecision(precision='auto') chose {choice.summary}."
+            rank_zero_info(textwrap.shorten(text, width=WIDTH, placeholder="..."))
 
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return self._delegate.tensor_init_context()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self._delegate.module_init_context()
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return self._delegate.forward_context()
-
-    @override
-    @contextlib.contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
-        with self._delegate.train_step_context():
-            yield
-
-    @override
-    @contextlib.contextmanager
-    def val_step_context(self) -> Generator[None, None, None]:
-        with self._delegate.val_step_context():
-            yield
-
-    @override
-    @contextlib.contextmanager
-    def test_step_context(self) -> Generator[None, None, None]:
-        with self._delegate.test_step_context():
-            yield
-
-    @override
-    @contextlib.contextmanager
-    def predict_step_context(self) -> Generator[None, None, None]:
-        with self._delegate.predict_step_context():
-            yield
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return self._delegate.convert_input(data)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        return self._delegate.convert_output(data)
-
-    @override
-    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
-        return self._delegate.connect(model, optimizers, lr_schedulers)
+    def _borrow_matmul(self, wanted: str) -> None:
+        self._matmul = borrow(
+            "torch.float32_matmul_precision", wanted, _set_matmul_state, self._warn, "MemoryPrecision"
+        )
+        if self._matmul is None:
+            self._warn.warn(
+                "new_matmul_api",
+                f"MemoryPrecision left `float32_matmul_precision={wanted!r}` unapplied: TF32 was already set through"
+                " torch's per-backend API (`torch.backends.cuda.matmul.fp32_precision`), which does not mix with"
+                " `torch.set_float32_matmul_precision`. Set it through that API yourself, or drop"
+                " `float32_matmul_precision` here.",
+            )
 
     def _short_window_factor(self, module: Any) -> float:
         """``accumulate_grad_batches / len(window)`` inside a short last window of an epoch, else 1."""
@@ -340,56 +319,100 @@ class MemoryPrecision(Precision):
             return accumulate / (int(total) - full)
         return 1.0  # a full window, or a batch past the epoch's count (a resume from an end-of-epoch checkpoint)
 
+    # ------------------------------------------------------------------ the four Lightning methods it extends
+    @override
+    def convert_module(self, module: Module) -> Module:
+        """Choose the precision on the training device and become Lightning's plugin for it; then convert."""
+        self._setup(module)
+        return super().convert_module(module)
+
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        """Rescale the loss of an epoch's short last accumulation window (``exact_accumulation``)."""
         factor = self._short_window_factor(module)
-        if factor != 1.0:
-            tensor = tensor * factor
-        return self._delegate.pre_backward(tensor, module)
-
-    @override
-    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        self._delegate.backward(tensor, model, optimizer, *args, **kwargs)
-
-    @override
-    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
-        return self._delegate.post_backward(tensor, module)
-
-    @override
-    def optimizer_step(
-        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        return self._delegate.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-
-    @override
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
-        self._delegate.clip_gradients(optimizer, clip_val=clip_val, **kwargs)
-
-    @override
-    def main_params(self, optimizer: Any) -> Any:
-        return self._delegate.main_params(optimizer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self._delegate.state_dict()
+        return super().pre_backward(tensor * factor if factor != 1.0 else tensor, module)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scaler; a bad or missing key warns and leaves it fresh (``load_delegate_state``)."""
-        if self.choice is None:  # restored before setup: applied once the delegate exists
+        """Restore the scaler, checked: a bad or missing key warns and leaves it fresh (before setup: at setup)."""
+        if self.choice is None:
             self._pending_state = (state_dict,)
-        else:
-            load_delegate_state(self._delegate, state_dict)
+            return
+        checked = checked_scaler_state(state_dict, has_scaler=self.scaler is not None)
+        if checked is not None:
+            super().load_state_dict(checked)
 
     @override
     def teardown(self) -> None:
+        """Lightning's teardown, then give back the float32 matmul precision (the last fit out restores it)."""
         try:
-            self._delegate.teardown()
+            super().teardown()
         finally:
             lease, self._matmul = self._matmul, None
             if lease is not None:
-                lease.release()  # the last fit out gives back the state from before the first
+                lease.release()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _unpickle, (type(self).__bases__[1:],), vars(self)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(mode={self.mode!r}, precision={self.precision!r})"
+        return f"MemoryPrecision(precision={self.requested_precision!r})"
+
+
+class MemoryPrecision(_MemoryPrecisionMixin, Precision, metaclass=abc.ABCMeta):
+    """Lightning's precision plugin for the precision that fits the GPU, chosen on the training device.
+
+    The precision is resolved in ``setup`` on the device the Trainer trains on; the plugin then becomes the plugin
+    Lightning's Trainer would build for it (``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision``,
+    ``TransformerEnginePrecision`` or ``Precision``, from the Trainer's namespace), so autocast, the GradScaler and
+    its checkpoint state are Lightning's own:
+
+    * ``"auto"``: ``bf16-mixed`` where the GPU has native bf16 (compute capability >= 8.0), else ``16-mixed`` with a
+      ``GradScaler``; ``32-true`` on CPU and other devices. One line (rank zero) says what was chosen.
+    * ``"16-mixed"``, ``"bf16-mixed"``: autocast; asking for bf16 on a GPU without native bf16 raises an error that
+      names the GPU and suggests fp16 (``torch.cuda.is_bf16_supported()`` would say True there: it counts emulation).
+    * ``"16-true"``, ``"bf16-true"``, ``"64-true"``: weights, inputs and tensors created in ``trainer.init_module()``
+      are half (double): this plugin is Lightning's from construction on, as ``init_module`` runs before setup.
+    * ``"32-true"``: plain fp32; ``"transformer-engine"`` (``-float16``): Lightning's Transformer Engine plugin
+      (needs ``transformer_engine``).
+    * Lightning's short names are accepted and mapped as the Trainer maps them: ``16`` / ``"16"`` is ``"16-mixed"``,
+      ``"bf16"`` is ``"bf16-mixed"``, ``32`` is ``"32-true"``, ``64`` is ``"64-true"``. One difference: on a CPU,
+      Lightning's Trainer replaces ``"16-mixed"`` by ``"bf16-mixed"``; this plugin runs the fp16 autocast asked for
+      (torch supports it on CPUs).
+
+    Until setup, ``precision`` (Lightning's attribute, what ``trainer.precision`` reads) is ``"32-true"`` except for
+    the true-dtype precisions; ``requested_precision`` keeps what was asked for and ``choice`` what was chosen and why.
+
+    ``float32_matmul_precision`` is set through ``torch.set_float32_matmul_precision`` at setup and given back exactly
+    at teardown (also after an exception; fits overlapping in one process share it: the first one's value holds until
+    the last ends); where TF32 was set through torch's per-backend API the plugin leaves it alone and warns. With
+    ``exact_accumulation=True`` the loss of an epoch's short last accumulation window is rescaled, so each optimizer
+    step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin replaces
+    ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies get a
+    ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
+
+    Args:
+        precision: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``,
+            ``"bf16"``...).
+        float32_matmul_precision: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (leave as is).
+        allow_emulated_bf16: use bf16 on a GPU without native bf16 instead of raising.
+        scaler: a ``torch.amp.GradScaler`` for the fp16 path (Lightning makes one when ``None``).
+        exact_accumulation: fix the short last accumulation window of an epoch (see above).
+        verbose: print the whole reason for the choice at setup, for every precision (``"auto"`` prints one short
+            line without it).
+
+    Device requirements: any; on CPU ``"auto"`` trains in fp32.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", plugins=[MemoryPrecision("auto")], logger=False)
+        >>> trainer.precision_plugin.requested_precision, trainer.precision
+        ('auto', '32-true')
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError(
+            f"`{cls.__name__}` cannot subclass `MemoryPrecision`: at setup the plugin becomes Lightning's plugin class"
+            " for the precision it chose, which would drop the subclass's methods. Add behaviour in a Callback, or"
+            " subclass Lightning's precision plugin and pass it to `Trainer(plugins=...)`."
+        )

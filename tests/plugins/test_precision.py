@@ -1,3 +1,5 @@
+import logging
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -5,6 +7,7 @@ import pytest
 import torch
 
 from lightning_memopt import MemoryPrecision
+from lightning_memopt.utilities.namespaces import is_instance
 from tests.helpers.lightning import lightning_module, pl
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
@@ -33,12 +36,38 @@ def _fit(tmp_path, plugin, **kw):
     return trainer, model, probe, [str(w.message) for w in caught]
 
 
-def test_auto_on_cpu_trains_fp32_and_says_why(tmp_path):
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("MemoryPrecision(")]
+
+
+def test_auto_on_cpu_trains_fp32_and_says_so_in_one_short_line(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     trainer, model, probe, messages = _fit(tmp_path, MemoryPrecision("auto"))
     assert trainer.precision == "32-true"
     assert probe.dtype == torch.float32 and model.layer.weight.dtype == torch.float32
-    said = [m for m in messages if m.startswith("MemoryPrecision(mode='auto') chose precision='32-true'")]
-    assert len(said) == 1 and "CUDA" in said[0]
+    assert _said(caplog) == [
+        "MemoryPrecision(precision='auto') chose '32-true' on cpu (autocast is chosen on CUDA GPUs only)."
+    ]
+    assert not [m for m in messages if "MemoryPrecision" in m]  # a choice is information, not a warning
+
+
+def test_verbose_says_the_whole_reason_within_100_columns(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    _fit(tmp_path, MemoryPrecision("auto", verbose=True))
+    (said,) = _said(caplog)
+    assert "trains in fp32. Set `MemoryPrecision(precision='bf16-mixed')`" in " ".join(said.split())
+    assert len(said.splitlines()) > 1 and max(len(line) for line in said.splitlines()) <= 100
+
+
+def test_an_explicit_precision_prints_nothing_unless_verbose(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    _fit(tmp_path, MemoryPrecision("bf16-mixed"))
+    assert _said(caplog) == []
+    _fit(tmp_path, MemoryPrecision("bf16-mixed", verbose=True))
+    assert [" ".join(said.split()) for said in _said(caplog)] == [
+        "MemoryPrecision(precision='bf16-mixed') chose 'bf16-mixed': `MemoryPrecision(precision="
+        "'bf16-mixed')` was asked for explicitly on cpu."
+    ]
 
 
 def test_bf16_mixed_on_cpu_autocasts_and_keeps_fp32_weights(tmp_path):
@@ -79,7 +108,7 @@ def test_auto_resolution_from_capability_without_a_gpu():
 
 def test_bf16_on_old_gpu_raises_naming_the_gpu():
     with pytest.raises(
-        ValueError, match=r"Tesla V100-SXM2-16GB \(compute capability 7.0\).*`MemoryPrecision\(mode='16-mixed'\)`"
+        ValueError, match=r"Tesla V100-SXM2-16GB \(compute capability 7.0\).*`MemoryPrecision\(precision='16-mixed'\)`"
     ):
         MemoryPrecision("bf16-mixed").resolve(
             torch.device("cuda"), capability=(7, 0), device_name="Tesla V100-SXM2-16GB"
@@ -108,8 +137,8 @@ def test_tf32_restored_when_training_fails(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"mode": "fp16"}, "`mode` must be one of 'auto', '32-true'.*got 'fp16'"),
-        ({"mode": True}, "`mode` must be one of 'auto', '32-true'.*got True"),
+        ({"precision": "fp16"}, "`precision` must be one of 'auto', '32-true'.*got 'fp16'"),
+        ({"precision": True}, "`precision` must be one of 'auto', '32-true'.*got True"),
         ({"float32_matmul_precision": "tf32"}, "`float32_matmul_precision` must be one of 'highest', 'high', 'medium'"),
         ({"float32_matmul_precision": True}, "`float32_matmul_precision` must be one of .*, got True"),
         ({"allow_emulated_bf16": "yes"}, r"`allow_emulated_bf16` must be a bool \(True or False\), got 'yes'\."),
@@ -117,6 +146,7 @@ def test_tf32_restored_when_training_fails(tmp_path):
         ({"exact_accumulation": "no"}, r"`exact_accumulation` must be a bool \(True or False\), got 'no'\."),
         ({"exact_accumulation": None}, r"`exact_accumulation` must be a bool \(True or False\), got None\."),
         ({"scaler": "dynamic"}, r"`scaler` must be a `torch.amp.GradScaler` or None, got 'dynamic'\."),
+        ({"verbose": "yes"}, r"`verbose` must be a bool \(True or False\), got 'yes'\."),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -160,9 +190,13 @@ def test_tf32_set_through_the_new_api_by_the_app_is_left_alone(tmp_path):
     torch.backends.cuda.matmul.fp32_precision = "tf32"  # the application uses torch's per-backend API
     try:
         seen = _backend_matmul()
-        with pytest.warns(UserWarning, match=r"left `float32_matmul_precision='medium'` unapplied: TF32 was already"):
+        with pytest.warns(
+            UserWarning, match=r"left `float32_matmul_precision='medium'` unapplied: TF32 was already"
+        ) as w:
             trainer = make_trainer(tmp_path, plugins=[MemoryPrecision("32-true", float32_matmul_precision="medium")])
             trainer.fit(TinyModel())
+        (warned,) = [m for m in w if "unapplied" in str(m.message)]
+        assert warned.filename.endswith(os.path.join("lightning_memopt", "plugins", "precision.py")), warned.filename
         assert _backend_matmul() == seen
         with pytest.raises(RuntimeError):
             torch.get_float32_matmul_precision()  # still the application's state: the two APIs disagree
@@ -272,31 +306,33 @@ def _setup_on_fake_gpu(plugin):
 
 
 @pytest.mark.parametrize("name", list(GPUS))
-def test_auto_on_mocked_gpus_uses_capability_not_is_bf16_supported(monkeypatch, name):
+def test_auto_on_mocked_gpus_uses_capability_not_is_bf16_supported(monkeypatch, name, caplog):
+    caplog.set_level(logging.INFO)
     capability = fake_cuda(monkeypatch, name)
     assert torch.cuda.is_bf16_supported()  # every card claims bf16 ...
     plugin = MemoryPrecision("auto")
-    messages = _setup_on_fake_gpu(plugin)
+    _setup_on_fake_gpu(plugin)
     native = capability >= (8, 0)  # ... but only compute capability >= 8.0 has it in hardware
     expected = "bf16-mixed" if native else "16-mixed"
     assert plugin.precision == expected and plugin.choice.precision == expected
+    assert is_instance(plugin, "plugins.precision.MixedPrecision")  # Lightning's own, in the first namespace here
+    assert plugin.device == "cuda"
     assert isinstance(plugin.scaler, torch.amp.GradScaler) is (not native)
-    said = [m for m in messages if m.startswith("MemoryPrecision(mode='auto') chose")]
-    assert len(said) == 1
-    assert f"precision={expected!r}" in said[0]
-    assert f"{name} (compute capability {capability[0]}.{capability[1]})" in said[0]
+    (said,) = _said(caplog)
+    assert said.startswith(f"MemoryPrecision(precision='auto') chose {expected!r} on {name} (") and len(said) <= 100
+    assert f"{name} (compute capability {capability[0]}.{capability[1]})" in plugin.choice.reason
 
 
-@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true"])
-def test_bf16_on_mocked_v100_raises_naming_the_gpu_and_suggesting_fp16(monkeypatch, mode):
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_on_mocked_v100_raises_naming_the_gpu_and_suggesting_fp16(monkeypatch, precision):
     fake_cuda(monkeypatch, "Tesla V100-SXM2-16GB")
-    fp16 = mode.replace("bf16", "16")
-    expected = rf"Tesla V100-SXM2-16GB \(compute capability 7.0\).*`MemoryPrecision\(mode='{fp16}'\)`"
+    fp16 = precision.replace("bf16", "16")
+    expected = rf"Tesla V100-SXM2-16GB \(compute capability 7.0\).*`MemoryPrecision\(precision='{fp16}'\)`"
     with pytest.raises(ValueError, match=expected):
-        _setup_on_fake_gpu(MemoryPrecision(mode))
-    plugin = MemoryPrecision(mode, allow_emulated_bf16=True)
+        _setup_on_fake_gpu(MemoryPrecision(precision))
+    plugin = MemoryPrecision(precision, allow_emulated_bf16=True)
     _setup_on_fake_gpu(plugin)
-    assert plugin.precision == mode  # the explicit opt-in is honoured
+    assert plugin.precision == precision  # the explicit opt-in is honoured
 
 
 def test_preset_precision_string_for_fsdp_on_mocked_gpus(monkeypatch):

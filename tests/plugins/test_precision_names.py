@@ -3,6 +3,7 @@ Lightning maps it (checked against Lightning's own conversion, not a table writt
 
 from __future__ import annotations
 
+import logging
 import typing
 import warnings
 
@@ -42,14 +43,14 @@ def test_every_value_the_trainer_takes_maps_as_lightning_maps_it(value):
         warnings.simplefilter("ignore")  # Lightning discourages 16 / "bf16" with a warning
         expected = _connector._convert_precision_to_unified_args(value)
     assert normalize_precision(value) == expected
-    assert MemoryPrecision(value).mode == expected
+    assert MemoryPrecision(value).requested_precision == expected
     assert MemoryPreset(precision=value).precision == expected
     assert expected in PRECISION_MODES
 
 
 @pytest.mark.parametrize("value", ["fp16", "16-bit", 8, True, "BF16", None, 16.0])
 def test_anything_else_is_refused_naming_the_argument_and_the_choices(value):
-    choices = r"`mode` must be one of 'auto', '32-true'.*'64-true'.*'bf16'.*, 16, 32, 64, got"
+    choices = r"`precision` must be one of 'auto', '32-true'.*'64-true'.*'bf16'.*, 16, 32, 64, got"
     with pytest.raises(ValueError, match=choices):
         MemoryPrecision(value)
     with pytest.raises(ValueError, match=r"`precision` must be one of .*Trainer\(precision=\.\.\.\)"):
@@ -95,23 +96,24 @@ def test_transformer_engine_without_the_package_gets_lightning_s_error(tmp_path)
     else:
         pytest.skip("transformer_engine is installed")
     plugin = MemoryPrecision("transformer-engine")
-    assert plugin.mode == "transformer-engine"
+    assert plugin.requested_precision == "transformer-engine"
     with pytest.raises(ModuleNotFoundError, match="transformer.engine"):
         plugin.resolve(torch.device("cpu"), namespace=NAMESPACE)
 
 
-def test_the_cpu_hint_names_where_the_precision_is_set(tmp_path):
+def test_the_cpu_hint_names_where_the_precision_is_set(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     for plugin, where in (
-        (MemoryPrecision("auto"), "`MemoryPrecision(mode='bf16-mixed')`"),
+        (MemoryPrecision("auto"), "`MemoryPrecision(precision='bf16-mixed')`"),
         (
             MemoryPreset("balanced").precision_plugin(),
             "`MemoryPreset(precision='bf16-mixed')` (`memory.precision: bf16-mixed` in a LightningCLI config)",
         ),
     ):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            make_trainer(tmp_path, plugins=[plugin], max_steps=1).fit(TinyModel())
-        text = " ".join(str(w.message) for w in caught if "chose precision" in str(w.message))
+        plugin.verbose = True
+        caplog.clear()
+        make_trainer(tmp_path, plugins=[plugin], max_steps=1).fit(TinyModel())
+        text = " ".join(" ".join(r.getMessage().split()) for r in caplog.records if "chose '32-true'" in r.getMessage())
         assert where in text and "not `Trainer(precision=...)`" in text, text
 
 
@@ -139,7 +141,7 @@ trainer:
         warnings.simplefilter("ignore")
         cli = memory_cli_class()(TinyModel, run=False, args=[f"--config={config}"], save_config_callback=None)
     give_back_allocator_settings(cli.trainer.callbacks)  # never fit, never torn down
-    assert cli.trainer.precision_plugin.mode == normalize_precision(value)
+    assert cli.trainer.precision_plugin.requested_precision == normalize_precision(value)
 
 
 @pytest.mark.parametrize(("value", "dtype"), [(64, torch.float64), ("bf16-true", torch.bfloat16), (32, torch.float32)])
