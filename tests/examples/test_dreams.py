@@ -199,7 +199,9 @@ def test_memory_preset_decides_precision_and_accumulation():
     kwargs, _, _ = resolve(preset="balanced", batch_size=32, train_precision="64")
     assert kwargs["precision"] == "64-true" and not any(isinstance(p, Precision) for p in kwargs["plugins"])
     kwargs, _, _ = resolve(preset="balanced", train_precision="bf16")
-    assert next(p for p in kwargs["plugins"] if type(p).__name__ == "MemoryPrecision").mode == "bf16-mixed"
+    assert (
+        next(p for p in kwargs["plugins"] if type(p).__name__ == "MemoryPrecision").requested_precision == "bf16-mixed"
+    )
     kwargs, batch, _ = resolve(preset="none", batch_size=16, effective_batch_size=64)
     assert (batch, kwargs["accumulate_grad_batches"], kwargs["precision"]) == (16, 4, "32-true")
     with pytest.raises(SystemExit, match="contradicts"):

@@ -244,7 +244,11 @@ def _trainer_arguments(cli) -> dict[str, Any]:
     """What the preset decided, as the Trainer got it."""
     return {
         "accumulate_grad_batches": cli.trainer.accumulate_grad_batches,
-        "precision_plugin": (type(cli.trainer.precision_plugin), cli.trainer.precision),
+        "precision_plugin": (
+            isinstance(cli.trainer.precision_plugin, MemoryPrecision),
+            type(cli.trainer.precision_plugin).__name__,
+            cli.trainer.precision,
+        ),
         "callbacks": [type(c).__name__ for c in cli.trainer.callbacks],
         "batch_size": (cli.datamodule.batch_size, cli.trainer.train_dataloader.batch_size),
         "gradient_clip_val": cli.trainer.gradient_clip_val,
@@ -271,7 +275,7 @@ def test_the_saved_config_trains_again_and_resumes_its_checkpoint(tmp_path, styl
     assert again.trainer.global_step == first.trainer.global_step == 2
     expected = _trainer_arguments(first)
     assert expected["accumulate_grad_batches"] == 4 and expected["batch_size"] == (4, 4)
-    assert expected["precision_plugin"] == (MemoryPrecision, "32-true")
+    assert expected["precision_plugin"] == (True, "MemoryPrecision", "32-true")
     assert len(set(expected["callbacks"])) == len(expected["callbacks"])  # each callback once
     assert _trainer_arguments(again) == expected
     _assert_same_weights(again.model.state_dict(), first.model.state_dict())
