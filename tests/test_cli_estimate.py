@@ -403,7 +403,7 @@ def test_the_memory_section_is_what_the_estimate_models_unless_a_flag_says_other
 
 def test_a_plan_fills_what_the_memory_section_leaves_open_and_prints_the_section_to_paste(tmp_path, capsys):
     config = _preset_config(
-        tmp_path, "{name: max-speed, effective_batch_size: 24, monitor: true, gc_every_n_steps: null}"
+        tmp_path, "{name: max-speed, effective_batch_size: 24, monitor: true, gc_every_n_train_steps: null}"
     )
     budget = str(estimate_memory(TinyModule(), _pair(6), device="cpu").peak_bytes)
     argv = ["--config", config, "--device", "cpu", "--device-memory", budget, "--margin", "0"]

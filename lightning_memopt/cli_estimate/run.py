@@ -88,7 +88,8 @@ _PLANNER_NAMES = {
     "`devices`": "--devices",
     "`num_nodes`": "--num-nodes",
     "`precision`": "--precision",
-    "`checkpointing`": "--checkpointing",
+    "`gradient_checkpointing`": "--checkpointing",
+    "`checkpoint_modules`": "--checkpointing",
     "`optimizer`": "--optimizer",
 }
 
@@ -96,7 +97,7 @@ _PLANNER_NAMES = {
 def _one_line(err: BaseException, budget_flag: str | None = None) -> str:
     """The planner's message on one line, its argument names replaced by the flags that set them."""
     text = squash(err)
-    for name, flag in {**_PLANNER_NAMES, "`budget_bytes`": budget_flag or "the budget"}.items():
+    for name, flag in {**_PLANNER_NAMES, "`budget`": budget_flag or "the budget"}.items():
         text = text.replace(name, flag)
     return text
 
@@ -196,7 +197,8 @@ def _run(args: argparse.Namespace) -> int:
                 precision="32-true" if precision == "auto" else precision,
                 optimizer=optimizer,
                 device=args.device,
-                checkpointing=checkpointing,
+                gradient_checkpointing=checkpointing is not None and checkpointing is not False,
+                checkpoint_modules=checkpointing if isinstance(checkpointing, (list, tuple)) else None,
                 accumulate_grad_batches=accumulate,
             ),
             model,
@@ -237,12 +239,13 @@ def _run(args: argparse.Namespace) -> int:
             model,
             batch_fn,
             effective_batch_size=effective,
-            budget_bytes=budget,
+            budget=budget,
             devices=devices,
             num_nodes=num_nodes,
             margin=args.margin,
             precision=precision,
-            checkpointing=checkpointing,
+            gradient_checkpointing=checkpointing if isinstance(checkpointing, (bool, str)) else True,
+            checkpoint_modules=checkpointing if isinstance(checkpointing, (list, tuple)) else None,
             optimizer=optimizer,
             device=args.device,
             progress=say,

@@ -1,4 +1,5 @@
 import dataclasses
+import importlib
 import os
 import time
 import typing
@@ -76,7 +77,7 @@ def test_overrides_and_turning_knobs_off():
         precision="16-mixed",
         gradient_checkpointing=False,
         allocator_conf="",
-        gc_every_n_steps=0,
+        gc_every_n_train_steps=0,
         monitor=False,
         cache_clean_on_phase_end=False,
         float32_matmul_precision="",
@@ -107,7 +108,7 @@ def test_effective_batch_smaller_than_micro_times_world():
     [
         ("precision", "fp16", "`precision` must be one of"),
         ("memory_fraction", 95, r"Did you mean 0.95"),
-        ("gc_every_n_steps", -1, "`gc_every_n_steps` must be a non-negative int"),
+        ("gc_every_n_train_steps", -1, "`gc_every_n_train_steps` must be a non-negative int"),
         ("allocator_conf", "expandable_segments", "`allocator_conf` entries must look like `key:value`"),
         ("gradient_clip_val", -1.0, "`gradient_clip_val` must be a finite, non-negative number or None, got -1.0"),
         ("gradient_clip_val", float("nan"), "`gradient_clip_val` must be a finite, non-negative .* got nan"),
@@ -124,7 +125,7 @@ def test_effective_batch_smaller_than_micro_times_world():
         ("monitor", "false", r"`monitor` must be a bool .* got 'false'"),
         ("allow_emulated_bf16", None, r"`allow_emulated_bf16` must be a bool .* got None"),
         ("tier", 16, r"`tier` must be a str or None, got 16 \(int\)"),
-        ("gc_every_n_steps", True, "`gc_every_n_steps` must be a non-negative int, got True"),
+        ("gc_every_n_train_steps", True, "`gc_every_n_train_steps` must be a non-negative int, got True"),
         ("precision", True, "`precision` must be one of .* got True"),
         ("auto_micro_batch", "yes", r"`auto_micro_batch` must be a bool .* got 'yes'. Use True to let AutoMicroBatch"),
         ("auto_micro_batch", None, r"`auto_micro_batch` must be a bool .* got None"),
@@ -550,7 +551,7 @@ def test_each_preset_turns_on_what_its_table_entry_says(name):
         for kind, on in (
             (MemoryMonitor, entry["monitor"]),
             (CacheCleaner, entry["cache_clean_on_phase_end"]),
-            (GarbageCollector, entry["gc_every_n_steps"] > 0),
+            (GarbageCollector, entry["gc_every_n_train_steps"] > 0),
             (GradientCheckpointing, entry["gradient_checkpointing"]),
             (AllocatorSettings, bool(entry["allocator_conf"])),
         )
@@ -566,33 +567,32 @@ def test_each_preset_turns_on_what_its_table_entry_says(name):
     assert not any(96 % a == 0 for a in range(entry["target_accumulation"], accumulation))
 
 
-def test_the_old_import_paths_still_work():
+def test_the_presets_live_in_one_place():
+    """No second path: ``lightning_memopt.plugins`` has the precision plugin only, ``plugins.presets`` is gone."""
     import lightning_memopt
     import lightning_memopt.plugins as plugins
-    from lightning_memopt.plugins import presets as old_presets
 
-    assert plugins.MemoryPreset is lightning_memopt.MemoryPreset is old_presets.MemoryPreset is MemoryPreset
-    assert plugins.MemoryPresetCLI is lightning_memopt.MemoryPresetCLI
-    assert old_presets.DEFAULT_BATCH_SIZE == DEFAULT_BATCH_SIZE and old_presets.device_count("cpu", [0, 1]) == 2
-    assert lightning_memopt.AllocatorSettings is AllocatorSettings
+    assert lightning_memopt.MemoryPreset is MemoryPreset and lightning_memopt.AllocatorSettings is AllocatorSettings
+    assert plugins.__all__ == ["MemoryPrecision"]
     with pytest.raises(AttributeError):
-        plugins.NotAPreset  # noqa: B018
+        plugins.MemoryPreset  # noqa: B018
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_memopt.plugins.presets")
 
 
 @pytest.mark.slow
-def test_the_plugins_do_not_import_the_presets(tmp_path):
-    """The package flows one way: importing the plugins (or the callbacks) leaves the presets above them unimported."""
+def test_planning_never_imports_the_presets(tmp_path):
+    """The planner sits below the presets: a plan is made without importing them (``from_plan`` builds the preset)."""
     from tests.helpers.subprocess_run import run_script
 
     code = """
 import sys
-import lightning_memopt.callbacks
-import lightning_memopt.plugins
-import lightning_memopt.plugins.presets
-print("PRESETS", "lightning_memopt.presets" in sys.modules)
-from lightning_memopt.plugins import MemoryPreset
-print("LATER", "lightning_memopt.presets" in sys.modules)
+import torch
+from lightning_memopt.planner import plan_memory
+plan = plan_memory(torch.nn.Linear(8, 8), lambda b: torch.randn(b, 8), effective_batch_size=4, budget="1GB",
+                   device="cpu")
+print("PRESETS", "lightning_memopt.presets" in sys.modules, plan.feasible)
 """
     proc = run_script(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "PRESETS False" in proc.stdout and "LATER True" in proc.stdout
+    assert "PRESETS False True" in proc.stdout
