@@ -112,7 +112,7 @@ def normalize_checkpoint_modules(value: Any) -> tuple[type[nn.Module] | str, ...
     for entry in entries:
         if not (isinstance(entry, str) and entry) and not (isinstance(entry, type) and issubclass(entry, nn.Module)):
             raise ValueError(
-                f"`checkpoint_modules` entries must be nn.Module classes, non-empty class names or name patterns, got"
+                f"`checkpoint_modules` entries must be non-empty class names, name patterns or nn.Module classes, got"
                 f" {entry!r} in {value!r}. Example: ['TransformerEncoderLayer', 'encoder.layers.*']."
             )
     return tuple(entries)

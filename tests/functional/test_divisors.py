@@ -8,7 +8,7 @@ import pytest
 
 from lightning_memopt.functional.divisors import INT64_MAX, divisors, is_prime, prime_factors
 from lightning_memopt.functional.presets import plan_accumulation
-from lightning_memopt.planner import search
+from lightning_memopt.planner import plan as planner_plan
 
 
 def _brute_force(n: int) -> list[int]:
@@ -67,7 +67,7 @@ def test_divisors_refuses_what_is_not_a_batch_size(bad):
 
 
 def test_the_planner_and_the_presets_use_it():
-    assert search.divisors is divisors
+    assert planner_plan.divisors is divisors
     started = time.perf_counter()
     plan = plan_accumulation(2 * (2**61 - 1), target_accumulation=3)  # per rank: 2 x a Mersenne prime
     assert time.perf_counter() - started < 1.0

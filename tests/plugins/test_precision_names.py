@@ -147,4 +147,3 @@ def test_true_dtype_modes_act_before_setup_as_lightning_s_do(value, dtype):
     """``trainer.init_module()`` runs before setup: the true-dtype plugins must already be in place."""
     with MemoryPrecision(value).tensor_init_context():
         assert torch.zeros(1).dtype == dtype
-

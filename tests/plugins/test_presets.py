@@ -1,5 +1,6 @@
 import dataclasses
 import importlib
+import itertools
 import os
 import time
 import typing
@@ -415,9 +416,17 @@ def test_auto_micro_batch_plan_gives_the_dataloader_the_whole_per_device_batch(m
     assert plain_kwargs["accumulate_grad_batches"] == 64 // plain.batch_size > 1
 
 
+def _row(text, knob):
+    """The row of ``knob`` in a preset's printout, its wrapped continuation lines joined."""
+    lines = text.splitlines()
+    start = next(i for i, row in enumerate(lines) if row.startswith(knob))
+    rest = [row.strip() for row in itertools.takewhile(lambda row: row.startswith(" "), lines[start + 1 :])]
+    return " ".join([lines[start], *rest])
+
+
 def test_auto_micro_batch_printout_explains_the_split():
     text = MemoryPreset(effective_batch_size=96, micro_batch_size=8, devices=3, auto_micro_batch=True).describe()
-    line = next(row for row in text.splitlines() if row.startswith("auto_micro_batch"))
+    line = _row(text, "auto_micro_batch")
     assert line.split()[1] == "True"
     assert line.endswith(
         "the DataLoader yields the whole per-device batch (32) and AutoMicroBatch splits it into micro-batches"
@@ -596,3 +605,28 @@ print("PRESETS", "lightning_memopt.presets" in sys.modules, plan.feasible)
     proc = run_script(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "PRESETS False True" in proc.stdout
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_print_preset_fits_100_columns(name):
+    """Every row of ``print(preset)`` fits 100 columns (long values and reasons wrap under their column)."""
+    blocks = ("TransformerEncoderLayer", "encoder.layers.*", "decoder.block.*.layer.*", torch.nn.Linear)
+    for preset in (
+        MemoryPreset.from_name(name),
+        MemoryPreset.from_name(name, effective_batch_size=2**40, devices=2**20, auto_micro_batch=True, tier="24GB+"),
+        MemoryPreset.from_name(name, checkpoint_modules=blocks, memory_fraction=0.123456789, gradient_clip_val=1e-9),
+    ):
+        lines = str(preset).splitlines()
+        assert max(map(len, lines)) <= 100, str(preset)
+        assert lines[0].startswith(f"MemoryPreset {name!r}")
+        text = " ".join(lines)
+        assert "gc_every_n_train_steps" in text and "gc_every_n_steps" not in text
+
+
+def test_gc_every_n_train_steps_is_the_field_and_the_old_name_is_gone():
+    preset = MemoryPreset("balanced", gc_every_n_train_steps=7)
+    (collector,) = [c for c in preset.callbacks() if isinstance(c, GarbageCollector)]
+    assert preset.gc_every_n_train_steps == 7 and 7 in vars(collector).values()  # its interval, whatever its name
+    assert "gc_every_n_steps" not in {f.name for f in dataclasses.fields(MemoryPreset)}
+    with pytest.raises(TypeError):
+        MemoryPreset("balanced", gc_every_n_steps=7)
