@@ -244,7 +244,7 @@ def _run(args: argparse.Namespace) -> int:
             num_nodes=num_nodes,
             margin=args.margin,
             precision=precision,
-            gradient_checkpointing=checkpointing if isinstance(checkpointing, (bool, str)) else True,
+            gradient_checkpointing="auto" if checkpointing == "auto" else checkpointing is not False,
             checkpoint_modules=checkpointing if isinstance(checkpointing, (list, tuple)) else None,
             optimizer=optimizer,
             device=args.device,

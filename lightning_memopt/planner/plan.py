@@ -175,7 +175,7 @@ def _micro_batches(per_device: int, manual: bool, report: Callable[[str], None])
     return sizes
 
 
-def _search(runs: Trials, sizes: list[int], gradient_checkpointing: bool | str) -> tuple[int | None, bool]:
+def _search(runs: Trials, sizes: list[int], gradient_checkpointing: bool | Literal["auto"]) -> tuple[int | None, bool]:
     """The chosen micro-batch (``None`` when nothing fits) and whether it is checkpointed.
 
     Checkpointing is chosen only where it at least doubles the micro-batch that fits without it; with ``"auto"`` a
@@ -274,7 +274,7 @@ def _check_plan_arguments(
         )
 
 
-def _checkpointing(gradient_checkpointing: Any, checkpoint_modules: Any) -> tuple[bool | str, Any]:
+def _checkpointing(gradient_checkpointing: Any, checkpoint_modules: Any) -> tuple[bool | Literal["auto"], Any]:
     """``gradient_checkpointing`` checked and ``checkpoint_modules`` as a tuple (or ``None``)."""
     if not (isinstance(gradient_checkpointing, bool) or gradient_checkpointing == "auto"):
         raise ValueError(

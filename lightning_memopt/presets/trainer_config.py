@@ -110,7 +110,7 @@ def preset_callbacks(preset: MemoryPreset) -> list[tuple[type, Any]]:
         modules = list(preset.checkpoint_modules) if preset.checkpoint_modules else None
         out.append((GradientCheckpointing, lambda: GradientCheckpointing(modules=modules)))
     if preset.auto_micro_batch:
-        out.append((AutoMicroBatch, lambda: AutoMicroBatch(micro_batch_size=preset.auto_micro_batch_start)))
+        out.append((AutoMicroBatch, lambda: AutoMicroBatch(micro_batch_size=preset.micro_batch_size or "auto")))
     if preset.allocator_conf or preset.memory_fraction is not None:
         conf, fraction = preset.allocator_conf or None, preset.memory_fraction
         out.append((AllocatorSettings, lambda: AllocatorSettings(conf, fraction)))
