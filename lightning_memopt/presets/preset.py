@@ -542,7 +542,7 @@ def _table(title: str, rows: list[tuple[str, Any, str]], width: int = WIDTH) -> 
     """``title`` over three columns (knob, value, why), the last wrapped so that no line is wider than ``width``; a
     value wider than its column gets a line of its own, the reason below it."""
     knob = max(len(k) for k, _, _ in rows)
-    value = min(max(len(str(v)) for _, v, _ in rows), 20)
+    value = min(max(len(str(v)) for _, v, _ in rows), 10)
     indent = " " * (knob + value + 4)
     lines = [title, "-" * len(title)]
     for k, v, why in rows:
