@@ -28,7 +28,7 @@ class MemoryEstimateError(RuntimeError):
 
     Raised by :func:`~lightning_memopt.estimate_memory` (and :func:`~lightning_memopt.plan_memory`) when the step
     cannot run on fake tensors (the cause is a :class:`~lightning_memopt.functional.planning.FakeStepError`), the
-    optimizer cannot be built, the training step returns no loss, or ``checkpointing`` matches no submodule.
+    optimizer cannot be built, the training step returns no loss, or the checkpointing matches no submodule.
 
     Example:
         >>> try:

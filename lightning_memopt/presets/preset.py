@@ -39,7 +39,7 @@ from lightning_memopt.utilities.checks import (
 if TYPE_CHECKING:
     from lightning_memopt.planner import MemoryPlan
 
-__all__ = ["DEFAULT_BATCH_SIZE", "KNOBS", "MemoryPreset", "PresetName"]
+__all__ = ["DEFAULT_BATCH_SIZE", "KNOBS", "PLANNED", "MemoryPreset", "PresetName"]
 
 #: The DataLoader batch per device when a preset has neither ``effective_batch_size`` nor ``micro_batch_size``.
 DEFAULT_BATCH_SIZE = 32
@@ -69,7 +69,7 @@ PLANNED = (
     "checkpoint_modules",
 )
 #: The widest line of :meth:`MemoryPreset.describe`.
-WIDTH = 100
+_WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -538,7 +538,7 @@ def _auto_micro_batch_reason(preset: MemoryPreset) -> str:
     )
 
 
-def _table(title: str, rows: list[tuple[str, Any, str]], width: int = WIDTH) -> str:
+def _table(title: str, rows: list[tuple[str, Any, str]], width: int = _WIDTH) -> str:
     """``title`` over three columns (knob, value, why), the last wrapped so that no line is wider than ``width``; a
     value wider than its column gets a line of its own, the reason below it."""
     knob = max(len(k) for k, _, _ in rows)
