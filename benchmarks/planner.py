@@ -132,7 +132,7 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     batch: Callable[[int], Any]
     batches: tuple[int, ...]
-    checkpointing: Any  # the value given to estimate_memory(checkpointing=...)
+    checkpointing: Any  # True (the default blocks) or the blocks: see checkpointing_kwargs
     rss: tuple[tuple[int, str, bool], ...] = ()  # (batch, precision, checkpointing) run again for the RSS check
 
 
@@ -309,6 +309,12 @@ def _loss(module: nn.Module, batch: Any, index: int) -> torch.Tensor:
         return module.training_step(batch, index)
     out = module(**batch) if isinstance(batch, dict) else module(*batch)
     return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def checkpointing_kwargs(checkpointing: Any) -> dict[str, Any]:
+    """``estimate_memory``'s checkpointing arguments for a spec's ``checkpointing`` (``None``: off)."""
+    blocks = checkpointing if isinstance(checkpointing, (list, tuple)) else None
+    return {"gradient_checkpointing": checkpointing is not None, "checkpoint_modules": blocks}
 
 
 def _enable_checkpointing(module: nn.Module, checkpointing: Any) -> None:
@@ -556,7 +562,7 @@ def accuracy_cases(specs: list[ModelSpec], quick: bool) -> list[dict]:
                 kwargs = {
                     "device": "cpu",
                     "precision": precision,
-                    "checkpointing": spec.checkpointing if ckpt else None,
+                    **checkpointing_kwargs(spec.checkpointing if ckpt else None),
                 }
                 predicted = estimate_memory(module, batch, **kwargs)
                 measured = estimate_memory(module, batch, fake=False, **kwargs)
@@ -755,7 +761,7 @@ def rss_cases(
                 spec.batch(case["batch"]),
                 device="cpu",
                 precision=case["precision"],
-                checkpointing=spec.checkpointing if case["checkpointing"] else None,
+                **checkpointing_kwargs(spec.checkpointing if case["checkpointing"] else None),
             ).peak_bytes
         else:
             predicted = counted["predicted_bytes"]

@@ -46,7 +46,15 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _machine import machine_info  # noqa: E402  (benchmarks/_machine.py)
-from planner import PRECISIONS, _enable_checkpointing, model_specs, plain_steps, spec_by_name, transformers_status  # noqa: E402
+from planner import (  # noqa: E402
+    PRECISIONS,
+    _enable_checkpointing,
+    checkpointing_kwargs,
+    model_specs,
+    plain_steps,
+    spec_by_name,
+    transformers_status,
+)
 
 from lightning_memopt.planner import estimate_memory  # noqa: E402
 from tests.helpers.measured_step import cuda_fit_peak, empty_cuda_allocator  # noqa: E402
@@ -108,7 +116,7 @@ def estimate_case(model: str, batch: int, precision: str, checkpointing: bool, g
         spec.batch(batch),
         device="cuda",
         precision=precision,
-        checkpointing=spec.checkpointing if checkpointing else None,
+        **checkpointing_kwargs(spec.checkpointing if checkpointing else None),
         gpu=gpu,
     )
 

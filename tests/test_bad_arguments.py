@@ -117,7 +117,7 @@ ROWS = [
         says("cache_clean_on_phase_end", "no"),
         case="preset-cache-str",
     ),
-    row(MemoryPreset, {"gc_every_n_steps": True}, says("gc_every_n_steps", True), case="preset-gc-bool"),
+    row(MemoryPreset, {"gc_every_n_train_steps": True}, says("gc_every_n_train_steps", True), case="preset-gc-bool"),
     row(MemoryPreset, {"monitor": 1}, says("monitor", 1), case="preset-monitor-int"),
     row(MemoryPreset, {"allow_emulated_bf16": "no"}, says("allow_emulated_bf16", "no"), case="preset-emulated-str"),
     row(MemoryPreset, {"tier": 8}, says("tier", 8), case="preset-tier-int"),

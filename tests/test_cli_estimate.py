@@ -217,9 +217,7 @@ def test_a_plan_from_shape_specs_matches_plan_memory_and_reports_progress_on_std
         "--device",
         "cpu",
     )
-    plan = plan_memory(
-        TinyModule(width=64), _tiny_batch_fn(64), effective_batch_size=64, budget_bytes="200KB", device="cpu"
-    )
+    plan = plan_memory(TinyModule(width=64), _tiny_batch_fn(64), effective_batch_size=64, budget="200KB", device="cpu")
     assert code == 0, err
     assert plan.feasible and 1 < plan.micro_batch_size < 64  # the search had something to do
     assert str(plan) in out
@@ -258,13 +256,13 @@ def test_a_budget_too_small_exits_1_with_the_advice(capsys):
         TinyModule(width=64),
         _tiny_batch_fn(64),
         effective_batch_size=8,
-        budget_bytes="60KB",
+        budget="60KB",
         device="cpu",
-        checkpointing=False,
+        gradient_checkpointing=False,
     )
     assert not plan.feasible and "Needs sharding" in plan.advice
     assert code == 1, err
-    assert f"Nothing fits: {plan.advice}" in out
+    assert f"Nothing fits: {plan.advice}" in " ".join(out.split())  # wrapped at 100 columns
     assert "The smallest setting tried (micro-batch 1, activation checkpointing off) does not fit" in out
     assert plan.estimate.table() in out
     assert len(_progress_lines(err)) == len(plan.trials) == 2  # the whole batch, then micro-batch 1
@@ -332,7 +330,7 @@ def test_the_dreams_example_from_its_lightningcli_config(tmp_path, capsys, monke
     def batch_fn(b):
         return next(iter(DataLoader(loader.dataset, batch_size=b, collate_fn=loader.collate_fn, shuffle=False)))
 
-    plan = plan_memory(module, batch_fn, effective_batch_size=64, budget_bytes=budget[1])
+    plan = plan_memory(module, batch_fn, effective_batch_size=64, budget=budget[1])
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == "Model: examples.dreams.module.SpectraFineTuner (222,484 parameters, 222,484 trainable)"
@@ -393,7 +391,9 @@ def test_the_memory_section_is_what_the_estimate_models_unless_a_flag_says_other
     checkpointed = _preset_config(tmp_path, "{name: max-savings, micro_batch_size: 128, checkpoint_modules: ['net.*']}")
     code, out, err = _run(capsys, "--config", checkpointed, "--device", "cpu")
     assert code == 0, err
-    with_blocks = estimate_memory(TinyModule(), _pair(128), device="cpu", checkpointing=["net.*"])
+    with_blocks = estimate_memory(
+        TinyModule(), _pair(128), device="cpu", gradient_checkpointing=True, checkpoint_modules=["net.*"]
+    )
     without = estimate_memory(TinyModule(), _pair(128), device="cpu")
     assert with_blocks.table() != without.table()
     assert with_blocks.table() in out
@@ -403,13 +403,13 @@ def test_the_memory_section_is_what_the_estimate_models_unless_a_flag_says_other
 
 def test_a_plan_fills_what_the_memory_section_leaves_open_and_prints_the_section_to_paste(tmp_path, capsys):
     config = _preset_config(
-        tmp_path, "{name: max-speed, effective_batch_size: 24, monitor: true, gc_every_n_steps: null}"
+        tmp_path, "{name: max-speed, effective_batch_size: 24, monitor: true, gc_every_n_train_steps: null}"
     )
     budget = str(estimate_memory(TinyModule(), _pair(6), device="cpu").peak_bytes)
     argv = ["--config", config, "--device", "cpu", "--device-memory", budget, "--margin", "0"]
     code, out, err = _run(capsys, *argv)
     assert code == 0, err
-    plan = plan_memory(TinyModule(), _pair, effective_batch_size=24, budget_bytes=budget, margin=0, device="cpu")
+    plan = plan_memory(TinyModule(), _pair, effective_batch_size=24, budget=budget, margin=0, device="cpu")
     assert plan.feasible and plan.micro_batch_size < 24  # the budget makes the plan choose
     assert "Effective batch: 24 (memory.effective_batch_size" in out and str(plan) in out
     snippet = yaml.safe_load(out.split("to paste into the config:\n", 1)[1])
@@ -432,7 +432,7 @@ def test_a_plan_fills_what_the_memory_section_leaves_open_and_prints_the_section
         TinyModule(),
         _pair,
         effective_batch_size=24,
-        budget_bytes=budget,
+        budget=budget,
         margin=0,
         device="cpu",
         precision="bf16-mixed",

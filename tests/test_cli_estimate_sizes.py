@@ -190,7 +190,7 @@ def test_estimate_memory_takes_a_meta_model_and_a_meta_batch_to_the_byte():
 
 def test_plan_memory_on_meta_batches_equals_the_plan_on_real_ones():
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
-    kwargs = {"effective_batch_size": 48, "budget_bytes": "400KB", "device": "cpu", "checkpointing": False}
+    kwargs = {"effective_batch_size": 48, "budget": "400KB", "device": "cpu", "gradient_checkpointing": False}
     real = plan_memory(model, lambda b: torch.randn(b, 8, 64), **kwargs)
     meta = plan_memory(model, lambda b: torch.empty(b, 8, 64, device="meta"), **kwargs)
     assert real.feasible and 1 < real.micro_batch_size < 48
@@ -240,9 +240,7 @@ def test_plan_memory_refuses_an_effective_batch_over_int64_by_name():
 def test_plan_memory_without_progress_logs_a_line_per_estimate(caplog):
     model = nn.Linear(64, 64)
     with caplog.at_level("INFO", logger="lightning_memopt.planner.plan"):
-        plan = plan_memory(
-            model, lambda b: torch.randn(b, 64), effective_batch_size=12, budget_bytes="1GB", device="cpu"
-        )
+        plan = plan_memory(model, lambda b: torch.randn(b, 64), effective_batch_size=12, budget="1GB", device="cpu")
     lines = [r.getMessage() for r in caplog.records if r.name == "lightning_memopt.planner.plan"]
     assert lines[0] == (
         "per-device batch 12: 6 micro-batches to choose from (1, 2, 3, 4, 6, 12); at most 5 estimates per"

@@ -139,11 +139,11 @@ CASES = {
     "encoder": (encoder, lambda: torch.randn(4, 16, 32), {}),
     "encoder-bf16-mixed": (encoder, lambda: torch.randn(4, 16, 32), {"precision": "bf16-mixed"}),
     "encoder-16-mixed": (functools.partial(encoder, 0.0), lambda: torch.randn(4, 16, 32), {"precision": "16-mixed"}),
-    "encoder-checkpointing": (encoder, lambda: torch.randn(4, 16, 32), {"checkpointing": True}),
+    "encoder-checkpointing": (encoder, lambda: torch.randn(4, 16, 32), {"gradient_checkpointing": True}),
     "encoder-bf16-checkpointing": (
         encoder,
         lambda: torch.randn(4, 16, 32),
-        {"checkpointing": [nn.TransformerEncoderLayer], "precision": "bf16-mixed"},
+        {"gradient_checkpointing": True, "checkpoint_modules": [nn.TransformerEncoderLayer], "precision": "bf16-mixed"},
     ),
     "lightning-module": (Lit, lambda: (torch.randn(4, 16, 32), torch.randn(4, 16)), {}),
 }
@@ -171,7 +171,7 @@ def test_the_fake_estimate_equals_a_real_cpu_step_to_the_byte(case):
 def test_checkpointing_lowers_the_activations_and_the_peak_moves_to_backward():
     x = torch.randn(8, 64, 32)
     plain = estimate_memory(encoder(), x, device="cpu")
-    checkpointed = estimate_memory(encoder(), x, device="cpu", checkpointing=True)
+    checkpointed = estimate_memory(encoder(), x, device="cpu", gradient_checkpointing=True)
     assert checkpointed.peak_bytes < plain.peak_bytes
     assert checkpointed.phase_peaks["forward"] < plain.phase_peaks["forward"] / 2
 
@@ -180,7 +180,7 @@ def test_the_user_s_module_is_not_wrapped_or_cast():
     from lightning_memopt.callbacks.gradient_checkpointing import is_checkpointed
 
     model = encoder()
-    estimate_memory(model, torch.randn(2, 8, 32), device="cpu", checkpointing=True, precision="bf16-true")
+    estimate_memory(model, torch.randn(2, 8, 32), device="cpu", gradient_checkpointing=True, precision="bf16-true")
     assert not any(is_checkpointed(m) for m in model.modules())
     assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
 
@@ -256,7 +256,10 @@ def test_configure_optimizers_that_needs_a_trainer_asks_for_optimizer():
         ({"device": "gpu"}, r"`device`"),
         ({"optimizer": "adamw"}, r"`optimizer` must be a callable"),
         ({"steps": 0}, r"`steps`"),
-        ({"checkpointing": ["no_such_block"]}, r"`checkpointing`=\['no_such_block'\] matched no submodule"),
+        (
+            {"gradient_checkpointing": True, "checkpoint_modules": ["no_such_block"]},
+            r"`checkpoint_modules`=\('no_such_block',\) matched no submodule",
+        ),
     ],
 )
 def test_estimate_bad_arguments(kwargs, match):
@@ -283,7 +286,8 @@ def batch_of(size):
     ],
 )
 def test_the_micro_batch_search_tries_the_largest_then_the_smallest_then_halves(limit, expected, tried):
-    from lightning_memopt.planner.search import divisors, largest_fitting
+    from lightning_memopt.functional.divisors import divisors
+    from lightning_memopt.planner.search import largest_fitting
 
     calls = []
 
@@ -310,10 +314,10 @@ def test_the_plan_keeps_the_effective_batch_with_the_largest_micro_batch_that_fi
         model,
         batch_of,
         effective_batch_size=48,
-        budget_bytes=budget,
+        budget=budget,
         margin=0.0,
         device="cpu",
-        checkpointing=False,
+        gradient_checkpointing=False,
         precision="32-true",
         progress=lines.append,
     )
@@ -322,30 +326,31 @@ def test_the_plan_keeps_the_effective_batch_with_the_largest_micro_batch_that_fi
     assert len(lines) == 1 + len(plan.trials) and all(line.startswith("micro-batch") for line in lines[1:])
     tried = {t.micro_batch_size: t.fits for t in plan.trials}
     assert tried[48] is False and tried[6] is True and tried[8] is False and all(48 % size == 0 for size in tried)
-    assert plan.trainer_kwargs()["accumulate_grad_batches"] == 8
-    assert plan.preset.batch_size == 6 and plan.preset.precision == "32-true"
+    preset = MemoryPreset.from_plan(plan)
+    assert preset.trainer_kwargs()["accumulate_grad_batches"] == 8
+    assert preset.batch_size == 6 and preset.precision == "32-true"
     assert "micro-batch 6 x accumulate 8 = 48" in str(plan)
 
 
 def test_the_plan_splits_the_effective_batch_over_devices_and_counts_ddp_buckets():
     model = encoder()
     single = plan_memory(
-        model, batch_of, effective_batch_size=16, budget_bytes=10**9, device="cpu", margin=0.0, checkpointing=False
+        model, batch_of, effective_batch_size=16, budget=10**9, device="cpu", margin=0.0, gradient_checkpointing=False
     )
     ddp = plan_memory(
         model,
         batch_of,
         effective_batch_size=16,
-        budget_bytes=10**9,
+        budget=10**9,
         device="cpu",
         margin=0.0,
-        checkpointing=False,
+        gradient_checkpointing=False,
         devices=2,
     )
     assert (single.micro_batch_size, ddp.micro_batch_size) == (16, 8)
     assert ddp.trials[0].needed_bytes == ddp.estimate.peak_bytes + ddp.estimate.gradient_bytes
     with pytest.raises(ValueError, match=r"`effective_batch_size`=15 must divide by devices x num_nodes = 2"):
-        plan_memory(model, batch_of, effective_batch_size=15, budget_bytes=10**9, devices=2)
+        plan_memory(model, batch_of, effective_batch_size=15, budget=10**9, devices=2)
 
 
 @pytest.mark.slow
@@ -357,26 +362,26 @@ def test_checkpointing_is_chosen_only_where_it_at_least_doubles_the_micro_batch(
     }
     ckpt = {
         b: estimate_memory(
-            model, batch_of(b), device="cpu", checkpointing=True, accumulate_grad_batches=16 // b
+            model, batch_of(b), device="cpu", gradient_checkpointing=True, accumulate_grad_batches=16 // b
         ).peak_bytes
         for b in (2, 4, 8)
     }
     assert plain[4] < ckpt[8] < plain[8] and ckpt[2] < plain[2] < ckpt[4]
 
     def plan(budget):
-        return plan_memory(model, batch_of, effective_batch_size=16, budget_bytes=budget, margin=0.0, device="cpu")
+        return plan_memory(model, batch_of, effective_batch_size=16, budget=budget, margin=0.0, device="cpu")
 
     doubled = plan(ckpt[8])  # 4 without checkpointing, 8 with it
     assert (doubled.micro_batch_size, doubled.gradient_checkpointing) == (8, True)
-    assert doubled.preset.gradient_checkpointing is True
+    assert MemoryPreset.from_plan(doubled).gradient_checkpointing is True
     same = plan(plain[2])  # 2 either way: no checkpointing
     assert (same.micro_batch_size, same.gradient_checkpointing) == (2, False)
     # only micro-batches from twice the plain one were worth trying with checkpointing, and none fit
-    tried = [(t.micro_batch_size, t.fits) for t in same.trials if t.checkpointing]
+    tried = [(t.micro_batch_size, t.fits) for t in same.trials if t.gradient_checkpointing]
     assert tried and all(size >= 4 and not ok for size, ok in tried)
     roomy = plan(plain[16])
     assert (roomy.micro_batch_size, roomy.gradient_checkpointing) == (16, False)
-    assert all(not t.checkpointing for t in roomy.trials)  # the whole batch fit: checkpointing never tried
+    assert all(not t.gradient_checkpointing for t in roomy.trials)  # the whole batch fit: checkpointing never tried
 
 
 @pytest.mark.parametrize("blocks", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["mlp", "encoder"])
@@ -390,8 +395,8 @@ def test_a_budget_too_small_for_micro_batch_1_gets_the_smallest_option_instead_o
             nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)),
             (lambda b: torch.randn(b, 1024)),
         )
-    one = estimate_memory(model, batch_fn(1), precision="bf16-mixed", checkpointing=blocks or None)
-    plan = plan_memory(model, batch_fn, effective_batch_size=8, budget_bytes=CUDA_CONTEXT_BYTES + one.peak_bytes // 2)
+    one = estimate_memory(model, batch_fn(1), precision="bf16-mixed", gradient_checkpointing=blocks)
+    plan = plan_memory(model, batch_fn, effective_batch_size=8, budget=CUDA_CONTEXT_BYTES + one.peak_bytes // 2)
     assert not plan.feasible and plan.micro_batch_size is None
     how = " and activation checkpointing" if blocks else ""
     assert f"even micro-batch 1 with bf16-mixed{how} needs {format_bytes(one.peak_bytes)};" in plan.advice
@@ -400,8 +405,8 @@ def test_a_budget_too_small_for_micro_batch_1_gets_the_smallest_option_instead_o
     shards = math.ceil(states / (usable - rest))
     assert shards >= 2 and f"Needs sharding: {shards} GPUs with FSDP" in plan.advice
     with pytest.raises(ValueError, match="No setting fits"):
-        plan.trainer_kwargs()
-    assert "Nothing fits" in str(plan)
+        MemoryPreset.from_plan(plan)
+    assert "Nothing fits" in str(plan) and max(len(line) for line in str(plan).splitlines()) <= 100
 
 
 @pytest.mark.parametrize(
@@ -420,13 +425,13 @@ def test_budgets_by_gpu_name_or_size(budget, expected):
 
 @pytest.mark.parametrize("budget", ["A200", "forty GB", -1, True, "0GB", "infGB", "nan", float("inf"), float("nan")])
 def test_bad_budgets_name_the_argument_and_the_known_gpus(budget):
-    with pytest.raises(ValueError, match=r"`budget_bytes`"):
+    with pytest.raises(ValueError, match=r"`budget`"):
         parse_budget(budget)
 
 
 def test_bf16_is_planned_only_where_the_gpu_computes_it():
     def plan(gpu):
-        return plan_memory(mlp(), lambda b: torch.randn(b, 64), effective_batch_size=8, budget_bytes=gpu)
+        return plan_memory(mlp(), lambda b: torch.randn(b, 64), effective_batch_size=8, budget=gpu)
 
     assert plan("A100-40GB").precision == "bf16-mixed" and plan("H100-80GB").precision == "bf16-mixed"
     assert plan("V100-32GB").precision == plan("T4").precision == "16-mixed"
@@ -436,7 +441,12 @@ def test_bf16_is_planned_only_where_the_gpu_computes_it():
 def test_memory_preset_for_device_plans_when_given_a_module_and_a_batch():
     model = encoder()
     need = estimate_memory(
-        model, batch_of(4), device="cuda", precision="bf16-mixed", checkpointing=True, accumulate_grad_batches=4
+        model,
+        batch_of(4),
+        device="cuda",
+        precision="bf16-mixed",
+        gradient_checkpointing=True,
+        accumulate_grad_batches=4,
     ).peak_bytes
     gib = (CUDA_CONTEXT_BYTES + need / 0.9 + 1) / 1024**3
     preset = MemoryPreset.for_device(gib, module=model, batch_fn=batch_of, effective_batch_size=16, monitor=False)
@@ -444,6 +454,99 @@ def test_memory_preset_for_device_plans_when_given_a_module_and_a_batch():
     assert preset.precision == "bf16-mixed" and preset.gradient_checkpointing is True and preset.monitor is False
     with pytest.raises(ValueError, match=r"needs all of `module`, `batch_fn`.*effective_batch_size=None"):
         MemoryPreset.for_device(40, module=model, batch_fn=batch_of)
+
+
+def _tiny_plan(**kw):
+    kw = {"effective_batch_size": 8, "budget": "4GB", "device": "cpu", **kw}
+    return plan_memory(mlp(), lambda b: torch.randn(b, 64), **kw)
+
+
+def test_a_plan_is_numbers_and_from_plan_builds_the_preset_once():
+    """``plan_memory`` returns numbers (no preset, no Trainer arguments); ``MemoryPreset.from_plan`` builds the
+    preset from them, its budget's tier unless the overrides name another preset."""
+    plan = _tiny_plan(devices=2)
+    assert not hasattr(plan, "preset") and not hasattr(plan, "trainer_kwargs")
+    assert (plan.micro_batch_size, plan.accumulate_grad_batches, plan.preset_name) == (4, 1, "max-savings")
+    assert plan.checkpoint_modules is None and plan.gradient_checkpointing is False
+    preset = MemoryPreset.from_plan(plan, monitor=False)
+    assert (preset.name, preset.tier, preset.effective_batch_size, preset.micro_batch_size) == (
+        "max-savings",
+        "4GB",
+        8,
+        4,
+    )
+    assert (preset.devices, preset.precision, preset.monitor, preset.gradient_checkpointing) == (
+        2,
+        "32-true",
+        False,
+        False,
+    )
+    assert MemoryPreset.from_plan(plan, name="max-speed", tier=None).name == "max-speed"
+    with pytest.raises(ValueError, match=r"`micro_batch_size` is decided by the plan \(micro_batch_size=4\)"):
+        MemoryPreset.from_plan(plan, micro_batch_size=2)
+
+
+def test_for_device_plans_once_and_builds_one_preset(monkeypatch):
+    """``effective_batch_size`` goes to ``plan_memory`` once and the preset is built once, from the plan."""
+    import lightning_memopt.planner as planner
+
+    plans, built = [], []
+    real_plan, real_post_init = planner.plan_memory, MemoryPreset.__post_init__
+
+    def counting_plan(*args, **kwargs):
+        plans.append(kwargs)
+        return real_plan(*args, **{**kwargs, "device": "cpu"})
+
+    def counting_post_init(self):
+        built.append(self.effective_batch_size)
+        real_post_init(self)
+
+    monkeypatch.setattr(planner, "plan_memory", counting_plan)
+    monkeypatch.setattr(MemoryPreset, "__post_init__", counting_post_init)
+    preset = MemoryPreset.for_device(
+        4, module=mlp(), batch_fn=lambda b: torch.randn(b, 64), effective_batch_size=8, gradient_checkpointing=False
+    )
+    assert len(plans) == 1 and plans[0]["effective_batch_size"] == 8 and plans[0]["budget"] == 4 * 1024**3
+    assert plans[0]["gradient_checkpointing"] is False and built == [8]
+    assert (preset.tier, preset.batch_size, preset.gradient_checkpointing) == ("4.00 GiB", 8, False)
+
+
+def test_plan_memory_takes_gradient_checkpointing_and_checkpoint_modules():
+    """``checkpointing=`` is split: ``gradient_checkpointing`` (bool or "auto") and ``checkpoint_modules``."""
+    model = encoder(layers=1)
+    plan = plan_memory(
+        model,
+        batch_of,
+        effective_batch_size=4,
+        budget="1GB",
+        device="cpu",
+        gradient_checkpointing=True,
+        checkpoint_modules=[nn.TransformerEncoderLayer],
+    )
+    assert plan.gradient_checkpointing is True and plan.checkpoint_modules == (nn.TransformerEncoderLayer,)
+    assert all(t.gradient_checkpointing for t in plan.trials)
+    preset = MemoryPreset.from_plan(plan)
+    assert preset.checkpoint_modules == (nn.TransformerEncoderLayer,)
+    with pytest.raises(ValueError, match=r"`checkpoint_modules`=\('layers\.\*',\) with `gradient_checkpointing=False`"):
+        _tiny_plan(gradient_checkpointing=False, checkpoint_modules=["layers.*"])
+    with pytest.raises(ValueError, match=r"`gradient_checkpointing` must be True, False or 'auto'"):
+        _tiny_plan(gradient_checkpointing="on")
+    with pytest.raises(TypeError, match="checkpointing"):
+        _tiny_plan(checkpointing=False)
+    with pytest.raises(TypeError, match="budget_bytes"):
+        _tiny_plan(budget_bytes="1GB")
+    with pytest.raises(TypeError, match="checkpointing"):
+        estimate_memory(mlp(), torch.randn(2, 64), device="cpu", checkpointing=True)
+    with pytest.raises(ValueError, match=r"with `gradient_checkpointing=False`: nothing would be checkpointed"):
+        estimate_memory(mlp(), torch.randn(2, 64), device="cpu", checkpoint_modules=["0"])
+
+
+def test_the_plan_report_fits_100_columns():
+    long = plan_memory(
+        mlp(), lambda b: torch.empty(b, 64, device="meta"), effective_batch_size=2**34, budget="A100-40GB", devices=512
+    )
+    for plan in (_tiny_plan(), long):
+        assert max(len(line) for line in str(plan).splitlines()) <= 100, str(plan)
 
 
 class Switched(nn.Module):
@@ -464,9 +567,13 @@ class Switched(nn.Module):
 def test_named_blocks_are_checkpointed_even_where_the_model_has_its_own_switch():
     x = torch.randn(2, 16, 32)
     with pytest.raises(MemoryEstimateError, match=r"matched no submodule of Switched"):
-        estimate_memory(Switched(), x, device="cpu", checkpointing=["nothing.*"])
-    named = estimate_memory(Switched(), x, device="cpu", checkpointing=["blocks.layers.*"])
-    switch = estimate_memory(Switched(), x, device="cpu", checkpointing=True)  # the switch: nothing wrapped here
+        estimate_memory(Switched(), x, device="cpu", gradient_checkpointing=True, checkpoint_modules=["nothing.*"])
+    named = estimate_memory(
+        Switched(), x, device="cpu", gradient_checkpointing=True, checkpoint_modules=["blocks.layers.*"]
+    )
+    switch = estimate_memory(
+        Switched(), x, device="cpu", gradient_checkpointing=True
+    )  # the switch: nothing wrapped here
     assert named.phase_peaks["forward"] < switch.phase_peaks["forward"]
 
 
@@ -510,7 +617,9 @@ def test_a_cuda_bf16_estimate_keeps_layer_norm_outputs_in_float32_also_when_chec
     # checkpointed, the block's forward runs again inside backward: with the same float32 norm (else torch's
     # checkpoint finds the recomputed tensors' dtypes changed)
     blocks = nn.Sequential(nn.Sequential(nn.Linear(512, 512), nn.LayerNorm(512)), nn.Linear(512, 512))
-    checkpointed = estimate_memory(blocks, batch, device="cuda", checkpointing=["0"], **kw)
+    checkpointed = estimate_memory(
+        blocks, batch, device="cuda", gradient_checkpointing=True, checkpoint_modules=["0"], **kw
+    )
     assert checkpointed.activation_bytes < cuda.activation_bytes
     assert any("the CPU's op lists" in a for a in cpu.assumptions)
 
@@ -570,10 +679,10 @@ def test_the_plan_never_recommends_a_micro_batch_whose_accumulated_step_exceeds_
         model,
         lambda b: torch.randn(b, 32, 256),
         effective_batch_size=effective,
-        budget_bytes=budget,
+        budget=budget,
         margin=0.0,
         device="cpu",
-        checkpointing=False,
+        gradient_checkpointing=False,
         optimizer=SGD,
         loss_fn=squared,
     )
@@ -658,11 +767,9 @@ def test_manual_optimization_is_estimated_within_bytes_of_a_real_trainer_fit(mod
 def test_a_plan_for_manual_optimization_does_not_accumulate():
     module = ZOO["manual"].build()
     need = estimate_memory(module, ZOO["manual"].batch(8), device="cpu").peak_bytes
-    fits = plan_memory(module, ZOO["manual"].batch, effective_batch_size=8, budget_bytes=need, margin=0, device="cpu")
+    fits = plan_memory(module, ZOO["manual"].batch, effective_batch_size=8, budget=need, margin=0, device="cpu")
     assert (fits.micro_batch_size, fits.accumulate_grad_batches) == (8, 1)
-    short = plan_memory(
-        module, ZOO["manual"].batch, effective_batch_size=8, budget_bytes=need - 1, margin=0, device="cpu"
-    )
+    short = plan_memory(module, ZOO["manual"].batch, effective_batch_size=8, budget=need - 1, margin=0, device="cpu")
     assert not short.feasible and [t.micro_batch_size for t in short.trials] == [8]
     assert "manual optimization cannot accumulate" in short.advice
 
@@ -705,7 +812,7 @@ def test_a_plan_for_a_named_gpu_counts_its_workspace(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
 
     def plan(budget, **kw):
-        return plan_memory(mlp(), lambda b: torch.randn(b, 64), effective_batch_size=8, budget_bytes=budget, **kw)
+        return plan_memory(mlp(), lambda b: torch.randn(b, 64), effective_batch_size=8, budget=budget, **kw)
 
     assert plan("H100-80GB").estimate.at_peak["workspace"] == 2 * HOPPER
     assert plan("A100-80GB").estimate.at_peak["workspace"] == 2 * DEFAULT

@@ -31,10 +31,7 @@ LAYERS = {
 }
 
 #: Upward imports that are allowed, with the reason. (importer, imported)
-ALLOWED_UPWARD = {
-    # The documented ``lightning_memopt.plugins.MemoryPreset`` / ``MemoryPresetCLI`` paths, resolved on first use.
-    ("lightning_memopt.plugins", "lightning_memopt.presets"),
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

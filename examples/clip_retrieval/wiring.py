@@ -45,7 +45,7 @@ def memory_trainer_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {
         "monitor": False,
         "cache_clean_on_phase_end": False,
-        "gc_every_n_steps": 0,
+        "gc_every_n_train_steps": 0,
         "checkpoint_modules": CHECKPOINT_MODULES,
     }
     if precision is not None:

@@ -115,7 +115,7 @@ def package_trainer(devices: int, **trainer_kwargs: Any) -> tuple[pl.Trainer, in
         micro_batch_size=1,
         devices=devices,
         precision=16,
-        gc_every_n_steps=25,
+        gc_every_n_train_steps=25,
     )
     trainer = pl.Trainer(
         strategy=DDPStrategy(find_unused_parameters=True),

@@ -21,7 +21,7 @@ __all__ = ["memory_callbacks", "preset_trainer_kwargs"]
 
 
 def _precision_mode(train_precision: str | int | None) -> str | None:
-    from lightning_memopt.functional.presets import normalize_precision
+    from lightning_memopt.functional.precision import normalize_precision
 
     if train_precision is None:
         return None
@@ -65,37 +65,19 @@ def preset_trainer_kwargs(
         (the micro-batch, or the whole per-device batch with ``auto_micro_batch``), and the preset's name.
     """
     from lightning_memopt import MemoryPreset
-    from lightning_memopt.functional.presets import plan_accumulation
 
     precision = _precision_mode(train_precision)
     config = dict(trainer_config or {})
-    if effective_batch_size is None:  # DreaMS-style flags: the micro-batch per device and the accumulation
-        batch_size = batch_size or DEFAULT_BATCH_SIZE
-        effective_batch_size = batch_size * num_devices * (accumulate_grad_batches or 1)
-    elif accumulate_grad_batches is not None:  # checked against the preset's split
-        config["accumulate_grad_batches"] = accumulate_grad_batches
-    if batch_size is None and accumulate_grad_batches is not None:  # the micro-batch that gives that accumulation
-        try:
-            plan = plan_accumulation(
-                effective_batch_size, None, num_devices, target_accumulation=accumulate_grad_batches
-            )
-        except ValueError as err:
-            raise SystemExit(f"error: {err}") from err
-        batch_size = plan.micro_batch_size
+    effective_batch_size, batch_size = _batch_split(
+        effective_batch_size, batch_size, num_devices, accumulate_grad_batches, config
+    )
     overrides: dict[str, Any] = {
         "effective_batch_size": effective_batch_size,
         "micro_batch_size": batch_size,
         "devices": num_devices,
         "auto_micro_batch": auto_micro_batch,
+        **_knobs(preset, precision, gradient_checkpointing, monitoring),
     }
-    if gradient_checkpointing:
-        overrides["gradient_checkpointing"] = True
-    if not monitoring or preset == "none":
-        overrides.update(monitor=False, cache_clean_on_phase_end=False, gc_every_n_steps=0)
-    if preset == "none":
-        overrides.update(gradient_checkpointing=gradient_checkpointing, allocator_conf="", float32_matmul_precision="")
-    elif precision is not None and precision != "64-true":
-        overrides["precision"] = precision
     on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
     try:  # a split of the effective batch that does not divide: the message names valid sizes
         if preset == "auto" and on_gpu:
@@ -112,6 +94,47 @@ def preset_trainer_kwargs(
     name = "none" if preset == "none" else memory_preset.name
     name += f" (tier {memory_preset.tier})" if memory_preset.tier else ""
     return kwargs, memory_preset.batch_size, name
+
+
+def _batch_split(
+    effective_batch_size: int | None,
+    batch_size: int | None,
+    num_devices: int,
+    accumulate_grad_batches: int | None,
+    config: dict[str, Any],
+) -> tuple[int, int | None]:
+    """The effective batch and the micro-batch from either flag style; an explicit accumulation with an effective
+    batch goes into ``config``, where the preset checks it against its split."""
+    from lightning_memopt.functional.presets import plan_accumulation
+
+    if effective_batch_size is None:  # DreaMS-style flags: the micro-batch per device and the accumulation
+        batch_size = batch_size or DEFAULT_BATCH_SIZE
+        effective_batch_size = batch_size * num_devices * (accumulate_grad_batches or 1)
+    elif accumulate_grad_batches is not None:  # checked against the preset's split
+        config["accumulate_grad_batches"] = accumulate_grad_batches
+    if batch_size is None and accumulate_grad_batches is not None:  # the micro-batch that gives that accumulation
+        try:
+            plan = plan_accumulation(
+                effective_batch_size, None, num_devices, target_accumulation=accumulate_grad_batches
+            )
+        except ValueError as err:
+            raise SystemExit(f"error: {err}") from err
+        batch_size = plan.micro_batch_size
+    return effective_batch_size, batch_size
+
+
+def _knobs(preset: str, precision: str | None, gradient_checkpointing: bool, monitoring: bool) -> dict[str, Any]:
+    """The preset fields the flags set: checkpointing, the monitoring callbacks, precision; all off for ``none``."""
+    knobs: dict[str, Any] = {}
+    if gradient_checkpointing:
+        knobs["gradient_checkpointing"] = True
+    if not monitoring or preset == "none":
+        knobs.update(monitor=False, cache_clean_on_phase_end=False, gc_every_n_train_steps=0)
+    if preset == "none":
+        knobs.update(gradient_checkpointing=gradient_checkpointing, allocator_conf="", float32_matmul_precision="")
+    elif precision is not None and precision != "64-true":
+        knobs["precision"] = precision
+    return knobs
 
 
 def memory_callbacks(args: argparse.Namespace) -> list[Callback]:

@@ -71,16 +71,16 @@ def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:
     """
     import yaml
 
-    preset, yours = plan.preset, dict(section or {})
+    yours = dict(section or {})
     memory: dict[str, Any] = {
-        "name": yours.get("name", preset.name),
+        "name": yours.get("name", plan.preset_name),
         "effective_batch_size": plan.effective_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "precision": plan.precision,
         "gradient_checkpointing": bool(plan.gradient_checkpointing),
     }
-    if plan.gradient_checkpointing and preset.checkpoint_modules:
-        memory["checkpoint_modules"] = [m if isinstance(m, str) else m.__name__ for m in preset.checkpoint_modules]
+    if plan.gradient_checkpointing and plan.checkpoint_modules:
+        memory["checkpoint_modules"] = [m if isinstance(m, str) else m.__name__ for m in plan.checkpoint_modules]
     # null is the preset's value, as if not written (a config LightningCLI saved lists every field)
     memory.update({k: v for k, v in yours.items() if k not in memory and k not in _WORLD and v is not None})
     text = yaml.safe_dump({MEMORY_SECTION: memory}, sort_keys=False, default_flow_style=None)

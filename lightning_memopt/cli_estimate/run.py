@@ -89,7 +89,8 @@ _PLANNER_NAMES = {
     "`devices`": "--devices",
     "`num_nodes`": "--num-nodes",
     "`precision`": "--precision",
-    "`checkpointing`": "--checkpointing",
+    "`gradient_checkpointing`": "--checkpointing",
+    "`checkpoint_modules`": "--checkpointing",
     "`optimizer`": "--optimizer",
 }
 
@@ -97,7 +98,7 @@ _PLANNER_NAMES = {
 def _one_line(err: BaseException, budget_flag: str | None = None) -> str:
     """The planner's message on one line, its argument names replaced by the flags that set them."""
     text = squash(err)
-    for name, flag in {**_PLANNER_NAMES, "`budget_bytes`": budget_flag or "the budget"}.items():
+    for name, flag in {**_PLANNER_NAMES, "`budget`": budget_flag or "the budget"}.items():
         text = text.replace(name, flag)
     return text
 
@@ -264,7 +265,8 @@ class _Run:
                 precision="32-true" if settings.precision == "auto" else settings.precision,
                 optimizer=self.optimizer,
                 device=self.args.device,
-                checkpointing=settings.checkpointing,
+                gradient_checkpointing=settings.checkpointing is not None and settings.checkpointing is not False,
+                checkpoint_modules=_modules(settings.checkpointing),
                 accumulate_grad_batches=settings.accumulate,
             ),
             self.model,
@@ -278,6 +280,7 @@ class _Run:
         from lightning_memopt.planner import plan_memory
 
         settings, args = self.settings, self.args
+        checkpointing = settings.checkpointing
         effective = self._effective_batch(batch_size)
         say(
             f"planning {type(self.model).__name__} for {settings.budget}, effective batch {effective}:"
@@ -289,12 +292,13 @@ class _Run:
                 self.model,
                 self.batch_fn,
                 effective_batch_size=effective,
-                budget_bytes=settings.budget,
+                budget=settings.budget,
                 devices=settings.devices,
                 num_nodes=settings.num_nodes,
                 margin=args.margin,
                 precision=settings.precision,
-                checkpointing=settings.checkpointing,
+                gradient_checkpointing="auto" if checkpointing == "auto" else checkpointing is not False,
+                checkpoint_modules=_modules(checkpointing),
                 optimizer=self.optimizer,
                 device=args.device,
                 progress=say,
@@ -352,6 +356,11 @@ class _Run:
             lines += ["", f"# the plan as MemoryPresetCLI's {MEMORY_SECTION}: section, to paste into the config:"]
             lines.append(memory_snippet(self.settings.memory, plan))
         return lines
+
+
+def _modules(checkpointing: Any) -> Any:
+    """The block classes or names of a ``--checkpointing`` setting (``None`` for auto, on or off)."""
+    return checkpointing if isinstance(checkpointing, (list, tuple)) else None
 
 
 def _divisible(effective: int, world: int) -> int:

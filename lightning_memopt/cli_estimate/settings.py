@@ -129,7 +129,7 @@ def budget_setting(args: argparse.Namespace) -> tuple[str | None, str | None]:
     try:
         total = parse_budget(budget)[0]
     except (ValueError, OverflowError) as err:  # parse_budget("inf") overflows, "nan" fails in int()
-        text = squash(err).replace("`budget_bytes`=", "")
+        text = squash(err).replace("`budget`=", "")
         if "neither a size" not in text and "must be positive" not in text:
             text = f"{budget!r} is neither a size (e.g. 40GB, 24GiB, 8e9) nor a known GPU."
         raise EstimateInputError(f"{flag}: {text}") from None

@@ -1,42 +1,27 @@
-"""Pure preset arithmetic: accumulation, preset tables and GPU-size tiers (the precision decision is re-exported
-from :mod:`lightning_memopt.functional.precision`).
+"""Pure preset arithmetic: the preset table, GPU-size tiers, the checkpointed blocks and the accumulation split.
 
-Nothing here touches a device or a Trainer: every decision takes plain values (device type, compute capability,
-total memory) so that it can be tested on a machine without a GPU.
+Nothing here touches a device or a Trainer: every decision takes plain values (total memory, batch sizes) so that it
+can be tested on a machine without a GPU. The precision decision lives in :mod:`lightning_memopt.functional.precision`.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from lightning_memopt.functional.divisors import INT64_MAX, divisors
-from lightning_memopt.functional.precision import (
-    PRECISION_ALIASES,
-    PRECISION_MODES,
-    PrecisionChoice,
-    PrecisionInput,
-    PrecisionMode,
-    choose_precision,
-    has_native_bf16,
-    normalize_precision,
-)
 from lightning_memopt.utilities.checks import check_positive_int, check_positive_number
 
 __all__ = [
-    "PRECISION_ALIASES",
-    "PRECISION_MODES",
     "PRESETS",
     "PRESET_NAMES",
     "TIERS",
     "AccumulationPlan",
-    "PrecisionChoice",
-    "PrecisionInput",
-    "PrecisionMode",
-    "choose_precision",
-    "has_native_bf16",
-    "normalize_precision",
+    "normalize_checkpoint_modules",
     "plan_accumulation",
     "plan_auto_micro_batch",
     "tier_for_memory",
@@ -51,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "allocator_conf": "expandable_segments:True",
         "target_accumulation": 4,
         "cache_clean_on_phase_end": True,
-        "gc_every_n_steps": 50,
+        "gc_every_n_train_steps": 50,
         "monitor": True,
     },
     "balanced": {
@@ -61,7 +46,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "allocator_conf": "expandable_segments:True",
         "target_accumulation": 2,
         "cache_clean_on_phase_end": True,
-        "gc_every_n_steps": 0,
+        "gc_every_n_train_steps": 0,
         "monitor": True,
     },
     "max-speed": {
@@ -71,7 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "allocator_conf": "",
         "target_accumulation": 1,
         "cache_clean_on_phase_end": False,
-        "gc_every_n_steps": 0,
+        "gc_every_n_train_steps": 0,
         "monitor": False,
     },
 }
@@ -102,6 +87,35 @@ def tier_for_memory(total_memory_gib: float) -> tuple[str, str]:
         if total_memory_gib <= bound:
             return label, name
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def normalize_checkpoint_modules(value: Any) -> tuple[type[nn.Module] | str, ...] | None:
+    """``checkpoint_modules`` as a tuple: one entry or a list/tuple of module classes, class names or name patterns.
+
+    Example:
+        >>> normalize_checkpoint_modules("T5Block"), normalize_checkpoint_modules([nn.Linear, "encoder.*"])
+        (('T5Block',), (<class 'torch.nn.modules.linear.Linear'>, 'encoder.*'))
+        >>> normalize_checkpoint_modules([])
+        Traceback (most recent call last):
+        ...
+        ValueError: `checkpoint_modules` must be a non-empty list of module classes, class names or name patterns, ...
+    """
+    if value is None:
+        return None
+    entries = (value,) if isinstance(value, (str, type)) else value
+    if not isinstance(entries, Sequence) or isinstance(entries, str) or not entries:
+        raise ValueError(
+            f"`checkpoint_modules` must be a non-empty list of module classes, class names or name patterns, or None,"
+            f" got {value!r} ({type(value).__name__}). Example: ['TransformerEncoderLayer', 'encoder.layers.*'];"
+            " None checkpoints the default blocks."
+        )
+    for entry in entries:
+        if not (isinstance(entry, str) and entry) and not (isinstance(entry, type) and issubclass(entry, nn.Module)):
+            raise ValueError(
+                f"`checkpoint_modules` entries must be non-empty class names, name patterns or nn.Module classes, got"
+                f" {entry!r} in {value!r}. Example: ['TransformerEncoderLayer', 'encoder.layers.*']."
+            )
+    return tuple(entries)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ for a CUDA target it models what CUDA does differently and says so in :attr:`Mem
 is Trainer-free and lives in :mod:`lightning_memopt.functional.planning`; ``model_step.py`` says how the user's model
 is trained there (its loss, optimizers, checkpointing). :func:`plan_memory` (``plan.py``) searches the micro-batch,
 accumulation, precision and checkpointing that fit a budget (``budget.py``: bytes, a size or a GPU's name; a GPU's
-compute capability sets its cuBLAS workspace).
+compute capability sets its cuBLAS workspace) and returns numbers, a :class:`MemoryPlan`:
+``MemoryPreset.from_plan(plan)`` (in :mod:`lightning_memopt.presets`, the layer above) builds the preset. Nothing here
+imports the presets. :class:`MemoryEstimateError` is raised when a step cannot be estimated.
 """
 
 from lightning_memopt.planner.budget import (

@@ -80,17 +80,17 @@ def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | Non
     if budget is None:
         if not torch.cuda.is_available():
             raise ValueError(
-                "`budget_bytes` is None and there is no CUDA device to read it from. Pass the device's memory, e.g."
-                f" `budget_bytes='40GB'`, or a GPU name: {', '.join(GPU_MEMORY)}."
+                "`budget` is None and there is no CUDA device to read it from. Pass the device's memory, e.g."
+                f" `budget='40GB'`, or a GPU name: {', '.join(GPU_MEMORY)}."
             )
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         return int(props.total_memory), props.name, props.major >= 8
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise ValueError(f"`budget_bytes` must be bytes, a size such as '40GB' or a GPU name, got {budget!r}.")
+        raise ValueError(f"`budget` must be bytes, a size such as '40GB' or a GPU name, got {budget!r}.")
     if isinstance(budget, (int, float)):
         if not math.isfinite(budget) or budget <= 0:
-            raise ValueError(f"`budget_bytes` must be positive, got {budget!r}.")
+            raise ValueError(f"`budget` must be positive, got {budget!r}.")
         return int(budget), format_bytes(int(budget)), None
     names = {name.upper(): name for name in GPU_MEMORY}
     key = budget.strip().upper().replace(" ", "")
@@ -105,7 +105,7 @@ def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | Non
         value = -1.0
     if unit not in _UNITS or not math.isfinite(value) or value <= 0:
         raise ValueError(
-            f"`budget_bytes`={budget!r} is neither a size (e.g. '40GB', '24GiB', 8e9) nor a known GPU."
+            f"`budget`={budget!r} is neither a size (e.g. '40GB', '24GiB', 8e9) nor a known GPU."
             f" Known GPUs: {', '.join(GPU_MEMORY)}."
         )
     return int(value * _UNITS[unit]), budget.strip(), None

@@ -192,7 +192,8 @@ def estimate_memory(
     precision: str = "32-true",
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     device: str = "cuda",
-    checkpointing: bool | Sequence[type[nn.Module] | str] | Any | None = None,
+    gradient_checkpointing: bool = False,
+    checkpoint_modules: Sequence[type[nn.Module] | str] | None = None,
     loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
     fake: bool = True,
     steps: int = 2,
@@ -228,9 +229,11 @@ def estimate_memory(
         optimizer: ``optimizer(params) -> Optimizer``, e.g. ``functools.partial(torch.optim.SGD, lr=0.1,
             momentum=0.9)``; default: the LightningModule's ``configure_optimizers``, else ``AdamW``.
         device: ``"cuda"`` (modelled) or ``"cpu"``.
-        checkpointing: ``True`` checkpoints as :class:`~lightning_memopt.GradientCheckpointing` does by default
-            (the model's own switch, else PyTorch transformer layers); a list of block classes or name patterns, or a
-            ``GradientCheckpointing``, chooses the blocks; ``None``/``False``: the model as it is.
+        gradient_checkpointing: ``True`` checkpoints as :class:`~lightning_memopt.GradientCheckpointing` does (the
+            model's own switch, else PyTorch transformer layers, or the ``checkpoint_modules``); ``False``: the model
+            as it is (a model that checkpoints itself stays checkpointed).
+        checkpoint_modules: the blocks to checkpoint: module classes, class names or name patterns (wrapped even
+            where the model has a switch); ``None``: the default blocks. Needs ``gradient_checkpointing=True``.
         loss_fn: ``loss_fn(model, batch) -> loss`` instead of the training step; for a plain module the default is
             the output's ``.loss``, a scalar output itself, or the sum of the output.
         fake: ``False`` runs a real step on the CPU instead (the fallback for a step that cannot run on fake tensors;
@@ -250,8 +253,8 @@ def estimate_memory(
         ValueError: an argument is not one the function takes (the message names it), or
             ``accumulate_grad_batches`` > 1 with manual optimization.
         MemoryEstimateError: the step cannot run on fake tensors (the message names the operator and the
-            fallback), the optimizer cannot be built, the training step returns no loss, or ``checkpointing``
-            matches no submodule.
+            fallback), the optimizer cannot be built, the training step returns no loss, or the checkpointing matches
+            no submodule.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
@@ -267,31 +270,8 @@ def estimate_memory(
     cuda = device == "cuda"
     workspace_bytes, workspace_text = cublas_workspace(gpu)  # checks `gpu` before the run
     schedulers: list[Any] = []
-    kind, _, mode = precision.partition("-")  # "bf16-mixed": autocast; "bf16-true": weights and inputs cast
-    dtype = _DTYPES.get(kind)
-    checkpoint = checkpointing_prepare(checkpointing)
-
-    def prepare(model: nn.Module) -> None:
-        model.train()
-        if checkpoint is not None:
-            checkpoint(model)
-
-    def cast_batch(b: Any) -> Any:
-        if mode == "true" and dtype is not None:
-            return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, b)
-        return b
-
-    def step_context() -> contextlib.AbstractContextManager:
-        if mode == "mixed" and dtype is not None:
-            return torch.autocast("cpu", dtype=dtype)
-        return contextlib.nullcontext()
-
-    foreach_set: list[bool] = []
-
-    def prepare_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
-        if cuda:
-            foreach_set.append(use_foreach(optimizers))
-
+    hooks = _StepHooks(precision, cuda, checkpointing_prepare(gradient_checkpointing, checkpoint_modules))
+    mode, dtype = hooks.mode, hooks.dtype
     corrections = fake_kernel_outputs("cuda" if cuda else "cpu")
     capability = gpu_compute_capability(gpu)[0] if gpu is not None else DEFAULT_COMPUTE_CAPABILITY
     attending: contextlib.AbstractContextManager[dict[str, int]] = (
@@ -320,10 +300,10 @@ def estimate_memory(
                 block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
                 scratch=kernel_scratch,
                 outputs=corrections,
-                prepare=prepare,
-                step_context=step_context,
-                prepare_optimizers=prepare_optimizers,
-                batch_fn=cast_batch,
+                prepare=hooks.prepare,
+                step_context=hooks.step_context,
+                prepare_optimizers=hooks.prepare_optimizers,
+                batch_fn=hooks.cast_batch,
                 dtype=dtype if mode == "true" else None,
                 accumulate_grad_batches=accumulate_grad_batches,
                 manual=manual_optimization(schedulers) if manual else None,
@@ -347,7 +327,7 @@ def estimate_memory(
         assumptions=assumptions(
             cuda=cuda,
             fake=fake,
-            foreach=any(foreach_set),
+            foreach=any(hooks.foreach_set),
             mode=mode,
             dtype=dtype,
             workspace=workspace_text,
@@ -359,6 +339,37 @@ def estimate_memory(
         seconds=seconds,
         steps=steps,
     )
+
+
+class _StepHooks:
+    """How each simulated step is prepared for ``precision`` on the target: the model's mode and checkpointing, the
+    batch's dtype, autocast around the step and (for CUDA) the ``foreach`` optimizers."""
+
+    def __init__(self, precision: str, cuda: bool, checkpoint: Callable[[nn.Module], None] | None) -> None:
+        kind, _, self.mode = precision.partition("-")  # "bf16-mixed": autocast; "bf16-true": weights and inputs cast
+        self.dtype = _DTYPES.get(kind)
+        self.cuda, self.checkpoint = cuda, checkpoint
+        self.foreach_set: list[bool] = []
+
+    def prepare(self, model: nn.Module) -> None:
+        model.train()
+        if self.checkpoint is not None:
+            self.checkpoint(model)
+
+    def cast_batch(self, batch: Any) -> Any:
+        if self.mode != "true" or self.dtype is None:
+            return batch
+        dtype = self.dtype
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, batch)
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        if self.mode == "mixed" and self.dtype is not None:
+            return torch.autocast("cpu", dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    def prepare_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if self.cuda:
+            self.foreach_set.append(use_foreach(optimizers))
 
 
 class _DropRecords(logging.Filter):

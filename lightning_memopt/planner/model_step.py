@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+
+from lightning_memopt.utilities.checks import check_bool
 
 __all__ = [
     "MemoryEstimateError",
@@ -25,7 +28,7 @@ class MemoryEstimateError(RuntimeError):
 
     Raised by :func:`~lightning_memopt.estimate_memory` (and :func:`~lightning_memopt.plan_memory`) when the step
     cannot run on fake tensors (the cause is a :class:`~lightning_memopt.functional.planning.FakeStepError`), the
-    optimizer cannot be built, the training step returns no loss, or ``checkpointing`` matches no submodule.
+    optimizer cannot be built, the training step returns no loss, or the checkpointing matches no submodule.
 
     Example:
         >>> try:
@@ -163,40 +166,47 @@ def make_optimizers(
 
 
 def checkpointing_prepare(
-    checkpointing: bool | Sequence[type[nn.Module] | str] | Any | None,
+    gradient_checkpointing: bool, checkpoint_modules: Sequence[type[nn.Module] | str] | None = None
 ) -> Callable[[nn.Module], None] | None:
-    """``prepare(model)`` that turns activation checkpointing on as ``checkpointing`` asks; ``None`` for none.
+    """``prepare(model)`` that turns activation checkpointing on as asked; ``None`` when it is off.
 
-    ``True``: as :class:`~lightning_memopt.GradientCheckpointing` does by default (the model's own switch, else
-    PyTorch transformer layers); block classes or name patterns: those blocks (wrapped even where the model has a
-    switch); a ``GradientCheckpointing``: its settings. ``prepare`` raises :class:`MemoryEstimateError` when nothing
-    is checkpointed.
+    Without ``checkpoint_modules`` as :class:`~lightning_memopt.GradientCheckpointing` does by default (the model's
+    own switch, else PyTorch transformer layers); with block classes or name patterns, those blocks (wrapped even
+    where the model has a switch). ``prepare`` raises :class:`MemoryEstimateError` when nothing is checkpointed.
+
+    Example:
+        >>> checkpointing_prepare(False) is None
+        True
+        >>> checkpointing_prepare(True, ["missing.*"])(nn.Sequential(nn.Linear(2, 2)))
+        Traceback (most recent call last):
+        ...
+        lightning_memopt.planner.model_step.MemoryEstimateError: `checkpoint_modules`=('missing.*',) matched no ...
     """
-    if checkpointing is None or checkpointing is False:
-        return None
-    from lightning_memopt.callbacks.gradient_checkpointing import GradientCheckpointing  # an accepted argument
     from lightning_memopt.functional.checkpointing import wrap_checkpointing
+    from lightning_memopt.functional.presets import normalize_checkpoint_modules
 
-    if checkpointing is True:
-        callback = GradientCheckpointing()
-    elif isinstance(checkpointing, GradientCheckpointing):
-        callback = GradientCheckpointing(checkpointing.modules, checkpointing.use_model_switch)
-    else:
-        callback = GradientCheckpointing(modules=checkpointing, use_model_switch=False)  # the blocks asked for
-
-    modules, use_model_switch = callback.modules, callback.use_model_switch  # checked by the callback's constructor
+    check_bool("gradient_checkpointing", gradient_checkpointing, hint="Name the blocks with `checkpoint_modules`.")
+    modules = normalize_checkpoint_modules(checkpoint_modules)
+    if not gradient_checkpointing:
+        if modules is not None:
+            raise ValueError(
+                f"`checkpoint_modules`={modules!r} with `gradient_checkpointing=False`: nothing would be"
+                " checkpointed. Pass `gradient_checkpointing=True` to checkpoint those blocks, or drop"
+                " `checkpoint_modules`."
+            )
+        return None
 
     def prepare(model: nn.Module) -> None:
         # as the callback does at setup, `use_cache` off included (a cache filled in a checkpointed block breaks its
         # recomputation); the twin is thrown away after the estimate, so nothing is given back
-        handle = wrap_checkpointing(model, modules, use_model_switch)
-        if handle.used_switch:
+        handle = wrap_checkpointing(model, modules)
+        if handle.used_switch or handle.wrapped_names or handle.already_wrapped_names:
             return
-        if not handle.wrapped_names and not handle.already_wrapped_names:
-            raise MemoryEstimateError(
-                f"`checkpointing`={checkpointing!r} matched no submodule of {type(model).__name__}. Pass the block"
-                " classes or name patterns to checkpoint, e.g. `checkpointing=[nn.TransformerEncoderLayer]`."
-            )
+        what = f"`checkpoint_modules`={modules!r}" if modules else "`gradient_checkpointing=True` (the default blocks)"
+        raise MemoryEstimateError(
+            f"{what} matched no submodule of {type(model).__name__}. Pass the block classes or name patterns to"
+            " checkpoint, e.g. `checkpoint_modules=[nn.TransformerEncoderLayer]`."
+        )
 
     return prepare
 
@@ -206,6 +216,25 @@ def _one_or_list(values: list[Any]) -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else list(values)
+
+
+def _toggle_optimizer(raw: list[Any], saved: dict[Tensor, bool], optimizer: Any) -> None:
+    """Lightning's toggle: only the parameters of ``optimizer`` keep ``requires_grad``; ``saved`` keeps the rest."""
+    saved.clear()
+    params = [p for opt in raw for group in opt.param_groups for p in group["params"]]
+    for param in params:
+        if param not in saved:
+            saved[param] = param.requires_grad
+            param.requires_grad = False
+    for group in getattr(optimizer, "optimizer", optimizer).param_groups:
+        for param in group["params"]:
+            param.requires_grad = saved[param]
+
+
+def _untoggle_optimizer(saved: dict[Tensor, bool], optimizer: Any) -> None:
+    for param, requires_grad in saved.items():
+        param.requires_grad = requires_grad
+    saved.clear()
 
 
 def manual_optimization(schedulers: list[Any]) -> Callable[[nn.Module, list[Any], Callable[..., None]], None]:
@@ -221,33 +250,12 @@ def manual_optimization(schedulers: list[Any]) -> Callable[[nn.Module, list[Any]
     def bind(model: nn.Module, optimizers: list[Any], backward: Callable[..., None]) -> None:
         raw = [getattr(o, "optimizer", o) for o in optimizers]
         saved: dict[Tensor, bool] = {}
-
-        def toggle_optimizer(optimizer: Any) -> None:
-            saved.clear()
-            for opt in raw:  # Lightning's toggle: only the toggled optimizer's parameters keep requires_grad
-                for group in opt.param_groups:
-                    for param in group["params"]:
-                        if param not in saved:
-                            saved[param] = param.requires_grad
-                            param.requires_grad = False
-            for group in getattr(optimizer, "optimizer", optimizer).param_groups:
-                for param in group["params"]:
-                    param.requires_grad = saved[param]
-
-        def untoggle_optimizer(optimizer: Any) -> None:
-            for param, requires_grad in saved.items():
-                param.requires_grad = requires_grad
-            saved.clear()
-
-        def optimizers_of(use_pl_optimizer: bool = True) -> Any:
-            return _one_or_list(optimizers if use_pl_optimizer else raw)
-
         bound = vars(model)  # instance attributes: the class's methods (which need a Trainer) stay as they are
-        bound["optimizers"] = optimizers_of
+        bound["optimizers"] = lambda use_pl_optimizer=True: _one_or_list(optimizers if use_pl_optimizer else raw)
         bound["manual_backward"] = lambda loss, *args, **kwargs: backward(loss, *args, **kwargs)
         bound["lr_schedulers"] = lambda: _one_or_list(schedulers)
-        bound["toggle_optimizer"] = toggle_optimizer
-        bound["untoggle_optimizer"] = untoggle_optimizer
+        bound["toggle_optimizer"] = functools.partial(_toggle_optimizer, raw, saved)
+        bound["untoggle_optimizer"] = functools.partial(_untoggle_optimizer, saved)
 
     return bind
 

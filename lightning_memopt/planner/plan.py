@@ -1,19 +1,24 @@
-"""Plans: the micro-batch, accumulation, precision and checkpointing that fit a memory budget."""
+"""Plans: the micro-batch, accumulation, precision and checkpointing that fit a memory budget.
+
+:func:`plan_memory` returns numbers (a :class:`MemoryPlan`); :meth:`MemoryPreset.from_plan
+<lightning_memopt.MemoryPreset.from_plan>` turns a plan into a preset and its Trainer arguments.
+"""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from lightning_memopt.functional.divisors import INT64_MAX, divisors
+from lightning_memopt.functional.presets import normalize_checkpoint_modules, tier_for_memory
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate
 from lightning_memopt.planner.model_step import MemoryEstimateError, is_manual_optimization
@@ -24,36 +29,42 @@ from lightning_memopt.utilities.formatting import format_bytes
 __all__ = ["MemoryPlan", "plan_memory"]
 
 _log = logging.getLogger(__name__)
+#: The widest line of a plan's report.
+_WIDTH = 100
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """What :func:`plan_memory` chose, why, and what it tried.
+    """What :func:`plan_memory` chose, why, and what it tried: numbers only.
 
-    ``trainer_kwargs()`` gives ``Trainer`` arguments through :attr:`preset` (precision plugin, accumulation,
-    checkpointing); give the DataLoader :attr:`micro_batch_size`. When nothing fits, :attr:`feasible` is ``False``
-    and :attr:`advice` says what would (8-bit optimizer states, or sharding over N GPUs). ``str(plan)`` is the
-    report: the budget, :meth:`table` and the verdict.
+    Give the DataLoader :attr:`micro_batch_size` and build the Trainer arguments with
+    ``MemoryPreset.from_plan(plan).trainer_kwargs()`` (precision plugin, accumulation, checkpointing, the memory
+    callbacks of the budget's GPU-size tier). When nothing fits, :attr:`feasible` is ``False`` and :attr:`advice`
+    says what would (8-bit optimizer states, or sharding over N GPUs). ``str(plan)`` is the report: the budget,
+    :meth:`table` and the verdict, no line over 100 columns.
 
     Attributes:
         feasible: whether a setting fits.
         effective_batch_size: samples per optimizer step over all devices, as asked.
         micro_batch_size / accumulate_grad_batches: the chosen split per device (``None`` when nothing fits).
         precision / gradient_checkpointing: the chosen settings (when nothing fits: the most saving ones tried).
+        checkpoint_modules: the blocks checkpointed, as given (``None``: the default blocks, or no checkpointing).
         budget_bytes / budget_label: the device's memory and its name or size as given.
         usable_bytes: the budget less the CUDA context (for CUDA) and the margin.
         margin / devices / num_nodes / device: as given to :func:`plan_memory`.
+        preset_name: the preset of the budget's GPU-size tier (``max-savings`` up to 12 GiB, ``balanced`` up to 20,
+            else ``max-speed``), the one :meth:`MemoryPreset.from_plan <lightning_memopt.MemoryPreset.from_plan>`
+            builds.
         estimate: the :class:`MemoryEstimate` of the chosen setting (when nothing fits: of the smallest tried).
         trials: every estimate run, in order.
         advice: what would fit, when nothing does.
-        preset: the :class:`~lightning_memopt.MemoryPreset` of the plan (``None`` when nothing fits).
 
     Example:
         >>> model = nn.Linear(64, 64)
-        >>> plan = plan_memory(model, lambda b: torch.randn(b, 64), effective_batch_size=8, budget_bytes="1GB",
+        >>> plan = plan_memory(model, lambda b: torch.randn(b, 64), effective_batch_size=8, budget="1GB",
         ...                    device="cpu")
-        >>> plan.feasible, plan.micro_batch_size, plan.accumulate_grad_batches, len(plan.trials)
-        (True, 8, 1, 1)
+        >>> plan.feasible, plan.micro_batch_size, plan.accumulate_grad_batches, len(plan.trials), plan.preset_name
+        (True, 8, 1, 1, 'max-savings')
     """
 
     feasible: bool
@@ -62,6 +73,7 @@ class MemoryPlan:
     accumulate_grad_batches: int | None
     precision: str
     gradient_checkpointing: bool
+    checkpoint_modules: tuple[type[nn.Module] | str, ...] | None
     budget_bytes: int
     budget_label: str
     usable_bytes: int
@@ -69,25 +81,15 @@ class MemoryPlan:
     devices: int
     num_nodes: int
     device: str
+    preset_name: str
     estimate: MemoryEstimate | None
     trials: tuple[PlanTrial, ...]
     advice: str = ""
-    preset: Any = None
 
     @property
     def batch_size(self) -> int | None:
         """The DataLoader's batch size per device (the micro-batch)."""
         return self.micro_batch_size
-
-    def trainer_kwargs(self, **trainer_kwargs: Any) -> dict[str, Any]:
-        """``Trainer`` arguments for the plan (see :meth:`MemoryPreset.trainer_kwargs`).
-
-        Raises:
-            ValueError: nothing fits (the message is the advice).
-        """
-        if not self.feasible or self.preset is None:
-            raise ValueError(f"No setting fits {self.budget_label}: {self.advice}")
-        return self.preset.trainer_kwargs(**trainer_kwargs)
 
     def table(self) -> str:
         """What was tried, one row per estimate."""
@@ -98,7 +100,7 @@ class MemoryPlan:
                     str(t.micro_batch_size),
                     str(t.accumulate_grad_batches),
                     t.precision,
-                    "yes" if t.checkpointing else "no",
+                    "yes" if t.gradient_checkpointing else "no",
                     format_bytes(t.needed_bytes),
                     "yes" if t.fits else "no",
                 )
@@ -109,10 +111,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def __str__(self) -> str:
+        where = "the CUDA context and " if self.device == "cuda" else ""
         head = (
             f"Budget {self.budget_label}: {format_bytes(self.budget_bytes)},"
-            f" usable {format_bytes(self.usable_bytes)} ("
-            f"{'the CUDA context and ' if self.device == 'cuda' else ''}a {self.margin:.0%} margin left free)"
+            f" usable {format_bytes(self.usable_bytes)} ({where}a {self.margin:.0%} margin left free)"
         )
         if self.feasible:
             assert self.estimate is not None
@@ -125,7 +127,80 @@ class MemoryPlan:
             )
         else:
             verdict = f"Nothing fits: {self.advice}"
-        return "\n".join([head, self.table(), verdict])
+        wrapped = [textwrap.fill(text, _WIDTH, subsequent_indent="  ") for text in (head, verdict)]
+        return "\n".join([wrapped[0], self.table(), wrapped[1]])
+
+
+class _Budget(NamedTuple):
+    """A budget resolved: its bytes and label, the usable bytes, the GPU it names and the precision it implies."""
+
+    total: int
+    label: str
+    usable: int
+    gpu: str | tuple[int, int] | None
+    precision: str
+
+
+def _resolve_budget(
+    budget: int | float | str | None, gpu: str | tuple[int, int] | None, device: str, margin: float, precision: str
+) -> _Budget:
+    total, label, bf16 = parse_budget(budget)
+    if gpu is None and label in GPU_COMPUTE_CAPABILITY:
+        gpu = label
+    elif gpu is None and budget is None:
+        gpu = torch.cuda.get_device_capability()  # parse_budget read this device
+    context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
+    usable = int((total - context) * (1 - margin))
+    if usable <= 0:
+        raise ValueError(
+            f"`budget` ({format_bytes(total)}) leaves nothing once the CUDA context"
+            f" ({format_bytes(context)}) and the margin are taken off. Pass the device's whole memory."
+        )
+    if precision == "auto":
+        precision = "32-true" if device == "cpu" else ("16-mixed" if bf16 is False else "bf16-mixed")
+    return _Budget(total, label, usable, gpu, precision)
+
+
+def _micro_batches(per_device: int, manual: bool, report: Callable[[str], None]) -> list[int]:
+    """The micro-batches to choose from (the divisors of the per-device batch; only the whole of it when the step
+    cannot accumulate), announced in one line."""
+    sizes = divisors(per_device)
+    if manual:
+        sizes = sizes[-1:]  # no accumulation: the whole per-device batch or nothing
+    shown = ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]}"
+    report(
+        f"per-device batch {per_device}: {len(sizes)} micro-batch{'es' if len(sizes) != 1 else ''} to choose from"
+        f" ({shown}); at most {_most_estimates(len(sizes))} estimates per checkpointing setting"
+    )
+    return sizes
+
+
+def _search(runs: Trials, sizes: list[int], gradient_checkpointing: bool | Literal["auto"]) -> tuple[int | None, bool]:
+    """The chosen micro-batch (``None`` when nothing fits) and whether it is checkpointed.
+
+    Checkpointing is chosen only where it at least doubles the micro-batch that fits without it; with ``"auto"`` a
+    model where the default blocks match nothing is planned without.
+    """
+    options = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
+    best: dict[bool, int | None] = {}
+    for option in options:
+        plain = best.get(False)
+        candidates = [s for s in sizes if plain is None or not option or s >= 2 * plain]
+        if not candidates:
+            break
+        try:
+            best[option] = runs.largest_fitting(option, candidates)
+        except MemoryEstimateError as err:
+            if gradient_checkpointing != "auto" or "matched no submodule" not in str(err):
+                raise
+            options = [False]  # nothing to checkpoint: the plan is made without
+            break
+    plain, checkpointed = best.get(False), best.get(True)
+    if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
+        return checkpointed, True
+    if plain is not None:
+        return plain, False
+    return None, options[-1]
 
 
 def _most_estimates(candidates: int) -> int:
@@ -175,7 +250,7 @@ def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bo
 
 def _check_plan_arguments(
     batch_fn: Any, effective_batch_size: int, devices: int, num_nodes: int, margin: Any, device: str, precision: str
-) -> None:
+) -> None:  # the checkpointing arguments are checked by _checkpointing
     if not callable(batch_fn):
         raise ValueError(f"`batch_fn` must be a callable `batch_fn(micro_batch_size) -> batch`, got {batch_fn!r}.")
     check_positive_int("effective_batch_size", effective_batch_size)
@@ -199,17 +274,34 @@ def _check_plan_arguments(
         )
 
 
+def _checkpointing(gradient_checkpointing: Any, checkpoint_modules: Any) -> tuple[bool | Literal["auto"], Any]:
+    """``gradient_checkpointing`` checked and ``checkpoint_modules`` as a tuple (or ``None``)."""
+    if not (isinstance(gradient_checkpointing, bool) or gradient_checkpointing == "auto"):
+        raise ValueError(
+            f"`gradient_checkpointing` must be True, False or 'auto' (try without and with), got"
+            f" {gradient_checkpointing!r}. Name the blocks to checkpoint with `checkpoint_modules`."
+        )
+    modules = normalize_checkpoint_modules(checkpoint_modules)
+    if gradient_checkpointing is False and modules is not None:
+        raise ValueError(
+            f"`checkpoint_modules`={modules!r} with `gradient_checkpointing=False`: nothing would be checkpointed."
+            " Pass `gradient_checkpointing=True` (or 'auto') to checkpoint those blocks, or drop `checkpoint_modules`."
+        )
+    return gradient_checkpointing, modules
+
+
 def plan_memory(
     module: nn.Module,
     batch_fn: Callable[[int], Any],
     *,
     effective_batch_size: int,
-    budget_bytes: int | float | str | None = None,
+    budget: int | float | str | None = None,
     devices: int = 1,
     num_nodes: int = 1,
     margin: float = 0.1,
     precision: str = "auto",
-    checkpointing: bool | str | Sequence[type[nn.Module] | str] = "auto",
+    gradient_checkpointing: bool | Literal["auto"] = "auto",
+    checkpoint_modules: Sequence[type[nn.Module] | str] | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
     device: str = "cuda",
@@ -226,38 +318,39 @@ def plan_memory(
     optimization cannot accumulate (Lightning refuses it), so only its whole per-device batch is estimated.
     Activation checkpointing is chosen only when it at least doubles the micro-batch (it costs about a third more
     compute; halving the accumulation saves more). Under DDP one more copy of the gradients (the buckets) is counted
-    per device.
+    per device. The plan is numbers: ``MemoryPreset.from_plan(plan)`` builds the preset and its Trainer arguments.
 
     Args:
         module: as for :func:`estimate_memory`.
         batch_fn: ``batch_fn(micro_batch_size)`` -> a batch of that many samples (CPU tensors, which are faked, or
             meta tensors, which hold no memory at any size: the largest micro-batch is tried first).
         effective_batch_size: samples per optimizer step over all devices; kept exactly.
-        budget_bytes: the device's memory: bytes, a size (``"40GB"``, ``"24GiB"``) or a GPU name from
+        budget: the device's memory: bytes, a size (``"40GB"``, ``"24GiB"``) or a GPU name from
             :data:`GPU_MEMORY` (``"A100-40GB"``); ``None`` reads the current CUDA device.
         devices / num_nodes: the data-parallel world (``effective_batch_size`` must divide by it).
         margin: fraction of the usable memory left free for what is not modelled (fragmentation, cuDNN, NCCL).
         precision: ``"auto"`` (``bf16-mixed`` where the GPU computes bf16, else ``16-mixed``; ``32-true`` for
             ``device="cpu"``; a budget given as a size says nothing about the GPU, so bf16 is assumed: pass
             ``precision="16-mixed"`` for a V100 or T4 given by size) or one precision to use.
-        checkpointing: ``"auto"`` tries without and with; ``True``/``False`` or block classes/name patterns fix it.
-            "Without" is the model as it is: a model that checkpoints itself (e.g. an HF model with gradient
-            checkpointing enabled) stays checkpointed.
+        gradient_checkpointing: ``"auto"`` tries without and with; ``True``/``False`` fixes it. "Without" is the
+            model as it is: a model that checkpoints itself (e.g. an HF model with gradient checkpointing enabled)
+            stays checkpointed.
+        checkpoint_modules: the blocks to checkpoint when checkpointing (module classes, class names or name
+            patterns); ``None``: the default blocks, as :class:`~lightning_memopt.GradientCheckpointing` chooses.
         optimizer / loss_fn / device: as for :func:`estimate_memory`.
         progress: called with one line on the micro-batches to choose from, then one line per estimate (the CLI
             prints them); ``None`` logs them at INFO on the ``lightning_memopt.planner.plan`` logger.
         gpu: the target GPU for its cuBLAS workspace (see :func:`estimate_memory`); default: the GPU named by
-            ``budget_bytes``, or the current CUDA device's when ``budget_bytes`` is ``None``.
+            ``budget``, or the current CUDA device's when ``budget`` is ``None``.
 
     Returns:
-        a :class:`MemoryPlan`; ``plan.trainer_kwargs()`` builds the Trainer arguments. When even micro-batch 1
-        with the most saving settings does not fit, ``plan.feasible`` is ``False`` and ``plan.advice`` says what
-        would (8-bit optimizer states, or FSDP over N GPUs).
+        a :class:`MemoryPlan`. When even micro-batch 1 with the most saving settings does not fit, ``plan.feasible``
+        is ``False`` and ``plan.advice`` says what would (8-bit optimizer states, or FSDP over N GPUs).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
         >>> plan = plan_memory(model, lambda b: torch.randn(b, 128, 512), effective_batch_size=64,
-        ...                    budget_bytes="20MB", device="cpu")
+        ...                    budget="20MB", device="cpu")
         >>> plan.micro_batch_size, plan.accumulate_grad_batches, plan.precision
         (8, 8, '32-true')
         >>> print(plan.table())
@@ -268,113 +361,50 @@ def plan_memory(
                   8           8    32-true             no  17.02 MiB   yes
                  16           4    32-true             no  25.02 MiB    no
     """
-    from lightning_memopt.functional.presets import tier_for_memory
-    from lightning_memopt.presets import MemoryPreset
-
     _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision)
+    gradient_checkpointing, modules = _checkpointing(gradient_checkpointing, checkpoint_modules)
     world = devices * num_nodes
-    total, label, bf16 = parse_budget(budget_bytes)
-    if gpu is None and label in GPU_COMPUTE_CAPABILITY:
-        gpu = label
-    elif gpu is None and budget_bytes is None:
-        gpu = torch.cuda.get_device_capability()  # parse_budget read this device
-    context = CUDA_CONTEXT_BYTES if device == "cuda" else 0
-    usable = int((total - context) * (1 - margin))
-    if usable <= 0:
-        raise ValueError(
-            f"`budget_bytes` ({format_bytes(total)}) leaves nothing once the CUDA context"
-            f" ({format_bytes(context)}) and the margin are taken off. Pass the device's whole memory."
-        )
-    if precision == "auto":
-        precision = "32-true" if device == "cpu" else ("16-mixed" if bf16 is False else "bf16-mixed")
-    options: list[Any] = [False, True] if checkpointing == "auto" else [checkpointing]
-    per_device = effective_batch_size // world
-    sizes = divisors(per_device)
-    manual = loss_fn is None and is_manual_optimization(module)
-    if manual:
-        sizes = sizes[-1:]  # no accumulation: the whole per-device batch or nothing
+    limit = _resolve_budget(budget, gpu, device, margin, precision)
     report = progress if progress is not None else _log.info
-    shown = ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]}"
-    report(
-        f"per-device batch {per_device}: {len(sizes)} micro-batch{'es' if len(sizes) != 1 else ''} to choose from"
-        f" ({shown}); at most {_most_estimates(len(sizes))} estimates per checkpointing setting"
-    )
+    per_device = effective_batch_size // world
+    sizes = _micro_batches(per_device, loss_fn is None and is_manual_optimization(module), report)
     runs = Trials(
         module,
         batch_fn,
-        batch_per_device=effective_batch_size // world,
-        gpu=gpu,
-        usable=usable,
+        batch_per_device=per_device,
+        gpu=limit.gpu,
+        usable=limit.usable,
         world=world,
-        precision=precision,
+        precision=limit.precision,
         optimizer=optimizer,
         device=device,
         loss_fn=loss_fn,
         progress=report,
+        checkpoint_modules=modules,
     )
-
-    best: dict[bool, int | None] = {}
-    last_option: Any = options[-1]
-    for option in options:
-        plain = best.get(False)
-        # checkpointing is only worth it from twice the micro-batch that fits without it
-        candidates = [s for s in sizes if plain is None or not option or s >= 2 * plain]
-        if not candidates:
-            break
-        try:
-            best[bool(option)] = runs.largest_fitting(option, candidates)
-        except MemoryEstimateError as err:
-            if checkpointing == "auto" and option and "matched no submodule" in str(err):
-                last_option = False  # nothing to checkpoint: the plan is made without
-                break
-            raise
-    plain, checkpointed = best.get(False), best.get(True)
-    if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
-        chosen, option = checkpointed, True
-    elif plain is not None:
-        chosen, option = plain, False
+    chosen, checkpointed = _search(runs, sizes, gradient_checkpointing)
+    if chosen is None:
+        estimate = runs.estimates.get((1, checkpointed)) or runs.estimates[min(runs.estimates)]
+        advice = _advice(estimate, limit.usable, world, checkpointed, micro=sizes[0])
     else:
-        chosen, option = None, bool(last_option)
-    make_plan = functools.partial(
-        MemoryPlan,
+        estimate, advice = runs.estimates[(chosen, checkpointed)], ""
+    return MemoryPlan(
+        feasible=chosen is not None,
         effective_batch_size=effective_batch_size,
-        precision=precision,
-        budget_bytes=total,
-        budget_label=label,
-        usable_bytes=usable,
+        micro_batch_size=chosen,
+        accumulate_grad_batches=None if chosen is None else per_device // chosen,
+        precision=limit.precision,
+        gradient_checkpointing=checkpointed,
+        checkpoint_modules=modules if checkpointed else None,
+        budget_bytes=limit.total,
+        budget_label=limit.label,
+        usable_bytes=limit.usable,
         margin=margin,
         devices=devices,
         num_nodes=num_nodes,
         device=device,
+        preset_name=tier_for_memory(limit.total / 1024**3)[1],
+        estimate=estimate,
         trials=tuple(runs.trials),
-    )
-    if chosen is None:
-        smallest = runs.estimates.get((1, option)) or runs.estimates[min(runs.estimates)]
-        return make_plan(
-            feasible=False,
-            micro_batch_size=None,
-            accumulate_grad_batches=None,
-            gradient_checkpointing=option,
-            estimate=smallest,
-            advice=_advice(smallest, usable, world, option, micro=sizes[0]),
-        )
-    blocks = checkpointing if isinstance(checkpointing, (list, tuple)) else None
-    preset = MemoryPreset.from_name(
-        tier_for_memory(total / 1024**3)[1],
-        effective_batch_size=effective_batch_size,
-        micro_batch_size=chosen,
-        devices=devices,
-        num_nodes=num_nodes,
-        precision=precision,
-        gradient_checkpointing=option,
-        checkpoint_modules=tuple(blocks) if option and blocks and all(isinstance(b, str) for b in blocks) else None,
-        tier=label,
-    )
-    return make_plan(
-        feasible=True,
-        micro_batch_size=chosen,
-        accumulate_grad_batches=preset.accumulate_grad_batches,
-        gradient_checkpointing=option,
-        estimate=runs.estimates[(chosen, option)],
-        preset=preset,
+        advice=advice,
     )

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_memopt.functional.divisors import divisors
 from lightning_memopt.planner.estimate import MemoryEstimate, estimate_memory
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["PlanTrial", "Trials", "divisors", "largest_fitting", "needed_bytes"]
+__all__ = ["PlanTrial", "Trials", "largest_fitting", "needed_bytes"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class PlanTrial:
     """One estimate :func:`plan_memory` ran: the settings, the bytes needed and whether they fit.
 
     Attributes:
-        micro_batch_size / precision / checkpointing: the settings estimated.
+        micro_batch_size / precision / gradient_checkpointing: the settings estimated.
         accumulate_grad_batches: micro-batches per optimizer step at that micro-batch (the estimate ran with it).
         needed_bytes: the estimate's peak, plus one more copy of the gradients under DDP (its buckets).
         fits: whether ``needed_bytes`` is within the plan's usable bytes.
@@ -30,7 +29,7 @@ class PlanTrial:
 
     micro_batch_size: int
     precision: str
-    checkpointing: bool
+    gradient_checkpointing: bool
     needed_bytes: int
     fits: bool
     seconds: float
@@ -52,7 +51,8 @@ class Trials:
         usable: the bytes a step may need (the budget less the CUDA context and the margin).
         gpu: the target GPU (see :func:`~lightning_memopt.estimate_memory`).
         world: devices x nodes (over 1, DDP's gradient buckets are counted).
-        precision / optimizer / device / loss_fn: as for :func:`~lightning_memopt.estimate_memory`.
+        precision / checkpoint_modules / optimizer / device / loss_fn: as for
+            :func:`~lightning_memopt.estimate_memory` (the blocks checkpointed when checkpointing is on).
         progress: called with one line per estimate.
 
     Outputs (attributes): ``trials`` (a :class:`PlanTrial` per estimate) and ``estimates`` (by ``(micro-batch,
@@ -61,7 +61,7 @@ class Trials:
     Example:
         >>> runs = Trials(nn.Linear(8, 8), lambda b: torch.randn(b, 8), batch_per_device=4, usable=10**6, world=1,
         ...               precision="32-true", optimizer=None, device="cpu", loss_fn=None)
-        >>> runs.largest_fitting(False, divisors(4)), [t.micro_batch_size for t in runs.trials]
+        >>> runs.largest_fitting(False, [1, 2, 4]), [t.micro_batch_size for t in runs.trials]
         (4, [4])
     """
 
@@ -79,16 +79,17 @@ class Trials:
         loss_fn: Callable[[nn.Module, Any], Tensor] | None,
         progress: Callable[[str], None] | None = None,
         gpu: str | tuple[int, int] | None = None,
+        checkpoint_modules: Sequence[type[nn.Module] | str] | None = None,
     ) -> None:
         self.module, self.batch_fn, self.usable, self.world = module, batch_fn, usable, world
         self.batch_per_device, self.gpu = batch_per_device, gpu
         self.precision, self.optimizer, self.device, self.loss_fn = precision, optimizer, device, loss_fn
-        self.progress = progress
+        self.progress, self.checkpoint_modules = progress, checkpoint_modules
         self.trials: list[PlanTrial] = []
         self.estimates: dict[tuple[int, bool], MemoryEstimate] = {}
 
-    def fits(self, size: int, option: Any) -> bool:
-        """Estimate micro-batch ``size`` with checkpointing ``option`` (``False``: the model as it is) and the
+    def fits(self, size: int, checkpointing: bool) -> bool:
+        """Estimate micro-batch ``size`` with activation checkpointing on or off (off: the model as it is) and the
         accumulation it needs; whether it fits."""
         accumulate = max(1, self.batch_per_device // size)
         est = estimate_memory(
@@ -97,26 +98,27 @@ class Trials:
             precision=self.precision,
             optimizer=self.optimizer,
             device=self.device,
-            checkpointing=option or None,
+            gradient_checkpointing=checkpointing,
+            checkpoint_modules=self.checkpoint_modules if checkpointing else None,
             loss_fn=self.loss_fn,
             accumulate_grad_batches=accumulate,
             gpu=self.gpu if self.device == "cuda" else None,
         )
         needed = needed_bytes(est, self.world)
         ok = needed <= self.usable
-        self.trials.append(PlanTrial(size, self.precision, bool(option), needed, ok, est.seconds, accumulate))
-        self.estimates[(size, bool(option))] = est
+        self.trials.append(PlanTrial(size, self.precision, checkpointing, needed, ok, est.seconds, accumulate))
+        self.estimates[(size, checkpointing)] = est
         if self.progress is not None:
             self.progress(
                 f"micro-batch {size:>5}, {self.precision}, accumulate {accumulate},"
-                f" checkpointing {'on' if option else 'off'}:"
+                f" checkpointing {'on' if checkpointing else 'off'}:"
                 f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)"
             )
         return ok
 
-    def largest_fitting(self, option: Any, candidates: list[int]) -> int | None:
-        """The largest of ``candidates`` that fits with checkpointing ``option`` (see :func:`largest_fitting`)."""
-        return largest_fitting(candidates, lambda size: self.fits(size, option))
+    def largest_fitting(self, checkpointing: bool, candidates: list[int]) -> int | None:
+        """The largest of ``candidates`` that fits with checkpointing on or off (see :func:`largest_fitting`)."""
+        return largest_fitting(candidates, lambda size: self.fits(size, checkpointing))
 
 
 def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:

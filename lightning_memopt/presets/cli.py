@@ -9,24 +9,13 @@ import warnings
 from typing import Any
 
 from lightning_memopt.presets.preset import MemoryPreset
-from lightning_memopt.presets.trainer_config import device_count
+from lightning_memopt.presets.trainer_config import PRESET_TRAINER_KEYS, device_count
 
 __all__ = ["MemoryPresetCLI", "preset_batch_size", "yaml_keys"]
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(MemoryPreset) if f.init)
 #: Trainer arguments the preset's messages name (``trainer_kwargs`` decides them or compares with them).
-_TRAINER_KEYS = frozenset(
-    {
-        "precision",
-        "plugins",
-        "accumulate_grad_batches",
-        "gradient_clip_val",
-        "devices",
-        "num_nodes",
-        "callbacks",
-        "strategy",
-    }
-)
+_TRAINER_KEYS = frozenset({*PRESET_TRAINER_KEYS, "strategy"})
 
 
 def yaml_keys(message: str, section: str, names: frozenset[str]) -> str:

@@ -4,29 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
 
 from lightning_memopt.functional.allocator import check_alloc_conf
+from lightning_memopt.functional.precision import PrecisionInput, normalize_precision
 from lightning_memopt.functional.presets import (
     PRESET_NAMES,
     PRESETS,
     AccumulationPlan,
-    PrecisionInput,
-    normalize_precision,
+    normalize_checkpoint_modules,
     plan_accumulation,
     plan_auto_micro_batch,
     tier_for_memory,
 )
 from lightning_memopt.plugins.precision import MemoryPrecision
-from lightning_memopt.presets.printing import describe
-from lightning_memopt.presets.table import DEFAULT_BATCH_SIZE, KNOBS, PresetName, checkpoint_modules
-from lightning_memopt.presets.trainer_config import build_trainer_kwargs, callback_factories, merge_trainer_config
+from lightning_memopt.presets.trainer_config import build_trainer_kwargs, merge_trainer_config, preset_callbacks
 from lightning_memopt.utilities.checks import (
     check_bool,
     check_choice,
@@ -37,7 +36,40 @@ from lightning_memopt.utilities.checks import (
     check_str,
 )
 
-__all__ = ["MemoryPreset"]
+if TYPE_CHECKING:
+    from lightning_memopt.planner import MemoryPlan
+
+__all__ = ["DEFAULT_BATCH_SIZE", "KNOBS", "PLANNED", "MemoryPreset", "PresetName"]
+
+#: The DataLoader batch per device when a preset has neither ``effective_batch_size`` nor ``micro_batch_size``.
+DEFAULT_BATCH_SIZE = 32
+
+#: The preset names (a ``Literal``, so LightningCLI lists them in ``--help`` and refuses a typo while parsing).
+PresetName = Literal["max-savings", "balanced", "max-speed"]
+
+#: The fields a preset fills from its table entry (:data:`~lightning_memopt.functional.presets.PRESETS`) when they
+#: are left ``None``.
+KNOBS = (
+    "precision",
+    "float32_matmul_precision",
+    "gradient_checkpointing",
+    "allocator_conf",
+    "cache_clean_on_phase_end",
+    "gc_every_n_train_steps",
+    "monitor",
+)
+#: The fields a :class:`~lightning_memopt.MemoryPlan` decides (:meth:`MemoryPreset.from_plan` takes them from it).
+PLANNED = (
+    "effective_batch_size",
+    "micro_batch_size",
+    "devices",
+    "num_nodes",
+    "precision",
+    "gradient_checkpointing",
+    "checkpoint_modules",
+)
+#: The widest line of :meth:`MemoryPreset.describe`.
+_WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -49,7 +81,8 @@ class MemoryPreset:
     accumulation target, the allocator settings and the memory callbacks; :meth:`for_device` picks one from the GPU
     size. ``accumulate_grad_batches = effective_batch_size / (micro_batch_size x devices x num_nodes)``, never
     rounded: a split that does not divide raises a ``ValueError`` naming the nearest valid sizes. Pass
-    :attr:`batch_size` to your DataLoader and :meth:`trainer_kwargs` to the Trainer. A callback you pass of a type
+    :attr:`batch_size` to your DataLoader and :meth:`trainer_kwargs` to the Trainer; :meth:`from_plan` builds the
+    preset of a :func:`~lightning_memopt.plan_memory` plan. A callback you pass of a type
     the preset adds replaces the preset's. Knob fields left ``None`` take the preset's value; turn a knob off with
     ``False``, ``0`` or ``""``. The tiers, what each preset turns on, ``auto_micro_batch``, the short last window,
     LightningCLI and :meth:`merge_trainer_config` are explained in ``docs/presets.md``.
@@ -64,12 +97,13 @@ class MemoryPreset:
             ``"bf16"``, ``"16-true"``, ...), mapped as Lightning maps it (``16`` is ``"16-mixed"``).
         float32_matmul_precision: ``"highest"``, ``"high"`` (TF32) or ``"medium"``; ``""`` leaves it alone.
         gradient_checkpointing: add :class:`~lightning_memopt.GradientCheckpointing`.
-        checkpoint_modules: class names or name patterns for ``GradientCheckpointing(modules=...)``.
+        checkpoint_modules: the blocks :class:`~lightning_memopt.GradientCheckpointing` wraps: class names, name
+            patterns or module classes; ``None``: the model's own switch, else PyTorch transformer layers.
         gradient_clip_val: passed to the Trainer (``None`` = no clipping).
         allocator_conf: CUDA caching-allocator settings, e.g. ``"expandable_segments:True"``.
         memory_fraction: fraction of device memory this process may use, in (0, 1].
         cache_clean_on_phase_end: add ``CacheCleaner`` emptying the CUDA cache at phase ends.
-        gc_every_n_steps: add ``GarbageCollector(every_n_steps=...)``; ``0`` = no collector.
+        gc_every_n_train_steps: add ``GarbageCollector`` collecting every that many optimizer steps; ``0`` = none.
         monitor: add ``MemoryMonitor``.
         allow_emulated_bf16: allow bf16 on GPUs that only emulate it.
         tier: set by :meth:`for_device` (the GPU-size tier label); informational.
@@ -104,7 +138,7 @@ class MemoryPreset:
     allocator_conf: str | None = None
     memory_fraction: float | None = None
     cache_clean_on_phase_end: bool | None = None
-    gc_every_n_steps: int | None = None
+    gc_every_n_train_steps: int | None = None
     monitor: bool | None = None
     allow_emulated_bf16: bool = False
     tier: str | None = None
@@ -140,7 +174,9 @@ class MemoryPreset:
             hint="Use True to let AutoMicroBatch split the per-device batch (halving on out-of-memory), or"
             " False for Lightning's gradient accumulation.",
         )
-        check_non_negative_int("gc_every_n_steps", self.gc_every_n_steps, hint="Use 0 for no garbage collector.")
+        check_non_negative_int(
+            "gc_every_n_train_steps", self.gc_every_n_train_steps, hint="Use 0 for no garbage collector."
+        )
         object.__setattr__(
             self, "memory_fraction", check_fraction("memory_fraction", self.memory_fraction, allow_none=True)
         )
@@ -150,7 +186,7 @@ class MemoryPreset:
             "gradient_clip_val", self.gradient_clip_val, allow_none=True, hint="Use None for no clipping."
         )
         check_str("tier", self.tier, allow_none=True, hint="It is set by `MemoryPreset.for_device()`, e.g. '16GB'.")
-        object.__setattr__(self, "checkpoint_modules", checkpoint_modules(self.checkpoint_modules))
+        object.__setattr__(self, "checkpoint_modules", normalize_checkpoint_modules(self.checkpoint_modules))
         check_positive_int("devices", self.devices, hint="Pass the number of devices per node, as for the Trainer.")
         check_positive_int("num_nodes", self.num_nodes)
         check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
@@ -192,6 +228,39 @@ class MemoryPreset:
         return cls(name=cast(PresetName, name), **overrides)
 
     @classmethod
+    def from_plan(cls, plan: MemoryPlan, **overrides: Any) -> MemoryPreset:
+        """The preset of a :func:`~lightning_memopt.plan_memory` plan, with ``overrides`` for the fields it leaves.
+
+        The plan decides the effective batch, the micro-batch, the world, the precision and the checkpointing; the
+        preset is its budget's GPU-size tier (``plan.preset_name``, ``tier`` = the budget's label) unless
+        ``overrides`` name another. ``overrides`` may set any other field (``name``, ``monitor``,
+        ``auto_micro_batch``, ...); a field the plan decides is refused: plan with it instead.
+
+        Raises:
+            ValueError: nothing fits (the message is the plan's advice), or ``overrides`` names a planned field.
+
+        Example:
+            >>> from lightning_memopt import plan_memory
+            >>> plan = plan_memory(nn.Linear(64, 64), lambda b: torch.randn(b, 64), effective_batch_size=8,
+            ...                    budget="4GB", device="cpu")
+            >>> preset = MemoryPreset.from_plan(plan, monitor=False)
+            >>> preset.name, preset.tier, preset.batch_size, preset.accumulate_grad_batches, preset.precision
+            ('max-savings', '4GB', 8, 1, '32-true')
+        """
+        if not plan.feasible:
+            raise ValueError(f"No setting fits {plan.budget_label}: {plan.advice}")
+        planned = sorted(set(overrides) & set(PLANNED))
+        if planned:
+            raise ValueError(
+                f"`{planned[0]}` is decided by the plan ({planned[0]}={getattr(plan, planned[0])!r}), got"
+                f" {overrides[planned[0]]!r} in `MemoryPreset.from_plan(plan, ...)`. Pass it to `plan_memory` instead,"
+                " or build the preset with `MemoryPreset.from_name`."
+            )
+        fields = {"name": plan.preset_name, "tier": plan.budget_label, **{n: getattr(plan, n) for n in PLANNED}}
+        fields.update(overrides)
+        return cls.from_name(**fields)
+
+    @classmethod
     def for_device(
         cls,
         total_memory_gib: float | None = None,
@@ -206,8 +275,9 @@ class MemoryPreset:
 
         Given ``module`` and ``batch_fn`` (``batch_fn(micro_batch_size) -> batch``) and ``effective_batch_size``,
         the choice is measured instead of looked up by size: :func:`~lightning_memopt.plan_memory` estimates the
-        training step on fake tensors and picks the micro-batch, precision and checkpointing that fit (10 % margin).
-        If nothing fits, ``ValueError`` says what would (8-bit optimizer states, or FSDP over N GPUs).
+        training step on fake tensors and picks the micro-batch, precision and checkpointing that fit (10 % margin),
+        and :meth:`from_plan` builds the preset with the other ``overrides``. If nothing fits, ``ValueError`` says
+        what would (8-bit optimizer states, or FSDP over N GPUs).
 
         Example:
             >>> p = MemoryPreset.for_device(8, effective_batch_size=32)
@@ -235,6 +305,8 @@ class MemoryPreset:
     def _planned(
         cls, total_memory_gib: float | None, module: Any, batch_fn: Any, overrides: dict[str, Any]
     ) -> MemoryPreset:
+        """:meth:`for_device` with a model: ``plan_memory`` with the planned fields of ``overrides``, then
+        :meth:`from_plan` with the rest."""
         from lightning_memopt.planner import plan_memory
 
         if module is None or batch_fn is None or overrides.get("effective_batch_size") is None:
@@ -249,23 +321,22 @@ class MemoryPreset:
                 f"`micro_batch_size`={overrides['micro_batch_size']!r} cannot be given with `module`/`batch_fn`: the"
                 " plan chooses it. Drop one of them."
             )
-        planned = {"effective_batch_size", "devices", "num_nodes", "precision", "gradient_checkpointing"}
+        asked = {name: overrides.pop(name) for name in PLANNED if name in overrides}
+        checkpointing = asked.get("gradient_checkpointing")
         plan = plan_memory(
             module,
             batch_fn,
-            effective_batch_size=overrides["effective_batch_size"],
-            budget_bytes=None if total_memory_gib is None else int(total_memory_gib * 1024**3),
-            devices=overrides.get("devices", 1),
-            num_nodes=overrides.get("num_nodes", 1),
-            precision=overrides.get("precision") or "auto",
-            checkpointing="auto"
-            if overrides.get("gradient_checkpointing") is None
-            else bool(overrides["gradient_checkpointing"]),
+            effective_batch_size=asked["effective_batch_size"],
+            budget=None if total_memory_gib is None else int(total_memory_gib * 1024**3),
+            devices=asked.get("devices", 1),
+            num_nodes=asked.get("num_nodes", 1),
+            precision=normalize_precision(asked.get("precision") or "auto"),
+            gradient_checkpointing="auto" if checkpointing is None else checkpointing,
+            checkpoint_modules=None if checkpointing is False else asked.get("checkpoint_modules"),
         )
         if not plan.feasible:
             raise ValueError(f"No micro-batch fits {plan.budget_label}: {plan.advice}")
-        rest = {k: v for k, v in overrides.items() if k not in planned}
-        return dataclasses.replace(plan.preset, **rest) if rest else plan.preset
+        return cls.from_plan(plan, **overrides)
 
     # ---------------------------------------------------------------------------------------------- properties
     @property
@@ -302,13 +373,9 @@ class MemoryPreset:
         plugin.setting = "MemoryPreset(precision={0!r})` (`memory.precision: {0}` in a LightningCLI config)"
         return plugin
 
-    def _callback_factories(self) -> list[tuple[type, Any]]:
-        """``(type, build)`` for each callback the preset implies, in order; nothing is built yet."""
-        return callback_factories(self)
-
     def callbacks(self, exclude: tuple[type, ...] = ()) -> list[Any]:
         """The callbacks the preset implies, built fresh on every call, leaving out those of the ``exclude`` types."""
-        return [build() for kind, build in callback_factories(self) if not issubclass(kind, exclude)]
+        return [build() for kind, build in preset_callbacks(self) if not issubclass(kind, exclude)]
 
     def dataloader_kwargs(self, cpu_count: int | None = None, cuda: bool | None = None) -> dict[str, Any]:
         """DataLoader settings for this preset's memory tier (``DataLoader(dataset, **preset.dataloader_kwargs())``).
@@ -374,13 +441,119 @@ class MemoryPreset:
 
     # ---------------------------------------------------------------------------------------------- describe
     def describe(self) -> str:
-        """A table of every knob: its value and why it is set.
+        """A table of every knob: its value and why it is set; no line is wider than 100 columns.
 
         Example:
             >>> print(MemoryPreset.from_name("max-speed").describe().splitlines()[0])
             MemoryPreset 'max-speed'
         """
-        return describe(self)
+        title = f"MemoryPreset {self.name!r}" + (f" (tier {self.tier})" if self.tier else "")
+        return _table(title, _describe_rows(self))
 
     def __str__(self) -> str:
         return self.describe()
+
+
+def _describe_rows(preset: MemoryPreset) -> list[tuple[str, Any, str]]:
+    """``(knob, value, why)`` for every knob of ``preset``."""
+    auto = preset.auto_micro_batch
+    loader = ", ".join(f"{k}={v}" for k, v in preset.dataloader_kwargs().items() if k != "batch_size")
+    blocks = preset.checkpoint_modules
+    return [
+        (
+            "precision",
+            preset.precision,
+            "MemoryPrecision mode; 'auto' = bf16 on GPUs with native bf16, fp16+scaler on older GPUs, fp32 on CPU."
+            " Halves activation memory.",
+        ),
+        (
+            "float32_matmul_precision",
+            preset.float32_matmul_precision or "unchanged",
+            "'high' lets fp32 matmuls use TF32 on Ampere+; restored after fit.",
+        ),
+        (
+            "gradient_checkpointing",
+            preset.gradient_checkpointing,
+            "recompute block activations in backward: far less activation memory for ~1 extra forward.",
+        ),
+        (
+            "checkpoint_modules",
+            ", ".join(b if isinstance(b, str) else b.__name__ for b in blocks) if blocks else "default",
+            "which blocks to checkpoint (default: the model's own switch, else nn.Transformer layers).",
+        ),
+        ("effective_batch_size", preset.effective_batch_size, "samples per optimizer step over all ranks (kept)."),
+        (
+            "batch_size (per device)" if auto else "batch_size (micro)",
+            preset.batch_size,
+            "samples per DataLoader batch and rank (the whole per-device batch)."
+            if auto
+            else "samples per forward pass and rank: peak memory scales with it.",
+        ),
+        (
+            "accumulate_grad_batches",
+            preset.accumulate_grad_batches,
+            "AutoMicroBatch accumulates the micro-batches of each batch itself."
+            if auto
+            else "effective / (micro x devices x nodes): same gradients as the full batch.",
+        ),
+        ("devices x num_nodes", f"{preset.devices} x {preset.num_nodes}", "world size used in the arithmetic."),
+        ("auto_micro_batch", preset.auto_micro_batch, _auto_micro_batch_reason(preset)),
+        ("gradient_clip_val", preset.gradient_clip_val, "gradient norm clipping (None = off)."),
+        (
+            "allocator_conf",
+            preset.allocator_conf or "unchanged",
+            "expandable segments reduce fragmentation; applied at setup, given back at teardown.",
+        ),
+        ("memory_fraction", preset.memory_fraction, "cap on this process's share of device memory (None = all)."),
+        (
+            "cache_clean_on_phase_end",
+            preset.cache_clean_on_phase_end,
+            "CacheCleaner: return cached blocks between train and validation.",
+        ),
+        (
+            "gc_every_n_train_steps",
+            preset.gc_every_n_train_steps or "off",
+            "GarbageCollector: collect cycles holding tensors on all ranks at the same step.",
+        ),
+        ("monitor", preset.monitor, "MemoryMonitor: per-phase peaks and threshold warnings."),
+        (
+            "dataloader",
+            loader,
+            "recommended (preset.dataloader_kwargs()): batches prepared ahead cost num_workers x prefetch_factor x"
+            " batch of host memory.",
+        ),
+    ]
+
+
+def _auto_micro_batch_reason(preset: MemoryPreset) -> str:
+    if not preset.auto_micro_batch:
+        return (
+            "off: an out-of-memory error ends the run (True: AutoMicroBatch splits the per-device batch and"
+            " halves on out-of-memory)."
+        )
+    start = "the whole batch" if preset.micro_batch_size is None else f"{preset.micro_batch_size}"
+    return (
+        f"the DataLoader yields the whole per-device batch ({preset.batch_size}) and AutoMicroBatch splits it into"
+        f" micro-batches (from {start}), halving on out-of-memory with the same effective batch."
+    )
+
+
+def _table(title: str, rows: list[tuple[str, Any, str]], width: int = _WIDTH) -> str:
+    """``title`` over three columns (knob, value, why), the last wrapped so that no line is wider than ``width``; a
+    value wider than its column gets a line of its own, the reason below it."""
+    knob = max(len(k) for k, _, _ in rows)
+    value = min(max(len(str(v)) for _, v, _ in rows), 10)
+    indent = " " * (knob + value + 4)
+    lines = [title, "-" * len(title)]
+    for k, v, why in rows:
+        reason = textwrap.wrap(why, width - len(indent))
+        text = str(v)
+        if len(text) > value:
+            lines += textwrap.wrap(
+                text, width, initial_indent=f"{k:<{knob}}  ", subsequent_indent=" " * (knob + 2), break_on_hyphens=False
+            )
+            lines += [indent + r for r in reason]
+        else:
+            lines.append(f"{k:<{knob}}  {text:<{value}}  {reason[0]}")
+            lines += [indent + r for r in reason[1:]]
+    return "\n".join(lines)

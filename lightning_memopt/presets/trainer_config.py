@@ -1,5 +1,8 @@
 """How a :class:`~lightning_memopt.MemoryPreset` becomes Trainer arguments: its callbacks, its precision plugin or
-string, the accumulation and world size it pins, merged with the user's own arguments or LightningCLI's config."""
+string, the accumulation and world size it pins, merged with the user's own arguments or LightningCLI's config.
+
+The dataclass and its table live in ``preset.py``, the LightningCLI integration in ``cli.py``.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +21,30 @@ from lightning_memopt.callbacks import (
     MemoryMonitor,
 )
 from lightning_memopt.functional.precision import choose_precision, has_own_precision
-from lightning_memopt.presets.table import PRESET_TRAINER_KEYS
 from lightning_memopt.utilities.namespaces import classes, is_instance, rank_zero_info
 
 if TYPE_CHECKING:
     from lightning_memopt.presets.preset import MemoryPreset
 
-__all__ = ["build_trainer_kwargs", "callback_factories", "device_count", "merge_trainer_config", "precision_string"]
+__all__ = [
+    "PRESET_TRAINER_KEYS",
+    "build_trainer_kwargs",
+    "device_count",
+    "merge_trainer_config",
+    "precision_string",
+    "preset_callbacks",
+]
+
+#: Trainer arguments that ``MemoryPreset.trainer_kwargs`` decides.
+PRESET_TRAINER_KEYS = (
+    "precision",
+    "plugins",
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "devices",
+    "num_nodes",
+    "callbacks",
+)
 
 
 def device_count(accelerator: Any, devices: Any) -> int | None:
@@ -71,13 +91,9 @@ def _same(value: Any, default: Any) -> bool:
     return type(value) is type(default) and value == default
 
 
-def _start(preset: MemoryPreset) -> int | str:
-    """Where the preset's ``AutoMicroBatch`` starts (``preset.auto_micro_batch_start`` when it has one)."""
-    return preset.micro_batch_size if preset.micro_batch_size is not None else "auto"
-
-
-def callback_factories(preset: MemoryPreset) -> list[tuple[type, Any]]:
-    """``(type, build)`` for each callback the preset implies, in order; nothing is built yet."""
+def preset_callbacks(preset: MemoryPreset) -> list[tuple[type, Any]]:
+    """``(type, build)`` for each callback the preset implies, in order; nothing is built yet (``AllocatorSettings``
+    sets the allocator's environment when it is made)."""
     out: list[tuple[type, Any]] = []
     if preset.monitor:
         out.append((MemoryMonitor, MemoryMonitor))
@@ -88,15 +104,14 @@ def callback_factories(preset: MemoryPreset) -> list[tuple[type, Any]]:
                 lambda: CacheCleaner(every_n_train_batches=None, every_n_val_batches=None, on_phase_end=True),
             )
         )
-    if preset.gc_every_n_steps:
-        out.append((GarbageCollector, lambda: GarbageCollector(every_n_steps=preset.gc_every_n_steps)))
+    if preset.gc_every_n_train_steps:
+        out.append((GarbageCollector, lambda: GarbageCollector(every_n_steps=preset.gc_every_n_train_steps)))
     if preset.gradient_checkpointing:
         modules = list(preset.checkpoint_modules) if preset.checkpoint_modules else None
         out.append((GradientCheckpointing, lambda: GradientCheckpointing(modules=modules)))
     if preset.auto_micro_batch:
-        out.append((AutoMicroBatch, lambda: AutoMicroBatch(micro_batch_size=_start(preset))))
+        out.append((AutoMicroBatch, lambda: AutoMicroBatch(micro_batch_size=preset.micro_batch_size or "auto")))
     if preset.allocator_conf or preset.memory_fraction is not None:
-        # built last and only when used: it sets the allocator's environment when it is made
         conf, fraction = preset.allocator_conf or None, preset.memory_fraction
         out.append((AllocatorSettings, lambda: AllocatorSettings(conf, fraction)))
     return out
@@ -113,42 +128,39 @@ def precision_string(preset: MemoryPreset) -> str:
     return choose_precision(mode, "cpu").precision
 
 
-def build_trainer_kwargs(preset: MemoryPreset, trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``preset.trainer_kwargs(**trainer_kwargs)``: see :meth:`MemoryPreset.trainer_kwargs`."""
-    out: dict[str, Any] = dict(trainer_kwargs)
-    if has_own_precision(trainer_kwargs.get("strategy")):
-        if "precision" in trainer_kwargs:
-            pass  # the user chose for their strategy
-        else:
-            out["precision"] = precision_string(preset)
-    else:
-        user_plugins = trainer_kwargs.get("plugins") or []
-        user_plugins = list(user_plugins) if isinstance(user_plugins, (list, tuple)) else [user_plugins]
-        if "precision" in trainer_kwargs and trainer_kwargs["precision"] is not None:
-            raise ValueError(
-                f"Both `precision={trainer_kwargs['precision']!r}` and the preset's MemoryPrecision plugin were"
-                f" given. Drop `precision=` from the Trainer arguments and set"
-                f" `MemoryPreset(precision={trainer_kwargs['precision']!r})` instead."
-            )
-        theirs = [p for p in user_plugins if is_instance(p, "plugins.precision.Precision")]
-        if theirs:
-            raise ValueError(
-                f"Both `plugins=[{type(theirs[0]).__name__}(...)]` and the preset's MemoryPrecision plugin were"
-                " given. Drop that precision plugin from `plugins` (set `MemoryPreset(precision=...)` instead)."
-            )
-        out.pop("precision", None)
-        out["plugins"] = [*user_plugins, preset.precision_plugin()]
+def _precision_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``precision`` (strategies with their own precision classes) or ``plugins`` with the preset's MemoryPrecision."""
+    if has_own_precision(given.get("strategy")):
+        return {} if "precision" in given else {"precision": precision_string(preset)}  # or the user chose for it
+    plugins = given.get("plugins") or []
+    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if given.get("precision") is not None:
+        raise ValueError(
+            f"Both `precision={given['precision']!r}` and the preset's MemoryPrecision plugin were"
+            f" given. Drop `precision=` from the Trainer arguments and set"
+            f" `MemoryPreset(precision={given['precision']!r})` instead."
+        )
+    theirs = [p for p in plugins if is_instance(p, "plugins.precision.Precision")]
+    if theirs:
+        raise ValueError(
+            f"Both `plugins=[{type(theirs[0]).__name__}(...)]` and the preset's MemoryPrecision plugin were"
+            " given. Drop that precision plugin from `plugins` (set `MemoryPreset(precision=...)` instead)."
+        )
+    return {"plugins": [*plugins, preset.precision_plugin()]}
+
+
+def _pinned_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``accumulate_grad_batches`` and ``gradient_clip_val``: the preset's, unless yours agrees (or the preset has no
+    effective batch to keep, for the accumulation)."""
+    out = {}
     for key, value in (
         ("accumulate_grad_batches", preset.accumulate_grad_batches),
         ("gradient_clip_val", preset.gradient_clip_val),
     ):
-        given = trainer_kwargs.get(key)
-        if (
-            given is not None
-            and value is not None
-            and given != value
-            and not (key == "accumulate_grad_batches" and preset.plan is None)
-        ):
+        yours = given.get(key)
+        if yours is None:
+            out[key] = value
+        elif value is not None and yours != value and not (key == "accumulate_grad_batches" and preset.plan is None):
             why = (
                 "with `auto_micro_batch=True` the DataLoader yields the whole per-device batch and"
                 " AutoMicroBatch splits it"
@@ -156,35 +168,56 @@ def build_trainer_kwargs(preset: MemoryPreset, trainer_kwargs: Mapping[str, Any]
                 else "the preset computes it from `effective_batch_size`"
             )
             raise ValueError(
-                f"`{key}={given!r}` contradicts the preset's {key}={value!r}. Drop `{key}=` from the Trainer"
+                f"`{key}={yours!r}` contradicts the preset's {key}={value!r}. Drop `{key}=` from the Trainer"
                 f" arguments ({why}) or change the preset."
             )
-        if given is None:
-            out[key] = value
-    if preset.plan is not None:
-        for key in ("devices", "num_nodes"):
-            value = getattr(preset, key)
-            given = trainer_kwargs.get(key)
-            count = device_count(trainer_kwargs.get("accelerator", "auto"), given) if key == "devices" else given
-            if given is not None and count == value:
-                continue  # the same number, written your way (e.g. devices=[0, 1] or "2")
-            if given is not None and given != value:
-                raise ValueError(
-                    f"`{key}={given!r}` differs from the preset's `{key}={value}`, so the effective batch would"
-                    f" not be {preset.effective_batch_size}. Drop `{key}=` from the Trainer arguments or build the"
-                    f" preset with `{key}={given!r}`."
-                )
-            out[key] = value
-    user_callbacks = trainer_kwargs.get("callbacks") or []
-    user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
-    # a callback of yours of a type the preset adds replaces the preset's: yours, with your settings, only one
-    kinds = [kind for kind, _ in callback_factories(preset)]
-    replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in user_callbacks))
+    return out
+
+
+def _world_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``devices`` and ``num_nodes`` of a preset with an effective batch; yours when it is the same number."""
+    if preset.plan is None:
+        return {}
+    out = {}
+    for key in ("devices", "num_nodes"):
+        value = getattr(preset, key)
+        yours = given.get(key)
+        count = device_count(given.get("accelerator", "auto"), yours) if key == "devices" else yours
+        if yours is not None and count == value:
+            continue  # the same number, written your way (e.g. devices=[0, 1] or "2")
+        if yours is not None and yours != value:
+            raise ValueError(
+                f"`{key}={yours!r}` differs from the preset's `{key}={value}`, so the effective batch would"
+                f" not be {preset.effective_batch_size}. Drop `{key}=` from the Trainer arguments or build the"
+                f" preset with `{key}={yours!r}`."
+            )
+        out[key] = value
+    return out
+
+
+def _callbacks(preset: MemoryPreset, given: Mapping[str, Any]) -> list[Any]:
+    """Yours first, then the preset's; one of yours of a type the preset adds replaces the preset's."""
+    yours = given.get("callbacks") or []
+    yours = list(yours) if isinstance(yours, (list, tuple)) else [yours]
+    kinds = [kind for kind, _ in preset_callbacks(preset)]
+    replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in yours))
     for kind in replaced:
         if kind.__name__ not in preset._said:
             preset._said.add(kind.__name__)
             rank_zero_info(f"MemoryPreset {preset.name!r}: your {kind.__name__} is used instead of the preset's.")
-    out["callbacks"] = [*user_callbacks, *preset.callbacks(exclude=replaced)]
+    return [*yours, *preset.callbacks(exclude=replaced)]
+
+
+def build_trainer_kwargs(preset: MemoryPreset, trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``preset.trainer_kwargs(**trainer_kwargs)``: see :meth:`MemoryPreset.trainer_kwargs`."""
+    out: dict[str, Any] = dict(trainer_kwargs)
+    precision = _precision_kwargs(preset, trainer_kwargs)
+    if "plugins" in precision:
+        out.pop("precision", None)  # MemoryPrecision decides (a `precision=None` of yours said nothing)
+    out.update(precision)
+    out.update(_pinned_kwargs(preset, trainer_kwargs))
+    out.update(_world_kwargs(preset, trainer_kwargs))
+    out["callbacks"] = _callbacks(preset, trainer_kwargs)
     return out
 
 

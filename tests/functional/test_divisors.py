@@ -9,7 +9,7 @@ import pytest
 from lightning_memopt.functional import divisors as module
 from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.functional.presets import plan_accumulation
-from lightning_memopt.planner import search
+from lightning_memopt.planner import plan as planner_plan
 
 
 def _brute_force(n: int) -> list[int]:
@@ -71,7 +71,7 @@ def test_divisors_refuses_what_is_not_a_batch_size(bad):
 
 
 def test_the_planner_and_the_presets_use_it():
-    assert search.divisors is divisors
+    assert planner_plan.divisors is divisors
     started = time.perf_counter()
     plan = plan_accumulation(2 * (2**61 - 1), target_accumulation=3)  # per rank: 2 x a Mersenne prime
     assert time.perf_counter() - started < 1.0

@@ -5,15 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_memopt.functional.presets import (
-    PRESET_NAMES,
-    PRESETS,
-    TIERS,
-    choose_precision,
-    has_native_bf16,
-    plan_accumulation,
-    tier_for_memory,
-)
+from lightning_memopt.functional.precision import choose_precision, has_native_bf16
+from lightning_memopt.functional.presets import PRESET_NAMES, PRESETS, TIERS, plan_accumulation, tier_for_memory
 from tests.helpers.presets_table import check_batch_arithmetic, check_preset_table
 
 
@@ -191,8 +184,8 @@ BROKEN = {
     "middle-accumulates-most": lambda p, t: p["balanced"].update(target_accumulation=8),
     "middle-collects-garbage-alone": lambda p, t: p.update(
         {
-            "max-savings": {**p["max-savings"], "gc_every_n_steps": 0},
-            "balanced": {**p["balanced"], "gc_every_n_steps": 50},
+            "max-savings": {**p["max-savings"], "gc_every_n_train_steps": 0},
+            "balanced": {**p["balanced"], "gc_every_n_train_steps": 50},
         }
     ),
     "savings-without-monitor": lambda p, t: p["max-savings"].update(monitor=False),

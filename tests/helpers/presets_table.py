@@ -23,7 +23,7 @@ KEYS = {
     "float32_matmul_precision",
     "allocator_conf",
     "target_accumulation",
-    "gc_every_n_steps",
+    "gc_every_n_train_steps",
     *BOOL_KNOBS,
 }
 
@@ -32,7 +32,7 @@ def _switches(entry: Mapping[str, Any]) -> dict[str, bool]:
     """Which memory-saving measures an entry turns on."""
     return {
         **{knob: entry[knob] for knob in BOOL_KNOBS},
-        "garbage_collector": entry["gc_every_n_steps"] > 0,
+        "garbage_collector": entry["gc_every_n_train_steps"] > 0,
         "allocator_conf": bool(entry["allocator_conf"]),
         "accumulation": entry["target_accumulation"] > 1,
     }
@@ -46,7 +46,7 @@ def check_entries(presets: Mapping[str, Mapping[str, Any]]) -> None:
         assert entry["float32_matmul_precision"] in ("", "highest", "high", "medium"), f"{name}: matmul precision"
         for knob in BOOL_KNOBS:
             assert isinstance(entry[knob], bool), f"{name}: {knob} must be a bool"
-        for knob in ("gc_every_n_steps", "target_accumulation"):
+        for knob in ("gc_every_n_train_steps", "target_accumulation"):
             value = entry[knob]
             assert type(value) is int and value >= (knob == "target_accumulation"), f"{name}: {knob}={value!r}"
         assert isinstance(entry["allocator_conf"], str), f"{name}: allocator_conf must be a str"

@@ -149,10 +149,3 @@ def test_true_dtype_modes_act_before_setup_as_lightning_s_do(value, dtype):
     """``trainer.init_module()`` runs before setup: the true-dtype plugins must already be in place."""
     with MemoryPrecision(value).tensor_init_context():
         assert torch.zeros(1).dtype == dtype
-
-
-def test_the_documented_path_of_normalize_precision_still_works():
-    from lightning_memopt.functional import presets
-
-    assert presets.normalize_precision is normalize_precision
-    assert presets.normalize_precision(16) == "16-mixed"

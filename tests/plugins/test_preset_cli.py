@@ -33,7 +33,7 @@ FULL = dict(
     auto_micro_batch=True,
     monitor=True,
     cache_clean_on_phase_end=True,
-    gc_every_n_steps=5,
+    gc_every_n_train_steps=5,
     allocator_conf="expandable_segments:True",
 )
 

@@ -1,4 +1,6 @@
 import dataclasses
+import importlib
+import itertools
 import os
 import time
 import typing
@@ -76,7 +78,7 @@ def test_overrides_and_turning_knobs_off():
         precision="16-mixed",
         gradient_checkpointing=False,
         allocator_conf="",
-        gc_every_n_steps=0,
+        gc_every_n_train_steps=0,
         monitor=False,
         cache_clean_on_phase_end=False,
         float32_matmul_precision="",
@@ -107,7 +109,7 @@ def test_effective_batch_smaller_than_micro_times_world():
     [
         ("precision", "fp16", "`precision` must be one of"),
         ("memory_fraction", 95, r"Did you mean 0.95"),
-        ("gc_every_n_steps", -1, "`gc_every_n_steps` must be a non-negative int"),
+        ("gc_every_n_train_steps", -1, "`gc_every_n_train_steps` must be a non-negative int"),
         ("allocator_conf", "expandable_segments", "`allocator_conf` entries must look like `key:value`"),
         ("gradient_clip_val", -1.0, "`gradient_clip_val` must be a finite, non-negative number or None, got -1.0"),
         ("gradient_clip_val", float("nan"), "`gradient_clip_val` must be a finite, non-negative .* got nan"),
@@ -124,7 +126,7 @@ def test_effective_batch_smaller_than_micro_times_world():
         ("monitor", "false", r"`monitor` must be a bool .* got 'false'"),
         ("allow_emulated_bf16", None, r"`allow_emulated_bf16` must be a bool .* got None"),
         ("tier", 16, r"`tier` must be a str or None, got 16 \(int\)"),
-        ("gc_every_n_steps", True, "`gc_every_n_steps` must be a non-negative int, got True"),
+        ("gc_every_n_train_steps", True, "`gc_every_n_train_steps` must be a non-negative int, got True"),
         ("precision", True, "`precision` must be one of .* got True"),
         ("auto_micro_batch", "yes", r"`auto_micro_batch` must be a bool .* got 'yes'. Use True to let AutoMicroBatch"),
         ("auto_micro_batch", None, r"`auto_micro_batch` must be a bool .* got None"),
@@ -414,9 +416,17 @@ def test_auto_micro_batch_plan_gives_the_dataloader_the_whole_per_device_batch(m
     assert plain_kwargs["accumulate_grad_batches"] == 64 // plain.batch_size > 1
 
 
+def _row(text, knob):
+    """The row of ``knob`` in a preset's printout, its wrapped continuation lines joined."""
+    lines = text.splitlines()
+    start = next(i for i, row in enumerate(lines) if row.startswith(knob))
+    rest = [row.strip() for row in itertools.takewhile(lambda row: row.startswith(" "), lines[start + 1 :])]
+    return " ".join([lines[start], *rest])
+
+
 def test_auto_micro_batch_printout_explains_the_split():
     text = MemoryPreset(effective_batch_size=96, micro_batch_size=8, devices=3, auto_micro_batch=True).describe()
-    line = next(row for row in text.splitlines() if row.startswith("auto_micro_batch"))
+    line = _row(text, "auto_micro_batch")
     assert line.split()[1] == "True"
     assert line.endswith(
         "the DataLoader yields the whole per-device batch (32) and AutoMicroBatch splits it into micro-batches"
@@ -550,7 +560,7 @@ def test_each_preset_turns_on_what_its_table_entry_says(name):
         for kind, on in (
             (MemoryMonitor, entry["monitor"]),
             (CacheCleaner, entry["cache_clean_on_phase_end"]),
-            (GarbageCollector, entry["gc_every_n_steps"] > 0),
+            (GarbageCollector, entry["gc_every_n_train_steps"] > 0),
             (GradientCheckpointing, entry["gradient_checkpointing"]),
             (AllocatorSettings, bool(entry["allocator_conf"])),
         )
@@ -566,33 +576,57 @@ def test_each_preset_turns_on_what_its_table_entry_says(name):
     assert not any(96 % a == 0 for a in range(entry["target_accumulation"], accumulation))
 
 
-def test_the_old_import_paths_still_work():
+def test_the_presets_live_in_one_place():
+    """No second path: ``lightning_memopt.plugins`` has the precision plugin only, ``plugins.presets`` is gone."""
     import lightning_memopt
     import lightning_memopt.plugins as plugins
-    from lightning_memopt.plugins import presets as old_presets
 
-    assert plugins.MemoryPreset is lightning_memopt.MemoryPreset is old_presets.MemoryPreset is MemoryPreset
-    assert plugins.MemoryPresetCLI is lightning_memopt.MemoryPresetCLI
-    assert old_presets.DEFAULT_BATCH_SIZE == DEFAULT_BATCH_SIZE and old_presets.device_count("cpu", [0, 1]) == 2
-    assert lightning_memopt.AllocatorSettings is AllocatorSettings
+    assert lightning_memopt.MemoryPreset is MemoryPreset and lightning_memopt.AllocatorSettings is AllocatorSettings
+    assert plugins.__all__ == ["MemoryPrecision"]
     with pytest.raises(AttributeError):
-        plugins.NotAPreset  # noqa: B018
+        plugins.MemoryPreset  # noqa: B018
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_memopt.plugins.presets")
 
 
 @pytest.mark.slow
-def test_the_plugins_do_not_import_the_presets(tmp_path):
-    """The package flows one way: importing the plugins (or the callbacks) leaves the presets above them unimported."""
+def test_planning_never_imports_the_presets(tmp_path):
+    """The planner sits below the presets: a plan is made without importing them (``from_plan`` builds the preset)."""
     from tests.helpers.subprocess_run import run_script
 
     code = """
 import sys
-import lightning_memopt.callbacks
-import lightning_memopt.plugins
-import lightning_memopt.plugins.presets
-print("PRESETS", "lightning_memopt.presets" in sys.modules)
-from lightning_memopt.plugins import MemoryPreset
-print("LATER", "lightning_memopt.presets" in sys.modules)
+import torch
+from lightning_memopt.planner import plan_memory
+plan = plan_memory(torch.nn.Linear(8, 8), lambda b: torch.randn(b, 8), effective_batch_size=4, budget="1GB",
+                   device="cpu")
+print("PRESETS", "lightning_memopt.presets" in sys.modules, plan.feasible)
 """
     proc = run_script(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "PRESETS False" in proc.stdout and "LATER True" in proc.stdout
+    assert "PRESETS False True" in proc.stdout
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_print_preset_fits_100_columns(name):
+    """Every row of ``print(preset)`` fits 100 columns (long values and reasons wrap under their column)."""
+    blocks = ("TransformerEncoderLayer", "encoder.layers.*", "decoder.block.*.layer.*", torch.nn.Linear)
+    for preset in (
+        MemoryPreset.from_name(name),
+        MemoryPreset.from_name(name, effective_batch_size=2**40, devices=2**20, auto_micro_batch=True, tier="24GB+"),
+        MemoryPreset.from_name(name, checkpoint_modules=blocks, memory_fraction=0.123456789, gradient_clip_val=1e-9),
+    ):
+        lines = str(preset).splitlines()
+        assert max(map(len, lines)) <= 100, str(preset)
+        assert lines[0].startswith(f"MemoryPreset {name!r}")
+        text = " ".join(lines)
+        assert "gc_every_n_train_steps" in text and "gc_every_n_steps" not in text
+
+
+def test_gc_every_n_train_steps_is_the_field_and_the_old_name_is_gone():
+    preset = MemoryPreset("balanced", gc_every_n_train_steps=7)
+    (collector,) = [c for c in preset.callbacks() if isinstance(c, GarbageCollector)]
+    assert preset.gc_every_n_train_steps == 7 and 7 in vars(collector).values()  # its interval, whatever its name
+    assert "gc_every_n_steps" not in {f.name for f in dataclasses.fields(MemoryPreset)}
+    with pytest.raises(TypeError):
+        MemoryPreset("balanced", gc_every_n_steps=7)

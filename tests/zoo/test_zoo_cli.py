@@ -18,6 +18,7 @@ from lightning_memopt import (
     GradientCheckpointing,
     MemoryMonitor,
     MemoryPrecision,
+    MemoryPreset,
     MemoryPresetCLI,
 )
 from lightning_memopt.cli import main as memopt_main
@@ -169,11 +170,13 @@ def test_estimate_reads_the_memory_section_and_equals_a_real_cpu_step(capsys, mo
     code, out, err = _estimate(capsys, "--config", str(CONFIG), "--device", "cpu")
     assert code == 0, err
     (size, kwargs), predicted = seen
-    assert size == 4 and kwargs["checkpointing"] == ["ZooBlock"] and kwargs["precision"] == "32-true"
+    assert size == 4 and kwargs["precision"] == "32-true"
+    assert kwargs["gradient_checkpointing"] is True and kwargs["checkpoint_modules"] == ["ZooBlock"]
     init = _config(CONFIG)["model"]["init_args"]
     data = ZooDataModule(batch_size=4)
     batch = next(iter(data.train_dataloader()))
-    measured = estimate_memory(ZooClassifier(**init), batch, device="cpu", checkpointing=["ZooBlock"], fake=False)
+    blocks = {"gradient_checkpointing": True, "checkpoint_modules": ["ZooBlock"]}
+    measured = estimate_memory(ZooClassifier(**init), batch, device="cpu", **blocks, fake=False)
     assert predicted.fake and not measured.fake
     assert predicted.peak_bytes == measured.peak_bytes > 0
     assert f"on cpu at 32-true: {format_bytes(measured.peak_bytes)} (fake tensors" in out
@@ -186,10 +189,8 @@ def test_the_planned_snippet_pasted_into_the_config_gives_the_planned_trainer_ar
     def batch_fn(b):  # the first b samples, collated as the DataLoader does it
         return next(iter(ZooDataModule(batch_size=b).train_dataloader()))
 
-    needs = {
-        b: estimate_memory(ZooClassifier(**init), batch_fn(b), device="cpu", checkpointing=["ZooBlock"])
-        for b in (8, 16)
-    }
+    blocks = {"gradient_checkpointing": True, "checkpoint_modules": ["ZooBlock"]}
+    needs = {b: estimate_memory(ZooClassifier(**init), batch_fn(b), device="cpu", **blocks) for b in (8, 16)}
     assert needs[8].peak_bytes < needs[16].peak_bytes
     budget = (needs[8].peak_bytes + needs[16].peak_bytes) // 2  # 8 fits, 16 does not
     code, out, err = _estimate(
@@ -200,9 +201,10 @@ def test_the_planned_snippet_pasted_into_the_config_gives_the_planned_trainer_ar
         ZooClassifier(**init),
         batch_fn,
         effective_batch_size=16,
-        budget_bytes=budget,
+        budget=budget,
         margin=0,
-        checkpointing=["ZooBlock"],
+        gradient_checkpointing=True,
+        checkpoint_modules=["ZooBlock"],
         device="cpu",
     )
     assert plan.micro_batch_size == 8 and plan.accumulate_grad_batches == 2
@@ -214,7 +216,7 @@ def test_the_planned_snippet_pasted_into_the_config_gives_the_planned_trainer_ar
     pasted.write_text(yaml.safe_dump(config))
 
     cli = _cli(tmp_path, "class_path", config=pasted)
-    expected = plan.trainer_kwargs()
+    expected = MemoryPreset.from_plan(plan).trainer_kwargs()
     give_back_allocator_settings(cli.trainer.callbacks, expected["callbacks"])
     assert cli.datamodule.batch_size == plan.micro_batch_size == _first_batch(cli)
     assert cli.trainer.accumulate_grad_batches == expected["accumulate_grad_batches"] == 2

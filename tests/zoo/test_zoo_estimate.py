@@ -121,13 +121,14 @@ def test_the_estimate_command_on_every_model_prints_what_estimate_memory_gives(e
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("checkpointing", [True, ["T5Block"]], ids=["model-switch", "blocks"])
-def test_t5_checkpointed_by_its_switch_or_by_blocks_is_estimated_to_the_byte(checkpointing):
+@pytest.mark.parametrize("blocks", [None, ["T5Block"]], ids=["model-switch", "blocks"])
+def test_t5_checkpointed_by_its_switch_or_by_blocks_is_estimated_to_the_byte(blocks):
     """Wrapped blocks need ``use_cache`` off, as GradientCheckpointing sets it (a decoder cache filled inside a
     checkpointed block made the recomputation fail with a CheckpointError)."""
     entry = next(p.values[0] for p in zoo_params("t5"))
-    fake = estimate_memory(entry.build(), entry.batch(4), device="cpu", checkpointing=checkpointing)
-    real = estimate_memory(entry.build(), entry.batch(4), device="cpu", checkpointing=checkpointing, fake=False)
+    checkpointing = {"gradient_checkpointing": True, "checkpoint_modules": blocks}
+    fake = estimate_memory(entry.build(), entry.batch(4), device="cpu", **checkpointing)
+    real = estimate_memory(entry.build(), entry.batch(4), device="cpu", **checkpointing, fake=False)
     assert fake.peak_bytes == real.peak_bytes
     plain = estimate_memory(entry.build(), entry.batch(4), device="cpu")
     assert fake.activation_bytes < plain.activation_bytes

@@ -58,10 +58,10 @@ def test_a_plan_holds_with_the_accumulation_it_recommends(entry):
         module,
         entry.batch,
         effective_batch_size=effective,
-        budget_bytes=whole - 1,
+        budget=whole - 1,
         margin=0.0,
         device="cpu",
-        checkpointing=False,
+        gradient_checkpointing=False,
     )
     assert plan.feasible == any(t.fits for t in plan.trials)
     if not entry.automatic_optimization:
@@ -84,6 +84,6 @@ def test_every_zoo_model_has_a_cuda_estimate_and_an_h100_plan(entry, monkeypatch
     est = estimate_memory(module, batch, device="cuda", precision="bf16-mixed", gpu="H100-80GB")
     assert est.at_peak["workspace"] == 2 * 32 * 1024**2  # torch's default on compute capability 9.0
     assert (est.peak_bytes - est.at_peak["workspace"]) % 512 == 0
-    plan = plan_memory(module, entry.batch, effective_batch_size=8, budget_bytes="H100-80GB")
+    plan = plan_memory(module, entry.batch, effective_batch_size=8, budget="H100-80GB")
     assert plan.feasible and (plan.micro_batch_size, plan.accumulate_grad_batches) == (8, 1)
     assert plan.precision == "bf16-mixed" and plan.estimate.at_peak["workspace"] == 2 * 32 * 1024**2
