@@ -68,7 +68,7 @@ def test_max_savings_callbacks_and_knobs():
         AllocatorSettings,
     ]
     plugin = kwargs["plugins"][0]
-    assert (plugin.mode, plugin.float32_matmul_precision) == ("auto", "high")
+    assert (plugin.requested_precision, plugin.float32_matmul_precision) == ("auto", "high")
     assert MemoryPreset.from_name("max-speed").trainer_kwargs()["callbacks"] == []
 
 
@@ -85,7 +85,9 @@ def test_overrides_and_turning_knobs_off():
     )
     kwargs = preset.trainer_kwargs()
     assert kwargs["callbacks"] == []
-    assert kwargs["plugins"][0].mode == "16-mixed" and kwargs["plugins"][0].float32_matmul_precision is None
+    assert (
+        kwargs["plugins"][0].requested_precision == "16-mixed" and kwargs["plugins"][0].float32_matmul_precision is None
+    )
 
 
 def test_unknown_preset_lists_valid_names():
@@ -271,7 +273,7 @@ def test_usable_from_yaml_with_jsonargparse(tmp_path):
     config.write_text(
         "preset:\n  name: max-savings\n  effective_batch_size: 128\n  micro_batch_size: 16\n"
         "  checkpoint_modules: [TransformerEncoderLayer]\n"
-        "trainer_plugin:\n  class_path: lightning_memopt.MemoryPrecision\n  init_args:\n    mode: 16-mixed\n"
+        "trainer_plugin:\n  class_path: lightning_memopt.MemoryPrecision\n  init_args:\n    precision: 16-mixed\n"
     )
     parser = ArgumentParser()
     parser.add_class_arguments(MemoryPreset, "preset")
@@ -282,7 +284,7 @@ def test_usable_from_yaml_with_jsonargparse(tmp_path):
     preset = init.preset
     assert isinstance(preset, MemoryPreset) and preset.accumulate_grad_batches == 8
     assert preset.checkpoint_modules == ("TransformerEncoderLayer",)
-    assert isinstance(init.trainer_plugin, MemoryPrecision) and init.trainer_plugin.mode == "16-mixed"
+    assert isinstance(init.trainer_plugin, MemoryPrecision) and init.trainer_plugin.requested_precision == "16-mixed"
 
 
 def test_merge_trainer_config_fills_defaults_and_keeps_real_conflicts():
@@ -352,7 +354,9 @@ def test_lightning_cli_yaml_builds_the_trainer_from_the_preset(tmp_path, subcomm
     trainer, preset = cli.trainer, MemoryPreset.from_name("max-savings", effective_batch_size=16, micro_batch_size=4)
     assert trainer.accumulate_grad_batches == preset.accumulate_grad_batches == 4
     assert cli.model.batch_size == preset.batch_size == 4  # linked from the preset
-    assert isinstance(trainer.precision_plugin, MemoryPrecision) and trainer.precision_plugin.mode == "auto"
+    assert (
+        isinstance(trainer.precision_plugin, MemoryPrecision) and trainer.precision_plugin.requested_precision == "auto"
+    )
     types = _types(trainer.callbacks)
     assert ModelSummary in types  # the user's callbacks are kept
     assert types.index(ModelSummary) < types.index(GradientCheckpointing)
@@ -568,7 +572,7 @@ def test_each_preset_turns_on_what_its_table_entry_says(name):
     ]
     assert _types(kwargs["callbacks"]) == expected
     plugin = kwargs["plugins"][0]
-    assert plugin.mode == entry["precision"]
+    assert plugin.requested_precision == entry["precision"]
     assert plugin.float32_matmul_precision == (entry["float32_matmul_precision"] or None)
     # the fewest accumulation steps at or above the preset's target that divide the batch
     accumulation = kwargs["accumulate_grad_batches"]
