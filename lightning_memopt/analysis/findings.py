@@ -41,7 +41,7 @@ def finding_check(r: Mapping[str, Any]) -> str:
     """The check behind a ``warning`` record: its ``check`` field, else ``"threshold"`` when it names the ``field``
     that crossed MemoryMonitor's threshold, else ``"warning"``.
 
-    Example:
+    Examples:
         >>> finding_check({"check": "leak"}), finding_check({"field": "allocated_bytes"}), finding_check({})
         ('leak', 'threshold', 'warning')
     """
@@ -69,7 +69,7 @@ def int_field(r: Mapping[str, Any], key: str) -> int | None:
 def micro_batch_text(r: Mapping[str, Any]) -> str:
     """``micro-batch 16 -> 8 (out of memory; batch of 16)`` from a ``micro_batch`` record; "?" for a missing size.
 
-    Example:
+    Examples:
         >>> micro_batch_text({"previous_micro_batch_size": 16, "micro_batch_size": 8, "reason": "out of memory"})
         'micro-batch 16 -> 8 (out of memory)'
     """

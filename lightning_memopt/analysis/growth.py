@@ -87,7 +87,7 @@ class StepFit:
     ``[k * width, (k + 1) * width)``; when there are too many, the width doubles and neighbours merge. The buckets
     depend only on which readings arrived, not on their order, and fitting any run of buckets is exact.
 
-    Example:
+    Examples:
         >>> fit = StepFit()
         >>> for step in range(0, 401, 10):
         ...     fit.add(step, 100 + 2 * step)

@@ -122,7 +122,7 @@ _OPTIONAL_FIELDS: tuple[_FieldRule, ...] = (
 def record_problem(record: Any) -> str | None:
     """Why ``record`` cannot be used (one short phrase), or ``None`` when it can.
 
-    Example:
+    Examples:
         >>> record_problem({"time": 1.0, "rank": 0, "phase": "train", "event": "step"}) is None
         True
         >>> record_problem({"time": 1.0, "rank": -1, "phase": "train", "event": "step"})
@@ -184,7 +184,7 @@ def iter_memory_lines(path: str | os.PathLike[str]) -> Iterator[MemoryLogLine]:
         MemoryLogError: (when iteration starts or while reading) the file is missing, not a regular file or
             cannot be read.
 
-    Example:
+    Examples:
         >>> import tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "m.jsonl")
         >>> _ = open(p, "w").write('{"time": 1, "rank": 0, "phase": "train", "event": "step"}\\n\\nhello\\n')
@@ -236,7 +236,7 @@ def iter_memory_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]
         MemoryLogError: (when iteration starts or while reading) the file is missing, not a regular file or
             cannot be read.
 
-    Example:
+    Examples:
         >>> import tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "m.jsonl")
         >>> _ = open(p, "w").write('{"time": 1, "rank": 0, "phase": "train", "event": "step"}\\n{"time": 2, "ra')
@@ -260,7 +260,7 @@ def load_memory_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         MemoryLogError: the file is missing, not a regular file, unreadable, empty or not a memory log.
         ValueError: ``path`` is not a path.
 
-    Example:
+    Examples:
         >>> import tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "m.jsonl")
         >>> _ = open(p, "w").write('{"time": 1, "rank": 0, "phase": "train", "event": "step"}\\n{"time": 2, "ra')

@@ -243,7 +243,7 @@ class LogSummarizer:
     Args:
         plot: Also keep what the timeline plot needs, one :class:`~.timeline.TimelinePanel` per (run, rank).
 
-    Example:
+    Examples:
         >>> summarizer = LogSummarizer()
         >>> for step in (1, 2, 3):
         ...     summarizer.add({"time": step, "rank": 0, "phase": "train", "event": "step", "allocated_bytes": step})
@@ -360,7 +360,7 @@ def summarize_memory_log(records: Iterable[Mapping[str, Any]]) -> list[PhaseSumm
     (:class:`MemoryFinding`). ``peak_seconds`` counts from the first record of the same run. Records that cannot
     be used (a field of the wrong type) are left out with one warning.
 
-    Example:
+    Examples:
         >>> recs = [{"time": float(s), "rank": 0, "phase": "train", "event": "step", "global_step": s, "epoch": 0,
         ...          "allocated_bytes": 100 + 2 * s, "reserved_bytes": 400, "host_rss_bytes": 10}
         ...         for s in range(0, 401, 10)]

@@ -36,7 +36,7 @@ class ArtifactCallback(RunIdCallback):
     :func:`~lightning_memopt.utilities.trainer.default_artifact_dir`:
     ``<trainer.log_dir or default_root_dir>/memopt``, one directory for the JSONL logs and the OOM reports.
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> writer = ArtifactCallback()
         >>> writer.dirpath = Path("logs") / "memory"
@@ -131,7 +131,7 @@ def last_train_step(path: str | os.PathLike[str], run_id: str | None) -> int:
     shares the file never count. The log is read by the one reader of its format,
     :func:`lightning_memopt.analysis.iter_memory_records`.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> path = Path(tempfile.mkdtemp()) / "memory_rank0.jsonl"
         >>> _ = path.write_text(

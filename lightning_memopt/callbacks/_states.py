@@ -56,7 +56,7 @@ def restore_state(owner: str, state_dict: Any) -> dict[str, Any]:
     Raises:
         ValueError: a key that cannot start fresh is missing or bad (see the table above).
 
-    Example:
+    Examples:
         >>> restore_state("CacheCleaner", {"calls": 2, "seconds": 0.5})
         {'calls': 2, 'seconds': 0.5}
     """

@@ -87,7 +87,7 @@ class MicroBatchSettings:
 def halving_line(size: int, new: int, reason: str, samples: int, global_step: int) -> str:
     """What rank zero prints when the micro-batch is halved, wrapped to 100 columns.
 
-    Example:
+    Examples:
         >>> halving_line(16, 8, "out of memory", 16, 0)
         'AutoMicroBatch: micro-batch 16 -> 8 (out of memory; batch of 16, global step 0).'
     """
@@ -370,7 +370,7 @@ class AutoMicroBatch(Callback):
     ``MemoryMonitor`` among the callbacks, written to every rank's memory log as an ``event: "micro_batch"`` record.
     A fit without an out-of-memory error prints nothing. The checkpoint holds the micro-batch size and the retry count.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[AutoMicroBatch()], logger=False, enable_checkpointing=False)
         >>> AutoMicroBatch(micro_batch_size=8).micro_batch_size

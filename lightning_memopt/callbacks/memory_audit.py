@@ -81,7 +81,7 @@ class MemoryAudit(RankLogCallback):
     not explain need allocator readings (CUDA). With every check off it notes itself inactive in the one line per
     fit (:mod:`lightning_memopt.utilities.quiet`).
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[MemoryAudit(leak_every_n_train_steps=50)], logger=False)
     """

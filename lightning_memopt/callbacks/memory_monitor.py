@@ -87,7 +87,7 @@ class MemoryMonitor(RankLogCallback):
     maximum; on CPU only ``host_rss_bytes`` is known and the rest is ``null`` (the fit's one line about
     inactive callbacks says so).
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[MemoryMonitor(log_every_n_steps=10)], logger=False)
     """

@@ -70,7 +70,7 @@ class OOMReporter(ArtifactCallback):
         max_entries: How many allocator events the history keeps (a ring buffer).
         max_listed: How many of the largest live tensors on the device to list (0 to skip the scan).
 
-    Example:
+    Examples:
         >>> reporter = OOMReporter(dirpath="oom_reports", max_listed=10)
         >>> reporter.state_dict()
         {'reported_steps': [], 'num_reports': 0}

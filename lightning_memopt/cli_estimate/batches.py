@@ -22,7 +22,7 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
     and no memory for any size (the estimate runs them as fake tensors). A tensor of more than ``2**63 - 1`` bytes is
     refused with an :class:`EstimateInputError`.
 
-    Example:
+    Examples:
         >>> fn = parse_batch_shape(["ids=B,16:int64", "mask=B,16:bool"])
         >>> {k: (tuple(v.shape), str(v.dtype), v.device.type) for k, v in fn(4).items()}
         {'ids': ((4, 16), 'torch.int64', 'meta'), 'mask': ((4, 16), 'torch.bool', 'meta')}
@@ -116,7 +116,7 @@ def dtype_name(dtype: Any) -> str:
 def batch_bytes(batch: Any) -> int:
     """The bytes of a batch's tensors (each storage once); meta tensors count what they would hold.
 
-    Example:
+    Examples:
         >>> batch_bytes(parse_batch_shape(["ids=B,4096:int64", "mask=B,4096:bool"])(10**6))  # meta: nothing held
         36864000000
     """

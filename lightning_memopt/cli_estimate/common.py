@@ -18,7 +18,7 @@ class EstimateInputError(ValueError):
 
     ``lightning-memopt estimate`` prints it after ``lightning-memopt estimate: error:`` and exits with 2.
 
-    Example:
+    Examples:
         >>> err = EstimateInputError("--margin: must be a fraction in [0, 1), got 1.5; 0.1 keeps 10 % free.")
         >>> isinstance(err, ValueError), str(err).startswith("--margin:")
         (True, True)
@@ -28,7 +28,7 @@ class EstimateInputError(ValueError):
 def squash(text: object) -> str:
     """``text`` (or an exception's message) on one line: runs of whitespace become one space.
 
-    Example:
+    Examples:
         >>> squash("a  message   over ")
         'a message over'
     """

@@ -122,7 +122,7 @@ def audit_model(
     ``known`` are the copies an earlier audit found (``Duplicates.signatures``): they still count after training
     moved the weights away from their values.
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.footprint import live_tensors, model_footprint, tensor_names
         >>> model = torch.nn.Linear(4, 2)
         >>> result = audit_model(model, model_footprint(model), live_tensors("cpu", tensor_names(model)), None, "cpu")
@@ -137,7 +137,7 @@ def audit_model(
 def where_held(module: torch.nn.Module, dup: Duplicates) -> str:
     """Where the largest copies are held, as attribute paths from the LightningModule, in one sentence.
 
-    Example:
+    Examples:
         >>> class Net(torch.nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
@@ -188,7 +188,7 @@ def duplicates_message(rank: int, when: str, device: str, dup: Duplicates, held:
 def validation_findings(rank: int, outputs: Any, batch_idx: int, grad_enabled: bool) -> list[tuple[str, str]]:
     """``(key, warning)`` for a ``validation_step`` that returned tensors with autograd history or left grad on.
 
-    Example:
+    Examples:
         >>> [key for key, _ in validation_findings(0, {"out": torch.ones(1, requires_grad=True) * 2}, 0, True)]
         ['validation-graph', 'validation-grad-enabled']
     """
@@ -261,7 +261,7 @@ class AuditSession:
         collect_garbage: Whether to run one full ``gc.collect()`` before each audit.
         rank: The rank, for the warnings.
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.memory import DeviceMemory
         >>> records = []
         >>> session = AuditSession(DeviceMemory("cpu"), LeakSampler(3, 1, None), 0.5, 5, collect_garbage=False)

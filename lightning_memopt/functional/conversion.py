@@ -142,7 +142,7 @@ def to_device_and_dtype(
         ValueError: if ``model`` is not a module, ``device`` names no device (see ``read_memory``) or ``dtype`` is not
             a floating-point ``torch.dtype``.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(4, 4)
         >>> first = to_device_and_dtype(model, dtype=torch.bfloat16)
         >>> first.converted, first.total_bytes_before, first.total_bytes_after, model.weight.dtype

@@ -45,7 +45,7 @@ def _is_ddp(module: Any) -> bool:
 def check_strategy_for_micro_batches(name: str, world_size: int, is_ddp: bool) -> None:
     """Refuse a strategy (class ``name``) whose collectives run inside forward and backward: one device and DDP only.
 
-    Example:
+    Examples:
         >>> check_strategy_for_micro_batches("DDPStrategy", 2, is_ddp=True)  # accepted: nothing happens
     """
     if any(word in name for word in ("FSDP", "DeepSpeed", "ModelParallel", "Tensor")) or (
@@ -61,7 +61,7 @@ def check_strategy_for_micro_batches(name: str, world_size: int, is_ddp: bool) -
 def comm_hook_name(module: Any) -> str | None:
     """The DDP communication hook registered on ``module`` (``module.qualname``); ``None`` for none or not DDP.
 
-    Example:
+    Examples:
         >>> comm_hook_name(torch.nn.Linear(2, 2)) is None
         True
     """
@@ -76,7 +76,7 @@ def check_ddp_for_micro_batches(module: Any) -> None:
     from a gradient hook inside every backward, so one rank out of memory would leave the others waiting). Anything
     that is not DDP passes.
 
-    Example:
+    Examples:
         >>> check_ddp_for_micro_batches(torch.nn.Linear(2, 2))  # not DDP: nothing to check
     """
     if not _is_ddp(module):
@@ -136,7 +136,7 @@ def gradient_reduction(module: Any) -> Callable[[Sequence[torch.nn.Parameter]], 
     ``None`` means the plain average of
     :meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.average_gradients`.
 
-    Example:
+    Examples:
         >>> gradient_reduction(torch.nn.Linear(2, 2)) is None  # not DDP
         True
     """

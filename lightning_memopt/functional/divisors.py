@@ -18,7 +18,7 @@ def divisors(n: int) -> list[int]:
     Raises:
         ValueError: ``n`` is not an int in that range.
 
-    Example:
+    Examples:
         >>> divisors(12), len(divisors(10**12)), divisors(2**63 - 25)  # the largest prime below 2**63
         ([1, 2, 3, 4, 6, 12], 169, [1, 9223372036854775783])
     """

@@ -45,7 +45,7 @@ _STATM = _StatmReader()
 def host_rss_bytes() -> int | None:
     """Resident set size of this process in bytes, or ``None`` if the platform does not say.
 
-    Example:
+    Examples:
         >>> host_rss_bytes() > 0
         True
     """

@@ -94,7 +94,7 @@ def detect_growth(
         min_rising_fraction: Fraction of sample pairs that must rise.
         min_samples: Fewer samples than this are never judged growing.
 
-    Example:
+    Examples:
         >>> g = detect_growth([10, 20, 30, 40], [1000, 2000, 3000, 4000], min_bytes_per_step=50)
         >>> g.growing, g.bytes_per_step, g.first_step
         (True, 100.0, 20)
@@ -137,7 +137,7 @@ class GradFnHolder:
 def tensors_with_grad_fn(obj: Any, max_depth: int = 4, max_items: int = 100_000) -> tuple[int, int]:
     """``(count, bytes)`` of tensors with a ``grad_fn`` inside ``obj`` (containers walked to ``max_depth``).
 
-    Example:
+    Examples:
         >>> w = torch.ones(2, requires_grad=True)
         >>> tensors_with_grad_fn({"a": [w * 2, w.detach()], "b": (w + 1,)})
         (2, 16)
@@ -237,7 +237,7 @@ def grad_fn_holders(module: torch.nn.Module, prefix: str = "self", max_depth: in
     Returns:
         Holders, most tensors first.
 
-    Example:
+    Examples:
         >>> class Net(torch.nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
@@ -279,7 +279,7 @@ def metric_states_requiring_grad(module: torch.nn.Module, prefix: str = "self") 
     Such a state keeps the autograd graph of every ``update`` alive until ``reset``: pass detached
     predictions to ``update`` (``preds.detach()``).
 
-    Example:
+    Examples:
         >>> class Fake(torch.nn.Module):  # looks like a torchmetrics Metric
         ...     def __init__(self):
         ...         super().__init__()
@@ -332,7 +332,7 @@ class LeakSampler:
     Raises:
         ValueError: if ``window`` is below 3 or ``min_bytes_per_step`` is not a positive int.
 
-    Example:
+    Examples:
         >>> now = [0.0]
         >>> sampler = LeakSampler(3, 1, 0.5, clock=lambda: now[0], walk=lambda device, names=None: [])
         >>> sampler.restart(); _ = sampler.timed_walk("cpu")
@@ -420,7 +420,7 @@ class HolderLeak:
 class HolderWatch:
     """The attributes holding tensors with autograd history (:func:`grad_fn_holders`) over the last ``window`` samples.
 
-    Example:
+    Examples:
         >>> watch = HolderWatch(3)
         >>> [watch.add(s, [GradFnHolder("self.losses", s, 4 * s)]) for s in (1, 2)]
         [None, None]
@@ -460,7 +460,7 @@ def growth_message(growth: Growth, steps: Sequence[int], device: torch.device | 
 def leak_message(rank: int, what: str, holders: Sequence[GradFnHolder]) -> str:
     """The leak warning: ``what`` grows, the attributes holding tensors with autograd history, the usual causes.
 
-    Example:
+    Examples:
         >>> leak_message(0, "X grows.", [])[:60]
         'MemoryAudit [rank 0]: X grows. No attribute of the Lightning'
     """

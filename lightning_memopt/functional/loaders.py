@@ -29,7 +29,7 @@ HOST_FRACTION = 0.25
 def batch_bytes(batch: Any) -> int:
     """Bytes of the tensors (and NumPy arrays) in ``batch``: nested dicts, lists, tuples, namedtuples, dataclasses.
 
-    Example:
+    Examples:
         >>> batch_bytes({"x": torch.zeros(4, 8), "y": [torch.zeros(4, dtype=torch.int64), "label"]})
         160
     """
@@ -108,7 +108,7 @@ def loader_memory(
     read here: a sample read in the main process could leave a file handle open that forked workers then share.
     Returns ``None`` for objects that are not DataLoaders.
 
-    Example:
+    Examples:
         >>> from torch.utils.data import DataLoader, TensorDataset
         >>> loader = DataLoader(TensorDataset(torch.zeros(64, 256)), batch_size=8, num_workers=2, prefetch_factor=4)
         >>> info = loader_memory(loader, "train", "cuda", cpu_count=8, host_total_bytes=2**34, batch_bytes=8192)
@@ -179,7 +179,7 @@ def loader_memory(
 def named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
     """``(name, loader)`` for a loader or a list / dict of them, as the Trainer holds them.
 
-    Example:
+    Examples:
         >>> named_loaders("val", ["a", "b"]), named_loaders("train", "a"), named_loaders("val", None)
         ([('val[0]', 'a'), ('val[1]', 'b')], [('train', 'a')], [])
     """
@@ -193,7 +193,7 @@ def named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:
 def fit_loaders(train: Any, val: Any, limit_val_batches: Any = 1) -> list[tuple[str, Any]]:
     """``(name, loader)`` of a fit's loaders: ``train`` and, unless validation is off, ``val``.
 
-    Example:
+    Examples:
         >>> fit_loaders("t", ["v"]), fit_loaders("t", ["v"], limit_val_batches=0)
         ([('train', 't'), ('val', 'v')], [('train', 't')])
     """

@@ -75,7 +75,7 @@ class MemoryReading:
         num_alloc_retries: Times the allocator had to free its cache and retry an allocation.
         num_ooms: Out-of-memory errors the allocator has raised in this process.
 
-    Example:
+    Examples:
         >>> reading = read_memory("cpu")
         >>> reading.allocated_bytes is None and reading.host_rss_bytes > 0
         True
@@ -106,7 +106,7 @@ class MemoryReading:
     def fraction_of_total(self, field: str) -> float | None:
         """``field`` as a fraction of the device total, or ``None`` if either is unknown.
 
-        Example:
+        Examples:
             >>> MemoryReading(time=0.0, device="cuda:0", allocated_bytes=3, device_total_bytes=4).fraction_of_total(
             ...     "allocated_bytes")
             0.75
@@ -122,7 +122,7 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
 
     ``None`` means the current CUDA device when CUDA is available, else the CPU.
 
-    Example:
+    Examples:
         >>> resolve_device("cpu")
         device(type='cpu')
     """
@@ -142,7 +142,7 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
 def supports_device_memory(device: torch.device | str) -> bool:
     """Whether ``device`` gives allocator readings (allocated/reserved bytes) on this build of torch.
 
-    Example:
+    Examples:
         >>> supports_device_memory("cpu")
         False
     """
@@ -212,7 +212,7 @@ def read_memory(device: torch.device | str | int | None = None) -> MemoryReading
             available, or the index is out of range: :func:`check_device_usable`). A monitoring hook that reads
             through this turns the error into one warning.
 
-    Example:
+    Examples:
         >>> r = read_memory("cpu")
         >>> (r.device, r.reserved_bytes, r.peak_allocated_bytes)
         ('cpu', None, None)
@@ -237,7 +237,7 @@ def reset_peak_memory(device: torch.device | str | int | None = None) -> bool:
     Returns:
         ``True`` if the backend has peaks and they were reset, ``False`` otherwise (CPU, MPS).
 
-    Example:
+    Examples:
         >>> reset_peak_memory("cpu")
         False
     """
@@ -267,7 +267,7 @@ def memory_record(
     Keys follow the memory log format (``docs/memory-log.md``): ``time``, ``rank``, ``phase``, ``event``,
     ``epoch``, ``global_step``, ``batch_idx``, ``device``, then the memory fields, then ``extra``.
 
-    Example:
+    Examples:
         >>> rec = memory_record(MemoryReading(time=1.0, device="cpu", host_rss_bytes=10), rank=0, phase="train",
         ...                     event="step", epoch=0, global_step=3, batch_idx=2)
         >>> list(rec)[:8]
@@ -301,7 +301,7 @@ def empty_device_cache(device: torch.device | str | int | None = None) -> bool:
     Returns:
         ``True`` if the backend has a cache and it was emptied, ``False`` otherwise (CPU).
 
-    Example:
+    Examples:
         >>> empty_device_cache("cpu")
         False
     """
@@ -330,7 +330,7 @@ class DeviceMemory:
     Args:
         device: The device to read (see :func:`read_memory`).
 
-    Example:
+    Examples:
         >>> memory = DeviceMemory("cpu")
         >>> memory.has_device_memory, memory.reset_peaks(), memory.read().device
         (False, False, 'cpu')

@@ -57,7 +57,7 @@ def batch_size_of(batch: Any) -> int:
     Raises:
         TypeError: when the batch holds no tensor with a first dim, naming the batch's type and the override.
 
-    Example:
+    Examples:
         >>> import torch
         >>> batch_size_of({"x": torch.zeros(8, 3), "ids": list(range(8))})
         8
@@ -135,7 +135,7 @@ def slice_batch(batch: Any, start: int, stop: int, size: int | None = None) -> A
     Raises:
         TypeError: for a leaf the default slicer cannot split, naming its place in the batch and the override.
 
-    Example:
+    Examples:
         >>> import torch
         >>> part = slice_batch({"x": torch.arange(6), "text": list("abcdef"), "scale": 2.0}, 2, 4)
         >>> part["x"].tolist(), part["text"], part["scale"]
@@ -163,7 +163,7 @@ def micro_batch_of(
     """The samples ``[start, stop)`` of a batch of ``size``: the batch itself when that is all of it, else
     ``split_batch_fn(batch, start, stop)`` if given, else :func:`slice_batch`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> x = torch.arange(4)
         >>> micro_batch_of(x, 0, 4, 4) is x, micro_batch_of(x, 1, 3, 4).tolist()
@@ -179,7 +179,7 @@ def micro_batch_of(
 def loader_batch_size(loader: Any) -> int | None:
     """The ``batch_size`` of a DataLoader (or of its batch sampler); ``None`` for anything else.
 
-    Example:
+    Examples:
         >>> from torch.utils.data import DataLoader
         >>> loader_batch_size(DataLoader(range(10), batch_size=4)), loader_batch_size([1, 2])
         (4, None)
@@ -215,7 +215,7 @@ def check_first_batch(
         TypeError: the default slicer cannot split the batch (naming the element and the ``split_batch_fn`` fix).
         ValueError: the one-sample slice does not count as one sample.
 
-    Example:
+    Examples:
         >>> import torch
         >>> check_first_batch({"x": torch.zeros(5, 32, 3)}, 5, expected_size=32)[:65]
         "AutoMicroBatch splits batches along the first dim of `batch['x']`"

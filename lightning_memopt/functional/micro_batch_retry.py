@@ -53,7 +53,7 @@ class MicroBatchPart(NamedTuple):
 def micro_batch_weight(samples: int, batch_size: int, accumulate: int = 1) -> float:
     """The factor on a micro-batch's loss so that the micro-batches add up to the batch's mean over the window.
 
-    Example:
+    Examples:
         >>> micro_batch_weight(4, 16, accumulate=2)  # 4 of 16 samples, in a window of 2 batches
         0.125
     """
@@ -63,7 +63,7 @@ def micro_batch_weight(samples: int, batch_size: int, accumulate: int = 1) -> fl
 def next_micro_batch_size(size: int, min_size: int) -> int | None:
     """The micro-batch to try after ``size`` ran out of memory: half of it, never below ``min_size``; ``None``: give up.
 
-    Example:
+    Examples:
         >>> next_micro_batch_size(16, 1), next_micro_batch_size(3, 2), next_micro_batch_size(2, 2)
         (8, 2, None)
     """
@@ -105,7 +105,7 @@ def mark_micro_batch(err: BaseException, batch_size: int, micro_batch_size: int)
 def micro_batch_facts(err: BaseException) -> MicroBatchFacts | None:
     """What :func:`mark_micro_batch` recorded on ``err``; ``None`` for an error that did not end a micro-batch run.
 
-    Example:
+    Examples:
         >>> err = torch.OutOfMemoryError("simulated")
         >>> mark_micro_batch(err, 16, 1)
         >>> micro_batch_facts(err), micro_batch_facts(ValueError())
@@ -133,7 +133,7 @@ def restore_grads(params: Sequence[torch.nn.Parameter], saved: Sequence[Tensor |
 def combine_losses(parts: Sequence[MicroBatchPart], batch_size: int, accumulate: int = 1) -> Tensor | None:
     """The batch's loss as Lightning reports it (the sample-weighted mean over the window), detached.
 
-    Example:
+    Examples:
         >>> parts = [MicroBatchPart(3, torch.tensor(1.0), {}), MicroBatchPart(1, torch.tensor(5.0), {})]
         >>> combine_losses(parts, 4).item()
         2.0
@@ -153,7 +153,7 @@ class Agreement:
         device: where the flags are reduced (the process group's device).
         no_sync: a context manager factory that keeps the DDP reducer from syncing (``strategy.block_backward_sync``).
 
-    Example:
+    Examples:
         >>> Agreement().max(2)  # one process: nothing to agree with
         2
     """
@@ -259,7 +259,7 @@ def run_micro_batches(
     Returns:
         The parts of the run that went through, and the micro-batch size it used.
 
-    Example:
+    Examples:
         >>> def step(start, stop):
         ...     if stop - start > 2:
         ...         raise torch.OutOfMemoryError("simulated")

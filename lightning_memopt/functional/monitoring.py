@@ -66,7 +66,7 @@ class PhasePeaks:
     Args:
         reader: Gives the readings and resets the peaks.
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.memory import MemoryReading
         >>> class Fake:
         ...     peak = 0
@@ -123,7 +123,7 @@ class ThresholdWatch:
     Args:
         threshold: Fraction of the device total in (0, 1].
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.memory import MemoryReading
         >>> watch = ThresholdWatch(0.9)
         >>> at = lambda n: MemoryReading(time=0.0, device="cuda:0", allocated_bytes=n, device_total_bytes=100)
@@ -161,7 +161,7 @@ class ThresholdWatch:
 def step_metrics(phase: str, reading: MemoryReading) -> dict[str, float]:
     """The logger metrics of one step reading: ``memory/<phase>/<field>`` for each known ``STEP_FIELDS`` entry.
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.memory import MemoryReading
         >>> step_metrics("train", MemoryReading(time=0.0, device="cpu", host_rss_bytes=10))
         {'memory/train/host_rss_bytes': 10.0}
@@ -182,7 +182,7 @@ def cross_rank_values(reading: MemoryReading) -> torch.Tensor:
 def cross_rank_metrics(gathered: torch.Tensor) -> dict[str, float]:
     """Min, max and mean over the ranks of each field every rank knows, from the gathered :func:`cross_rank_values`.
 
-    Example:
+    Examples:
         >>> rows = torch.tensor([[-1.0, -1.0, 10.0], [-1.0, -1.0, 30.0]], dtype=torch.float64)
         >>> cross_rank_metrics(rows)  # doctest: +NORMALIZE_WHITESPACE
         {'memory/train/host_rss_bytes_min': 10.0, 'memory/train/host_rss_bytes_max': 30.0,
@@ -215,7 +215,7 @@ def position_record(
 ) -> dict[str, Any]:
     """One JSONL record: ``reading`` at ``at`` (``extra`` keys after the memory fields, ``run_id`` last).
 
-    Example:
+    Examples:
         >>> rec = position_record(MemoryReading(time=0.0, device="cpu"), 1, "train", "audit", Position(0, 3, None, "r"))
         >>> rec["rank"], rec["global_step"], list(rec)[-1]
         (1, 3, 'run_id')
@@ -244,7 +244,7 @@ class MonitorRecords:
         rank: The rank written into every record.
         warn_threshold: Fraction of the device total above which a step gives a ``warning`` record.
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.memory import DeviceMemory
         >>> core = MonitorRecords(DeviceMemory("cpu"), rank=0, warn_threshold=0.9)
         >>> [r["event"] for r in core.phase_start("train", Position(0, 0, None, "run"))]

@@ -54,7 +54,7 @@ def normalize_precision(value: Any, name: str = "precision") -> str:
     The short names map as Lightning's Trainer maps them: ``16`` / ``"16"`` to ``"16-mixed"``, ``"bf16"`` to
     ``"bf16-mixed"``, ``32`` to ``"32-true"``, ``64`` to ``"64-true"``. Anything else gets an error naming ``name``.
 
-    Example:
+    Examples:
         >>> [normalize_precision(v) for v in (16, "16", "bf16", 32, "64", "bf16-true", "auto")]
         ['16-mixed', '16-mixed', 'bf16-mixed', '32-true', '64-true', 'bf16-true', 'auto']
     """
@@ -74,7 +74,7 @@ def has_native_bf16(device_type: str, capability: tuple[int, int] | None) -> boo
     ``torch.cuda.is_bf16_supported()`` also counts emulation (True on a V100); native bf16 on CUDA needs compute
     capability >= 8.0 (Ampere). CPUs run bf16 autocast everywhere torch supports it.
 
-    Example:
+    Examples:
         >>> has_native_bf16("cuda", (7, 0)), has_native_bf16("cuda", (8, 0)), has_native_bf16("cpu", None)
         (False, True, True)
     """
@@ -115,7 +115,7 @@ def choose_precision(
     (:func:`normalize_precision`). ``setting`` is where the user sets the precision, as a template for the messages
     (``"MemoryPrecision(precision={!r})"``).
 
-    Example:
+    Examples:
         >>> choose_precision("auto", "cuda", (8, 0), "NVIDIA A100").precision
         'bf16-mixed'
         >>> choose_precision("auto", "cuda", (7, 0), "Tesla V100").summary
@@ -170,7 +170,7 @@ def own_precision_strategy(strategy: Any) -> str | None:
     """The entry of :data:`UNSUPPORTED_STRATEGIES` that ``strategy`` (a Trainer's ``strategy=``: a name such as
     ``"deepspeed_stage_2"``, or an object) is; ``None`` when it is none of them.
 
-    Example:
+    Examples:
         >>> own_precision_strategy("deepspeed_stage_2"), own_precision_strategy("ddp")
         ('DeepSpeedStrategy', None)
     """
@@ -187,7 +187,7 @@ def has_own_precision(strategy: Any) -> bool:
     """Whether ``strategy`` (a Trainer's ``strategy=``: a name such as ``"deepspeed_stage_2"``, or an object) is
     one of :data:`UNSUPPORTED_STRATEGIES`, which bring their own precision classes.
 
-    Example:
+    Examples:
         >>> [has_own_precision(s) for s in ("fsdp", "deepspeed_stage_3", "xla_fsdp", "ddp", "auto", None)]
         [True, True, True, False, False, False]
     """
@@ -220,7 +220,7 @@ def checked_scaler_state(state: Any, has_scaler: bool, owner: str = "MemoryPreci
     fresh. An empty state (a run without a scaler) gives ``None`` silently. A plugin without a scaler keeps no state:
     a non-empty one warns and gives ``None``.
 
-    Example:
+    Examples:
         >>> checked_scaler_state({}, has_scaler=True) is None
         True
         >>> good = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 7}

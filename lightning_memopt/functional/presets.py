@@ -76,7 +76,7 @@ def tier_for_memory(total_memory_gib: float) -> tuple[str, str]:
     Cards up to 12 GiB get ``max-savings`` (the "8 GB" tier), up to 20 GiB ``balanced`` ("16 GB"), larger ones
     ``max-speed`` ("24 GB+").
 
-    Example:
+    Examples:
         >>> tier_for_memory(7.8), tier_for_memory(15.9), tier_for_memory(79.1)
         (('8GB', 'max-savings'), ('16GB', 'balanced'), ('24GB+', 'max-speed'))
     """
@@ -92,7 +92,7 @@ def tier_for_memory(total_memory_gib: float) -> tuple[str, str]:
 def normalize_checkpoint_modules(value: Any) -> tuple[type[nn.Module] | str, ...] | None:
     """``checkpoint_modules`` as a tuple: one entry or a list/tuple of module classes, class names or name patterns.
 
-    Example:
+    Examples:
         >>> normalize_checkpoint_modules("T5Block"), normalize_checkpoint_modules([nn.Linear, "encoder.*"])
         (('T5Block',), (<class 'torch.nn.modules.linear.Linear'>, 'encoder.*'))
         >>> normalize_checkpoint_modules([])
@@ -142,7 +142,7 @@ def plan_accumulation(
     sizes that do divide. When ``micro_batch_size`` is ``None`` the smallest number of accumulation steps
     ``>= target_accumulation`` that divides the per-rank batch is used (micro-batch 1 at worst).
 
-    Example:
+    Examples:
         >>> plan_accumulation(128, 16)
         AccumulationPlan(effective_batch_size=128, micro_batch_size=16, accumulate_grad_batches=8, world_size=1)
         >>> plan_accumulation(128, 8, devices=4, num_nodes=2).accumulate_grad_batches
@@ -204,7 +204,7 @@ def plan_auto_micro_batch(
     ``micro_batch_size``, where ``AutoMicroBatch`` starts, is checked as in :func:`plan_accumulation` (it must divide
     the per-rank batch), with the same messages; the effective batch is never changed.
 
-    Example:
+    Examples:
         >>> plan_auto_micro_batch(128, devices=4)
         AccumulationPlan(effective_batch_size=128, micro_batch_size=32, accumulate_grad_batches=1, world_size=4)
         >>> plan_auto_micro_batch(128, 16, devices=4).micro_batch_size  # AutoMicroBatch starts at 16 of the 32

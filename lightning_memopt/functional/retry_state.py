@@ -67,7 +67,7 @@ def collect_rng_states() -> RngStates:
     """The global random states: torch's CPU generator, every generator of each initialised accelerator (CUDA, XPU),
     Python's ``random`` and, when NumPy is imported, ``numpy.random``'s global generator.
 
-    Example:
+    Examples:
         >>> states = collect_rng_states()
         >>> a = torch.rand(2)
         >>> set_rng_states(states)
@@ -106,7 +106,7 @@ class MetricStates:
     """The states of ``torchmetrics`` metrics (``metric.metric_state``) and their update bookkeeping, kept to put
     back.
 
-    Example:
+    Examples:
         >>> from torchmetrics import SumMetric
         >>> total = SumMetric()
         >>> total.update(torch.tensor(2.0))
@@ -151,7 +151,7 @@ def find_parts(module: nn.Module) -> ModuleParts:
     One walk costs about 1 ms on a 12-layer BERT (231 submodules); ``AutoMicroBatch`` walks until a batch went through,
     then reuses the parts found after it (lazy modules are materialised by then).
 
-    Example:
+    Examples:
         >>> parts = find_parts(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
         >>> parts.metrics, [key for _, _, key in parts.buffers]
         ([], ['1.running_mean', '1.running_var', '1.num_batches_tracked'])
@@ -243,7 +243,7 @@ class RetrySnapshot:
         buffers: a :class:`BufferKeeper` to keep the buffers with, or ``None`` to leave buffers alone.
         parts: the module's metrics and buffer places (:func:`find_parts`), if already found; ``None``: found now.
 
-    Example:
+    Examples:
         >>> bn = nn.BatchNorm1d(2)
         >>> snapshot = RetrySnapshot(bn, None, buffers=BufferKeeper())
         >>> _ = bn(torch.randn(4, 2))

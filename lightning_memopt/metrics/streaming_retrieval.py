@@ -57,7 +57,7 @@ class _DistributedCollectives(Collectives):
     Args:
         group: the process group (``None``: the default group).
 
-    Example:
+    Examples:
         >>> comm = _DistributedCollectives()  # not distributed here: a world of one
         >>> comm.rank, comm.world, comm.all_gather_rows(torch.ones(2, 1)).shape
         (0, 1, torch.Size([2, 1]))
@@ -119,7 +119,7 @@ class _StoredTexts:
     A load, merge, sync, reset or in-place concatenation replaces the state's objects: :meth:`positions` notices
     (by the state's length and its first and last tensors) and rebuilds from the state itself.
 
-    Example:
+    Examples:
         >>> texts = _StoredTexts()
         >>> ids = [torch.tensor([7, 3])]
         >>> texts.positions(ids)
@@ -224,7 +224,7 @@ class StreamingRetrievalMetric(Metric):
     States: ``video_features``, ``row_text_ids``, ``sample_ids``, ``video_ids`` (one entry per row) and
     ``unique_text_ids``, ``text_features`` (one per stored caption).
 
-    Example:
+    Examples:
         >>> import torch
         >>> metric = StreamingRetrievalMetric(top_k=(1,))
         >>> feats = torch.eye(4)
@@ -451,7 +451,7 @@ class StreamingRetrievalMetric(Metric):
     def compute_ranks(self) -> RetrievalRanks:
         """Per-query ``rank0`` in both directions with the ids of the queries (gathered on every process).
 
-        Example:
+        Examples:
             >>> m = StreamingRetrievalMetric()
             >>> m.update(torch.eye(2), torch.eye(2), text_ids=["a", "b"])
             >>> m.compute_ranks().v2t.tolist()

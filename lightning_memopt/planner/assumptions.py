@@ -15,7 +15,7 @@ __all__ = ["assumptions", "cublas_workspace"]
 def cublas_workspace(gpu: str | tuple[int, int] | None) -> tuple[int, str]:
     """Bytes of the cuBLAS workspaces (one for forward's thread, one for backward's) and where the size comes from.
 
-    Example:
+    Examples:
         >>> cublas_workspace((9, 0))[0] == 2 * 32 * 1024**2
         True
     """

@@ -73,7 +73,7 @@ def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | Non
 
     ``None`` reads the current CUDA device. ``GB`` is 10^9 bytes and ``GiB`` 2^30, as written.
 
-    Example:
+    Examples:
         >>> parse_budget("A100-40GB")[0] == int(39.4 * 1024**3), parse_budget("16GB")[:2]
         (True, (16000000000, '16GB'))
     """
@@ -114,7 +114,7 @@ def parse_budget(budget: int | float | str | None) -> tuple[int, str, bool | Non
 def gpu_compute_capability(gpu: str | tuple[int, int]) -> tuple[tuple[int, int], str]:
     """``((major, minor), label)`` of a GPU name from :data:`GPU_MEMORY` or a compute capability such as ``(9, 0)``.
 
-    Example:
+    Examples:
         >>> gpu_compute_capability("h100-80gb"), gpu_compute_capability((8, 0))
         (((9, 0), 'H100-80GB'), ((8, 0), 'sm80'))
     """
@@ -148,7 +148,7 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: s
     (``:4096:8``) on compute capability 9.0 (H100, H200) and 8 MiB + 128 KiB (``:4096:2:16:8``) elsewhere; ``None``
     (unknown GPU) takes the latter.
 
-    Example:
+    Examples:
         >>> cublas_workspace_bytes((9, 0)) // 1024, cublas_workspace_bytes((8, 0)) // 1024
         (32768, 8320)
         >>> cublas_workspace_bytes((9, 0), ":16:8") // 1024  # the deterministic setting's smaller workspace

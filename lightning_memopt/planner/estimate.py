@@ -79,17 +79,22 @@ class MemoryEstimate(StepCount):
         accumulate_grad_batches: micro-batches per optimizer step (as given).
         at_peak: what the peak is made of (``parameters``, ``buffers``, ``batch``, ``gradients``,
             ``optimizer_states``, ``activations``, ``temporaries``, ``workspace``); adds up to ``peak_bytes``.
-        parameter_bytes / trainable_parameter_bytes / buffer_bytes / gradient_bytes / optimizer_state_bytes /
-            batch_bytes: the totals.
+        parameter_bytes: the parameters' bytes.
+        trainable_parameter_bytes: the bytes of the parameters that train.
+        buffer_bytes: the buffers' bytes.
+        gradient_bytes: the gradients' bytes.
+        optimizer_state_bytes: the optimizer states' bytes.
+        batch_bytes: the batch's bytes.
         phase_peaks: the highest count seen in each phase.
-        device / precision: the target the estimate models.
+        device: the target device the estimate models.
+        precision: the precision the estimate models.
         fake: whether it ran on fake tensors (``False``: a real step on the CPU, the fallback).
         assumptions: what was modelled and assumed, in words.
         seconds: how long the estimate took.
         steps: how many training steps were simulated.
         extra: free-form details (not compared).
 
-    Example:
+    Examples:
         >>> est = estimate_memory(nn.Linear(64, 64, bias=False), torch.randn(32, 64), device="cpu")
         >>> est.peak_phase, est.at_peak["parameters"] == est.parameter_bytes == 4 * 64 * 64
         ('optimizer step', True)
@@ -256,7 +261,7 @@ def estimate_memory(
             fallback), the optimizer cannot be built, the training step returns no loss, or the checkpointing matches
             no submodule.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
         >>> est = estimate_memory(model, torch.randn(32, 256), device="cpu")
         >>> est.parameter_bytes == 4 * (256 * 1024 + 1024 + 1024 * 10 + 10)

@@ -30,7 +30,7 @@ class MemoryEstimateError(RuntimeError):
     cannot run on fake tensors (the cause is a :class:`~lightning_memopt.functional.planning.FakeStepError`), the
     optimizer cannot be built, the training step returns no loss, or the checkpointing matches no submodule.
 
-    Example:
+    Examples:
         >>> try:
         ...     raise MemoryEstimateError("the training step returned str, not a loss tensor.")
         ... except RuntimeError as err:
@@ -42,7 +42,7 @@ class MemoryEstimateError(RuntimeError):
 def is_lightning_module(module: nn.Module) -> bool:
     """Whether ``module`` is a LightningModule, by its class hierarchy (Lightning is not imported for a plain module).
 
-    Example:
+    Examples:
         >>> is_lightning_module(nn.Linear(2, 2))
         False
     """
@@ -55,7 +55,7 @@ def is_lightning_module(module: nn.Module) -> bool:
 def is_manual_optimization(module: nn.Module) -> bool:
     """Whether ``module`` is a LightningModule that optimizes itself (``automatic_optimization = False``).
 
-    Example:
+    Examples:
         >>> is_manual_optimization(nn.Linear(2, 2))
         False
     """
@@ -92,7 +92,7 @@ def step_function(
 ) -> Callable[[nn.Module, Any, int], Tensor]:
     """``step_fn(model, batch, batch_idx) -> loss``: ``loss_fn``, else ``training_step``, else the model's call.
 
-    Example:
+    Examples:
         >>> step = step_function(None, lightning=False)
         >>> step(nn.Linear(3, 2), torch.ones(4, 3), 0).shape  # the output summed to a scalar
         torch.Size([])
@@ -144,7 +144,7 @@ def make_optimizers(
     """``make(model) -> optimizers``: ``optimizer(trainable parameters)``, else ``configure_optimizers()`` of a
     LightningModule (its LR schedulers are appended to ``schedulers``), else ``AdamW`` over the trainable parameters.
 
-    Example:
+    Examples:
         >>> [type(o).__name__ for o in make_optimizers(None, lightning=False)(nn.Linear(2, 2))]
         ['AdamW']
     """
@@ -174,7 +174,7 @@ def checkpointing_prepare(
     own switch, else PyTorch transformer layers); with block classes or name patterns, those blocks (wrapped even
     where the model has a switch). ``prepare`` raises :class:`MemoryEstimateError` when nothing is checkpointed.
 
-    Example:
+    Examples:
         >>> checkpointing_prepare(False) is None
         True
         >>> checkpointing_prepare(True, ["missing.*"])(nn.Sequential(nn.Linear(2, 2)))

@@ -59,7 +59,7 @@ class MemoryPlan:
         trials: every estimate run, in order.
         advice: what would fit, when nothing does.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(64, 64)
         >>> plan = plan_memory(model, lambda b: torch.randn(b, 64), effective_batch_size=8, budget="1GB",
         ...                    device="cpu")
@@ -327,7 +327,8 @@ def plan_memory(
         effective_batch_size: samples per optimizer step over all devices; kept exactly.
         budget: the device's memory: bytes, a size (``"40GB"``, ``"24GiB"``) or a GPU name from
             :data:`GPU_MEMORY` (``"A100-40GB"``); ``None`` reads the current CUDA device.
-        devices / num_nodes: the data-parallel world (``effective_batch_size`` must divide by it).
+        devices: data-parallel devices per node (``effective_batch_size`` must divide by ``devices x num_nodes``).
+        num_nodes: nodes.
         margin: fraction of the usable memory left free for what is not modelled (fragmentation, cuDNN, NCCL).
         precision: ``"auto"`` (``bf16-mixed`` where the GPU computes bf16, else ``16-mixed``; ``32-true`` for
             ``device="cpu"``; a budget given as a size says nothing about the GPU, so bf16 is assumed: pass
@@ -337,7 +338,9 @@ def plan_memory(
             stays checkpointed.
         checkpoint_modules: the blocks to checkpoint when checkpointing (module classes, class names or name
             patterns); ``None``: the default blocks, as :class:`~lightning_memopt.GradientCheckpointing` chooses.
-        optimizer / loss_fn / device: as for :func:`estimate_memory`.
+        optimizer: as for :func:`estimate_memory`.
+        loss_fn: as for :func:`estimate_memory`.
+        device: as for :func:`estimate_memory`.
         progress: called with one line on the micro-batches to choose from, then one line per estimate (the CLI
             prints them); ``None`` logs them at INFO on the ``lightning_memopt.planner.plan`` logger.
         gpu: the target GPU for its cuBLAS workspace (see :func:`estimate_memory`); default: the GPU named by
@@ -347,7 +350,7 @@ def plan_memory(
         a :class:`MemoryPlan`. When even micro-batch 1 with the most saving settings does not fit, ``plan.feasible``
         is ``False`` and ``plan.advice`` says what would (8-bit optimizer states, or FSDP over N GPUs).
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
         >>> plan = plan_memory(model, lambda b: torch.randn(b, 128, 512), effective_batch_size=64,
         ...                    budget="20MB", device="cpu")

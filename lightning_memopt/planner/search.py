@@ -58,7 +58,7 @@ class Trials:
     Outputs (attributes): ``trials`` (a :class:`PlanTrial` per estimate) and ``estimates`` (by ``(micro-batch,
     checkpointing)``).
 
-    Example:
+    Examples:
         >>> runs = Trials(nn.Linear(8, 8), lambda b: torch.randn(b, 8), batch_per_device=4, usable=10**6, world=1,
         ...               precision="32-true", optimizer=None, device="cpu", loss_fn=None)
         >>> runs.largest_fitting(False, [1, 2, 4]), [t.micro_batch_size for t in runs.trials]
@@ -126,7 +126,7 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int |
     size and not beyond (the need grows with the micro-batch). Tries the largest first, then the smallest, then a
     binary search between them.
 
-    Example:
+    Examples:
         >>> tried = []
         >>> largest_fitting([1, 2, 4, 8, 16], lambda size: tried.append(size) or size <= 4), tried
         (4, [16, 1, 4, 8])

@@ -403,7 +403,7 @@ class MemoryPrecision(_MemoryPrecisionMixin, Precision, metaclass=abc.ABCMeta):
 
     Device requirements: any; on CPU ``"auto"`` trains in fp32.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(accelerator="cpu", plugins=[MemoryPrecision("auto")], logger=False)
         >>> trainer.precision_plugin.requested_precision, trainer.precision

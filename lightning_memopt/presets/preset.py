@@ -110,7 +110,7 @@ class MemoryPreset:
         auto_micro_batch: the DataLoader yields the whole per-device batch and ``AutoMicroBatch`` splits it,
             halving on out-of-memory; ``micro_batch_size`` is then where it starts (``None``: the whole batch).
 
-    Example:
+    Examples:
         >>> preset = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=16)
         >>> preset.accumulate_grad_batches, preset.batch_size
         (8, 16)
@@ -215,7 +215,7 @@ class MemoryPreset:
     def from_name(cls, name: str, **overrides: Any) -> MemoryPreset:
         """The preset ``name`` with ``overrides`` for any field.
 
-        Example:
+        Examples:
             >>> MemoryPreset.from_name("max-sped")
             Traceback (most recent call last):
             ...
@@ -239,7 +239,7 @@ class MemoryPreset:
         Raises:
             ValueError: nothing fits (the message is the plan's advice), or ``overrides`` names a planned field.
 
-        Example:
+        Examples:
             >>> from lightning_memopt import plan_memory
             >>> plan = plan_memory(nn.Linear(64, 64), lambda b: torch.randn(b, 64), effective_batch_size=8,
             ...                    budget="4GB", device="cpu")
@@ -279,7 +279,7 @@ class MemoryPreset:
         and :meth:`from_plan` builds the preset with the other ``overrides``. If nothing fits, ``ValueError`` says
         what would (8-bit optimizer states, or FSDP over N GPUs).
 
-        Example:
+        Examples:
             >>> p = MemoryPreset.for_device(8, effective_batch_size=32)
             >>> p.name, p.tier, p.batch_size, p.accumulate_grad_batches
             ('max-savings', '8GB', 8, 4)
@@ -385,7 +385,7 @@ class MemoryPreset:
         with 2 (PyTorch's default), ``max-speed`` up to 8 with 2 and persistent workers. Workers are capped at the
         CPU cores per device; ``pin_memory`` only where CUDA is there to copy to.
 
-        Example:
+        Examples:
             >>> MemoryPreset("max-savings").dataloader_kwargs(cpu_count=16, cuda=True)
             {'batch_size': 32, 'num_workers': 2, 'prefetch_factor': 1, 'pin_memory': True, 'persistent_workers': False}
         """
@@ -413,7 +413,7 @@ class MemoryPreset:
         Raises:
             ValueError: when one of ``trainer_kwargs`` contradicts the preset; the message says which to drop.
 
-        Example:
+        Examples:
             >>> preset = MemoryPreset(effective_batch_size=64, micro_batch_size=8)
             >>> preset.trainer_kwargs(precision="16-mixed")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
@@ -431,7 +431,7 @@ class MemoryPreset:
         are taken from the preset instead of counting as a contradiction; any other value that disagrees with the
         preset raises as in :meth:`trainer_kwargs`. Entries the preset does not decide are kept as they are.
 
-        Example:
+        Examples:
             >>> preset = MemoryPreset.from_name("max-speed", effective_batch_size=32, micro_batch_size=8)
             >>> kwargs = preset.merge_trainer_config({"accumulate_grad_batches": 1, "devices": "auto", "max_steps": 9})
             >>> kwargs["accumulate_grad_batches"], kwargs["devices"], kwargs["max_steps"]
@@ -443,7 +443,7 @@ class MemoryPreset:
     def describe(self) -> str:
         """A table of every knob: its value and why it is set; no line is wider than 100 columns.
 
-        Example:
+        Examples:
             >>> print(MemoryPreset.from_name("max-speed").describe().splitlines()[0])
             MemoryPreset 'max-speed'
         """

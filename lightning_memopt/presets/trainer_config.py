@@ -53,7 +53,7 @@ def device_count(accelerator: Any, devices: Any) -> int | None:
     Counts as Lightning does: a list (or ``"0,1"``) by its length, a positive int (or its string) as is, ``"auto"``
     and ``-1`` as every CUDA GPU for a CUDA accelerator, one device for the CPU and others.
 
-    Example:
+    Examples:
         >>> device_count("cpu", "auto"), device_count("gpu", [0, 3]), device_count("auto", "2"), device_count("cpu", 0)
         (1, 2, 2, None)
     """

@@ -38,7 +38,7 @@ def _cuda_memory_module() -> Any:
 def supports_memory_history() -> bool:
     """Whether this torch build can record CUDA allocator history and dump snapshots, with a GPU present.
 
-    Example:
+    Examples:
         >>> isinstance(supports_memory_history(), bool)
         True
     """
@@ -119,7 +119,7 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
     """``tensor._version``, the counter every in-place change of the tensor raises; ``None`` where it has none
     (inference-mode tensors) or this torch lacks it.
 
-    Example:
+    Examples:
         >>> t = torch.zeros(2)
         >>> before = tensor_version(t)
         >>> _ = t.add_(1)
@@ -138,7 +138,7 @@ def storage_weak_ref(tensor: torch.Tensor) -> Any:
 
     Tells whether a storage is still alive after its tensor was replaced (someone else holds it).
 
-    Example:
+    Examples:
         >>> t = torch.ones(4)
         >>> ref = storage_weak_ref(t)
         >>> ref is None or (ref.expired(), (t := None), ref.expired())[::2] == (False, True)
@@ -176,7 +176,7 @@ def ddp_comm_hook_name(module: Any) -> str | None:
     A Python hook (``register_comm_hook``) is named ``module.qualname``; a built-in C++ hook
     (``_register_builtin_comm_hook``) by the name DDP logs for it (``BuiltinCommHookType.FP16_COMPRESS``).
 
-    Example:
+    Examples:
         >>> ddp_comm_hook_name(torch.nn.Linear(2, 2)) is None  # not DDP: no hook
         True
     """

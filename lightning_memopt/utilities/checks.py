@@ -35,7 +35,7 @@ def is_finite_number(value: Any) -> bool:
 
     Fast for plain ints and floats: it runs for every field of every record a log reader checks.
 
-    Example:
+    Examples:
         >>> is_finite_number(3), is_finite_number(float("nan")), is_finite_number(True), is_finite_number("3")
         (True, False, False, False)
     """
@@ -76,7 +76,7 @@ def _number_hint(value: Any, hint: str | None) -> str | None:
 def check_positive_int(name: str, value: Any, hint: str | None = None, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is an int >= 1 (or ``None`` when ``allow_none``).
 
-    Example:
+    Examples:
         >>> check_positive_int("every_n_steps", 0)
         Traceback (most recent call last):
         ...
@@ -91,7 +91,7 @@ def check_positive_int(name: str, value: Any, hint: str | None = None, allow_non
 def check_non_negative_int(name: str, value: Any, hint: str | None = None) -> None:
     """Raise ``ValueError`` unless ``value`` is an int >= 0.
 
-    Example:
+    Examples:
         >>> check_non_negative_int("generation", -1, hint="Use 0, 1 or 2.")
         Traceback (most recent call last):
         ...
@@ -113,7 +113,7 @@ def check_fraction(name: str, value: Any, hint: str | None = None, allow_none: b
     Any real number type is accepted (``numbers.Real``: int, float, ``fractions.Fraction``, NumPy scalars such as
     ``numpy.float32(0.9)``); bools are refused, and so are tensors and arrays (with a hint to pass ``.item()``).
 
-    Example:
+    Examples:
         >>> check_fraction("warn_threshold", 0.5)
         0.5
         >>> check_fraction("warn_threshold", 90)
@@ -134,7 +134,7 @@ def check_fraction(name: str, value: Any, hint: str | None = None, allow_none: b
 def check_bool(name: str, value: Any, hint: str | None = None) -> None:
     """Raise ``ValueError`` unless ``value`` is ``True`` or ``False`` (strings such as ``"no"`` and ints are refused).
 
-    Example:
+    Examples:
         >>> check_bool("log_to_loggers", "no")
         Traceback (most recent call last):
         ...
@@ -147,7 +147,7 @@ def check_bool(name: str, value: Any, hint: str | None = None) -> None:
 def check_path(name: str, value: Any, allow_none: bool = True) -> None:
     """Raise ``ValueError`` unless ``value`` is a non-empty ``str`` or ``os.PathLike`` (or ``None`` when allowed).
 
-    Example:
+    Examples:
         >>> check_path("dirpath", 123)
         Traceback (most recent call last):
         ...
@@ -178,7 +178,7 @@ def check_choice(name: str, value: Any, choices: Iterable[Any], hint: str | None
 
     A string close to one of the choices gets a "Did you mean" hint.
 
-    Example:
+    Examples:
         >>> check_choice("mode", "max", ("min", "mean"))
         Traceback (most recent call last):
         ...
@@ -224,7 +224,7 @@ def check_positive_number(name: str, value: Any, hint: str | None = None, allow_
 
     Any real number type is accepted, as by :func:`check_fraction`.
 
-    Example:
+    Examples:
         >>> check_positive_number("total_memory_gib", float("nan"))
         Traceback (most recent call last):
         ...
@@ -248,7 +248,7 @@ def check_non_negative_number(name: str, value: Any, hint: str | None = None, al
 
     Any real number type is accepted, as by :func:`check_fraction`.
 
-    Example:
+    Examples:
         >>> check_non_negative_number("gradient_clip_val", float("inf"), allow_none=True)
         Traceback (most recent call last):
         ...
@@ -262,7 +262,7 @@ def check_str(
 ) -> None:
     """Raise ``ValueError`` unless ``value`` is a ``str`` (non-empty unless ``allow_empty``; or ``None`` if allowed).
 
-    Example:
+    Examples:
         >>> check_str("allocator_conf", 5, allow_none=True)
         Traceback (most recent call last):
         ...
@@ -282,7 +282,7 @@ def check_device(name: str, value: Any, allow_none: bool = True) -> None:
 
     An int is a CUDA device index (``0`` = ``"cuda:0"``); bools and floats are refused.
 
-    Example:
+    Examples:
         >>> check_device("device", "cuda:0")
         >>> check_device("device", 3.5)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
@@ -319,7 +319,7 @@ def check_device_usable(device: Any) -> None:
             hiding every GPU), or the index is not below the number of devices this process sees; the message names
             the device and the fix.
 
-    Example:
+    Examples:
         >>> import torch
         >>> check_device_usable(torch.device("cpu"))  # other device types are not checked
     """

@@ -43,7 +43,7 @@ RUNTIME_ERRNOS = frozenset(
 def is_runtime_failure(err: BaseException) -> bool:
     """Whether ``err`` is a storage failure of the moment (full disk, quota, I/O error) rather than a bad path.
 
-    Example:
+    Examples:
         >>> is_runtime_failure(OSError(errno.ENOSPC, "No space left on device"))
         True
         >>> is_runtime_failure(OSError(errno.ENOTDIR, "Not a directory"))
@@ -66,7 +66,7 @@ def check_dir_creatable(name: str, path: str | os.PathLike[str]) -> Path:
     Raises:
         OSError: naming the argument, the path, the component that is in the way and the fix.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> root = Path(tempfile.mkdtemp())
         >>> check_dir_creatable("dirpath", root / "a" / "b") == root / "a" / "b"
@@ -109,7 +109,7 @@ def check_dir_creatable(name: str, path: str | os.PathLike[str]) -> Path:
 def file_kind(mode: int) -> str:
     """What a ``st_mode`` is, in words: ``"a regular file"``, ``"a directory"``, ``"a named pipe"``, ...
 
-    Example:
+    Examples:
         >>> file_kind(stat.S_IFIFO), file_kind(stat.S_IFDIR | 0o755)
         ('a named pipe', 'a directory')
     """
@@ -129,7 +129,7 @@ def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
 
     A named pipe or a device would block the reader or never end, so they are refused by their ``stat`` alone.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> regular_file_problem(tempfile.mkdtemp()), regular_file_problem("/no/such/file")
         ('is a directory', 'no such file')
@@ -149,7 +149,7 @@ def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
 def symlink_message(name: str, path: Path) -> str:
     """The refusal of a log path that is a symbolic link: the path, where it points and the fix.
 
-    Example:
+    Examples:
         >>> symlink_message("dirpath", Path("/no/such/link"))  # doctest: +ELLIPSIS
         "`dirpath`: '/no/such/link' is a symbolic link; a log is never written through a link ... another `dirpath`."
     """
@@ -172,7 +172,7 @@ def check_regular_file(name: str, path: Path) -> None:
     Raises:
         OSError: naming the argument, the path, what it is and the fix.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> check_regular_file("dirpath", Path(tempfile.mkdtemp()))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
@@ -214,7 +214,7 @@ def digit_limit_problem(err: BaseException) -> str | None:
     Python refuses to convert an integer of more than ``sys.get_int_max_str_digits()`` digits (4300 by default) and
     says so in a ``ValueError`` that names neither the file nor the line: readers use this to name both.
 
-    Example:
+    Examples:
         >>> try:
         ...     json.loads("1" * 5000)
         ... except ValueError as err:
@@ -235,7 +235,7 @@ def line_with_long_integer(path: str | os.PathLike[str]) -> int | None:
     """The 1-based number of the first line of ``path`` with a run of digits longer than Python reads; ``None`` if
     there is none or the file cannot be read. Reads 1 MiB at a time, however long the lines.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> path = Path(tempfile.mkdtemp()) / "report.json"
         >>> _ = path.write_text('{\\n"a": 1,\\n"b": ' + "7" * 5000 + "}")

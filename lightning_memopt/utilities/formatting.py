@@ -32,7 +32,7 @@ def printable(text: object, keep_newlines: bool = False) -> str:
     so a value can neither colour, move or hide output nor pose as another line. ``keep_newlines=True`` keeps
     ``\\n`` and ``\\t`` (for a whole multi-line text whose values were escaped on their own).
 
-    Example:
+    Examples:
         >>> printable("run\\n\\x1b[31mERROR: forged\\x1b[0m \\u202eexe.txt")
         'run\\\\n\\\\x1b[31mERROR: forged\\\\x1b[0m \\\\u202eexe.txt'
         >>> printable("two\\nlines\\r", keep_newlines=True)
@@ -44,7 +44,7 @@ def printable(text: object, keep_newlines: bool = False) -> str:
 def format_bytes(num: int | float | None) -> str:
     """Human-readable bytes (binary units).
 
-    Example:
+    Examples:
         >>> format_bytes(3 * 1024**3), format_bytes(None), format_bytes(512)
         ('3.00 GiB', 'n/a', '512 B')
     """

@@ -294,7 +294,7 @@ def load_json_capped(file: IO[str], limits: JSONLimits | None = None, chunk: int
     Raises:
         JSONReadError: the file is not valid JSON (the message and the line, like ``json.JSONDecodeError``).
 
-    Example:
+    Examples:
         >>> import io
         >>> load_json_capped(io.StringIO('{"a": [1, 2, 3, 4], "b": "abcdef"}'), JSONLimits(max_items=2, max_chars=3))
         {'a': [1, 2, '... (2 more items not shown)'], 'b': 'abc... (3 more characters not shown)'}

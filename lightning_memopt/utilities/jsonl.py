@@ -139,7 +139,7 @@ class JsonlWriter:
         path: The JSONL file.
         owner: Who writes, for the warnings (a callback's name).
 
-    Example:
+    Examples:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "log.jsonl")
         >>> w = JsonlWriter(path); w.write({"a": 1}); w.close()

@@ -53,7 +53,7 @@ def installed_namespaces() -> tuple[str, ...]:
     Nothing is imported: a namespace counts when its distribution's metadata has a recent enough version and its
     top-level package can be found.
 
-    Example:
+    Examples:
         >>> set(installed_namespaces()) <= {"lightning.pytorch", "pytorch_lightning"}
         True
     """
@@ -81,7 +81,7 @@ def _import(namespace: str, module: str = "") -> ModuleType:
 def classes(path: str) -> tuple[type, ...]:
     """The class at ``path`` (e.g. ``"callbacks.Callback"``) in every installed namespace, in :data:`NAMESPACES` order.
 
-    Example:
+    Examples:
         >>> [c.__name__ for c in classes("callbacks.Callback")] == ["Callback"] * len(NAMESPACES)
         True
     """
@@ -104,7 +104,7 @@ def namespace_of(obj: Any) -> ModuleType:
     Objects of neither namespace (test doubles, this package's own classes, which derive from both) get the first
     installed one.
 
-    Example:
+    Examples:
         >>> namespace_of(object()).__name__ == NAMESPACES[0]
         True
     """
@@ -114,7 +114,7 @@ def namespace_of(obj: Any) -> ModuleType:
 def lookup(obj: Any, path: str) -> Any:
     """The attribute at ``path`` (e.g. ``"strategies.DDPStrategy"``) in the namespace of ``obj``.
 
-    Example:
+    Examples:
         >>> lookup(object(), "callbacks.Callback") is classes("callbacks.Callback")[0]
         True
     """
@@ -125,7 +125,7 @@ def lookup(obj: Any, path: str) -> Any:
 def is_instance(obj: Any, path: str) -> bool:
     """Whether ``obj`` is an instance of the class at ``path`` in any installed namespace.
 
-    Example:
+    Examples:
         >>> is_instance(object(), "LightningModule")
         False
     """

@@ -93,7 +93,7 @@ def is_out_of_memory_error(err: BaseException | None) -> bool:
     Returns:
         ``True`` for an out-of-memory error, or an error caused by one; ``False`` otherwise (and for ``None``).
 
-    Example:
+    Examples:
         >>> is_out_of_memory_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
         True
         >>> is_out_of_memory_error(RuntimeError("MPS backend out of memory (MPS allocated: 1.00 GB)"))
@@ -160,7 +160,7 @@ def find_in_traceback(tb: TracebackType | None, name: str, max_frames: int = 200
         name: The local's name, e.g. ``"batch"``.
         max_frames: Look at most at this many innermost frames.
 
-    Example:
+    Examples:
         >>> def step(batch):
         ...     raise torch.OutOfMemoryError("boom")
         >>> try:

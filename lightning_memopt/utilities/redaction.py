@@ -181,7 +181,7 @@ _WORD = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 def name_words(name: str) -> list[str]:
     """The lower-case words of ``name`` (its last 256 characters when longer).
 
-    Example:
+    Examples:
         >>> name_words("wandbApiKey"), name_words("AWS_SECRET_ACCESS_KEY"), name_words("--db-password")
         (['wandb', 'api', 'key'], ['aws', 'secret', 'access', 'key'], ['db', 'password'])
     """
@@ -224,7 +224,7 @@ def is_secret_name(name: object) -> bool:
     ``auth`` before ``header``/``string``/... (``auth_header``, not ``auth_mode``); ``key``, ``token``,
     ``auth``, ``pass``, ``sig`` or ``signature`` as the whole name. Not a string: ``False``.
 
-    Example:
+    Examples:
         >>> [is_secret_name(n) for n in ("TORCH_HUB_TOKEN", "api_key", "clientSecret", "--db-password")]
         [True, True, True, True]
         >>> [is_secret_name(n) for n in ("NCCL_DEBUG", "tokenizer_name", "sort_key", "author", "pad_token")]
@@ -299,7 +299,7 @@ def cap_text(text: str, max_chars: int = MAX_VALUE_CHARS) -> str:
 
     A string no more than 64 characters over the cap is returned whole, so that cutting twice changes nothing.
 
-    Example:
+    Examples:
         >>> cap_text("x" * 200, max_chars=10)
         'xxxxxxxxxx...[truncated 190 chars]'
     """
@@ -543,7 +543,7 @@ def redact_text(text: str, max_chars: int | None = None) -> str:
         max_chars: Cut the result to this many characters with a ``...[truncated N chars]`` marker
             (:func:`cap_text`); only the part kept (and a margin) is scanned. Default: no cap.
 
-    Example:
+    Examples:
         >>> redact_text("https://alice:hunter2@example.com/data?x=1&token=abc123")
         'https://alice:<redacted>@example.com/data?x=1&token=<redacted>'
         >>> redact_text("Namespace(lr=0.1, db_password='hunter2', tokenizer='t5-small')")
@@ -708,7 +708,7 @@ def redact_secrets(obj: Any, max_chars: int = MAX_VALUE_CHARS) -> Any:
     as they are. A container that contains itself, or that is nested more than 64 deep, is replaced whole.
     Never raises.
 
-    Example:
+    Examples:
         >>> redact_secrets({"lr": 0.1, "api_key": "sk-123", "logger": {"uri": "https://u:pw@host/x"}})
         {'lr': 0.1, 'api_key': '<redacted>', 'logger': {'uri': 'https://u:<redacted>@host/x'}}
         >>> import argparse

@@ -48,7 +48,7 @@ def ensure_run_id(trainer: pl.Trainer) -> str:
 def run_id(trainer: pl.Trainer) -> str | None:
     """The run id of ``trainer`` if one was made; never communicates.
 
-    Example:
+    Examples:
         >>> class T: world_size = 1
         >>> t = T()
         >>> run_id(t) is None, ensure_run_id(t) == run_id(t), len(run_id(t))

@@ -122,7 +122,7 @@ def borrow(
     Returns:
         The lease to release at the end, or ``None`` when ``apply`` applied nothing.
 
-    Example:
+    Examples:
         >>> state = {"x": 0}
         >>> def set_x(value):
         ...     before, state["x"] = state["x"], value

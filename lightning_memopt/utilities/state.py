@@ -60,7 +60,7 @@ def _describe(value: Any) -> str:
 def as_int(minimum: int | None = None) -> Callable[[Any], int]:
     """A converter accepting any integral number (not a bool, not a float) ``>= minimum``; returns an ``int``.
 
-    Example:
+    Examples:
         >>> as_int(0)(3)
         3
         >>> as_int(0)(True)
@@ -82,7 +82,7 @@ def as_int(minimum: int | None = None) -> Callable[[Any], int]:
 def as_float(minimum: float | None = None) -> Callable[[Any], float]:
     """A converter accepting any finite real number (not a bool) ``>= minimum``; returns a ``float``.
 
-    Example:
+    Examples:
         >>> as_float(0.0)(2)
         2.0
     """
@@ -125,7 +125,7 @@ def as_optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def state_error(owner: str, key: str, expected: str, value: Any) -> ValueError:
     """The error for a saved ``key`` of ``owner`` that does not hold ``expected``: names all three and the fix.
 
-    Example:
+    Examples:
         >>> print(state_error("Metric", "ids", "a list of tensors", "x"))  # doctest: +ELLIPSIS
         Metric: the checkpoint's state key 'ids' must be a list of tensors, got 'x' (str). Resume from ...
     """
@@ -144,7 +144,7 @@ def load_state(owner: str, state: Any, schema: Mapping[str, StateField]) -> dict
         ValueError: a key that is not harmless is missing or holds a value it does not allow (or the state is not a
             dict and such a key exists), naming the owner, the key, the value received and the fix.
 
-    Example:
+    Examples:
         >>> schema = {"calls": StateField(as_int(0), "a non-negative int", default=0)}
         >>> load_state("Counter", {"calls": 3}, schema)
         {'calls': 3}

@@ -23,7 +23,7 @@ def default_artifact_dir(trainer: pl.Trainer, communicate: bool = True) -> str:
     write there side by side. Resolve it in ``setup``: ``trainer.log_dir`` broadcasts under DDP. Where only one
     rank runs (``on_exception``) pass ``communicate=False``: ``trainer.log_dir`` is not read then.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> default_artifact_dir(SimpleNamespace(log_dir="logs/version_0", default_root_dir="."))
         'logs/version_0/memopt'

@@ -46,7 +46,7 @@ class FootprintRow:
 class Footprint:
     """What a model and its optimizers hold, as rows of :class:`FootprintRow`.
 
-    Example:
+    Examples:
         >>> fp = model_footprint(torch.nn.Linear(4, 2))
         >>> fp.bytes_by_category()
         {'parameters': 40, 'buffers': 0, 'gradients': 0, 'optimizer_states': 0}
@@ -192,7 +192,7 @@ def model_footprint(module: torch.nn.Module, optimizers: Sequence[torch.optim.Op
     Returns:
         A :class:`Footprint`, rows sorted by category order, then device, then dtype.
 
-    Example:
+    Examples:
         >>> lin = torch.nn.Linear(4, 4, bias=False)
         >>> tied = torch.nn.Sequential(lin, torch.nn.ReLU(), torch.nn.Linear(4, 4, bias=False))
         >>> tied[2].weight = lin.weight  # tied: counted once
@@ -231,7 +231,7 @@ def tensor_names(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     (gradients), ``"optimizer0.state[layer.weight].exp_avg"`` (optimizer states). A shared storage keeps
     the first name (a tied weight is named after its first owner).
 
-    Example:
+    Examples:
         >>> lin = torch.nn.Linear(2, 2)
         >>> sorted(tensor_names(lin).values())
         ['bias', 'weight']
@@ -252,7 +252,7 @@ def unexplained_bytes(allocated_bytes: int | None, footprint: Footprint, device:
     allocations up, so a few KiB per tensor are always "unexplained"; a negative value means the footprint
     was taken at another moment than the reading.
 
-    Example:
+    Examples:
         >>> fp = Footprint(rows=(FootprintRow("parameters", "torch.float32", "cuda:0", 2, 1000),))
         >>> unexplained_bytes(5000, fp, "cuda:0"), unexplained_bytes(None, fp, "cpu")
         (4000, None)

@@ -141,7 +141,7 @@ def find_duplicates(
         known: Copies found before (``Duplicates.signatures`` of an earlier call): a live storage with the same
             key, shape and dtype still counts when training has moved the weights away from its values since.
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.footprint import live_tensors, tensor_names
         >>> model = torch.nn.Linear(64, 64)
         >>> stray = {k: v.to(torch.float64) for k, v in model.state_dict().items()}

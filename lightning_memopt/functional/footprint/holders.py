@@ -45,7 +45,7 @@ def iter_held_tensors(
     Each object is visited once (``seen`` may be shared between calls), at most ``max_items`` of them, to
     ``max_depth`` levels. A container that breaks while being walked is skipped; this never raises.
 
-    Example:
+    Examples:
         >>> w = torch.ones(2)
         >>> [(p, o) for p, o, _ in iter_held_tensors({"a": [w, 3], "m": torch.nn.Linear(1, 1)}, "x",
         ...                                           into_modules=True)]
@@ -96,7 +96,7 @@ def find_storage_holders(
     reported at that module's path. Used to say where a stray copy of the weights lives. Keys that are not found
     are left out; this never raises.
 
-    Example:
+    Examples:
         >>> class Net(torch.nn.Module):
         ...     def __init__(self):
         ...         super().__init__()

@@ -48,7 +48,7 @@ class LiveTensor:
     def as_dict(self, with_name: bool = True) -> dict[str, Any]:
         """A JSON-serialisable dict (without the storage key; without ``name`` when ``with_name`` is false).
 
-        Example:
+        Examples:
             >>> list(LiveTensor((2,), "torch.float32", "cpu", 8, False, False, None).as_dict(with_name=False))
             ['shape', 'dtype', 'device', 'bytes', 'requires_grad', 'has_grad_fn']
         """
@@ -79,7 +79,7 @@ def live_tensors(
     Returns:
         The live storages, largest first.
 
-    Example:
+    Examples:
         >>> keep = torch.zeros(1000, dtype=torch.float64)
         >>> [found] = [t for t in live_tensors("cpu") if t.key == storage_key(keep)]
         >>> found.shape, found.bytes

@@ -42,7 +42,7 @@ def storage_key(tensor: torch.Tensor) -> StorageKey | None:
 
     Tensors without data (meta tensors, empty storages) have no key: they cannot alias anything.
 
-    Example:
+    Examples:
         >>> t = torch.zeros(4)
         >>> storage_key(t) == storage_key(t[2:]), storage_key(torch.empty(0, device="meta"))
         (True, None)
@@ -62,7 +62,7 @@ def storage_key(tensor: torch.Tensor) -> StorageKey | None:
 def storage_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the whole storage behind ``tensor`` (a view reports its base's storage).
 
-    Example:
+    Examples:
         >>> storage_bytes(torch.zeros(10, 10)[0])
         400
     """
@@ -76,7 +76,7 @@ def storage_bytes(tensor: torch.Tensor) -> int:
 def device_matches(row_device: str, device: str | torch.device | None) -> bool:
     """Whether ``row_device`` (``"cuda:0"``) is ``device``: exact with an index, any index with a bare type.
 
-    Example:
+    Examples:
         >>> device_matches("cuda:1", "cuda"), device_matches("cuda:1", "cuda:0"), device_matches("cpu", None)
         (True, False, True)
     """

@@ -56,7 +56,7 @@ def describe_batch(batch: Any, name: str = "batch") -> BatchSection:
     dimension of the first tensor with one (``None`` when no tensor has a dimension). The keys are those of
     :class:`~lightning_memopt.functional.oom.schema.BatchSection` (without ``found_in``).
 
-    Example:
+    Examples:
         >>> d = describe_batch({"x": torch.zeros(8, 3), "y": torch.zeros(8, dtype=torch.long)})
         >>> d["tensors"][0]
         {'path': "batch['x']", 'shape': [8, 3], 'dtype': 'torch.float32', 'device': 'cpu', 'bytes': 96}

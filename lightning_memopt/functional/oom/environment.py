@@ -54,7 +54,7 @@ def collect_environment(
         environ: The environment to read. Default: ``os.environ``.
         prefixes: Allowed name prefixes.
 
-    Example:
+    Examples:
         >>> collect_environment({"NCCL_DEBUG": "INFO", "HOME": "/root", "TORCH_HUB_TOKEN": "abc",
         ...                      "PL_LOGGER_URI": "https://me:pw@host/runs"})
         {'NCCL_DEBUG': 'INFO', 'PL_LOGGER_URI': 'https://me:<redacted>@host/runs', 'TORCH_HUB_TOKEN': '<redacted>'}
@@ -71,7 +71,7 @@ def collect_environment(
 def allocator_settings(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """The caching-allocator settings (``PYTORCH_ALLOC_CONF`` and its per-backend forms), ``None`` when unset.
 
-    Example:
+    Examples:
         >>> allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})["PYTORCH_CUDA_ALLOC_CONF"]
         'expandable_segments:True'
     """
@@ -91,7 +91,7 @@ def collect_versions() -> dict[str, str | None]:
 
     A distribution that is not installed is ``None``.
 
-    Example:
+    Examples:
         >>> sorted(collect_versions())[:3]
         ['cuda', 'hip', 'lightning']
     """

@@ -22,7 +22,7 @@ def report_paths(dirpath: Path, rank: int, suffix: str = "") -> dict[str, Path]:
     Without ``suffix``: the documented names, which point at the rank's newest report; with one, the names a report
     is kept under (``functional.oom.store``).
 
-    Example:
+    Examples:
         >>> sorted(p.name for p in report_paths(Path("oom"), 1).values())
         ['oom_report_rank1.json', 'oom_report_rank1.md', 'oom_snapshot_rank1.pickle']
         >>> report_paths(Path("oom"), 0, "-20250101T120000.000000Z-42-0")["md"].name
@@ -50,7 +50,7 @@ def load_report(path: str | os.PathLike[str], limits: JSONLimits | None = None) 
     Raises:
         ValueError: naming the file and what is wrong with it (missing, not JSON, not an OOM report).
 
-    Example:
+    Examples:
         >>> load_report("missing.json")
         Traceback (most recent call last):
         ...

@@ -299,7 +299,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     (:func:`~lightning_memopt.utilities.redaction.redact_secrets`), whatever the report holds.
     ``docs/oom-report.md`` lists the sections.
 
-    Example:
+    Examples:
         >>> text = render_markdown({"when": {"rank": 0, "world_size": 1, "stage": "train", "global_step": 7},
         ...     "error": {"type": "torch.OutOfMemoryError", "message": "CUDA out of memory."}})
         >>> text.splitlines()[0]

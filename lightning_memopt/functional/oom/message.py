@@ -39,7 +39,7 @@ def _to_bytes(number: str, unit: str) -> int:
 def parse_oom_message(message: str) -> dict[str, int | None]:
     """The numbers an allocator puts in its out-of-memory message, in bytes (``None`` when absent).
 
-    Example:
+    Examples:
         >>> msg = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which"
         ...        " 1.50 GiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 6.00 GiB is"
         ...        " reserved by PyTorch but unallocated.")

@@ -70,7 +70,7 @@ class SectionGuard:
     ``"<label>: <error!r>"`` to :attr:`problems` (the report's ``report_errors``) and returns ``fallback(error)``.
     Anything else propagates. The default ``catch=()`` lets every failure through.
 
-    Example:
+    Examples:
         >>> guard = SectionGuard(catch=(ZeroDivisionError,))
         >>> guard("ratio", lambda: 1 / 0, lambda err: None), guard.problems
         (None, ["ratio: ZeroDivisionError('division by zero')"])

@@ -90,7 +90,7 @@ def innermost_location(tb: TracebackType | None) -> str | None:
 def describe_error(exception: BaseException, message: str) -> ErrorSection:
     """The ``error`` part: the exception's qualified type, ``message`` (its text) and where it was raised.
 
-    Example:
+    Examples:
         >>> describe_error(RuntimeError("boom"), "boom")
         {'type': 'RuntimeError', 'message': 'boom', 'location': None}
     """
@@ -174,7 +174,7 @@ def checkpointing_state(module: nn.Module, is_checkpointed: Callable[[nn.Module]
     """Whether activation checkpointing is on, and where: modules ``is_checkpointed`` says are wrapped (by
     ``GradientCheckpointing``) and modules whose Hugging Face switch is on (``gradient_checkpointing = True``).
 
-    Example:
+    Examples:
         >>> block = nn.Linear(2, 2)
         >>> block.gradient_checkpointing = True
         >>> checkpointing_state(nn.Sequential(block), lambda m: False)["model_switch"]
@@ -198,7 +198,7 @@ def checkpointing_state(module: nn.Module, is_checkpointed: Callable[[nn.Module]
 def json_default(obj: Any) -> Any:
     """``json.dumps``'s ``default``: a tensor or numpy scalar as its value, a set or tuple as a list, else ``str``.
 
-    Example:
+    Examples:
         >>> json.dumps({"t": torch.tensor(0.5), "s": {1}, "p": Path("a")}, default=json_default)
         '{"t": 0.5, "s": [1], "p": "a"}'
     """
@@ -239,7 +239,7 @@ def take_snapshot(
         recording: Whether allocator history is being recorded.
         dump: Writes the snapshot; returns whether this torch build could.
 
-    Example:
+    Examples:
         >>> take_snapshot(Path("s.pickle"), "cpu", requested=True, recording=False, dump=lambda p: True)
         {'path': None, 'reason': "allocator history is not available on 'cpu'."}
     """

@@ -72,7 +72,7 @@ def reserve_report(dirpath: Path, rank: int, when_time: float) -> ReportSlot:
     created with ``O_EXCL`` makes it this writer's even across machines sharing the directory (a taken name moves
     on to the next counter).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> slot = reserve_report(Path(tempfile.mkdtemp()), 0, 1735732800.5)
         >>> slot.paths["json"].name.startswith("oom_report_rank0-20250101T120000.500000Z-")

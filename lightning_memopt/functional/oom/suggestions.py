@@ -319,7 +319,7 @@ def suggest_fixes(
         activation_checkpointing: whether activation checkpointing was on (``None``: unknown). When it was,
             it is not suggested again.
 
-    Example:
+    Examples:
         >>> tips = suggest_fixes(stage="train", allocated_bytes=10_000, reserved_bytes=10_500,
         ...     bytes_by_category={"parameters": 1000, "gradients": 1000, "optimizer_states": 2000, "buffers": 0},
         ...     unexplained_bytes=6000, micro_batch_size=32, accumulate_grad_batches=1, precision="bf16-mixed")

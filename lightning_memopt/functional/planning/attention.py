@@ -53,7 +53,7 @@ def attention_kernel(
         query / key / value / attn_mask / dropout_p / is_causal / enable_gqa: the call's arguments.
         compute_capability: the GPU's ``(major, minor)``; default sm80 (A100).
 
-    Example:
+    Examples:
         >>> q = torch.randn(2, 4, 16, 64)
         >>> attention_kernel(q, q, q), attention_kernel(q.half(), q.half(), q.half())
         ('efficient', 'flash')
@@ -125,7 +125,7 @@ _KERNEL_TEXT = {
 def attention_assumption(kernels: dict[str, int], compute_capability: tuple[int, int] | None = None) -> str:
     """The estimate's words for the attention kernels :func:`cuda_attention` chose (``{kernel: calls}``).
 
-    Example:
+    Examples:
         >>> attention_assumption({"efficient": 12})
         "attention (scaled_dot_product_attention) as CUDA's dispatcher picks it on sm80: memory-efficient (fused \
 kernels: output, log-sum-exp and the bias, no L x L matrix) x12"
@@ -237,7 +237,7 @@ def cuda_attention(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABIL
     Yields:
         ``{kernel: calls}``, filled as the calls come (for the estimate's assumptions).
 
-    Example:
+    Examples:
         >>> q = torch.randn(2, 4, 16, 8, requires_grad=True)
         >>> bias = torch.zeros(1, 4, 16, 16, requires_grad=True)  # a learned position bias (T5)
         >>> with cuda_attention() as kernels:

@@ -73,7 +73,7 @@ def onednn_lstm_workspace_bytes(time: int, batch: int, input_size: int, hidden_s
         hidden_size: ``H``.
         element_size: bytes per element of the input (4: float32; 2: bfloat16/float16).
 
-    Example:
+    Examples:
         >>> onednn_lstm_workspace_bytes(16, 8, 24, 32)  # one layer of the zoo's LSTM at batch 8: 65 pages
         266240
     """
@@ -110,7 +110,7 @@ def cudnn_rnn_reserve_bytes(time: int, batch: int, hidden_size: int, gates: int 
         gates: 4 for an LSTM, 3 for a GRU, 1 for a plain RNN.
         element_size: bytes per element of the input.
 
-    Example:
+    Examples:
         >>> cudnn_rnn_reserve_bytes(16, 8, 32)  # 16 x 8 x 6 x 32 floats
         98304
     """
@@ -217,7 +217,7 @@ class KernelOutputs:
 def fake_kernel_outputs(target: str = "cpu") -> KernelOutputs:
     """The corrections of fake kernel outputs for ``target`` (``"cpu"`` or ``"cuda"``): a :class:`KernelOutputs`.
 
-    Example:
+    Examples:
         >>> from torch._subclasses.fake_tensor import FakeTensorMode
         >>> fix = fake_kernel_outputs("cpu")
         >>> with FakeTensorMode():

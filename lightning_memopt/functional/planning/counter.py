@@ -22,7 +22,7 @@ def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
     copies the gradient and the output). No operator shows these copies, so they are counted while the kernel runs.
     Measured as process RSS on torch 2.13 (``benchmarks/planner.py``).
 
-    Example:
+    Examples:
         >>> x = torch.randn(4, 8)
         >>> kernel_scratch(torch.ops.aten._softmax.default, (x, 1, False), {})  # contiguous: no copy
         0
@@ -64,7 +64,7 @@ class LiveBytes(TorchDispatchMode):
     happened), ``peak_totals`` (bytes by label at the peak), ``phase_peaks`` (the highest count in each phase),
     ``totals`` (bytes by label now). The caller sets ``phase`` and ``step`` as the training step goes on.
 
-    Example:
+    Examples:
         >>> with LiveBytes() as counter:
         ...     x = torch.ones(256)  # 1024 bytes
         ...     y = (x * 2).sum()  # x * 2 (1024 bytes) is freed once summed

@@ -122,7 +122,7 @@ def cuda_autocast() -> Iterator[None]:
     for backward) have CUDA's sizes. Functions called from inside another torch function (e.g. the softmax inside
     ``F.multi_head_attention_forward``) keep the CPU's behaviour.
 
-    Example:
+    Examples:
         >>> x = torch.randn(2, 4)
         >>> with torch.autocast("cpu", dtype=torch.bfloat16), cuda_autocast():
         ...     torch.softmax(x.bfloat16(), -1).dtype
@@ -156,7 +156,7 @@ def cuda_dropout() -> Iterator[None]:
     in-place dropout takes the CPU's way on CUDA too and is left alone. Seen on an H200: the float32 masks were the
     whole of a T5 estimate's 53 MB (13 %) over the measured peak.
 
-    Example:
+    Examples:
         >>> x = torch.randn(4, 8, requires_grad=True)
         >>> with cuda_dropout():
         ...     y = torch.nn.functional.dropout(x, 0.1)
@@ -172,7 +172,7 @@ def use_foreach(optimizers: list[torch.optim.Optimizer]) -> bool:
 
     Groups with ``fused=True`` are left alone.
 
-    Example:
+    Examples:
         >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
         >>> use_foreach([optimizer]), optimizer.param_groups[0]["foreach"]
         (True, True)

@@ -129,7 +129,7 @@ def fake_tensor_of(tensor: Tensor, mode: Any) -> Tensor:
     Nothing is allocated for a meta tensor of any size: ``lightning-memopt estimate`` builds its batches and the
     model on the meta device.
 
-    Example:
+    Examples:
         >>> mode = fake_tensor.FakeTensorMode()
         >>> fake = fake_tensor_of(torch.empty(10**9, 4096, device="meta"), mode)  # 16 TB, never allocated
         >>> type(fake).__name__, fake.device.type, fake.shape[0]
@@ -156,7 +156,7 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
     Raises:
         FakeStepError: ``mode`` is ``None`` (a real copy) but the model is on the meta device.
 
-    Example:
+    Examples:
         >>> twin = fake_twin(nn.Linear(4, 4), fake_tensor.FakeTensorMode())
         >>> type(twin.weight.data).__name__, twin.weight.shape
         ('FakeTensor', torch.Size([4, 4]))
@@ -254,7 +254,7 @@ def count_training_steps(
     Raises:
         FakeStepError: an operator of the step cannot run on fake tensors; the message names it.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(64, 64, bias=False)
         >>> count = count_training_steps(
         ...     model, torch.randn(32, 64), lambda m, b, i: m(b).sum(), lambda m: [torch.optim.SGD(m.parameters())]

@@ -67,7 +67,7 @@ def retrieval_ranks(
         memory_budget_bytes: working-set budget for the blocks.
         device: where blocks are computed (default: where ``video_features`` are).
 
-    Example:
+    Examples:
         >>> v = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
         >>> r = retrieval_ranks(v, v.clone(), text_ids=[0, 1, 2])
         >>> r.v2t.tolist(), r.t2v.tolist()
@@ -127,7 +127,7 @@ def streaming_retrieval(
 
     Takes the arguments of :func:`retrieval_ranks` plus ``top_k`` and ``median``.
 
-    Example:
+    Examples:
         >>> v = torch.eye(3)
         >>> out = streaming_retrieval(v, v.clone(), text_ids=[0, 1, 2], top_k=(1,))
         >>> {k: v.item() for k, v in out.items()}

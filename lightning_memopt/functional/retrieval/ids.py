@@ -67,7 +67,7 @@ def as_id_tensor(ids: Any, name: str, length: int | None = None) -> Tensor:
         ValueError: naming ``name`` when the ids are not 1-D ints (within int64) or strings, or their length differs
             from ``length``.
 
-    Example:
+    Examples:
         >>> as_id_tensor([3, 1, 3], "text_ids")
         tensor([3, 1, 3])
         >>> bool(as_id_tensor(["a cat"], "text_ids") == as_id_tensor(("a cat",), "text_ids"))
@@ -111,7 +111,7 @@ def as_id_tensor(ids: Any, name: str, length: int | None = None) -> Tensor:
 def first_occurrence(keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted unique keys, the position of each unique key's first occurrence, and the inverse map.
 
-    Example:
+    Examples:
         >>> [t.tolist() for t in first_occurrence(torch.tensor([7, 5, 7]))]
         [[5, 7], [1, 0], [1, 0, 1]]
     """
@@ -127,7 +127,7 @@ def plan_retrieval(row_keys: Tensor, video_keys: Tensor, text_keys: Tensor) -> R
 
     Rows are in global order (rank by rank in a distributed run), so "first occurrence" is the same everywhere.
 
-    Example:
+    Examples:
         >>> plan = plan_retrieval(torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 2, 0]), torch.tensor([7, 7, 5, 7]))
         >>> plan.kept_rows.tolist(), plan.text_keys.tolist(), plan.pair_video.tolist(), plan.pair_text.tolist()
         ([True, True, True, False], [5, 7], [0, 1, 2], [1, 1, 0])

@@ -50,7 +50,7 @@ def choose_block_sizes(
     The working set is the float32 texts on the device, one float32 video block, the score block and the comparison
     buffer (and, for the group-max gallery, one float per video and group).
 
-    Example:
+    Examples:
         >>> choose_block_sizes(117_000, 23_000, 512)
         (2048, 4096)
         >>> choose_block_sizes(117_000, 23_000, 512, memory_budget_bytes=80 * 2**20)
@@ -75,7 +75,7 @@ def choose_block_sizes(
 class BlockLayout(NamedTuple):
     """How ``n_video x n_text`` scores are cut into blocks of ``video_block x text_block``.
 
-    Example:
+    Examples:
         >>> layout = BlockLayout(10, 3, video_block=4, text_block=2)
         >>> layout.n_video_blocks, layout.n_text_blocks, layout.video_range(2), layout.text_range(1)
         (3, 2, (8, 10), (2, 3))
@@ -292,7 +292,7 @@ def count_ranks(
     Returns:
         ``(v2t_counts, t2v_counts)`` as int64 tensors on CPU.
 
-    Example:
+    Examples:
         >>> from lightning_memopt.functional.retrieval import positive_thresholds
         >>> v = torch.tensor([[1.0, 0.0], [0.0, 1.0]]); t = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
         >>> pv, pt = torch.tensor([0, 1]), torch.tensor([0, 1])

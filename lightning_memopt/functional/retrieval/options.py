@@ -65,7 +65,7 @@ def check_features(video_features: Tensor, text_features: Tensor) -> None:
 
     Warns once per process when either is float64 (it is ranked in float32).
 
-    Example:
+    Examples:
         >>> check_features(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16))  # valid: returns None
     """
     allowed = ", ".join(str(d) for d in FEATURE_DTYPES)
@@ -105,7 +105,7 @@ def repeated_text_message(ids: Tensor, repeated: Tensor, kept: Tensor, owner: st
     match when they are equal up to rounding (``torch.isclose`` with ``rtol = max(1e-4, 8 * eps)`` of ``kept``'s
     dtype, ``atol=1e-6``): a caption embedded again in another batch stays silent.
 
-    Example:
+    Examples:
         >>> ids, kept = torch.tensor([4, 9]), torch.ones(2, 3)
         >>> repeated_text_message(ids, kept.clone(), kept, "f") is None
         True
@@ -134,7 +134,7 @@ def check_state_tensors(owner: str, key: str, value: Any) -> None:
     ``*features`` states hold 2-D float tensors (rows x dim), the id states 1-D int64 tensors; a state is a list of
     them, or one tensor once concatenated. Losing rows of an evaluation is not harmless, so nothing starts fresh.
 
-    Example:
+    Examples:
         >>> check_state_tensors("M", "sample_ids", [torch.arange(3)])  # valid: returns None
     """
     features = key.endswith("features")

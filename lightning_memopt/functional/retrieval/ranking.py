@@ -48,7 +48,7 @@ class Collectives(Protocol):
 class LocalCollectives:
     """A world of one process: gathering and reducing return their input.
 
-    Example:
+    Examples:
         >>> LOCAL.all_gather_rows(torch.ones(2, 3)).shape, LOCAL.rank, LOCAL.world
         (torch.Size([2, 3]), 0, 1)
     """
@@ -224,7 +224,7 @@ def rank_rows(
         collectives: how the processes talk (:data:`LOCAL`: one process).
         gather_v2t: also gather every video's rank (the histogram is always reduced).
 
-    Example:
+    Examples:
         >>> x = torch.eye(3)
         >>> counts = rank_rows(x, torch.tensor([0, 1, 2]), x.clone())
         >>> counts.v2t.tolist(), counts.t2v.tolist(), counts.v2t_histogram.tolist(), counts.num_rows

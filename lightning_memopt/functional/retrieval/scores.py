@@ -26,7 +26,7 @@ _KEY_MULTIPLIERS = torch.tensor(
 def full_fp32_matmul() -> Iterator[None]:
     """Multiply float32 matrices in full precision inside the block (TF32 off), restoring the setting after.
 
-    Example:
+    Examples:
         >>> before = torch.get_float32_matmul_precision()
         >>> with full_fp32_matmul():
         ...     inside = torch.get_float32_matmul_precision()
@@ -55,7 +55,7 @@ def pair_scores(video: Tensor, text: Tensor, pair_video: Tensor, pair_text: Tens
     (see :mod:`~lightning_memopt.functional.retrieval.ties`). Features are rounded to float32 first, as the blocks
     are. ``chunk`` is the number of pairs per chunk (``None``: what fills a 2 MiB float64 buffer).
 
-    Example:
+    Examples:
         >>> v, t = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0], [0.5, 0.5]])
         >>> pair_scores(v, t, torch.tensor([0, 0]), torch.tensor([0, 1]))
         tensor([1.0000, 1.5000])
@@ -93,7 +93,7 @@ def embedding_keys(features: Tensor) -> Tensor:
     Read from up to 32 evenly spaced columns of the float32 values with integer arithmetic only, so the key is the
     same on every device and process. Different rows can share a key: treat equal keys as candidates and compare.
 
-    Example:
+    Examples:
         >>> x = torch.tensor([[1.0, -0.0], [1.0, 0.0], [2.0, 0.0]])
         >>> k = embedding_keys(x)
         >>> bool(k[0] == k[1]), bool(k[0] == k[2])
@@ -112,7 +112,7 @@ def embedding_keys(features: Tensor) -> Tensor:
 def positive_thresholds(scores: Tensor, index: Tensor, size: int) -> Tensor:
     """Best positive score per query: ``max`` of ``scores`` grouped by ``index`` (``-inf`` where none).
 
-    Example:
+    Examples:
         >>> positive_thresholds(torch.tensor([0.5, 2.0, -1.0]), torch.tensor([0, 0, 2]), 3).tolist()
         [2.0, -inf, -1.0]
     """

@@ -17,7 +17,7 @@ __all__ = ["summarize_rank_histogram", "summarize_ranks", "top_k_tuple"]
 def top_k_tuple(top_k: Any) -> tuple[int, ...]:
     """``top_k`` as a tuple of distinct positive ints (one int is accepted too); ``ValueError`` naming it otherwise.
 
-    Example:
+    Examples:
         >>> top_k_tuple(5), top_k_tuple([1, 10])
         ((5,), (1, 10))
     """
@@ -47,7 +47,7 @@ def summarize_rank_histogram(
 ) -> dict[str, Tensor]:
     """R@K, MedR and MeanR from a histogram of ``rank0`` values (``histogram[r]`` = number of queries with rank r).
 
-    Example:
+    Examples:
         >>> hist = torch.bincount(torch.tensor([0, 0, 3, 9]), minlength=10)
         >>> {k: round(v.item(), 3) for k, v in summarize_rank_histogram(hist, (1, 5), prefix="v2t/").items()}
         {'v2t/R@1': 0.5, 'v2t/R@5': 0.75, 'v2t/MedR': 2.0, 'v2t/MeanR': 4.0}
@@ -82,7 +82,7 @@ def summarize_ranks(
 ) -> dict[str, Tensor]:
     """R@K, MedR and MeanR from per-query ``rank0`` values (see :func:`summarize_rank_histogram`).
 
-    Example:
+    Examples:
         >>> summarize_ranks(torch.tensor([0, 1, 2, 3]), top_k=(1,), median="mean")
         {'R@1': tensor(0.2500), 'MedR': tensor(2.5000), 'MeanR': tensor(2.5000)}
     """

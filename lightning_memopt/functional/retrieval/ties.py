@@ -33,7 +33,7 @@ class Groups(NamedTuple):
 def exact_groups(features: Tensor, keys: Tensor) -> Groups | None:
     """Group rows with exactly equal values (``None`` when all rows differ, the common case).
 
-    Example:
+    Examples:
         >>> groups = exact_groups(torch.tensor([[1.0], [2.0], [1.0]]), torch.tensor([5, 6, 5]))
         >>> groups.gid.tolist(), groups.size.tolist(), groups.rep.tolist()
         ([0, 1, 0], [2, 1], [0, 1])
