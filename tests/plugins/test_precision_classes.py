@@ -137,3 +137,25 @@ def test_a_subclass_is_refused_instead_of_losing_its_methods_at_setup():
 
         class Mine(MemoryPrecision):
             pass
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_auto_becomes_lightnings_mixed_precision_and_autocasts(tmp_path):
+    """On a real GPU, ``auto`` is Lightning's ``MixedPrecision`` of the Trainer's namespace, and the training step
+    runs under its autocast (bf16 where the card computes it, else fp16 with a scaler)."""
+    seen = []
+
+    class Model(TinyModel):
+        def training_step(self, batch, batch_idx):
+            out = self(batch)
+            seen.append(out.dtype)
+            return out.float().pow(2).mean()
+
+    plugin = MemoryPrecision("auto")
+    trainer = make_trainer(tmp_path, accelerator="cuda", plugins=[plugin], max_steps=2)
+    trainer.fit(Model())
+    mixed = importlib.import_module(f"{pl.__name__}.plugins.precision").MixedPrecision
+    assert trainer.precision_plugin is plugin and isinstance(plugin, mixed) and isinstance(plugin, MemoryPrecision)
+    bf16 = torch.cuda.get_device_capability()[0] >= 8
+    assert set(seen) == {torch.bfloat16 if bf16 else torch.float16}
+    assert (plugin.scaler is None) == bf16
