@@ -180,11 +180,13 @@ def checkpointing_prepare(
     if checkpointing is True:
         callback = GradientCheckpointing()
     elif isinstance(checkpointing, GradientCheckpointing):
-        callback = GradientCheckpointing(checkpointing.modules, checkpointing.use_model_switch)
+        callback = GradientCheckpointing(checkpointing.checkpoint_modules, checkpointing.use_model_switch)
     else:
-        callback = GradientCheckpointing(modules=checkpointing, use_model_switch=False)  # the blocks asked for
+        # the blocks asked for
+        callback = GradientCheckpointing(checkpoint_modules=checkpointing, use_model_switch=False)
 
-    modules, use_model_switch = callback.modules, callback.use_model_switch  # checked by the callback's constructor
+    # checked by the callback's constructor
+    modules, use_model_switch = callback.checkpoint_modules, callback.use_model_switch
 
     def prepare(model: nn.Module) -> None:
         # as the callback does at setup, `use_cache` off included (a cache filled in a checkpointed block breaks its

@@ -85,14 +85,14 @@ def callback_factories(preset: MemoryPreset) -> list[tuple[type, Any]]:
         out.append(
             (
                 CacheCleaner,
-                lambda: CacheCleaner(every_n_train_batches=None, every_n_val_batches=None, on_phase_end=True),
+                lambda: CacheCleaner(every_n_train_steps=None, every_n_val_batches=None, on_phase_end=True),
             )
         )
     if preset.gc_every_n_steps:
-        out.append((GarbageCollector, lambda: GarbageCollector(every_n_steps=preset.gc_every_n_steps)))
+        out.append((GarbageCollector, lambda: GarbageCollector(every_n_train_steps=preset.gc_every_n_steps)))
     if preset.gradient_checkpointing:
         modules = list(preset.checkpoint_modules) if preset.checkpoint_modules else None
-        out.append((GradientCheckpointing, lambda: GradientCheckpointing(modules=modules)))
+        out.append((GradientCheckpointing, lambda: GradientCheckpointing(checkpoint_modules=modules)))
     if preset.auto_micro_batch:
         out.append((AutoMicroBatch, lambda: AutoMicroBatch(micro_batch_size=_start(preset))))
     if preset.allocator_conf or preset.memory_fraction is not None:
