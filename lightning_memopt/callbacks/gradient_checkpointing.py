@@ -8,16 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from typing_extensions import override
 
-from lightning_memopt.functional.checkpointing import (
-    DEFAULT_BLOCKS,
-    SWITCH_APIS,
-    CheckpointingHandle,
-    _CheckpointedForward,
-    is_checkpointed,
-    switch_api,
-    wrap_checkpointing,
-    wrap_modules,
-)
+from lightning_memopt.functional.checkpointing import CheckpointingHandle, wrap_checkpointing, wrap_modules
 from lightning_memopt.utilities.checks import check_bool
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
 from lightning_memopt.utilities.quiet import wrap_to_width
@@ -25,6 +16,8 @@ from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+__all__ = ["GradientCheckpointing"]
 
 _EXAMPLE = "Example: `checkpoint_modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
 
@@ -53,17 +46,6 @@ def _checked_modules(modules: Any) -> list[type[nn.Module] | str] | None:
                 f" {entry!r}. {_EXAMPLE}"
             )
     return modules
-
-
-# The functional names stay importable from here (lightning_memopt.callbacks.oom_reporter, lightning_memopt.planner).
-__all__ = [
-    "DEFAULT_BLOCKS",
-    "SWITCH_APIS",
-    "GradientCheckpointing",
-    "_CheckpointedForward",
-    "is_checkpointed",
-    "switch_api",
-]
 
 
 class GradientCheckpointing(Callback):
