@@ -104,7 +104,7 @@ def test_the_callbacks_of_this_area_print_one_inactive_line_per_fit_on_cpu(tmp_p
     ours = _package_part(_fit(tmp_path / "ours", capfd, caplog, fits=2, callbacks=callbacks()), baseline)
     _check_quiet(ours, fits=2)
     assert ours.warnings == []
-    line = f"{INACTIVE} CacheCleaner (no allocator cache on cpu), AllocatorSettings (no CUDA allocator on cpu)."
+    line = f"{INACTIVE} CacheCleaner (no cache on cpu), AllocatorSettings (CUDA only)."
     assert [" ".join(record.split()) for record in ours.records] == [line, line]  # one per fit, nothing else
 
 

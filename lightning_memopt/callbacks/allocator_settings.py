@@ -82,7 +82,7 @@ class AllocatorSettings(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         device = trainer_device(trainer)
         if device.type != "cuda" and stage == "fit":
-            note_inactive(trainer, "AllocatorSettings", f"no CUDA allocator on {device.type}")
+            note_inactive(trainer, "AllocatorSettings", "CUDA only")
         try:
             if self.allocator_conf and self._conf is None:
                 self._conf = borrow_allocator_conf(self.allocator_conf, self._warn)

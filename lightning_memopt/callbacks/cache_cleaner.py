@@ -96,7 +96,7 @@ class CacheCleaner(Callback):
         self._device = trainer_device(trainer)
         self._enabled = supports_device_memory(self._device)
         if not self._enabled and stage == "fit":
-            note_inactive(trainer, "CacheCleaner", f"no allocator cache on {self._device.type}")
+            note_inactive(trainer, "CacheCleaner", f"no cache on {self._device.type}")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

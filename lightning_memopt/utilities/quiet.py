@@ -48,9 +48,11 @@ def inactive_line(inactive: dict[str, str]) -> str:
     """The line :func:`report_inactive` prints, wrapped to :data:`WIDTH` columns.
 
     Example:
-        >>> print(inactive_line({"CacheCleaner": "no allocator cache on cpu", "AllocatorSettings": "no CUDA"}))
-        lightning-memopt: inactive here: CacheCleaner (no allocator cache on cpu), AllocatorSettings (no
-          CUDA).
+        >>> print(inactive_line({"CacheCleaner": "no cache on cpu", "AllocatorSettings": "CUDA only"}))
+        lightning-memopt: inactive here: CacheCleaner (no cache on cpu), AllocatorSettings (CUDA only).
+        >>> print(inactive_line({f"Callback{i}": "a reason that takes some room" for i in range(3)}))
+        lightning-memopt: inactive here: Callback0 (a reason that takes some room), Callback1 (a reason that
+          takes some room), Callback2 (a reason that takes some room).
     """
     text = ", ".join(f"{owner} ({reason})" for owner, reason in inactive.items())
     return wrap_to_width(f"lightning-memopt: inactive here: {text}.")

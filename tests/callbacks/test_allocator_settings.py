@@ -188,5 +188,5 @@ def test_on_cpu_it_is_named_in_the_one_inactive_line_and_the_fraction_does_not_w
         trainer.fit(TinyModel())
     assert not [str(w.message) for w in caught if "memory_fraction" in str(w.message)]
     assert [m for m in caplog.messages if "AllocatorSettings" in m] == [
-        "lightning-memopt: inactive here: AllocatorSettings (no CUDA allocator on cpu)."
+        "lightning-memopt: inactive here: AllocatorSettings (CUDA only)."
     ]

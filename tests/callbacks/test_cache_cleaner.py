@@ -64,7 +64,7 @@ def test_cpu_is_named_in_the_one_inactive_line_then_does_nothing(tmp_path, caplo
     empty.assert_not_called()
     assert cleaner.calls == 0
     ours = [m for m in caplog.messages if "CacheCleaner" in m]
-    assert ours == ["lightning-memopt: inactive here: CacheCleaner (no allocator cache on cpu)."]
+    assert ours == ["lightning-memopt: inactive here: CacheCleaner (no cache on cpu)."]
 
 
 def _batches_emptied_after(tmp_path, cleaner, **kwargs):
