@@ -89,7 +89,7 @@ def _model(wait: threading.Event, crash: bool) -> pl.LightningModule:
 
 def _parts(conf: str, precision: str, freeze: bool) -> tuple[list[pl.Callback], list[Any]]:
     # the freeze's full collection costs ~0.8 s in a test process: one test row freezes
-    callbacks = [GarbageCollector(every_n_steps=1, freeze_after_setup=freeze), AllocatorSettings(conf)]
+    callbacks = [GarbageCollector(every_n_train_steps=1, freeze_after_setup=freeze), AllocatorSettings(conf)]
     return callbacks, [MemoryPrecision("32-true", float32_matmul_precision=precision)]
 
 

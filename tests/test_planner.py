@@ -177,7 +177,7 @@ def test_checkpointing_lowers_the_activations_and_the_peak_moves_to_backward():
 
 
 def test_the_user_s_module_is_not_wrapped_or_cast():
-    from lightning_memopt.callbacks.gradient_checkpointing import is_checkpointed
+    from lightning_memopt.functional.checkpointing import is_checkpointed
 
     model = encoder()
     estimate_memory(model, torch.randn(2, 8, 32), device="cpu", gradient_checkpointing=True, precision="bf16-true")

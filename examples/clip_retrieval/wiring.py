@@ -75,8 +75,8 @@ def memory_callbacks(args: argparse.Namespace, memory_dir: Path) -> list[Callbac
 
     return [
         lm.MemoryMonitor(dirpath=memory_dir, log_every_n_steps=args.memory_log_every_n_steps),
-        lm.CacheCleaner(every_n_train_batches=50),
-        lm.GarbageCollector(every_n_steps=25, generation=1),
+        lm.CacheCleaner(every_n_train_steps=50),
+        lm.GarbageCollector(every_n_train_steps=25, generation=1),
         lm.OOMReporter(dirpath=memory_dir),
         lm.MemoryAudit(dirpath=memory_dir),
     ]

@@ -149,8 +149,8 @@ def memory_callbacks(args: argparse.Namespace) -> list[Callback]:
 
     return [
         lm.MemoryMonitor(log_every_n_steps=args.memory_log_every_n_steps),
-        lm.CacheCleaner(every_n_train_batches=50),
-        lm.GarbageCollector(every_n_steps=25, generation=1),
+        lm.CacheCleaner(every_n_train_steps=50),
+        lm.GarbageCollector(every_n_train_steps=25, generation=1),
         lm.OOMReporter(),
         lm.MemoryAudit(),
     ]

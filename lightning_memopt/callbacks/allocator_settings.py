@@ -9,6 +9,7 @@ from typing_extensions import override
 from lightning_memopt.functional.allocator import borrow_allocator_conf, borrow_memory_fraction, check_alloc_conf
 from lightning_memopt.utilities.checks import check_fraction
 from lightning_memopt.utilities.namespaces import Callback
+from lightning_memopt.utilities.quiet import note_inactive, report_inactive
 from lightning_memopt.utilities.shared_state import Lease
 from lightning_memopt.utilities.trainer import trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -50,7 +51,11 @@ class AllocatorSettings(Callback):
     Args:
         allocator_conf: e.g. ``"expandable_segments:True"``; ``None`` leaves the allocator alone.
         memory_fraction: fraction of the device memory this process may use, in (0, 1]; set at ``setup`` on the
-            device the Trainer trains on (CUDA only; a warning elsewhere).
+            device the Trainer trains on (CUDA only).
+
+    On a Trainer that does not train on CUDA (a CPU run) the memory fraction is not set, and the callback is named in
+    the one line per fit that lists the callbacks with nothing to do; ``allocator_conf`` still goes through the
+    environment variable for the run (it only matters to CUDA, should the run initialise it).
 
     Outputs: the allocator settings above during the run; nothing is logged.
 
@@ -75,16 +80,23 @@ class AllocatorSettings(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        device = trainer_device(trainer)
+        if device.type != "cuda" and stage == "fit":
+            note_inactive(trainer, "AllocatorSettings", "CUDA only")
         try:
             if self.allocator_conf and self._conf is None:
                 self._conf = borrow_allocator_conf(self.allocator_conf, self._warn)
         except Exception as err:  # never crash training over allocator settings
             self._warn.warn("conf_failed", f"`allocator_conf` could not be applied: {err}")
         try:
-            if self._fraction is None:
-                self._fraction = borrow_memory_fraction(self.memory_fraction, trainer_device(trainer), self._warn)
+            if self._fraction is None and device.type == "cuda":
+                self._fraction = borrow_memory_fraction(self.memory_fraction, device, self._warn)
         except Exception as err:  # never crash training over a memory limit
             self._warn.warn("fraction_failed", f"`memory_fraction` could not be applied: {err}")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report_inactive(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

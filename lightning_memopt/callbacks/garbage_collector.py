@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
 from lightning_memopt.callbacks._states import restore_state
-from lightning_memopt.callbacks._timed import TimedCallsCounters
-from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
+from lightning_memopt.functional.collection import CollectionSchedule
 from lightning_memopt.utilities.checks import check_bool, check_choice, check_non_negative_int, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
 from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
@@ -67,33 +67,37 @@ def _freeze(_: object) -> Restore | None:
     return gc.unfreeze
 
 
-class GarbageCollector(TimedCallsCounters, Callback):
+class GarbageCollector(Callback):
     """Runs Python's garbage collector every N optimizer steps during training, at the same step on every rank.
 
-    By default it switches the automatic collector off during fit and runs ``gc.collect(1)`` every ``every_n_steps``
-    optimizer steps instead: a young collection that costs what the steps allocated, not what the process holds. What
-    it changed (automatic collection on/off, its freeze) is given back at teardown and on an exception during fit.
+    By default it switches the automatic collector off during fit and runs ``gc.collect(1)`` every
+    ``every_n_train_steps`` optimizer steps instead: a young collection that costs what the steps allocated, not what
+    the process holds. What it changed (automatic collection on/off, its freeze) is given back at teardown and on an
+    exception during fit.
     Both belong to the process: collectors of fits that overlap (threads) share them through
     :func:`~lightning_memopt.utilities.shared_state.borrow`, so the first one in switches collection off (or freezes)
     and the last one out gives back the state from before the first; the thresholds are never changed.
 
     Args:
-        every_n_steps: Collect every this many optimizer steps (default 25).
+        every_n_train_steps: Collect every this many optimizer steps (default 25), counted as ``trainer.global_step``
+            like ``ModelCheckpoint(every_n_train_steps=...)``: with ``accumulate_grad_batches=4`` and
+            ``every_n_train_steps=2`` it collects after every 8th training batch, right after the optimizer step.
         generation: The generation to collect: 0, 1 (default, the two young generations) or 2 (a full collection that
             scans every tracked object).
         disable_automatic: Switch the automatic collector off during fit, restored afterwards (default ``True``).
         freeze_after_setup: Call ``gc.collect()`` and ``gc.freeze()`` after setup so that a full collection skips what
             existed then; unfrozen at teardown (default ``False``; not done, with a warning, if the application froze
             objects itself).
-        full_every_n_steps: Also run a full collection every this many optimizer steps, in place of the regular one on
-            the same step; ``None`` (default): never.
+        full_every_n_train_steps: Also run a full collection every this many optimizer steps, in place of the regular
+            one on the same step; ``None`` (default): never.
+        verbose: Print a one-line summary of the collections at the end of fit (default ``False``).
 
     Logs (rank zero, at the end of fit): ``memory/gc/collect_calls`` (count), ``memory/gc/collect_seconds`` (total
-    seconds collecting), ``memory/gc/collected_objects`` (unreachable objects found), and a one-line summary. The
-    checkpoint holds the three totals.
+    seconds collecting) and ``memory/gc/collected_objects`` (unreachable objects found). The checkpoint holds the
+    three totals.
 
     Example:
-        >>> collector = GarbageCollector(every_n_steps=25, full_every_n_steps=10_000)
+        >>> collector = GarbageCollector(every_n_train_steps=25, full_every_n_train_steps=10_000)
         >>> collector.calls, collector.generation, collector.disable_automatic
         (0, 1, True)
 
@@ -102,38 +106,46 @@ class GarbageCollector(TimedCallsCounters, Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 25,
+        every_n_train_steps: int = 25,
         generation: int = 1,
         disable_automatic: bool = True,
         freeze_after_setup: bool = False,
-        full_every_n_steps: int | None = None,
+        full_every_n_train_steps: int | None = None,
+        verbose: bool = False,
     ) -> None:
-        check_positive_int("every_n_steps", every_n_steps)
+        check_positive_int("every_n_train_steps", every_n_train_steps)
         check_non_negative_int("generation", generation, hint="Use 0, 1 or 2 (2 is a full collection).")
         check_choice("generation", generation, (0, 1, 2))
         check_bool("disable_automatic", disable_automatic)
         check_bool("freeze_after_setup", freeze_after_setup)
+        check_bool("verbose", verbose)
         check_positive_int(
-            "full_every_n_steps",
-            full_every_n_steps,
+            "full_every_n_train_steps",
+            full_every_n_train_steps,
             allow_none=True,
             hint="Pass None to never run a full collection on an interval.",
         )
-        self.every_n_steps = every_n_steps
+        self.every_n_train_steps = every_n_train_steps
         self.generation = generation
         self.disable_automatic = disable_automatic
         self.freeze_after_setup = freeze_after_setup
-        self.full_every_n_steps = full_every_n_steps
+        self.full_every_n_train_steps = full_every_n_train_steps
+        self.verbose = verbose
+        #: Collections made, the seconds they took and the unreachable objects they found (restored on resume).
+        self.calls = 0
+        self.seconds = 0.0
         self.collected = 0
-        self._timed = TimedCalls()
-        self._schedule = CollectionSchedule(every_n_steps, generation, full_every_n_steps)
+        self._schedule = self._new_schedule()
         self._automatic: Lease | None = None
         self._frozen: Lease | None = None
         self._warn = WarnOnce()
 
     @cached_property
     def state_key(self) -> str:  # read by Lightning on every hook call: built once
-        return self._generate_state_key(every_n_steps=self.every_n_steps, generation=self.generation)
+        return self._generate_state_key(every_n_train_steps=self.every_n_train_steps, generation=self.generation)
+
+    def _new_schedule(self) -> CollectionSchedule:
+        return CollectionSchedule(self.every_n_train_steps, self.generation, self.full_every_n_train_steps)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -150,6 +162,7 @@ class GarbageCollector(TimedCallsCounters, Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._schedule = self._new_schedule()  # a new Trainer counts its steps from 0 again
         if self.disable_automatic and self._automatic is None:
             self._automatic = borrow("gc.automatic", False, _disable_automatic, self._warn, "GarbageCollector")
 
@@ -160,18 +173,23 @@ class GarbageCollector(TimedCallsCounters, Callback):
         generation = self._schedule.generation_at(trainer.global_step)  # the same step on every rank
         if generation is None:
             return  # only on optimizer-step boundaries (gradient accumulation calls this per micro-batch)
+        start = time.perf_counter()
         try:
-            self.collected += self._timed.run(lambda: gc.collect(generation))
+            found = gc.collect(generation)
         except Exception as err:  # pragma: no cover - gc.collect does not raise in practice
             self._warn.warn("collect", f"GarbageCollector: gc.collect failed ({err!r}); training goes on.")
+            return  # a failed call is not counted
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.collected += found
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        full = f", a full one every {self.full_every_n_steps} steps" if self.full_every_n_steps else ""
-        rank_zero_info(
-            f"GarbageCollector: {self.calls} collections (gc.collect({self.generation}) every {self.every_n_steps}"
-            f" steps{full}) took {self.seconds:.3f} s and found {self.collected} unreachable objects."
-        )
+        if self.verbose:
+            rank_zero_info(
+                f"GarbageCollector: {self.calls} collections took {self.seconds:.3f} s and found {self.collected}"
+                " unreachable objects."
+            )
         metrics = {
             "memory/gc/collect_calls": float(self.calls),
             "memory/gc/collect_seconds": self.seconds,

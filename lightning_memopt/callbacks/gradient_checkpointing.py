@@ -3,60 +3,73 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from typing_extensions import override
 
-from lightning_memopt.functional.checkpointing import (
-    DEFAULT_BLOCKS,
-    SWITCH_APIS,
-    CheckpointingHandle,
-    _CheckpointedForward,
-    is_checkpointed,
-    switch_api,
-    wrap_checkpointing,
-    wrap_modules,
-)
+from lightning_memopt.functional.checkpointing import CheckpointingHandle, wrap_checkpointing, wrap_modules
 from lightning_memopt.utilities.checks import check_bool
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
+from lightning_memopt.utilities.quiet import wrap_to_width
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# The functional names stay importable from here (lightning_memopt.callbacks.oom_reporter, lightning_memopt.planner).
-__all__ = [
-    "DEFAULT_BLOCKS",
-    "SWITCH_APIS",
-    "GradientCheckpointing",
-    "_CheckpointedForward",
-    "is_checkpointed",
-    "switch_api",
-]
+__all__ = ["GradientCheckpointing"]
+
+_EXAMPLE = "Example: `checkpoint_modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
+
+
+def _checked_modules(modules: Any) -> list[type[nn.Module] | str] | None:
+    """``checkpoint_modules`` as a list (one class or name becomes a list of one); a bad value raises ``ValueError``."""
+    if modules is None:
+        return None
+    if isinstance(modules, (str, type)):
+        modules = [modules]
+    if not isinstance(modules, Iterable):
+        raise ValueError(
+            "`checkpoint_modules` must be a list of nn.Module classes, class names or name patterns, or None, got"
+            f" {modules!r}. {_EXAMPLE}"
+        )
+    modules = list(modules)
+    if not modules:
+        raise ValueError(
+            "`checkpoint_modules` must name at least one nn.Module class, class name or name pattern, got []. Pass"
+            f" `checkpoint_modules=None` for the default PyTorch transformer layers. {_EXAMPLE}"
+        )
+    for entry in modules:
+        if not (isinstance(entry, str) and entry) and not (isinstance(entry, type) and issubclass(entry, nn.Module)):
+            raise ValueError(
+                "`checkpoint_modules` entries must be nn.Module classes, class names or name patterns, got"
+                f" {entry!r}. {_EXAMPLE}"
+            )
+    return modules
 
 
 class GradientCheckpointing(Callback):
     """Turns activation (gradient) checkpointing on at setup and off again at teardown.
 
     Activations inside each checkpointed block are recomputed in backward instead of kept, for roughly one extra
-    forward pass. At setup it wraps the submodules named by ``modules``; without ``modules`` it turns on the model's own
-    switch (Hugging Face ``activation_checkpointing_enable()`` / ``gradient_checkpointing_enable()``) when there is one,
-    else it wraps PyTorch's transformer encoder and decoder layers. Everything it changed is given back at teardown and
-    when fit stops with an exception.
+    forward pass. At setup it wraps the submodules named by ``checkpoint_modules``; without them it turns on the
+    model's own switch (Hugging Face ``activation_checkpointing_enable()`` / ``gradient_checkpointing_enable()``) when
+    there is one, else it wraps PyTorch's transformer encoder and decoder layers. Everything it changed is given back
+    at teardown and when fit stops with an exception.
 
     Args:
-        modules: Which submodules to wrap: ``nn.Module`` classes, class names (``"T5Block"``) or ``fnmatch`` patterns
-            over qualified submodule names (``"encoder.layers.*"``); ``None`` (default): the model's switch or the
-            default layers.
-        use_model_switch: Without ``modules``, turn on the model's own switch when it has one (default ``True``).
+        checkpoint_modules: Which submodules to wrap: ``nn.Module`` classes, class names (``"T5Block"``) or
+            ``fnmatch`` patterns over qualified submodule names (``"encoder.layers.*"``); ``None`` (default): the
+            model's switch or the default layers.
+        use_model_switch: Without ``checkpoint_modules``, turn on the model's own switch when it has one (default
+            ``True``).
+        verbose: Print at setup (rank zero) what was wrapped or which switch was turned on (default ``False``).
 
-    Logs: no metrics. Rank zero prints at setup what was wrapped or which switch was turned on; a warning says when
-    nothing matched.
+    Logs: no metrics. A warning says when nothing matched.
 
     Example:
         >>> from torch import nn
-        >>> cb = GradientCheckpointing(modules=[nn.TransformerEncoderLayer, "decoder.*"])
+        >>> cb = GradientCheckpointing(checkpoint_modules=[nn.TransformerEncoderLayer, "decoder.*"])
         >>> layer = nn.TransformerEncoderLayer(8, 2, 16)
         >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         >>> cb.wrap(model)
@@ -67,33 +80,17 @@ class GradientCheckpointing(Callback):
     More: docs/memory-callbacks.md
     """
 
-    def __init__(self, modules: Sequence[type[nn.Module] | str] | None = None, use_model_switch: bool = True) -> None:
+    def __init__(
+        self,
+        checkpoint_modules: Sequence[type[nn.Module] | str] | None = None,
+        use_model_switch: bool = True,
+        verbose: bool = False,
+    ) -> None:
         check_bool("use_model_switch", use_model_switch)
-        if modules is not None:
-            if isinstance(modules, (str, type)):
-                modules = [modules]
-            if not isinstance(modules, Iterable):
-                raise ValueError(
-                    f"`modules` must be a list of nn.Module classes, class names or name patterns, or None, got"
-                    f" {modules!r}. Example: `modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
-                )
-            modules = list(modules)
-            if not modules:
-                raise ValueError(
-                    "`modules` must name at least one nn.Module class, class name or name pattern, got []."
-                    " Pass `modules=None` for the default PyTorch transformer layers, or e.g."
-                    " `modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
-                )
-            for entry in modules:
-                if not (isinstance(entry, str) and entry) and not (
-                    isinstance(entry, type) and issubclass(entry, nn.Module)
-                ):
-                    raise ValueError(
-                        f"`modules` entries must be nn.Module classes, class names or name patterns, got {entry!r}."
-                        " Example: `modules=[nn.TransformerEncoderLayer, 'encoder.layers.*']`."
-                    )
-        self.modules = list(modules) if modules is not None else None
+        check_bool("verbose", verbose)
+        self.checkpoint_modules = _checked_modules(checkpoint_modules)
         self.use_model_switch = use_model_switch
+        self.verbose = verbose
         #: Qualified names of the submodules wrapped by this callback (setup or :meth:`wrap`), until given back.
         self.wrapped_names: list[str] = []
         #: Submodules that the last wrap found checkpointed already (left to whoever wrapped them).
@@ -107,7 +104,7 @@ class GradientCheckpointing(Callback):
         Submodules that are checkpointed already (wrapped before and not unwrapped) are skipped with everything
         inside them; they are listed in ``already_wrapped_names``.
         """
-        handle = wrap_modules(model, self.modules)
+        handle = wrap_modules(model, self.checkpoint_modules)
         self._handles.append(handle)
         self.wrapped_names.extend(handle.wrapped_names)
         self.already_wrapped_names = list(handle.already_wrapped_names)
@@ -125,45 +122,51 @@ class GradientCheckpointing(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or any(h._wrapped or h._switched for h in self._handles):
             return
-        handle = wrap_checkpointing(pl_module, self.modules, self.use_model_switch)
+        handle = wrap_checkpointing(pl_module, self.checkpoint_modules, self.use_model_switch)
         self._handles.append(handle)
-        if handle.used_switch:
-            turned, already = handle.turned_on, handle.already_on
-            rank_zero_info(
-                "GradientCheckpointing: the model's own switch"
-                + (f" turned on: {', '.join(turned)}" if turned else "")
-                + (f"{'; ' if turned else ' '}on already: {', '.join(already)}" if already else "")
-                + " (pass `modules=` to wrap blocks yourself instead)."
-            )
-            return
-        names = handle.wrapped_names
-        self.wrapped_names.extend(names)
-        self.already_wrapped_names = list(handle.already_wrapped_names)
-        if not names and self.already_wrapped_names:
-            rank_zero_info(
-                f"GradientCheckpointing: {len(self.already_wrapped_names)} module(s) were checkpointed already and are"
-                f" left as they are: {', '.join(self.already_wrapped_names)}"
-            )
-        elif not names:
-            wanted = "PyTorch transformer layers" if self.modules is None else repr(self.modules)
+        if not handle.used_switch:
+            self.wrapped_names.extend(handle.wrapped_names)
+            self.already_wrapped_names = list(handle.already_wrapped_names)
+        if not handle.used_switch and not handle.wrapped_names and not handle.already_wrapped_names:
+            wanted = "PyTorch transformer layers" if self.checkpoint_modules is None else repr(self.checkpoint_modules)
             self._warn.warn(
                 "nothing",
                 f"GradientCheckpointing found no submodule matching {wanted} in {type(pl_module).__name__};"
-                " nothing is checkpointed. Pass `modules=` with your block classes or name patterns.",
+                " nothing is checkpointed. Pass `checkpoint_modules=` with your block classes or name patterns.",
             )
-        else:
-            why = f"`modules={self.modules!r}`" if self.modules is not None else "PyTorch transformer layers"
-            own = ", ".join(f"{n or type(m).__name__}.{a.enable}()" for n, m, a in handle.switches)
-            over = f", instead of the model's own switch ({own})" if handle.switches else ""
-            cache = (
-                f"; `config.use_cache=False` for the fit on {', '.join(handle.caches)} (a cache filled inside a"
-                " checkpointed block breaks its recomputation)"
-                if handle.caches
-                else ""
+        elif self.verbose:
+            rank_zero_info(wrap_to_width(self._summary(handle)))
+
+    def _summary(self, handle: CheckpointingHandle) -> str:
+        """What setup did, in one message: the switch turned on, or the modules wrapped (and why those)."""
+        if handle.used_switch:
+            turned, already = handle.turned_on, handle.already_on
+            return (
+                "GradientCheckpointing: the model's own switch"
+                + (f" turned on: {', '.join(turned)}" if turned else "")
+                + (f"{'; ' if turned else ' '}on already: {', '.join(already)}" if already else "")
+                + " (pass `checkpoint_modules=` to wrap blocks yourself instead)."
             )
-            rank_zero_info(
-                f"GradientCheckpointing: wrapped {len(names)} module(s) by {why}{over}: {', '.join(names)}{cache}."
+        names = handle.wrapped_names
+        if not names:
+            return (
+                f"GradientCheckpointing: {len(self.already_wrapped_names)} module(s) were checkpointed already and"
+                f" are left as they are: {', '.join(self.already_wrapped_names)}"
             )
+        why = (
+            f"`checkpoint_modules={self.checkpoint_modules!r}`"
+            if self.checkpoint_modules is not None
+            else "PyTorch transformer layers"
+        )
+        own = ", ".join(f"{n or type(m).__name__}.{a.enable}()" for n, m, a in handle.switches)
+        over = f", instead of the model's own switch ({own})" if handle.switches else ""
+        cache = (
+            f"; `config.use_cache=False` for the fit on {', '.join(handle.caches)} (a cache filled inside a"
+            " checkpointed block breaks its recomputation)"
+            if handle.caches
+            else ""
+        )
+        return f"GradientCheckpointing: wrapped {len(names)} module(s) by {why}{over}: {', '.join(names)}{cache}."
 
     def restore(self) -> None:
         """Give back everything setup changed: the original forwards, and model switches turned on by this callback."""

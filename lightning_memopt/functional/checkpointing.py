@@ -32,10 +32,11 @@ __all__ = [
     "wrap_modules",
 ]
 
-#: Block classes wrapped when no ``modules`` are given and the model has no checkpointing switch of its own.
+#: Block classes wrapped when no ``checkpoint_modules`` are given and the model has no checkpointing switch of its own.
 DEFAULT_BLOCKS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
-#: What ``modules`` holds: ``nn.Module`` classes, class names or ``fnmatch`` patterns over qualified submodule names.
+#: What ``checkpoint_modules`` holds: ``nn.Module`` classes, class names or ``fnmatch`` patterns over qualified
+#: submodule names.
 ModuleSpec = Sequence[type[nn.Module] | str]
 
 
@@ -139,11 +140,11 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
 
 
-def module_matches(name: str, module: nn.Module, modules: ModuleSpec | None) -> bool:
-    """Whether the submodule ``name`` matches ``modules`` (``None``: the :data:`DEFAULT_BLOCKS`)."""
-    if modules is None:
+def module_matches(name: str, module: nn.Module, checkpoint_modules: ModuleSpec | None) -> bool:
+    """Whether the submodule ``name`` matches ``checkpoint_modules`` (``None``: the :data:`DEFAULT_BLOCKS`)."""
+    if checkpoint_modules is None:
         return isinstance(module, DEFAULT_BLOCKS)
-    for entry in modules:
+    for entry in checkpoint_modules:
         if isinstance(entry, type):
             if isinstance(module, entry):
                 return True
@@ -236,7 +237,7 @@ class CheckpointingHandle:
                 disable()
 
 
-def wrap_modules(model: nn.Module, modules: ModuleSpec | None = None) -> CheckpointingHandle:
+def wrap_modules(model: nn.Module, checkpoint_modules: ModuleSpec | None = None) -> CheckpointingHandle:
     """Wrap the matching submodules of ``model`` (outermost match only).
 
     Submodules that are checkpointed already are skipped with everything inside them (``already_wrapped_names``).
@@ -258,7 +259,7 @@ def wrap_modules(model: nn.Module, modules: ModuleSpec | None = None) -> Checkpo
         if is_checkpointed(module):
             skipped.append(name)
             continue
-        if not module_matches(name, module, modules):
+        if not module_matches(name, module, checkpoint_modules):
             continue
         original = module.__dict__.get("forward")
         module.forward = _CheckpointedForward(module, original)
@@ -281,13 +282,13 @@ def _turn_off_caches(model: nn.Module, handle: CheckpointingHandle) -> None:
 
 
 def wrap_checkpointing(
-    model: nn.Module, modules: ModuleSpec | None = None, use_model_switch: bool = True
+    model: nn.Module, checkpoint_modules: ModuleSpec | None = None, use_model_switch: bool = True
 ) -> CheckpointingHandle:
     """Turn activation checkpointing on in ``model``; the returned handle's ``restore()`` turns it off again.
 
-    With ``modules``, the matching submodules are wrapped, also where the model has a switch of its own, and configs
-    with ``use_cache`` on get ``use_cache=False`` (a cache filled inside a checkpointed block breaks its
-    recomputation). Without ``modules``, the model's own switch is turned on when it has one (and
+    With ``checkpoint_modules``, the matching submodules are wrapped, also where the model has a switch of its own,
+    and configs with ``use_cache`` on get ``use_cache=False`` (a cache filled inside a checkpointed block breaks its
+    recomputation). Without ``checkpoint_modules``, the model's own switch is turned on when it has one (and
     ``use_model_switch``); a switch that is on already is left on and not turned off by ``restore``. Otherwise the
     :data:`DEFAULT_BLOCKS` are wrapped.
 
@@ -300,7 +301,7 @@ def wrap_checkpointing(
         >>> handle.restore()
     """
     switches = find_switches(model) if use_model_switch else []
-    if switches and modules is None:
+    if switches and checkpoint_modules is None:
         handle = CheckpointingHandle(switches=switches)
         for name, module, api in switches:
             label = f"{name or type(module).__name__}.{api.enable}()"
@@ -311,7 +312,7 @@ def wrap_checkpointing(
                 handle._switched.append((module, api))
                 handle.turned_on.append(label)
         return handle
-    handle = wrap_modules(model, modules)
+    handle = wrap_modules(model, checkpoint_modules)
     handle.switches = switches
     if handle.wrapped_names:
         _turn_off_caches(model, handle)

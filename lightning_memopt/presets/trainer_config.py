@@ -101,14 +101,14 @@ def preset_callbacks(preset: MemoryPreset) -> list[tuple[type, Any]]:
         out.append(
             (
                 CacheCleaner,
-                lambda: CacheCleaner(every_n_train_batches=None, every_n_val_batches=None, on_phase_end=True),
+                lambda: CacheCleaner(every_n_train_steps=None, every_n_val_batches=None, on_phase_end=True),
             )
         )
     if preset.gc_every_n_train_steps:
-        out.append((GarbageCollector, lambda: GarbageCollector(every_n_steps=preset.gc_every_n_train_steps)))
+        out.append((GarbageCollector, lambda: GarbageCollector(every_n_train_steps=preset.gc_every_n_train_steps)))
     if preset.gradient_checkpointing:
         modules = list(preset.checkpoint_modules) if preset.checkpoint_modules else None
-        out.append((GradientCheckpointing, lambda: GradientCheckpointing(modules=modules)))
+        out.append((GradientCheckpointing, lambda: GradientCheckpointing(checkpoint_modules=modules)))
     if preset.auto_micro_batch:
         out.append((AutoMicroBatch, lambda: AutoMicroBatch(micro_batch_size=preset.micro_batch_size or "auto")))
     if preset.allocator_conf or preset.memory_fraction is not None:

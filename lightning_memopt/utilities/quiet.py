@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_memopt.utilities.namespaces import rank_zero_info
 
-__all__ = ["inactive_line", "note_inactive", "report_inactive"]
+__all__ = ["WIDTH", "inactive_line", "note_inactive", "report_inactive", "wrap_to_width"]
 
 #: Columns a printout may take.
 WIDTH = 100
@@ -21,21 +21,41 @@ WIDTH = 100
 _pending: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
+def wrap_to_width(text: str) -> str:
+    """``text`` wrapped to :data:`WIDTH` columns, each paragraph on its own, continuation lines indented.
+
+    Words are never split (a path stays whole to copy, on a line of its own if it is longer than the width).
+
+    Example:
+        >>> print(wrap_to_width("GradientCheckpointing: wrapped 3 module(s): " + ", ".join(["encoder.layers.0"] * 6)))
+        GradientCheckpointing: wrapped 3 module(s): encoder.layers.0, encoder.layers.0, encoder.layers.0,
+          encoder.layers.0, encoder.layers.0, encoder.layers.0
+    """
+    wrapper = textwrap.TextWrapper(WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    return "\n".join(wrapper.fill(paragraph) for paragraph in text.split("\n"))
+
+
 def note_inactive(trainer: Any, owner: str, reason: str) -> None:
-    """Remember that ``owner`` (a callback's name) does nothing in this fit of ``trainer``, and ``reason``."""
-    _pending.setdefault(trainer, {})[owner] = reason
+    """Remember that ``owner`` (a callback's name) does nothing in this fit of ``trainer``, and ``reason``.
+
+    A hook called by hand without a Trainer (``trainer=None``) has no fit to report in: nothing is noted.
+    """
+    if trainer is not None:
+        _pending.setdefault(trainer, {})[owner] = reason
 
 
 def inactive_line(inactive: dict[str, str]) -> str:
     """The line :func:`report_inactive` prints, wrapped to :data:`WIDTH` columns.
 
     Example:
-        >>> print(inactive_line({"CacheCleaner": "no allocator cache on cpu", "AllocatorSettings": "no CUDA"}))
-        lightning-memopt: inactive here: CacheCleaner (no allocator cache on cpu), AllocatorSettings (no
-          CUDA).
+        >>> print(inactive_line({"CacheCleaner": "no cache on cpu", "AllocatorSettings": "CUDA only"}))
+        lightning-memopt: inactive here: CacheCleaner (no cache on cpu), AllocatorSettings (CUDA only).
+        >>> print(inactive_line({f"Callback{i}": "a reason that takes some room" for i in range(3)}))
+        lightning-memopt: inactive here: Callback0 (a reason that takes some room), Callback1 (a reason that
+          takes some room), Callback2 (a reason that takes some room).
     """
     text = ", ".join(f"{owner} ({reason})" for owner, reason in inactive.items())
-    return textwrap.fill(f"lightning-memopt: inactive here: {text}.", width=WIDTH, subsequent_indent="  ")
+    return wrap_to_width(f"lightning-memopt: inactive here: {text}.")
 
 
 def report_inactive(trainer: Any) -> None:

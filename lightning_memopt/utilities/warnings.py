@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 import warnings
+from types import FrameType
+from typing import Any
 
 from lightning_memopt.utilities.formatting import printable
 
@@ -36,12 +38,33 @@ log = logging.getLogger("lightning_memopt")
 log.addFilter(_PrintableRecords())
 
 
-def warn_every_time(message: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:
-    """Warn with ``message`` even if the same text was warned from the same place before.
+def _warn_from(frame: FrameType, message: str, category: type[Warning], every_time: bool) -> None:
+    """Warn with ``message`` as if ``frame``'s line had called ``warnings.warn`` (its file, line and module).
+
+    The module is what ``warnings.filterwarnings(module=...)`` matches: the package module that raised the warning,
+    never the Lightning loop that called the hook raising it. ``every_time`` skips the module's once-per-place
+    registry; otherwise a repeated warning is shown as Python's default filter shows it.
+    """
+    module_globals = frame.f_globals
+    registry: dict[Any, Any] = {} if every_time else module_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        printable(message),
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=module_globals.get("__name__", "<string>"),
+        registry=registry,
+        module_globals=module_globals,
+    )
+
+
+def warn_every_time(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn with ``message`` from the caller's line, even if the same text was warned from there before.
 
     ``warnings.warn`` keeps a registry per calling module that hides a repeated message under the default filter,
     so a finding of a second fit in the same process (a notebook, a sweep) would print nothing. This skips that
-    registry; the user's filters (``ignore``, ``error``, ``once``) still apply.
+    registry; the user's filters (``ignore``, ``error``, ``once``) still apply, and the warning belongs to the
+    calling module (``filterwarnings("ignore", module="lightning_memopt")`` silences the package's).
 
     Example:
         >>> import warnings as _w
@@ -52,25 +75,15 @@ def warn_every_time(message: str, category: type[Warning] = UserWarning, stackle
         >>> len(caught)
         2
     """
-    try:
-        frame = sys._getframe(stacklevel)
-        filename, lineno, module_globals = frame.f_code.co_filename, frame.f_lineno, frame.f_globals
-    except ValueError:  # a shallower stack than asked for
-        filename, lineno, module_globals = "sys", 1, None
-    module = module_globals.get("__name__") if module_globals else None
-    warnings.warn_explicit(
-        printable(message),
-        category,
-        filename,
-        lineno,
-        module=module,
-        registry={},
-        module_globals=module_globals,
-    )
+    _warn_from(sys._getframe(1), message, category, every_time=True)
 
 
 class WarnOnce:
     """Emits each keyed warning at most once per instance (per :meth:`reset`, with ``every_time=True``).
+
+    The warning is located at the line that called :meth:`warn`, in the package module that raised it (a hook's
+    warning never points at Lightning's ``call.py``), so ``warnings.filterwarnings("ignore",
+    module="lightning_memopt")`` silences the package's warnings and nothing else.
 
     Messages are escaped for the terminal (:func:`~lightning_memopt.utilities.formatting.printable`) and kept on one
     line: a newline in a path or a value (a ``dirpath``) cannot pose as another line.
@@ -101,10 +114,7 @@ class WarnOnce:
         if key in self._seen:
             return False
         self._seen.add(key)
-        if self.every_time:
-            warn_every_time(message, category, stacklevel=3)
-        else:
-            warnings.warn(printable(message), category, stacklevel=3)
+        _warn_from(sys._getframe(1), message, category, self.every_time)
         return True
 
     def reset(self) -> None:

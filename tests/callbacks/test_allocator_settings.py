@@ -1,5 +1,6 @@
 """AllocatorSettings: the callback that applies allocator settings for one run and gives them back."""
 
+import logging
 import os
 import warnings
 
@@ -177,3 +178,15 @@ def test_a_backend_torch_did_not_load_with_is_refused_when_built(monkeypatch, bu
     build("backend:cudaMallocAsync")
     with pytest.raises(ValueError, match=r"backend:native.*'cudaMallocAsync'"):
         build("backend:native")
+
+
+def test_on_cpu_it_is_named_in_the_one_inactive_line_and_the_fraction_does_not_warn(tmp_path, caplog):
+    callback = AllocatorSettings("expandable_segments:True", memory_fraction=0.5)
+    trainer = make_trainer(tmp_path, callbacks=[callback], max_steps=1, limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        trainer.fit(TinyModel())
+    assert not [str(w.message) for w in caught if "memory_fraction" in str(w.message)]
+    assert [m for m in caplog.messages if "AllocatorSettings" in m] == [
+        "lightning-memopt: inactive here: AllocatorSettings (CUDA only)."
+    ]

@@ -20,8 +20,8 @@ def fake_device(monkeypatch):
     return empty
 
 
-def test_every_n_train_batches_and_phase_ends(tmp_path, fake_device):
-    cleaner = CacheCleaner(every_n_train_batches=3)
+def test_every_n_train_steps_and_phase_ends(tmp_path, fake_device):
+    cleaner = CacheCleaner(every_n_train_steps=3)
     trainer = make_trainer(
         tmp_path, callbacks=[cleaner], max_epochs=2, max_steps=-1, limit_train_batches=7, limit_val_batches=2
     )
@@ -32,7 +32,7 @@ def test_every_n_train_batches_and_phase_ends(tmp_path, fake_device):
 
 
 def test_validation_interval_and_no_phase_end(tmp_path, fake_device):
-    cleaner = CacheCleaner(every_n_train_batches=None, every_n_val_batches=2, on_phase_end=False)
+    cleaner = CacheCleaner(every_n_train_steps=None, every_n_val_batches=2, on_phase_end=False)
     trainer = make_trainer(tmp_path, callbacks=[cleaner], max_steps=4, limit_train_batches=4, limit_val_batches=5)
     trainer.fit(TinyModel())
     assert fake_device.call_count == 2  # validation batches 2 and 4
@@ -49,26 +49,70 @@ def test_test_and_predict_phase_ends(tmp_path, fake_device):
 
 
 def test_called_with_the_trainers_device(tmp_path, fake_device):
-    make_trainer(tmp_path, callbacks=[CacheCleaner(every_n_train_batches=1)], max_steps=1, limit_val_batches=0).fit(
+    make_trainer(tmp_path, callbacks=[CacheCleaner(every_n_train_steps=1)], max_steps=1, limit_val_batches=0).fit(
         TinyModel()
     )
     assert {str(c.args[0]) for c in fake_device.call_args_list} == {"cpu"}
 
 
-def test_cpu_logs_one_info_then_does_nothing(tmp_path, caplog):
-    cleaner = CacheCleaner(every_n_train_batches=1)
+def test_cpu_is_named_in_the_one_inactive_line_then_does_nothing(tmp_path, caplog):
+    cleaner = CacheCleaner(every_n_train_steps=1, verbose=True)
     with mock.patch.object(cc, "empty_device_cache") as empty, caplog.at_level(logging.INFO):
         trainer = make_trainer(tmp_path, callbacks=[cleaner], max_steps=4)
         trainer.fit(TinyModel())
         trainer.validate(TinyModel(), verbose=False)
     empty.assert_not_called()
     assert cleaner.calls == 0
-    assert sum("no allocator cache to empty" in m for m in caplog.messages) == 1
+    ours = [m for m in caplog.messages if "CacheCleaner" in m]
+    assert ours == ["lightning-memopt: inactive here: CacheCleaner (no cache on cpu)."]
+
+
+def _batches_emptied_after(tmp_path, cleaner, **kwargs):
+    """The ``batch_idx`` of each training batch after which ``cleaner`` emptied the cache."""
+    seen = []
+
+    class Model(TinyModel):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.append((batch_idx, cleaner.calls))
+
+    defaults = {"max_steps": -1, "limit_train_batches": 16, "limit_val_batches": 0}
+    start = cleaner.calls
+    make_trainer(tmp_path, callbacks=[cleaner], **{**defaults, **kwargs}).fit(Model())
+    # the module's hook runs after the callbacks': a call counted at batch i happened after batch i
+    return [i for (i, calls), (_, before) in zip(seen, [(None, start), *seen]) if calls > before]
+
+
+def test_every_n_train_steps_counts_optimizer_steps_with_gradient_accumulation(tmp_path, fake_device):
+    cleaner = CacheCleaner(every_n_train_steps=2, on_phase_end=False)
+    emptied = _batches_emptied_after(tmp_path, cleaner, max_epochs=1, accumulate_grad_batches=4)
+    assert emptied == [7, 15]  # optimizer steps 2 and 4: after every 2nd step, i.e. every 8th batch
+    assert cleaner.calls == 2
+
+
+def test_every_n_train_steps_continues_across_epochs_and_starts_again_with_a_new_trainer(tmp_path, fake_device):
+    cleaner = CacheCleaner(every_n_train_steps=3, on_phase_end=False)
+    assert _batches_emptied_after(tmp_path, cleaner, max_epochs=1, limit_train_batches=5) == [2]  # step 3
+    # a new Trainer: step 3 is due again; global_step goes on over the epoch boundary (steps 3, 6 | 9, 12)
+    assert _batches_emptied_after(tmp_path, cleaner, max_epochs=2, limit_train_batches=7) == [2, 5, 1, 4]
+
+
+def test_totals_are_printed_only_when_verbose(tmp_path, fake_device, caplog):
+    with caplog.at_level(logging.INFO):
+        for verbose in (False, True):
+            cleaner = CacheCleaner(every_n_train_steps=2, verbose=verbose)
+            make_trainer(tmp_path, callbacks=[cleaner], max_steps=4, limit_val_batches=0).fit(TinyModel())
+    said = [m for m in caplog.messages if m.startswith("CacheCleaner:")]
+    assert len(said) == 1 and said[0].startswith("CacheCleaner: 3 empty_cache() calls took")
+
+
+def test_the_totals_are_the_callbacks_own_attributes():
+    cleaner = CacheCleaner()
+    assert {"calls": 0, "seconds": 0.0}.items() <= vars(cleaner).items()  # no forwarding property in between
 
 
 def test_time_is_logged_at_fit_end(tmp_path, fake_device):
     logger = RecordingLogger()
-    cleaner = CacheCleaner(every_n_train_batches=2)
+    cleaner = CacheCleaner(every_n_train_steps=2)
     start = time.perf_counter()
     make_trainer(tmp_path, callbacks=[cleaner], logger=logger, max_steps=4, limit_val_batches=0).fit(TinyModel())
     elapsed = time.perf_counter() - start
@@ -81,9 +125,7 @@ def test_time_is_logged_at_fit_end(tmp_path, fake_device):
 def test_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(cc, "supports_device_memory", lambda device: True)
     monkeypatch.setattr(cc, "empty_device_cache", mock.Mock(side_effect=RuntimeError("boom")))
-    trainer = make_trainer(
-        tmp_path, callbacks=[CacheCleaner(every_n_train_batches=1)], max_steps=3, limit_val_batches=0
-    )
+    trainer = make_trainer(tmp_path, callbacks=[CacheCleaner(every_n_train_steps=1)], max_steps=3, limit_val_batches=0)
     with pytest.warns(UserWarning, match="emptying the cache failed") as record:
         trainer.fit(TinyModel())
     assert trainer.global_step == 3
@@ -101,9 +143,9 @@ def test_state_dict_round_trip():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"every_n_train_batches": 0}, "`every_n_train_batches` must be a positive int, got 0"),
+        ({"every_n_train_steps": 0}, "`every_n_train_steps` must be a positive int, got 0"),
         ({"every_n_val_batches": -1}, "`every_n_val_batches` must be a positive int, got -1"),
-        ({"every_n_train_batches": 2.5}, "got 2.5"),
+        ({"every_n_train_steps": 2.5}, "got 2.5"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -120,7 +162,7 @@ def test_real_cuda_cache_is_emptied(tmp_path):
             torch.empty(64 * 2**20, dtype=torch.uint8, device=self.device)  # freed at once, stays cached
             return super().training_step(batch, batch_idx)
 
-    cleaner = CacheCleaner(every_n_train_batches=1, on_phase_end=False)
+    cleaner = CacheCleaner(every_n_train_steps=1, on_phase_end=False)
     make_trainer(tmp_path, accelerator="gpu", callbacks=[cleaner], max_steps=2, limit_val_batches=0).fit(Model())
     assert cleaner.calls == 2
     # what stays reserved is what is still allocated (cuBLAS's workspace: 64 MiB on a Hopper card), not the freed block

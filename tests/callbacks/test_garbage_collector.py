@@ -1,5 +1,6 @@
 import copy
 import gc
+import logging
 import warnings
 from unittest import mock
 
@@ -19,7 +20,7 @@ def collect_calls(mocked):
 
 
 def test_collects_every_n_optimizer_steps(tmp_path):
-    collector = GarbageCollector(every_n_steps=3, generation=1)
+    collector = GarbageCollector(every_n_train_steps=3, generation=1)
     with mock.patch.object(gcmod.gc, "collect", return_value=7) as collect:
         trainer = make_trainer(
             tmp_path, callbacks=[collector], max_steps=10, limit_train_batches=10, limit_val_batches=0
@@ -30,7 +31,7 @@ def test_collects_every_n_optimizer_steps(tmp_path):
 
 
 def test_interval_counts_optimizer_steps_not_micro_batches(tmp_path):
-    collector = GarbageCollector(every_n_steps=2)
+    collector = GarbageCollector(every_n_train_steps=2)
     steps_seen = []
     with mock.patch.object(gcmod.gc, "collect", side_effect=lambda g: steps_seen.append(trainer.global_step) or 0):
         trainer = make_trainer(
@@ -43,6 +44,46 @@ def test_interval_counts_optimizer_steps_not_micro_batches(tmp_path):
         )
         trainer.fit(TinyModel())
     assert steps_seen == [2, 4]
+
+
+def test_every_n_train_steps_with_accumulate_grad_batches_4_collects_after_every_8th_batch(tmp_path):
+    collector = GarbageCollector(every_n_train_steps=2)
+    batches = []
+
+    class Model(TinyModel):
+        def on_train_batch_end(self, outputs, batch, batch_idx):  # runs after the callbacks' hook
+            batches.append(collector.calls)
+
+    trainer = make_trainer(
+        tmp_path, callbacks=[collector], max_steps=4, limit_train_batches=16, accumulate_grad_batches=4
+    )
+    trainer.fit(Model())
+    assert [i for i, calls in enumerate(batches) if calls > (batches[i - 1] if i else 0)] == [7, 15]
+
+
+def test_a_new_trainer_counts_its_steps_from_the_start(tmp_path):
+    collector = GarbageCollector(every_n_train_steps=2)
+    steps_seen = []
+    with mock.patch.object(gcmod.gc, "collect", side_effect=lambda g: steps_seen.append(trainer.global_step) or 0):
+        for max_steps in (3, 4):  # the first fit collects at step 2 last; the second fit's step 2 is due again
+            trainer = make_trainer(tmp_path, callbacks=[collector], max_steps=max_steps, limit_val_batches=0)
+            trainer.fit(TinyModel())
+    assert steps_seen == [2, 2, 4]
+
+
+def test_the_summary_is_printed_only_when_verbose(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        for verbose in (False, True):
+            collector = GarbageCollector(every_n_train_steps=2, verbose=verbose)
+            make_trainer(tmp_path, callbacks=[collector], max_steps=4, limit_val_batches=0).fit(TinyModel())
+    said = [m for m in caplog.messages if "GarbageCollector" in m]
+    assert len(said) == 1 and said[0].startswith("GarbageCollector: 2 collections took")
+    assert len(said[0]) <= 100
+
+
+def test_the_totals_are_the_callbacks_own_attributes():
+    collector = GarbageCollector()
+    assert {"calls": 0, "seconds": 0.0, "collected": 0}.items() <= vars(collector).items()
 
 
 def test_disable_automatic_during_fit_and_restore(tmp_path):
@@ -107,7 +148,7 @@ def test_freeze_after_setup_and_unfreeze_at_teardown(tmp_path):
 def test_time_and_counts_logged_at_fit_end(tmp_path):
     logger = RecordingLogger()
     make_trainer(
-        tmp_path, callbacks=[GarbageCollector(every_n_steps=2)], logger=logger, max_steps=4, limit_val_batches=0
+        tmp_path, callbacks=[GarbageCollector(every_n_train_steps=2)], logger=logger, max_steps=4, limit_val_batches=0
     ).fit(TinyModel())
     logged = [m for _, m in logger.calls if "memory/gc/collect_calls" in m]
     assert len(logged) == 1 and logged[0]["memory/gc/collect_calls"] == 2.0
@@ -117,10 +158,10 @@ def test_time_and_counts_logged_at_fit_end(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"every_n_steps": 0}, "`every_n_steps` must be a positive int, got 0"),
-        ({"every_n_steps": None}, "`every_n_steps` must be a positive int, got None"),
+        ({"every_n_train_steps": 0}, "`every_n_train_steps` must be a positive int, got 0"),
+        ({"every_n_train_steps": None}, "`every_n_train_steps` must be a positive int, got None"),
         ({"generation": 3}, "`generation` must be one of 0, 1, 2, got 3"),
-        ({"every_n_steps": True}, "`every_n_steps` must be a positive int, got True"),
+        ({"every_n_train_steps": True}, "`every_n_train_steps` must be a positive int, got True"),
         ({"generation": True}, r"`generation` must be a non-negative int, got True\. Use 0, 1 or 2"),
         ({"generation": False}, r"`generation` must be a non-negative int, got False\. Use 0, 1 or 2"),
         ({"generation": 1.0}, r"`generation` must be a non-negative int, got 1.0\. Use 0, 1 or 2"),
@@ -129,9 +170,12 @@ def test_time_and_counts_logged_at_fit_end(tmp_path):
         ({"disable_automatic": 1}, r"`disable_automatic` must be a bool \(True or False\), got 1\."),
         ({"freeze_after_setup": "no"}, r"`freeze_after_setup` must be a bool \(True or False\), got 'no'\."),
         ({"freeze_after_setup": None}, r"`freeze_after_setup` must be a bool \(True or False\), got None\."),
-        ({"full_every_n_steps": 0}, r"`full_every_n_steps` must be a positive int, got 0\. Pass None to never"),
-        ({"full_every_n_steps": True}, r"`full_every_n_steps` must be a positive int, got True\."),
-        ({"full_every_n_steps": 2.0}, r"`full_every_n_steps` must be a positive int, got 2.0\."),
+        (
+            {"full_every_n_train_steps": 0},
+            r"`full_every_n_train_steps` must be a positive int, got 0\. Pass None to never",
+        ),
+        ({"full_every_n_train_steps": True}, r"`full_every_n_train_steps` must be a positive int, got True\."),
+        ({"full_every_n_train_steps": 2.0}, r"`full_every_n_train_steps` must be a positive int, got 2.0\."),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -183,7 +227,7 @@ def test_thresholds_are_never_changed(tmp_path):
                 seen.append(gc.get_threshold())
                 return super().training_step(batch, batch_idx)
 
-        collector = GarbageCollector(every_n_steps=1, disable_automatic=True, freeze_after_setup=True)
+        collector = GarbageCollector(every_n_train_steps=1, disable_automatic=True, freeze_after_setup=True)
         make_trainer(tmp_path, callbacks=[collector], max_steps=2, limit_val_batches=0).fit(Model())
         assert seen == [(321, 4, 5)] * 2 and gc.get_threshold() == (321, 4, 5)
     finally:
@@ -235,12 +279,12 @@ def test_defaults_collect_the_young_generations_with_the_automatic_collector_off
     assert recorder.enabled == [False] * 50  # off for the whole of training
     assert recorder.frozen == [0] * 50  # nothing frozen: MemoryAudit and OOMReporter still see every tensor
     assert gc.isenabled() and gc.get_freeze_count() == 0 and gcmod._enable_in_forked_child is None
-    assert (collector.every_n_steps, collector.generation, collector.disable_automatic) == (25, 1, True)
-    assert (collector.freeze_after_setup, collector.full_every_n_steps) == (False, None)
+    assert (collector.every_n_train_steps, collector.generation, collector.disable_automatic) == (25, 1, True)
+    assert (collector.freeze_after_setup, collector.full_every_n_train_steps) == (False, None)
 
 
 def test_full_collections_only_where_asked(tmp_path):
-    collector = GarbageCollector(every_n_steps=4, full_every_n_steps=6)
+    collector = GarbageCollector(every_n_train_steps=4, full_every_n_train_steps=6)
     steps_seen = []
 
     def collect(generation):
@@ -257,7 +301,7 @@ def test_full_collections_only_where_asked(tmp_path):
 
 
 def test_full_collection_interval_with_generation_2_collects_once_per_step(tmp_path):
-    collector = GarbageCollector(every_n_steps=2, generation=2, full_every_n_steps=3)
+    collector = GarbageCollector(every_n_train_steps=2, generation=2, full_every_n_train_steps=3)
     with mock.patch.object(gcmod.gc, "collect", return_value=0) as collect:
         trainer = make_trainer(tmp_path, callbacks=[collector], max_steps=6, limit_train_batches=6, limit_val_batches=0)
         trainer.fit(TinyModel())
@@ -288,7 +332,7 @@ def test_forked_dataloader_workers_get_the_automatic_collector_back(tmp_path):
             seen_in_main.append(gc.isenabled())
             return super().training_step(batch, batch_idx)
 
-    collector = GarbageCollector(every_n_steps=1)
+    collector = GarbageCollector(every_n_train_steps=1)
     make_trainer(tmp_path, callbacks=[collector], max_steps=4, limit_val_batches=0).fit(Model())
     assert seen_in_main == [False] * 4
     # Lightning starts the first epoch's workers before `on_train_start`; the second epoch's are forked while

@@ -57,7 +57,7 @@ def test_gradients_identical_to_the_plain_model(modules):
     x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(1))
     plain = Blocks().train()
     wrapped = copy.deepcopy(plain)
-    cb = GradientCheckpointing(modules=modules)
+    cb = GradientCheckpointing(checkpoint_modules=modules)
     assert cb.wrap(wrapped) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
     ref, got = _grads(plain, x), _grads(wrapped, x)
     assert ref.keys() == got.keys()
@@ -158,17 +158,21 @@ def test_model_switch_is_skipped_when_the_model_does_not_support_it():
 
 
 def test_no_match_warns(tmp_path):
-    cb = GradientCheckpointing(modules=["NoSuchLayer"])
-    with pytest.warns(UserWarning, match=r"found no submodule matching \['NoSuchLayer'\].*Pass `modules=`"):
+    cb = GradientCheckpointing(checkpoint_modules=["NoSuchLayer"])
+    with pytest.warns(UserWarning, match=r"found no submodule matching \['NoSuchLayer'\].*Pass `checkpoint_modules=`"):
         make_trainer(tmp_path, callbacks=[cb], max_steps=1).fit(Blocks())
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"modules": [3]}, "`modules` entries must be nn.Module classes, class names or name patterns, got 3"),
-        ({"modules": [""]}, "`modules` entries must be .* got ''"),
-        ({"modules": 3}, r"`modules` must be a list of nn.Module classes, .* or None, got 3\."),
+        (
+            {"checkpoint_modules": [3]},
+            "`checkpoint_modules` entries must be nn.Module classes, class names or name patterns, got 3",
+        ),
+        ({"checkpoint_modules": [""]}, "`checkpoint_modules` entries must be .* got ''"),
+        ({"checkpoint_modules": []}, r"`checkpoint_modules` must name at least one .* got \[\]"),
+        ({"checkpoint_modules": 3}, r"`checkpoint_modules` must be a list of nn.Module classes, .* or None, got 3\."),
         ({"use_model_switch": "no"}, r"`use_model_switch` must be a bool \(True or False\), got 'no'\."),
         ({"use_model_switch": 0}, r"`use_model_switch` must be a bool \(True or False\), got 0\."),
     ],
@@ -179,8 +183,8 @@ def test_bad_arguments(kwargs, match):
 
 
 def test_modules_accepts_any_iterable_once():
-    cb = GradientCheckpointing(modules=(m for m in ["TransformerEncoderLayer"]))
-    assert cb.modules == ["TransformerEncoderLayer"]
+    cb = GradientCheckpointing(checkpoint_modules=(m for m in ["TransformerEncoderLayer"]))
+    assert cb.checkpoint_modules == ["TransformerEncoderLayer"]
     assert cb.wrap(Blocks()) == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
     cb.unwrap()
 
@@ -425,7 +429,7 @@ def test_the_blocks_own_keyword_arguments_reach_it(name):
     torch.manual_seed(0)
     plain = HoldsOptionNamedBlock(name)
     wrapped = copy.deepcopy(plain)
-    assert GradientCheckpointing(modules=[OptionNamedBlock]).wrap(wrapped) == ["block"]
+    assert GradientCheckpointing(checkpoint_modules=[OptionNamedBlock]).wrap(wrapped) == ["block"]
     x = torch.randn(3, 4)
     losses, grads = [], []
     for model in (plain, wrapped):

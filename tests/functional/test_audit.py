@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt.functional.audit import AuditSession
-from lightning_memopt.functional.collection import CollectionSchedule, TimedCalls
 from lightning_memopt.functional.footprint import live_tensors
 from lightning_memopt.functional.leaks import LeakSampler
 from lightning_memopt.functional.loaders import fit_loaders, named_loaders
@@ -90,23 +88,3 @@ def test_loader_findings_warn_once_on_rank_zero_and_other_ranks_only_write():
         session.new_fit(resumed=False)  # the next fit audits its own loaders
         assert session.loaders == [] and session.unmeasured == {}
     assert named_loaders("val", {"a": 1}) == [("val[a]", 1)]
-
-
-def test_timed_calls_and_the_collection_schedule():
-    now = [10.0]
-
-    def work():
-        now[0] += 0.25
-        return 7
-
-    def broken():
-        now[0] += 5.0
-        raise RuntimeError("no")
-
-    timed = TimedCalls(clock=lambda: now[0])
-    assert timed.run(work) == 7 and (timed.calls, timed.seconds) == (1, 0.25)
-    with pytest.raises(RuntimeError, match="no"):
-        timed.run(broken)
-    assert (timed.calls, timed.seconds) == (1, 0.25)  # a failed call is not counted
-    schedule = CollectionSchedule(every_n_steps=25, generation=1, full_every_n_steps=None)
-    assert [schedule.generation_at(s) for s in (0, 25, 25, 30, 50)] == [None, 1, None, None, 1]

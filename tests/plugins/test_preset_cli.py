@@ -41,9 +41,9 @@ FULL = dict(
 def _yours(kind):
     return {
         MemoryMonitor: lambda: MemoryMonitor(log_every_n_steps=3),
-        CacheCleaner: lambda: CacheCleaner(every_n_train_batches=7),
-        GarbageCollector: lambda: GarbageCollector(every_n_steps=9),
-        GradientCheckpointing: lambda: GradientCheckpointing(modules=["Linear"]),
+        CacheCleaner: lambda: CacheCleaner(every_n_train_steps=7),
+        GarbageCollector: lambda: GarbageCollector(every_n_train_steps=9),
+        GradientCheckpointing: lambda: GradientCheckpointing(checkpoint_modules=["Linear"]),
         AutoMicroBatch: lambda: AutoMicroBatch(micro_batch_size=2),
         AllocatorSettings: lambda: AllocatorSettings("garbage_collection_threshold:0.7"),
     }[kind]()

@@ -205,7 +205,7 @@ def test_conflicting_trainer_arguments_say_which_to_drop():
 
 
 def test_user_callbacks_and_plugins_are_kept_first():
-    mine = GradientCheckpointing(modules=["x"])
+    mine = GradientCheckpointing(checkpoint_modules=["x"])
     kwargs = MemoryPreset.from_name("max-speed").trainer_kwargs(callbacks=mine, max_steps=3)
     assert kwargs["callbacks"][0] is mine and kwargs["max_steps"] == 3
     assert "devices" not in kwargs  # no effective batch: the preset does not pin the world size
@@ -244,7 +244,7 @@ def test_trainer_kwargs_leave_allocator_settings_to_setup_and_fit_restores_them(
     assert trainer.accumulate_grad_batches == 2
     assert trainer.global_step == 2
     assert ALLOC_CONF_ENV not in os.environ
-    assert any("`memory_fraction`=0.5 limits CUDA memory only" in str(w.message) for w in caught)
+    assert not any("memory_fraction" in str(w.message) for w in caught)  # CPU: named in the inactive line instead
 
 
 def test_existing_user_allocator_env_wins(monkeypatch):
@@ -362,7 +362,7 @@ def test_lightning_cli_yaml_builds_the_trainer_from_the_preset(tmp_path, subcomm
     assert types.index(ModelSummary) < types.index(GradientCheckpointing)
     assert CacheCleaner in types and GarbageCollector in types and MemoryMonitor not in types
     checkpointing = next(c for c in trainer.callbacks if isinstance(c, GradientCheckpointing))
-    assert checkpointing.modules == ["Linear"]
+    assert checkpointing.checkpoint_modules == ["Linear"]
     assert trainer.global_step == 2
     assert ALLOC_CONF_ENV not in os.environ  # AllocatorSettings gave the variable back at teardown
 

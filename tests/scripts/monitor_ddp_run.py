@@ -55,7 +55,7 @@ def main() -> None:
 
     callbacks = [
         MemoryMonitor(dirpath="mem", log_every_n_steps=1, cross_rank_every_n_train_steps=2),
-        GarbageCollector(every_n_steps=2),
+        GarbageCollector(every_n_train_steps=2),
     ]
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -74,8 +74,8 @@ def test_watching_callbacks_leave_training_bitwise_unchanged(entry: ZooModel, tm
     reference, ref_trainer = _fit(entry, tmp_path / "plain")
     callbacks = [
         MemoryMonitor(dirpath=tmp_path / "memory"),
-        CacheCleaner(every_n_train_batches=1),
-        GarbageCollector(every_n_steps=1),
+        CacheCleaner(every_n_train_steps=1),
+        GarbageCollector(every_n_train_steps=1),
         OOMReporter(dirpath=tmp_path / "oom"),
         AllocatorSettings(allocator_conf="expandable_segments:True"),
     ]
@@ -144,7 +144,7 @@ def test_oom_report_describes_the_failing_batch_and_model(entry: ZooModel, tmp_p
 def _checkpointing(entry: ZooModel) -> GradientCheckpointing:
     if entry.checkpoint_modules is None:  # Hugging Face: the model's own switch
         return GradientCheckpointing()
-    return GradientCheckpointing(modules=list(entry.checkpoint_modules))
+    return GradientCheckpointing(checkpoint_modules=list(entry.checkpoint_modules))
 
 
 @pytest.mark.parametrize("entry", zoo_params())

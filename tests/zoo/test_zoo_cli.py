@@ -223,9 +223,9 @@ def test_the_planned_snippet_pasted_into_the_config_gives_the_planned_trainer_ar
     assert cli.trainer.precision == plan.precision == expected["plugins"][0].precision
     wrapped = [c for c in cli.trainer.callbacks if isinstance(c, GradientCheckpointing)]
     assert (
-        [c.modules for c in wrapped]
+        [c.checkpoint_modules for c in wrapped]
         == [["ZooBlock"]]
-        == [c.modules for c in expected["callbacks"] if isinstance(c, GradientCheckpointing)]
+        == [c.checkpoint_modules for c in expected["callbacks"] if isinstance(c, GradientCheckpointing)]
     )
     assert cli.config_init.memory.name == config["memory"]["name"] == "max-savings"  # yours, not the plan's tier
 
