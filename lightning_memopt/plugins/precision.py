@@ -37,7 +37,7 @@ from lightning_memopt.functional.precision import (
 )
 from lightning_memopt.utilities.checks import check_bool, check_choice
 from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of, rank_zero_info
-from lightning_memopt.utilities.quiet import WIDTH
+from lightning_memopt.utilities.quiet import WIDTH, note_inactive
 from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -273,17 +273,20 @@ class _MemoryPrecisionMixin(_PluginBase):
         else:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
         choice = self.resolve(device, namespace=namespace_of(trainer if trainer is not None else module).__name__)
-        self._tell(choice)
+        self._tell(choice, trainer, device)
         if self.float32_matmul_precision is not None and self._matmul is None:
             self._borrow_matmul(self.float32_matmul_precision)
 
-    def _tell(self, choice: PrecisionChoice) -> None:
-        """One line (rank zero) for ``"auto"``: what was chosen; with ``verbose``, the whole reason for any choice."""
+    def _tell(self, choice: PrecisionChoice, trainer: Any, device: torch.device) -> None:
+        """One line (rank zero) for ``"auto"``: what was chosen (fp32 where autocast is not chosen: a note in the
+        fit's one line of inactive parts); with ``verbose``, the whole reason for any choice."""
         if self.verbose:
             text = (
                 f"MemoryPrecision(precision={self.requested_precision!r}) chose {choice.precision!r}: {choice.reason}"
             )
             rank_zero_info(textwrap.fill(text, width=WIDTH, subsequent_indent="  "))
+        elif self.requested_precision == "auto" and choice.precision == "32-true" and trainer is not None:
+            note_inactive(trainer, "MemoryPrecision", f"auto is fp32 on {device.type}")
         elif self.requested_precision == "auto":
             text = f"MemoryPrecision(precision='auto') chose {choice.summary}."
             rank_zero_info(textwrap.shorten(text, width=WIDTH, placeholder="..."))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_memopt import MemoryPrecision
+from lightning_memopt import CacheCleaner, MemoryPrecision
 from lightning_memopt.utilities.namespaces import is_instance
 from tests.helpers.lightning import lightning_module, pl
 from tests.helpers.models import TinyModel
@@ -26,9 +26,9 @@ class _Probe(pl.Callback):
             self.dtype = pl_module(trainer.precision_plugin.convert_input(batch)).dtype
 
 
-def _fit(tmp_path, plugin, **kw):
+def _fit(tmp_path, plugin, callbacks=(), **kw):
     probe = _Probe()
-    trainer = make_trainer(tmp_path, plugins=[plugin], callbacks=[probe], **kw)
+    trainer = make_trainer(tmp_path, plugins=[plugin], callbacks=[probe, *callbacks], **kw)
     model = TinyModel()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -40,15 +40,24 @@ def _said(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("MemoryPrecision(")]
 
 
-def test_auto_on_cpu_trains_fp32_and_says_so_in_one_short_line(tmp_path, caplog):
+def test_auto_on_cpu_trains_fp32_and_is_named_in_the_one_inactive_line(tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    trainer, model, probe, messages = _fit(tmp_path, MemoryPrecision("auto"))
+    trainer, model, probe, messages = _fit(tmp_path, MemoryPrecision("auto"), callbacks=[CacheCleaner()])
     assert trainer.precision == "32-true"
     assert probe.dtype == torch.float32 and model.layer.weight.dtype == torch.float32
-    assert _said(caplog) == [
-        "MemoryPrecision(precision='auto') chose '32-true' on cpu (autocast is chosen on CUDA GPUs only)."
-    ]
+    assert _said(caplog) == []  # fp32 on a CPU: nothing of its own to say
+    (line,) = [r.getMessage() for r in caplog.records if "inactive here" in r.getMessage()]
+    assert "MemoryPrecision (auto is fp32 on cpu)" in " ".join(line.split())
     assert not [m for m in messages if "MemoryPrecision" in m]  # a choice is information, not a warning
+
+
+def test_auto_on_a_gpu_says_what_it_chose_in_one_short_line(caplog):
+    caplog.set_level(logging.INFO)
+    plugin = MemoryPrecision("auto")
+    choice = plugin.resolve(torch.device("cuda"), capability=(8, 0), device_name="NVIDIA A100")
+    plugin._tell(choice, trainer=None, device=torch.device("cuda"))
+    (said,) = _said(caplog)
+    assert said.startswith("MemoryPrecision(precision='auto') chose 'bf16-mixed'") and len(said) <= 100
 
 
 def test_verbose_says_the_whole_reason_within_100_columns(tmp_path, caplog):
