@@ -59,7 +59,7 @@ class AllocatorSettings(Callback):
 
     Outputs: the allocator settings above during the run; nothing is logged.
 
-    Example:
+    Examples:
         >>> cb = AllocatorSettings(memory_fraction=0.95)
         >>> cb.memory_fraction
         0.95

@@ -44,7 +44,7 @@ class CacheCleaner(Callback):
     and ``memory/cache_cleaner/empty_cache_seconds`` (total seconds in the calls). The checkpoint holds both totals.
     On a device without an allocator cache it is named in the one line that lists the inactive callbacks of the fit.
 
-    Example:
+    Examples:
         >>> cleaner = CacheCleaner(every_n_train_steps=10)
         >>> cleaner.calls, cleaner.seconds
         (0, 0.0)

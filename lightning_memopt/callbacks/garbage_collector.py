@@ -96,7 +96,7 @@ class GarbageCollector(Callback):
     seconds collecting) and ``memory/gc/collected_objects`` (unreachable objects found). The checkpoint holds the
     three totals.
 
-    Example:
+    Examples:
         >>> collector = GarbageCollector(every_n_train_steps=25, full_every_n_train_steps=10_000)
         >>> collector.calls, collector.generation, collector.disable_automatic
         (0, 1, True)

@@ -67,7 +67,7 @@ class GradientCheckpointing(Callback):
 
     Logs: no metrics. A warning says when nothing matched.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> cb = GradientCheckpointing(checkpoint_modules=[nn.TransformerEncoderLayer, "decoder.*"])
         >>> layer = nn.TransformerEncoderLayer(8, 2, 16)

@@ -53,7 +53,7 @@ _TORCH_ERRORS = (RuntimeError, AssertionError, ValueError, TypeError)
 def parse_alloc_conf(conf: str | None) -> dict[str, str]:
     """``"a:1,b:2"`` -> ``{"a": "1", "b": "2"}``.
 
-    Example:
+    Examples:
         >>> parse_alloc_conf("expandable_segments:True, max_split_size_mb:128")
         {'expandable_segments': 'True', 'max_split_size_mb': '128'}
     """
@@ -79,7 +79,7 @@ def check_alloc_conf(conf: str | None) -> dict[str, str]:
     Raises:
         ValueError: a malformed entry, or such a ``backend``, with the ``export`` line that sets it.
 
-    Example:
+    Examples:
         >>> check_alloc_conf("expandable_segments:True")
         {'expandable_segments': 'True'}
     """
@@ -105,7 +105,7 @@ def check_alloc_conf(conf: str | None) -> dict[str, str]:
 def format_alloc_conf(settings: dict[str, str]) -> str:
     """Inverse of :func:`parse_alloc_conf`.
 
-    Example:
+    Examples:
         >>> format_alloc_conf({"expandable_segments": "True"})
         'expandable_segments:True'
     """
@@ -149,7 +149,7 @@ def apply_allocator_conf(conf: str | None, warn: WarnOnce | None = None) -> Allo
 
     Keys the user already exported win over ``conf`` (an explicit environment beats a preset).
 
-    Example:
+    Examples:
         >>> import os
         >>> old = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         >>> state = apply_allocator_conf("expandable_segments:True")  # CUDA not initialised here
@@ -255,7 +255,7 @@ def borrow_allocator_conf(conf: str, warn: WarnOnce | None = None) -> Lease | No
     a run that overlaps with a different ``conf`` runs with the first one's and is warned once; the last run out gives
     back what was there before the first (release the returned lease).
 
-    Example:
+    Examples:
         >>> import os
         >>> old = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         >>> first = borrow_allocator_conf("expandable_segments:True")  # CUDA not initialised here

@@ -242,7 +242,7 @@ def wrap_modules(model: nn.Module, checkpoint_modules: ModuleSpec | None = None)
 
     Submodules that are checkpointed already are skipped with everything inside them (``already_wrapped_names``).
 
-    Example:
+    Examples:
         >>> layer = nn.TransformerEncoderLayer(8, 2, 16)
         >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         >>> handle = wrap_modules(model)
@@ -292,7 +292,7 @@ def wrap_checkpointing(
     ``use_model_switch``); a switch that is on already is left on and not turned off by ``restore``. Otherwise the
     :data:`DEFAULT_BLOCKS` are wrapped.
 
-    Example:
+    Examples:
         >>> layer = nn.TransformerEncoderLayer(8, 2, 16)
         >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         >>> handle = wrap_checkpointing(model, ["layers.1"])

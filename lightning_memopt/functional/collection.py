@@ -12,7 +12,7 @@ class CollectionSchedule:
     every ``full_every_n_train_steps`` in its place; never at step 0 and once per step (gradient accumulation asks per
     micro-batch).
 
-    Example:
+    Examples:
         >>> schedule = CollectionSchedule(every_n_train_steps=2, generation=1, full_every_n_train_steps=3)
         >>> [schedule.generation_at(step) for step in (0, 1, 2, 2, 3, 4, 6)]
         [None, None, 1, None, 2, 1, 2]

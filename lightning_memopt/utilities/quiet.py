@@ -26,7 +26,7 @@ def wrap_to_width(text: str) -> str:
 
     Words are never split (a path stays whole to copy, on a line of its own if it is longer than the width).
 
-    Example:
+    Examples:
         >>> print(wrap_to_width("GradientCheckpointing: wrapped 3 module(s): " + ", ".join(["encoder.layers.0"] * 6)))
         GradientCheckpointing: wrapped 3 module(s): encoder.layers.0, encoder.layers.0, encoder.layers.0,
           encoder.layers.0, encoder.layers.0, encoder.layers.0
@@ -47,7 +47,7 @@ def note_inactive(trainer: Any, owner: str, reason: str) -> None:
 def inactive_line(inactive: dict[str, str]) -> str:
     """The line :func:`report_inactive` prints, wrapped to :data:`WIDTH` columns.
 
-    Example:
+    Examples:
         >>> print(inactive_line({"CacheCleaner": "no cache on cpu", "AllocatorSettings": "CUDA only"}))
         lightning-memopt: inactive here: CacheCleaner (no cache on cpu), AllocatorSettings (CUDA only).
         >>> print(inactive_line({f"Callback{i}": "a reason that takes some room" for i in range(3)}))

@@ -66,7 +66,7 @@ def warn_every_time(message: str, category: type[Warning] = UserWarning) -> None
     registry; the user's filters (``ignore``, ``error``, ``once``) still apply, and the warning belongs to the
     calling module (``filterwarnings("ignore", module="lightning_memopt")`` silences the package's).
 
-    Example:
+    Examples:
         >>> import warnings as _w
         >>> with _w.catch_warnings(record=True) as caught:
         ...     _w.simplefilter("default")
@@ -95,7 +95,7 @@ class WarnOnce:
     failing reading names its error in the text (a new text each step) and may fail on one rank alone, so this keys
     by the kind of failure and warns on the rank where it happened.
 
-    Example:
+    Examples:
         >>> w = WarnOnce()
         >>> import warnings as _w
         >>> with _w.catch_warnings(record=True) as caught:
