@@ -9,6 +9,8 @@ commands and the project's own scripts are left to tests/test_packaging.py and C
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import re
 import shlex
@@ -22,14 +24,16 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
+from lightning_memopt.utilities.namespaces import NAMESPACES
 from tests.helpers.lightning import pl
 from tests.helpers.models import RandomDataset, TinyModel
+from tests.helpers.oom_fixtures import full_report
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "examples/README.md"]
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 #: Shell commands these tests leave to others: installing (tests/test_packaging.py) and the project's scripts (CI).
-_NOT_RUN_HERE = ("pip ", "bash scripts/", ".venv/bin/python examples/")
+_NOT_RUN_HERE = ("pip ", "tar ", "CUDA=", "bash scripts/", ".venv/bin/python examples/")
 
 
 def code_blocks(page: str) -> list[tuple[str, str, int]]:
@@ -38,16 +42,20 @@ def code_blocks(page: str) -> list[tuple[str, str, int]]:
     return [(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1) for m in _FENCE.finditer(text)]
 
 
-class _DocTrainer(pl.Trainer):
+def _doc_trainer(base: type) -> type:
     """The Trainer a page's example gets: its arguments, two steps, on the CPU, without a progress bar."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("max_steps", 2)
-        kwargs.setdefault("limit_val_batches", 1)
-        kwargs.update(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
-        if kwargs.get("strategy") is not None and not isinstance(kwargs["strategy"], str):
-            kwargs["strategy"] = "auto"  # a DDP strategy object, as in examples/README.md: one CPU process here
-        super().__init__(*args, **kwargs)
+    class DocTrainer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("max_steps", 2)
+            kwargs.setdefault("limit_val_batches", 1)
+            kwargs.update(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+            if kwargs.get("strategy") is not None and not isinstance(kwargs["strategy"], str):
+                kwargs["strategy"] = "auto"  # a DDP strategy object, as in examples/README.md: one CPU process here
+            kwargs["devices"] = 1
+            super().__init__(*args, **kwargs)
+
+    return DocTrainer
 
 
 class MyDataModule(pl.LightningDataModule):
@@ -76,6 +84,7 @@ def _namespace() -> dict[str, Any]:
         "module": module,
         "batch": torch.randn(4, 32),
         "make_batch": lambda n: torch.randn(n, 32),
+        "batch_fn": lambda n: torch.randn(n, 32),
         "MyModel": MyModel,
         "MyDataModule": MyDataModule,
         "devices": 1,
@@ -96,12 +105,25 @@ def _run_shell(code: str, cwd: Path) -> None:
         assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
 
 
+def _an_oom_report(cwd: Path) -> None:
+    """What docs/oom-report.md reads: a report as OOMReporter writes it, where it writes it by default."""
+    (cwd / "memopt").mkdir()
+    (cwd / "memopt" / "oom_report_rank0.json").write_text(json.dumps(full_report()), encoding="utf-8")
+
+
+#: What a page's examples expect to find in the working directory, made before they run.
+_BEFORE = {"docs/oom-report.md": _an_oom_report}
+
+
 def _run_page(page: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = code_blocks(page)
     cwd.mkdir(exist_ok=True)
+    _BEFORE.get(page, lambda cwd: None)(cwd)
     monkeypatch.chdir(cwd)
     (cwd / "examples").symlink_to(ROOT / "examples")  # shell examples name files under examples/
-    monkeypatch.setattr(pl, "Trainer", _DocTrainer)
+    for namespace in NAMESPACES:  # whichever Lightning the example imports
+        module = importlib.import_module(namespace)
+        monkeypatch.setattr(module, "Trainer", _doc_trainer(module.Trainer))
     monkeypatch.setattr(sys, "argv", ["docs-example", "fit"])
     namespace = _namespace()
     for language, code, line in blocks:
