@@ -111,6 +111,9 @@ def _an_oom_report(cwd: Path) -> None:
     (cwd / "memopt" / "oom_report_rank0.json").write_text(json.dumps(full_report()), encoding="utf-8")
 
 
+#: What a LightningCLI example is run with (its Trainer class is bound before this test patches it).
+_CLI_ARGS = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"]
+
 #: What a page's examples expect to find in the working directory, made before they run.
 _BEFORE = {"docs/oom-report.md": _an_oom_report}
 
@@ -124,7 +127,7 @@ def _run_page(page: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for namespace in NAMESPACES:  # whichever Lightning the example imports
         module = importlib.import_module(namespace)
         monkeypatch.setattr(module, "Trainer", _doc_trainer(module.Trainer))
-    monkeypatch.setattr(sys, "argv", ["docs-example", "fit"])
+    monkeypatch.setattr(sys, "argv", ["docs-example", "fit", *_CLI_ARGS])
     namespace = _namespace()
     for language, code, line in blocks:
         try:
