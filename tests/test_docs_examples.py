@@ -9,12 +9,11 @@ commands and the project's own scripts are left to tests/test_packaging.py and C
 
 from __future__ import annotations
 
+import glob
 import importlib
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
+from lightning_memopt import cli
 from lightning_memopt.utilities.namespaces import NAMESPACES
 from tests.helpers.lightning import pl
 from tests.helpers.models import RandomDataset, TinyModel
@@ -92,17 +92,15 @@ def _namespace() -> dict[str, Any]:
 
 
 def _run_shell(code: str, cwd: Path) -> None:
+    """Run each ``lightning-memopt ...`` line as the console script would, in this process (globs expanded)."""
     command = code.replace("\\\n", " ")
     for line in command.splitlines():
         line = line.split("  #", 1)[0].strip()
         if not line or line.startswith("#") or line.startswith(_NOT_RUN_HERE):
             continue
         assert line.startswith("lightning-memopt "), f"a shell example this test does not know how to run: {line}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        cli = f"{shlex.quote(sys.executable)} -m lightning_memopt.cli"
-        script = line.replace("lightning-memopt", cli, 1)
-        result = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
+        argv = [expanded for word in shlex.split(line)[1:] for expanded in (sorted(glob.glob(word)) or [word])]
+        assert cli.main(argv) == 0, line
 
 
 def _an_oom_report(cwd: Path) -> None:
