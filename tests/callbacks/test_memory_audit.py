@@ -111,6 +111,7 @@ def test_the_leak_interval_counts_optimizer_steps_and_dirpath_is_kept_as_a_str(t
         MemoryAudit(verbose="yes")
 
 
+@pytest.mark.slow  # 2 s: two fits with every audit
 def test_footprint_at_fit_start_written_logged_and_printed_only_when_verbose(tmp_path, caplog, monkeypatch):
     printed = _printed(monkeypatch)
     audit = MemoryAudit(detect_leaks=False)
@@ -453,6 +454,7 @@ class HistoryModel(TinyModel):
         return out
 
 
+@pytest.mark.slow  # 1.5 s each: the default window of leak samples
 @pytest.mark.parametrize("leak", [True, False], ids=["leaky", "clean"])
 def test_textbook_leak_is_found_on_a_short_cpu_run_at_defaults(tmp_path, leak):
     audit = MemoryAudit(audit_fit_start=False)  # defaults for everything that decides leaks
