@@ -10,4 +10,5 @@ bash scripts/bootstrap.sh test,docs
 site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
 rm -rf "$site"
-.venv/bin/python -m pytest "$@"
+# Two processes (pytest-xdist): independent tests share the 2 cores CI has; `-n 0` after it runs them in one.
+.venv/bin/python -m pytest -n 2 "$@"
