@@ -62,7 +62,7 @@ MUTANTS = (
     ),
     Mutant(
         "preset-keeps-its-own-callback",
-        "lightning_memopt/presets/trainer_config.py",
+        "lightning_memopt/presets/preset.py",
         "replaced = tuple(kind for kind in kinds if any(isinstance(c, kind) for c in yours))",
         "replaced = ()",
         ("tests/plugins/test_preset_cli.py",),

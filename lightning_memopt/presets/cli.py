@@ -8,8 +8,7 @@ import re
 import warnings
 from typing import Any
 
-from lightning_memopt.presets.preset import MemoryPreset
-from lightning_memopt.presets.trainer_config import PRESET_TRAINER_KEYS, device_count
+from lightning_memopt.presets.preset import PRESET_TRAINER_KEYS, MemoryPreset, device_count
 
 __all__ = ["MemoryPresetCLI", "preset_batch_size", "yaml_keys"]
 
