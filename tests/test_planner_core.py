@@ -210,3 +210,23 @@ def test_a_manual_step_with_counted_optimizers_and_backward_counts_as_the_automa
     assert manual.at_peak == automatic.at_peak and manual.optimizer_state_bytes == automatic.optimizer_state_bytes > 0
     wrapper = handed["optimizers"][0]
     assert isinstance(wrapper.optimizer, torch.optim.Adam) and wrapper.param_groups is wrapper.optimizer.param_groups
+
+
+def test_a_true_half_precision_estimate_keeps_integer_buffers_integer():
+    """``bf16-true`` casts the floating parameters and buffers; an integer buffer (position ids) stays int64."""
+
+    class WithIds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("ids", torch.arange(1000))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model = WithIds()
+    from lightning_memopt import estimate_memory
+
+    estimate = estimate_memory(model, torch.randn(4, 8), precision="bf16-true", device="cpu")
+    assert estimate.buffer_bytes == model.ids.nbytes  # 8000: not cast to 2-byte bf16
+    assert estimate.parameter_bytes == sum(p.numel() for p in model.parameters()) * 2  # these are

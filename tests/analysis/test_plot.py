@@ -88,3 +88,23 @@ def test_a_threshold_warning_that_names_no_figure_is_labelled_not_marked(tmp_pat
         assert not [c for c in ax.collections if c.get_label() == "threshold warning"]
     finally:
         plt.close(fig)
+
+
+def test_the_envelope_keeps_the_lowest_and_highest_reading_of_every_bucket():
+    """A long line is drawn from each bucket's extremes (in time order) plus the readings after the last bucket."""
+    import numpy as np
+
+    from lightning_memopt.analysis.plot import _envelope
+
+    values = np.random.default_rng(0).normal(size=1003)
+    times = np.arange(len(values), dtype=float)
+    kept_times, kept_values = _envelope(times, values, buckets=7)
+    size = -(-len(values) // 7)
+    expected = set()
+    for start in range(0, len(values) - size + 1, size):  # whole buckets only
+        chunk = list(values[start : start + size])
+        expected |= {start + chunk.index(min(chunk)), start + chunk.index(max(chunk))}
+    expected |= set(range(len(values) // size * size, len(values)))  # the tail, kept as it is
+    assert list(kept_times) == sorted(expected) and list(kept_values) == [values[i] for i in sorted(expected)]
+    short = _envelope(times[:10], values[:10])  # fewer readings than buckets: all of them
+    assert list(short[0]) == list(times[:10])

@@ -215,3 +215,19 @@ def test_iter_memory_records_refuses_a_named_pipe_without_opening_it(tmp_path):
     finally:
         watchdog.stop()
     assert not watchdog.fired, "the named pipe was opened"
+
+
+def test_a_skipped_line_is_named_in_the_singular_and_several_in_the_plural(tmp_path):
+    from lightning_memopt.analysis.memory_log import _FileReport
+
+    one, two = _FileReport(tmp_path / "a.jsonl", usable=3), _FileReport(tmp_path / "b.jsonl", usable=3)
+    one.skip(2, "is not JSON")
+    two.skip(2, "is not JSON")
+    two.skip(5, "is not JSON")
+    assert "(line 2)" in one.warning()
+    assert "(lines 2, 5)" in two.warning()
+
+
+def test_a_log_path_of_none_is_refused_by_name():
+    with pytest.raises((TypeError, ValueError), match="`path`"):
+        load_memory_log(None)
