@@ -4,6 +4,7 @@ prints, with the logs' warnings and micro-batch changes listed under it."""
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Sequence
 
 from lightning_memopt.analysis.findings import MemoryFinding
@@ -41,11 +42,12 @@ def _growth_text(s: PhaseSummary) -> str:
 def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     """A plain-text table of summaries, one row per (rank, phase); a ``run`` column when there are several runs.
 
-    The ``growth`` column gives the fitted change over the steps it was measured on (``+96.00 MiB over steps
-    200-400``), ``flat over steps ...``, or ``too short to tell (N readings over steps ...)``; ``(RSS)`` marks
-    host memory where the device gives no figures. The ``warnings`` column counts warnings per check
-    (``1 duplicates, 1 leak``), and below the table each warning is listed with its text (the first five of
-    each check per row).
+    The table holds the sizes; under it, one line per row gives its growth and where its peak was (so the
+    printout fits 100 columns). The growth is the fitted change over the steps it was measured on
+    (``+96.00 MiB over steps 200-400``), ``flat over steps ...``, or ``too short to tell (N readings over steps
+    ...)``; ``(RSS)`` marks host memory where the device gives no figures. The ``warnings`` column counts
+    warnings per check (``1 duplicates, 1 leak``), and below the table each warning is listed with its text
+    (the first five of each check per row).
 
     When a log holds AutoMicroBatch's ``micro_batch`` records, a ``micro-batch`` column gives the first and last
     size and the number of changes (``16 -> 4 (2 changes)``), and each change is listed under the table.
@@ -61,12 +63,11 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
         "peak reserved",
         "mean alloc",
         "peak host RSS",
-        "growth",
         "warnings",
         *(("micro-batch",) if with_changes else ()),
-        "peak at",
     )
     rows = [header]
+    trends: list[str] = []
     findings: list[str] = []
     changes: list[str] = []
     for s in summaries:
@@ -89,13 +90,13 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
                 format_bytes(s.peak_reserved_bytes),
                 format_bytes(s.mean_allocated_bytes),
                 format_bytes(s.peak_host_rss_bytes),
-                _growth_text(s),
                 warned,
                 *micro,
-                peak_at,
             )
         )
         where = printable(f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}")
+        trend = f"  {where}: growth {_growth_text(s)}; peak at {peak_at}"
+        trends.append(textwrap.fill(trend, 100, subsequent_indent="    ", break_long_words=False))
         for f in s.micro_batch_changes:
             changes.append(f"{_listed_at(where, f)}: {printable(f.message)}")
         if s.num_micro_batch_changes > len(s.micro_batch_changes):
@@ -117,6 +118,7 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     if totals:
         foot += f"; device total {format_bytes(max(totals))}"
     lines.append(foot)
+    lines += ["growth and peak, by row:", *trends]
     if findings:
         lines += ["warnings in the logs:", *findings]
     if changes:

@@ -31,13 +31,14 @@ from lightning_memopt.cli_estimate.settings import (
     optimizer_setting,
     precision_setting,
 )
+from lightning_memopt.utilities.quiet import wrap_to_width
 
 __all__ = ["run_estimate", "say"]
 
 
 def say(line: str) -> None:
     """A progress, note or warning line on stderr, after ``lightning-memopt estimate:``."""
-    print(f"lightning-memopt estimate: {line}", file=sys.stderr, flush=True)
+    print(wrap_to_width(f"lightning-memopt estimate: {line}"), file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -273,7 +274,8 @@ class _Run:
             self.source,
             settings.budget_flag,
         )
-        print("\n".join([*self.out, f"Batch {batch_size}: {self.source}: {describe_batch(batch)}", str(estimate)]))
+        lines = [*self.out, f"Batch {batch_size}: {self.source}: {describe_batch(batch)}", str(estimate)]
+        print(wrap_to_width("\n".join(lines)))
         return 0
 
     def plan(self, batch_size: int | None) -> int:
@@ -309,7 +311,7 @@ class _Run:
         )
         count = len(plan.trials)
         say(f"{count} estimate{'s' if count != 1 else ''} in {time.perf_counter() - started:.1f} s")
-        print("\n".join([*self.out, *self._plan_lines(plan)]))
+        print(wrap_to_width("\n".join([*self.out, *self._plan_lines(plan)])))
         return 0 if plan.feasible else 1
 
     def _effective_batch(self, batch_size: int | None) -> int:

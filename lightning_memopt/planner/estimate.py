@@ -43,6 +43,7 @@ from lightning_memopt.planner.model_step import (
 )
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.quiet import wrap_to_width
 
 __all__ = ["ESTIMATE_PRECISIONS", "MemoryEstimate", "estimate_memory"]
 
@@ -147,7 +148,7 @@ class MemoryEstimate(StepCount):
             f" {format_bytes(self.peak_bytes)} ({how}, {self.seconds:.1f} s)"
         )
         notes = [f"  - {a}" for a in self.assumptions]
-        return "\n".join([head, self.table(), *(["assumed:", *notes] if notes else [])])
+        return wrap_to_width("\n".join([head, self.table(), *(["assumed:", *notes] if notes else [])]))
 
 
 def _check_arguments(

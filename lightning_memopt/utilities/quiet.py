@@ -22,17 +22,31 @@ _pending: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictio
 
 
 def wrap_to_width(text: str) -> str:
-    """``text`` wrapped to :data:`WIDTH` columns, each paragraph on its own, continuation lines indented.
+    """``text`` with every line longer than :data:`WIDTH` columns wrapped, its continuation indented under it.
 
-    Words are never split (a path stays whole to copy, on a line of its own if it is longer than the width).
+    Words are never split (a path stays whole to copy, on a line of its own if it is longer than the width); a line
+    keeps its indentation, and a bullet (``- ``) continues under its text.
 
     Examples:
         >>> print(wrap_to_width("GradientCheckpointing: wrapped 3 module(s): " + ", ".join(["encoder.layers.0"] * 6)))
         GradientCheckpointing: wrapped 3 module(s): encoder.layers.0, encoder.layers.0, encoder.layers.0,
           encoder.layers.0, encoder.layers.0, encoder.layers.0
+        >>> print(wrap_to_width("  - " + "a long assumption " * 6))
+          - a long assumption a long assumption a long assumption a long assumption a long assumption a long
+            assumption
     """
-    wrapper = textwrap.TextWrapper(WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
-    return "\n".join(wrapper.fill(paragraph) for paragraph in text.split("\n"))
+    return "\n".join(_wrap_line(line) for line in text.split("\n"))
+
+
+def _wrap_line(line: str) -> str:
+    if len(line) <= WIDTH:
+        return line
+    body = line.lstrip(" ")
+    indent = len(line) - len(body) + 2  # under a bullet's text, or hanging under a plain line
+    wrapper = textwrap.TextWrapper(
+        WIDTH, subsequent_indent=" " * indent, break_long_words=False, break_on_hyphens=False
+    )
+    return wrapper.fill(line)
 
 
 def note_inactive(trainer: Any, owner: str, reason: str) -> None:

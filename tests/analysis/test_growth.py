@@ -31,12 +31,9 @@ def _train_steps(values, steps, key="allocated_bytes", **extra):
 
 
 def _growth_cell(text, phase="train"):
-    """The growth column of a phase's row in `format_summary`'s table."""
-    lines = text.splitlines()
-    start = lines[0].index("growth")
-    end = lines[0].index("warnings")
-    row = next(line for line in lines[2:] if line.split()[1] == phase)
-    return row[start:end].strip()
+    """A phase's growth in `format_summary`'s lines under the table (``  rank 0, train: growth ...; peak at ...``)."""
+    line = next(line for line in text.splitlines() if line.startswith(f"  rank 0, {phase}: growth "))
+    return line.split(": growth ", 1)[1].rsplit("; peak at ", 1)[0]
 
 
 def test_a_flat_three_step_run_is_too_short_to_tell(tmp_path):
