@@ -27,7 +27,7 @@ from lightning_memopt.callbacks import (
     MemoryAudit,
     OOMReporter,
 )
-from lightning_memopt.utilities.quiet import WIDTH
+from lightning_memopt.utilities.formatting import WIDTH
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 

@@ -47,8 +47,8 @@ from lightning_memopt.functional.micro_batch_retry import (
 )
 from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
+from lightning_memopt.utilities.formatting import WIDTH
 from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
-from lightning_memopt.utilities.quiet import WIDTH
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
 

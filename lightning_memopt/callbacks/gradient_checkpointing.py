@@ -10,8 +10,8 @@ from typing_extensions import override
 
 from lightning_memopt.functional.checkpointing import CheckpointingHandle, wrap_checkpointing, wrap_modules
 from lightning_memopt.utilities.checks import check_bool
+from lightning_memopt.utilities.formatting import wrap_to_width
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
-from lightning_memopt.utilities.quiet import wrap_to_width
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:

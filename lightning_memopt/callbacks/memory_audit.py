@@ -16,8 +16,9 @@ from lightning_memopt.functional.loaders import LoaderMemory, fit_loaders, named
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import position_record
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
+from lightning_memopt.utilities.formatting import WIDTH
 from lightning_memopt.utilities.namespaces import rank_zero_info
-from lightning_memopt.utilities.quiet import WIDTH, note_inactive, report_inactive
+from lightning_memopt.utilities.quiet import note_inactive, report_inactive
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 

@@ -20,9 +20,9 @@ from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import MonitorRecords, cross_rank_metrics, cross_rank_values
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
-from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.formatting import WIDTH, format_bytes
 from lightning_memopt.utilities.namespaces import rank_zero_only
-from lightning_memopt.utilities.quiet import WIDTH, note_inactive, report_inactive
+from lightning_memopt.utilities.quiet import note_inactive, report_inactive
 from lightning_memopt.utilities.run_id import run_id
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log

@@ -31,14 +31,19 @@ from lightning_memopt.cli_estimate.settings import (
     optimizer_setting,
     precision_setting,
 )
-from lightning_memopt.utilities.quiet import wrap_to_width
+from lightning_memopt.utilities.formatting import wrap_to_width
 
-__all__ = ["run_estimate", "say"]
+__all__ = ["progress", "run_estimate", "say"]
 
 
 def say(line: str) -> None:
-    """A progress, note or warning line on stderr, after ``lightning-memopt estimate:``."""
+    """A note or warning on stderr, after ``lightning-memopt estimate:``, wrapped to 100 columns."""
     print(wrap_to_width(f"lightning-memopt estimate: {line}"), file=sys.stderr, flush=True)
+
+
+def progress(line: str) -> None:
+    """A progress line on stderr: one line per estimate, as the planner gives it (to follow with ``grep``)."""
+    print(f"lightning-memopt estimate: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -303,7 +308,7 @@ class _Run:
                 checkpoint_modules=_modules(checkpointing),
                 optimizer=self.optimizer,
                 device=args.device,
-                progress=say,
+                progress=progress,
             ),
             self.model,
             self.source,

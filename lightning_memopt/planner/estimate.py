@@ -42,8 +42,7 @@ from lightning_memopt.planner.model_step import (
     step_function,
 )
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
-from lightning_memopt.utilities.formatting import format_bytes
-from lightning_memopt.utilities.quiet import wrap_to_width
+from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 
 __all__ = ["ESTIMATE_PRECISIONS", "MemoryEstimate", "estimate_memory"]
 
@@ -139,7 +138,7 @@ class MemoryEstimate(StepCount):
             f" gradients {format_bytes(self.gradient_bytes)},"
             f" optimizer states {format_bytes(self.optimizer_state_bytes)}, batch {format_bytes(self.batch_bytes)}"
         )
-        return "\n".join([*lines, totals])
+        return wrap_to_width("\n".join([*lines, totals]))
 
     def __str__(self) -> str:
         how = "fake tensors" if self.fake else "a real CPU step"

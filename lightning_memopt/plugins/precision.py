@@ -36,8 +36,9 @@ from lightning_memopt.functional.precision import (
     own_precision_strategy,
 )
 from lightning_memopt.utilities.checks import check_bool, check_choice
+from lightning_memopt.utilities.formatting import WIDTH
 from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of, rank_zero_info
-from lightning_memopt.utilities.quiet import WIDTH, note_inactive
+from lightning_memopt.utilities.quiet import note_inactive
 from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "printable"]
+import textwrap
+
+__all__ = ["WIDTH", "format_bytes", "printable", "wrap_to_width"]
 
 #: Characters a terminal acts on instead of showing: C0 controls (ESC starts ANSI sequences, CR rewrites the line,
 #: LF starts a new one), DEL, C1 controls (0x9B is a one-byte CSI), bidirectional overrides and isolates (they
@@ -56,3 +58,35 @@ def format_bytes(num: int | float | None) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{value:.2f} GiB"  # pragma: no cover
+
+
+#: Columns a printout may take.
+WIDTH = 100
+
+
+def wrap_to_width(text: str) -> str:
+    """``text`` with every line longer than :data:`WIDTH` columns wrapped, its continuation indented under it.
+
+    Words are never split (a path stays whole to copy, on a line of its own if it is longer than the width); a line
+    keeps its indentation, and a bullet (``- ``) continues under its text.
+
+    Examples:
+        >>> print(wrap_to_width("GradientCheckpointing: wrapped 3 module(s): " + ", ".join(["encoder.layers.0"] * 6)))
+        GradientCheckpointing: wrapped 3 module(s): encoder.layers.0, encoder.layers.0, encoder.layers.0,
+          encoder.layers.0, encoder.layers.0, encoder.layers.0
+        >>> print(wrap_to_width("  - " + "a long assumption " * 6))
+          - a long assumption a long assumption a long assumption a long assumption a long assumption a long
+            assumption
+    """
+    return "\n".join(_wrap_line(line) for line in text.split("\n"))
+
+
+def _wrap_line(line: str) -> str:
+    if len(line) <= WIDTH:
+        return line
+    body = line.lstrip(" ")
+    indent = len(line) - len(body) + 2  # under a bullet's text, or hanging under a plain line
+    wrapper = textwrap.TextWrapper(
+        WIDTH, subsequent_indent=" " * indent, break_long_words=False, break_on_hyphens=False
+    )
+    return wrapper.fill(line)

@@ -7,46 +7,16 @@ calls :func:`note_inactive`; the first of them to reach ``on_fit_start`` (after 
 
 from __future__ import annotations
 
-import textwrap
 import weakref
 from typing import Any
 
+from lightning_memopt.utilities.formatting import wrap_to_width
 from lightning_memopt.utilities.namespaces import rank_zero_info
 
-__all__ = ["WIDTH", "inactive_line", "note_inactive", "report_inactive", "wrap_to_width"]
+__all__ = ["inactive_line", "note_inactive", "report_inactive"]
 
-#: Columns a printout may take.
-WIDTH = 100
 
 _pending: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
-
-
-def wrap_to_width(text: str) -> str:
-    """``text`` with every line longer than :data:`WIDTH` columns wrapped, its continuation indented under it.
-
-    Words are never split (a path stays whole to copy, on a line of its own if it is longer than the width); a line
-    keeps its indentation, and a bullet (``- ``) continues under its text.
-
-    Examples:
-        >>> print(wrap_to_width("GradientCheckpointing: wrapped 3 module(s): " + ", ".join(["encoder.layers.0"] * 6)))
-        GradientCheckpointing: wrapped 3 module(s): encoder.layers.0, encoder.layers.0, encoder.layers.0,
-          encoder.layers.0, encoder.layers.0, encoder.layers.0
-        >>> print(wrap_to_width("  - " + "a long assumption " * 6))
-          - a long assumption a long assumption a long assumption a long assumption a long assumption a long
-            assumption
-    """
-    return "\n".join(_wrap_line(line) for line in text.split("\n"))
-
-
-def _wrap_line(line: str) -> str:
-    if len(line) <= WIDTH:
-        return line
-    body = line.lstrip(" ")
-    indent = len(line) - len(body) + 2  # under a bullet's text, or hanging under a plain line
-    wrapper = textwrap.TextWrapper(
-        WIDTH, subsequent_indent=" " * indent, break_long_words=False, break_on_hyphens=False
-    )
-    return wrapper.fill(line)
 
 
 def note_inactive(trainer: Any, owner: str, reason: str) -> None:
