@@ -36,9 +36,10 @@ import lightning.pytorch as lightning_pytorch  # noqa: E402
 OLDEST = REPO_ROOT / ".venv" / "lightning-oldest"
 #: The tests that build every callback, the precision plugin and the presets into a Trainer and fit.
 CONTRACT_TESTS = [
-    "tests/callbacks/test_contract.py",
-    "tests/plugins",
-    "tests/callbacks/test_auto_micro_batch_exact.py",  # the micro-batch loop Lightning's namespace runs
+    "tests/callbacks/test_contract.py",  # every callback, AutoMicroBatch's loop included, fits in a Trainer
+    "tests/plugins/test_precision.py",
+    "tests/plugins/test_precision_classes.py",  # the Lightning plugin class is the namespace's own
+    "tests/plugins/test_preset_cli.py",  # MemoryPresetCLI on the namespace's LightningCLI
 ]
 OLDEST_TESTS = [
     "tests/callbacks/test_contract.py",

@@ -16,6 +16,7 @@ import lightning_memopt
 from lightning_memopt import MemoryAudit, MemoryMonitor
 from lightning_memopt.callbacks import memory_audit
 from lightning_memopt.utilities import quiet
+from lightning_memopt.utilities.formatting import WIDTH
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
@@ -147,7 +148,7 @@ def test_footprint_at_fit_start_written_logged_and_printed_only_when_verbose(tmp
     text = "\n".join(printed)
     assert "MemoryAudit (fit start): model and optimizer footprint" in text and "(first step)" in text
     assert "MemoryAudit: DataLoader train: batch_size=4," in text  # one long line, wrapped
-    assert max(len(line) for line in text.splitlines()) <= quiet.WIDTH
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
 
 
 def test_with_every_check_off_it_is_named_in_the_one_inactive_line_and_writes_nothing(tmp_path, monkeypatch):
