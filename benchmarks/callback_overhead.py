@@ -516,11 +516,11 @@ def main() -> None:
         "--threads", type=int, default=1, help="CPU threads for torch (1 keeps step times steady on a shared machine)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each per-call measurement")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 20,000 lists, 30-step fits, one round")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 5,000 lists, 12-step fits, one round")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.quick:
-        args.objects, args.steps, args.rounds, args.single_rounds, args.repeats = 20_000, 30, 1, 1, 1
+        args.objects, args.steps, args.rounds, args.single_rounds, args.repeats = 5_000, 12, 1, 1, 1
     if args.objects * args.tokens < args.steps * args.batch:
         parser.error("--objects must hold at least --steps x --batch samples (one epoch, no epoch boundaries)")
     torch.set_num_threads(args.threads)

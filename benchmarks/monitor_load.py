@@ -21,7 +21,7 @@ time. ``--analyze-steps N`` also writes an N-step log with the writer's own reco
 ``lightning-memopt analyze`` in a fresh interpreter, reporting its peak RSS (``ru_maxrss``).
 
     python benchmarks/monitor_load.py --out benchmarks/results/monitor_load_cpu.json
-    python benchmarks/monitor_load.py --quick            # 500 steps, one pair
+    python benchmarks/monitor_load.py --quick            # 200 steps, one pair
     python benchmarks/monitor_load.py --steps 5000 --profile
 """
 
@@ -256,11 +256,11 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=30.0, help="the training step the cost is compared with")
     parser.add_argument("--profile", action="store_true", help="one more fit under cProfile; print the hot spots")
     parser.add_argument("--analyze-steps", type=int, default=0, help="also analyze a log of this many steps")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 500 steps, one pair")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 200 steps, one pair")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.rounds = 500, 1
+        args.steps, args.rounds = 200, 1
     if args.steps < 2:
         parser.error(f"`--steps` must be at least 2, got {args.steps}")
     torch.set_num_threads(1)

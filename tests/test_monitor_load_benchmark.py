@@ -14,7 +14,7 @@ def test_benchmark_quick_mode_runs(tmp_path):
         REPO_ROOT / "benchmarks" / "monitor_load.py",
         tmp_path,
         timeout=300,
-        args=("--quick", "--analyze-steps", "500", "--out", str(out)),
+        args=("--quick", "--analyze-steps", "200", "--out", str(out)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
