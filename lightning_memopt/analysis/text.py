@@ -4,12 +4,11 @@ prints, with the logs' warnings and micro-batch changes listed under it."""
 from __future__ import annotations
 
 import re
-import textwrap
 from collections.abc import Sequence
 
 from lightning_memopt.analysis.findings import MemoryFinding
 from lightning_memopt.analysis.summary import PhaseSummary
-from lightning_memopt.utilities.formatting import format_bytes, printable
+from lightning_memopt.utilities.formatting import format_bytes, printable, wrap_to_width
 
 __all__ = ["format_summary"]
 
@@ -96,7 +95,7 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
         )
         where = printable(f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}")
         trend = f"  {where}: growth {_growth_text(s)}; peak at {peak_at}"
-        trends.append(textwrap.fill(trend, 100, subsequent_indent="    ", break_long_words=False))
+        trends.append(wrap_to_width(trend))
         for f in s.micro_batch_changes:
             changes.append(f"{_listed_at(where, f)}: {printable(f.message)}")
         if s.num_micro_batch_changes > len(s.micro_batch_changes):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import textwrap
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -47,7 +46,7 @@ from lightning_memopt.functional.micro_batch_retry import (
 )
 from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
-from lightning_memopt.utilities.formatting import WIDTH
+from lightning_memopt.utilities.formatting import wrap_to_width
 from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -92,7 +91,7 @@ def halving_line(size: int, new: int, reason: str, samples: int, global_step: in
         'AutoMicroBatch: micro-batch 16 -> 8 (out of memory; batch of 16, global step 0).'
     """
     line = f"AutoMicroBatch: micro-batch {size} -> {new} ({reason}; batch of {samples}, global step {global_step})."
-    return textwrap.fill(line, width=WIDTH, subsequent_indent="  ")
+    return wrap_to_width(line)
 
 
 # ----------------------------------------------------------------------------------------------- the loop

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import textwrap
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ from lightning_memopt.functional.loaders import LoaderMemory, fit_loaders, named
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import position_record
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
-from lightning_memopt.utilities.formatting import WIDTH
+from lightning_memopt.utilities.formatting import wrap_to_width
 from lightning_memopt.utilities.namespaces import rank_zero_info
 from lightning_memopt.utilities.quiet import note_inactive, report_inactive
 from lightning_memopt.utilities.trainer import log_to_loggers, trainer_device
@@ -241,8 +240,7 @@ class MemoryAudit(RankLogCallback):
         if not self.verbose:
             log.info(text)
             return
-        lines = [textwrap.fill(line, WIDTH, subsequent_indent="  ") if line else line for line in text.splitlines()]
-        rank_zero_info("\n".join(lines))
+        rank_zero_info(wrap_to_width(text))
 
     def _emitter(self, trainer: pl.Trainer) -> Any:
         """``emit(reading, event, batch_idx, **keys)`` for the session: writes one record of this rank, returns it."""

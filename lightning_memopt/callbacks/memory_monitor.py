@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import textwrap
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +19,7 @@ from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
 from lightning_memopt.functional.monitoring import MonitorRecords, cross_rank_metrics, cross_rank_values
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
-from lightning_memopt.utilities.formatting import WIDTH, format_bytes
+from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 from lightning_memopt.utilities.namespaces import rank_zero_only
 from lightning_memopt.utilities.quiet import note_inactive, report_inactive
 from lightning_memopt.utilities.run_id import run_id
@@ -221,7 +220,7 @@ class MemoryMonitor(RankLogCallback):
         self._write(records[:1])
         self._log_metrics(trainer, metrics)
         for message in warnings:  # the record keeps the message on one line; the console gets 100 columns
-            log.warning(textwrap.fill(message, WIDTH, subsequent_indent="  ", break_long_words=False))
+            log.warning(wrap_to_width(message))
         self._write(records[1:])  # one `warning` record per threshold crossing
 
     def _phase_start(self, trainer: pl.Trainer, phase: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -24,13 +23,11 @@ from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimat
 from lightning_memopt.planner.model_step import MemoryEstimateError, is_manual_optimization
 from lightning_memopt.planner.search import PlanTrial, Trials, needed_bytes
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
-from lightning_memopt.utilities.formatting import format_bytes
+from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 
 __all__ = ["MemoryPlan", "plan_memory"]
 
 _log = logging.getLogger(__name__)
-#: The widest line of a plan's report.
-_WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,7 @@ class MemoryPlan:
             )
         else:
             verdict = f"Nothing fits: {self.advice}"
-        wrapped = [textwrap.fill(text, _WIDTH, subsequent_indent="  ") for text in (head, verdict)]
+        wrapped = [wrap_to_width(text) for text in (head, verdict)]
         return "\n".join([wrapped[0], self.table(), wrapped[1]])
 
 

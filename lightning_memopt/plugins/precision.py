@@ -36,7 +36,7 @@ from lightning_memopt.functional.precision import (
     own_precision_strategy,
 )
 from lightning_memopt.utilities.checks import check_bool, check_choice
-from lightning_memopt.utilities.formatting import WIDTH
+from lightning_memopt.utilities.formatting import WIDTH, wrap_to_width
 from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of, rank_zero_info
 from lightning_memopt.utilities.quiet import note_inactive
 from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
@@ -285,12 +285,12 @@ class _MemoryPrecisionMixin(_PluginBase):
             text = (
                 f"MemoryPrecision(precision={self.requested_precision!r}) chose {choice.precision!r}: {choice.reason}"
             )
-            rank_zero_info(textwrap.fill(text, width=WIDTH, subsequent_indent="  "))
+            rank_zero_info(wrap_to_width(text))
         elif self.requested_precision == "auto" and choice.precision == "32-true" and trainer is not None:
             note_inactive(trainer, "MemoryPrecision", f"auto is fp32 on {device.type}")
         elif self.requested_precision == "auto":
             text = f"MemoryPrecision(precision='auto') chose {choice.summary}."
-            rank_zero_info(textwrap.shorten(text, width=WIDTH, placeholder="..."))
+            rank_zero_info(textwrap.shorten(text, width=WIDTH, placeholder="..."))  # one line, always
 
     def _borrow_matmul(self, wanted: str) -> None:
         self._matmul = borrow(

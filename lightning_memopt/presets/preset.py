@@ -53,6 +53,7 @@ from lightning_memopt.utilities.checks import (
     check_positive_int,
     check_str,
 )
+from lightning_memopt.utilities.formatting import WIDTH
 from lightning_memopt.utilities.namespaces import classes, is_instance, rank_zero_info
 
 if TYPE_CHECKING:
@@ -95,8 +96,6 @@ PLANNED = (
     "gradient_checkpointing",
     "checkpoint_modules",
 )
-#: The widest line of :meth:`MemoryPreset.describe`.
-_WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -565,7 +564,7 @@ def _auto_micro_batch_reason(preset: MemoryPreset) -> str:
     )
 
 
-def _table(title: str, rows: list[tuple[str, Any, str]], width: int = _WIDTH) -> str:
+def _table(title: str, rows: list[tuple[str, Any, str]], width: int = WIDTH) -> str:
     """``title`` over three columns (knob, value, why), the last wrapped so that no line is wider than ``width``; a
     value wider than its column gets a line of its own, the reason below it."""
     knob = max(len(k) for k, _, _ in rows)
