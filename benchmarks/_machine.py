@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["machine_info"]
+__all__ = ["machine_info", "time_hooks"]
 
 
 def machine_info(device: str = "cpu") -> dict:
@@ -33,3 +36,25 @@ def machine_info(device: str = "cpu") -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_capability"] = list(torch.cuda.get_device_capability())
     return info
+
+
+def time_hooks(
+    callback: Any, base: type, hooks: Iterable[str], record: Callable[[str, Any, float, float], None]
+) -> None:
+    """Wrap, in place, the hooks of ``callback`` that its class overrides (``base``'s own, Lightning's ``Callback``,
+    are left alone): each call is passed on, then ``record(hook, trainer, seconds, cpu_seconds)`` gets its wall and
+    thread CPU time.
+    """
+    for hook in hooks:
+        if getattr(type(callback), hook) is getattr(base, hook):
+            continue
+        fn = getattr(callback, hook)
+
+        def timed(trainer: Any, *args: Any, _fn: Callable[..., Any] = fn, _hook: str = hook, **kwargs: Any) -> Any:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return _fn(trainer, *args, **kwargs)
+            finally:
+                record(_hook, trainer, time.perf_counter() - start, time.thread_time() - start_cpu)
+
+        setattr(callback, hook, timed)

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _machine import machine_info  # benchmarks/_machine.py
+from _machine import machine_info, time_hooks  # benchmarks/_machine.py
 
 from lightning_memopt import CacheCleaner, GarbageCollector, MemoryAudit, MemoryMonitor, OOMReporter
 from lightning_memopt.functional.footprint import live_tensors
@@ -150,23 +150,13 @@ class HookClock:
         self.callback = callback
         self.one_off_s: dict[str, float] = {}
         self.batch_end: list[tuple[int, float]] = []  # (global_step after the step, seconds)
-        for hook in HOOKS:
-            if getattr(type(callback), hook) is not getattr(pl.Callback, hook):
-                setattr(callback, hook, self._wrap(hook, getattr(callback, hook)))
+        time_hooks(callback, pl.Callback, HOOKS, self._record)
 
-    def _wrap(self, hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(trainer, *args, **kwargs)
-            finally:
-                spent = time.perf_counter() - start
-                if hook == "on_train_batch_end":
-                    self.batch_end.append((trainer.global_step, spent))
-                else:
-                    self.one_off_s[hook] = self.one_off_s.get(hook, 0.0) + spent
-
-        return timed
+    def _record(self, hook: str, trainer: pl.Trainer, spent: float, cpu: float) -> None:
+        if hook == "on_train_batch_end":
+            self.batch_end.append((trainer.global_step, spent))
+        else:
+            self.one_off_s[hook] = self.one_off_s.get(hook, 0.0) + spent
 
     @property
     def seconds(self) -> float:

@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _machine import machine_info  # benchmarks/_machine.py
+from _machine import machine_info, time_hooks  # benchmarks/_machine.py
 
 from lightning_memopt import MemoryAudit, MemoryMonitor
 from lightning_memopt.functional.memory import read_memory
@@ -84,26 +83,16 @@ class HookClock:
         self.first_step_s = 0.0
         self.steps_s = 0.0
         self.steps_cpu_s = 0.0  # this thread's CPU time inside the per-step hooks: what a loaded machine cannot inflate
-        for hook in (*ONE_OFF_HOOKS, "on_train_batch_start", "on_train_batch_end"):
-            if getattr(type(callback), hook) is not getattr(pl.Callback, hook):
-                setattr(callback, hook, self._wrap(hook, getattr(callback, hook)))
+        time_hooks(callback, pl.Callback, (*ONE_OFF_HOOKS, "on_train_batch_start", "on_train_batch_end"), self._record)
 
-    def _wrap(self, hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            try:
-                return fn(trainer, *args, **kwargs)
-            finally:
-                spent = time.perf_counter() - start
-                if hook in ONE_OFF_HOOKS:
-                    self.one_off_s[hook] = self.one_off_s.get(hook, 0.0) + spent
-                elif hook == "on_train_batch_end" and trainer.global_step == 1:
-                    self.first_step_s += spent
-                else:
-                    self.steps_s += spent
-                    self.steps_cpu_s += time.thread_time() - start_cpu
-
-        return timed
+    def _record(self, hook: str, trainer: pl.Trainer, spent: float, cpu: float) -> None:
+        if hook in ONE_OFF_HOOKS:
+            self.one_off_s[hook] = self.one_off_s.get(hook, 0.0) + spent
+        elif hook == "on_train_batch_end" and trainer.global_step == 1:
+            self.first_step_s += spent
+        else:
+            self.steps_s += spent
+            self.steps_cpu_s += cpu
 
 
 class WalkClock:
