@@ -8,6 +8,11 @@ wrong type, NaN) is skipped, and each file with skipped records gets one warning
 Records may carry a ``run_id``: records of different runs (a log appended to by a second run, or logs of two
 runs analysed together) get rows and plot panels of their own instead of sharing one time axis.
 
+Several nodes: the logs of every node of a job are read together (directories stand for the ``memory_rank*.jsonl``
+in them), one row per global rank with its node; the records' ``node_rank`` and ``host`` say where each rank ran.
+A global rank of one run whose records come from two logs (or two hosts) over the same time is refused
+(:class:`~lightning_memopt.analysis.ranks.RankSources`): two jobs that share a run id, or a log passed twice.
+
 The parts live beside this module: :mod:`~lightning_memopt.analysis.records` reads and checks the lines,
 :mod:`~lightning_memopt.analysis.summary` summarises per (run, rank, phase) with the growth fit of
 :mod:`~lightning_memopt.analysis.growth`, :mod:`~lightning_memopt.analysis.text` formats the table and
@@ -18,7 +23,9 @@ The parts live beside this module: :mod:`~lightning_memopt.analysis.records` rea
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +33,7 @@ from pathlib import Path
 
 from lightning_memopt.analysis.findings import MemoryFinding
 from lightning_memopt.analysis.plot import check_plot_path, draw, plot_memory_timeline
+from lightning_memopt.analysis.ranks import RankSources
 from lightning_memopt.analysis.records import MemoryLogError, check_log_path, iter_memory_lines, load_memory_log
 from lightning_memopt.analysis.summary import LogSummarizer, PhaseSummary, listed, summarize_memory_log
 from lightning_memopt.analysis.text import format_summary
@@ -39,6 +47,7 @@ __all__ = [
     "analyze_memory_logs",
     "format_summary",
     "load_memory_log",
+    "log_files",
     "plot_memory_timeline",
     "summarize_memory_log",
 ]
@@ -84,15 +93,64 @@ class _FileReport:
         return f"{self.path}: holds no usable memory records ({self.why()}); is this a memory JSONL log?"
 
 
-def _read_into(path: Path, summarizer: LogSummarizer) -> _FileReport:
+def _read_into(path: Path, summarizer: LogSummarizer, sources: RankSources) -> _FileReport:
     report = _FileReport(path)
     for line in iter_memory_lines(path):
         if line.record is None:
             report.skip(line.number, line.problem or "is not a memory record")
         else:
             summarizer.add(line.record)
+            sources.add(line.record, str(path))
             report.usable += 1
     return report
+
+
+#: The per-rank logs in a directory, and the rank in a log's name (to list them by rank).
+_LOG_PATTERN = "memory_rank*.jsonl"
+_RANK_IN_NAME = re.compile(r"memory_rank(\d+)\.jsonl$")
+
+
+def _by_rank(path: Path) -> tuple[int, str]:
+    found = _RANK_IN_NAME.search(path.name)
+    return (int(found.group(1)) if found else -1, path.name)
+
+
+def _expand(given: Path) -> list[Path]:
+    """A directory stands for its ``memory_rank*.jsonl`` (by rank); a glob pattern that names no file, for its
+    matches; any other path for itself (checked when read)."""
+    if given.is_dir():
+        found = sorted(given.glob(_LOG_PATTERN), key=_by_rank)
+        if not found:
+            raise MemoryLogError(
+                f"{given}: no {_LOG_PATTERN} in this directory; pass the directory MemoryMonitor wrote to"
+                " (`dirpath`, by default <log_dir>/memopt) or the files themselves"
+            )
+        return found
+    text = os.fspath(given)
+    if glob.has_magic(text) and not given.exists():
+        matches = sorted(glob.glob(text))
+        if not matches:
+            raise MemoryLogError(f"{text}: matches no file")
+        return [Path(m) for m in matches]
+    return [given]
+
+
+def log_files(paths: Sequence[Path]) -> list[Path]:
+    """The files to read: directories and glob patterns expanded (:func:`_expand`), each file once (the same file
+    named twice, or through another path, is read once, where it first appears).
+
+    Raises:
+        MemoryLogError: a directory without logs, or a pattern that matches nothing.
+    """
+    files: list[Path] = []
+    seen: set[str] = set()
+    for given in paths:
+        for file in _expand(given):
+            real = os.path.realpath(file)
+            if real not in seen:
+                seen.add(real)
+                files.append(file)
+    return files
 
 
 def _labels(paths: Sequence[Path]) -> list[str]:
@@ -101,25 +159,8 @@ def _labels(paths: Sequence[Path]) -> list[str]:
     return [p.name if names.count(p.name) == 1 else str(p) for p in paths]
 
 
-def analyze_memory_logs(
-    paths: Sequence[str | os.PathLike[str]], plot: str | os.PathLike[str] | None = None
-) -> tuple[list[PhaseSummary], str]:
-    """Read logs, summarise them and optionally plot them: what ``lightning-memopt analyze`` does.
-
-    The files are streamed (memory stays a fraction of their size). Paths and the plot's path are checked
-    before any file is read. Records that cannot be used are skipped with one ``UserWarning`` per file naming
-    the lines; a file with nothing usable is left out with a warning.
-
-    Returns:
-        The summaries and the text table (with the plot's path appended when one was written).
-
-    Raises:
-        MemoryLogError: ``paths`` is empty, a file is missing or not a regular file, or no file holds a usable
-            record.
-        ValueError: ``paths`` is not a list of paths, or ``plot`` has an extension matplotlib cannot write, or its
-            directory cannot be created.
-        ImportError: ``plot`` is given and matplotlib is not installed.
-    """
+def _checked_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The log files ``paths`` name (expanded by :func:`log_files`), each checked to be a regular file."""
     if isinstance(paths, (str, os.PathLike)) or not isinstance(paths, Iterable):
         example = os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else "memory_rank0.jsonl"
         raise ValueError(
@@ -134,16 +175,47 @@ def analyze_memory_logs(
         )
     for index, p in enumerate(paths):
         check_path(f"paths[{index}]", p, allow_none=False)
-    files = [Path(p) for p in paths]
+    files = log_files([Path(p) for p in paths])
     for file in files:
         check_log_path(file)
+    return files
+
+
+def analyze_memory_logs(
+    paths: Sequence[str | os.PathLike[str]], plot: str | os.PathLike[str] | None = None
+) -> tuple[list[PhaseSummary], str]:
+    """Read logs, summarise them and optionally plot them: what ``lightning-memopt analyze`` does.
+
+    The files are streamed (memory stays a fraction of their size). A directory stands for the
+    ``memory_rank*.jsonl`` files in it (by rank) and a glob pattern (``"node*/memopt/memory_rank*.jsonl"``, quoted
+    from the shell) for the files it matches, so the logs of several nodes are read together with one path per
+    node; a file named twice is read once. Paths and the plot's path are checked before any file is read. Records
+    that cannot be used are skipped with one ``UserWarning`` per file naming the lines; a file with nothing usable
+    is left out with a warning.
+
+    Returns:
+        The summaries and the text table (with the plot's path appended when one was written).
+
+    Raises:
+        MemoryLogError: ``paths`` is empty, a file is missing or not a regular file, a directory holds no log, a
+            pattern matches nothing, no file holds a usable record, or one run's global rank is in two logs (or
+            from two hosts) over the same time.
+        ValueError: ``paths`` is not a list of paths, or ``plot`` has an extension matplotlib cannot write, or its
+            directory cannot be created.
+        ImportError: ``plot`` is given and matplotlib is not installed.
+    """
+    files = _checked_files(paths)
     target = check_plot_path(plot) if plot is not None else None
     summarizer = LogSummarizer(plot=target is not None)
-    reports = [_read_into(file, summarizer) for file in files]
+    sources = RankSources()
+    reports = [_read_into(file, summarizer, sources) for file in files]
     if not summarizer.num_records:
         if len(reports) == 1:
             raise MemoryLogError(reports[0].error())
         raise MemoryLogError("no usable memory records: " + "; ".join(r.error() for r in reports))
+    clash = sources.error()
+    if clash is not None:
+        raise MemoryLogError(clash)
     for report in reports:
         message = report.warning()
         if message:

@@ -44,7 +44,9 @@ RESERVED_KEYS = ("peak_reserved_bytes", "reserved_bytes", "phase_peak_reserved_b
 #: Every byte figure the summary or the plot reads: null, or a finite number >= 0.
 BYTE_KEYS = (*ALLOC_KEYS, *RESERVED_KEYS, "host_rss_bytes", "device_total_bytes")
 OPTIONAL_INT_KEYS = ("epoch", "global_step", "batch_idx")
-OPTIONAL_STR_KEYS = ("device", "run_id")
+OPTIONAL_STR_KEYS = ("device", "run_id", "host")
+#: Where the rank ran: the node's rank (with ``host``; optional: logs of 0.1.0 have neither).
+NODE_KEYS = ("node_rank",)
 #: Events that carry a memory reading.
 READING_EVENTS = frozenset({"step", "phase_start", "phase_end"})
 #: AutoMicroBatch's record of a micro-batch change.
@@ -114,6 +116,7 @@ _REQUIRED_FIELDS: tuple[_FieldRule, ...] = (
 )
 _OPTIONAL_FIELDS: tuple[_FieldRule, ...] = (
     (OPTIONAL_STR_KEYS, _is_str, "a string"),
+    (NODE_KEYS, _is_rank, "an int >= 0"),
     (OPTIONAL_INT_KEYS, _is_int64, "an int"),
     (BYTE_KEYS, _is_byte_count, "a number of bytes"),
 )

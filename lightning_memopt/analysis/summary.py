@@ -43,7 +43,9 @@ LISTED_SKIPS = 10
 class PhaseSummary:
     """What one rank's log says about one phase of one run. Sizes in bytes; ``None`` where the log has no figure.
 
-    ``run_id`` is the records' ``run_id`` (``None`` for records without one).
+    ``run_id`` is the records' ``run_id`` (``None`` for records without one). ``node_rank`` and ``host`` say where
+    the rank ran (``None`` in logs written without them); a rank whose run was resumed on other machines lists
+    each host, in the order they appear, joined by ``", "`` (``node_rank`` is then the first record's).
 
     Growth (the rule is in :func:`summarize_memory_log`): ``growth_field`` is the figure judged
     (``allocated_bytes``, or ``host_rss_bytes`` when the device gives none), ``growth`` the verdict:
@@ -87,6 +89,8 @@ class PhaseSummary:
     micro_batch_changes: tuple[MemoryFinding, ...] = ()
     num_micro_batch_changes: int = 0
     micro_batch_size: int | None = None
+    node_rank: int | None = None
+    host: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +115,8 @@ class _PhaseStats:
     """Running figures of one (run, rank, phase): what :class:`PhaseSummary` needs and nothing more."""
 
     device: str | None = None
+    node_rank: int | None = None
+    hosts: list[str] = field(default_factory=list)
     steps: int = 0
     warnings: int = 0
     peak_alloc: float | None = None
@@ -137,6 +143,11 @@ class _PhaseStats:
     def add(self, r: Mapping[str, Any], event: str, t: float) -> None:
         if self.device is None and r.get("device"):
             self.device = r["device"]
+        if self.node_rank is None:
+            self.node_rank = r.get("node_rank")
+        host = r.get("host")
+        if host is not None and host not in self.hosts:
+            self.hosts.append(host)
         self.device_total = _max(self.device_total, r.get("device_total_bytes"))
         if event == "warning":
             self._add_warning(r, t)
@@ -234,6 +245,8 @@ class _PhaseStats:
             micro_batch_changes=_as_findings(self.changes, t0),
             num_micro_batch_changes=self.num_changes,
             micro_batch_size=self.micro_batch_size,
+            node_rank=self.node_rank,
+            host=", ".join(self.hosts) or None,
         )
 
 

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 
 from lightning_memopt.analysis.findings import MemoryFinding
+from lightning_memopt.analysis.ranks import RankComparison, compare_ranks, rank_ranges
 from lightning_memopt.analysis.summary import PhaseSummary
 from lightning_memopt.utilities.formatting import format_bytes, printable, wrap_to_width
 
@@ -50,11 +51,20 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
 
     When a log holds AutoMicroBatch's ``micro_batch`` records, a ``micro-batch`` column gives the first and last
     size and the number of changes (``16 -> 4 (2 changes)``), and each change is listed under the table.
+
+    When the ranks ran on more than one node (the logs of several machines), a ``node`` column gives each row's
+    node rank, a ``nodes:`` line names each node's host and ranks, and the rows are named ``rank 2 (node 1)`` under
+    the table. With two ranks or more, ``across ranks:`` gives per run and phase the rank that peaks,
+    the lowest one, their ratio (``imbalanced`` from :data:`~lightning_memopt.analysis.ranks.IMBALANCE_RATIO` on)
+    and, across nodes, the rank that peaks on each node.
     """
     several_runs = len({s.run_id for s in summaries}) > 1
+    nodes = _nodes(summaries)
+    several_nodes = len(nodes) > 1
     with_changes = any(s.num_micro_batch_changes for s in summaries)
     header = (
         "rank",
+        *(("node",) if several_nodes else ()),
         *(("run",) if several_runs else ()),
         "phase",
         "readings",
@@ -77,11 +87,14 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
             if s.peak_global_step is None
             else (f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
         )
+        node_cell = "-" if s.node_rank is None else str(s.node_rank)
+        node = (node_cell,) if several_nodes else ()
         run = (printable(s.run_id or _NO_RUN),) if several_runs else ()
         micro = (_micro_batch_cell(s),) if with_changes else ()
         rows.append(
             (
                 str(s.rank),
+                *node,
                 *run,
                 printable(s.phase),
                 str(s.num_readings),
@@ -93,7 +106,8 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
                 *micro,
             )
         )
-        where = printable(f"rank {s.rank}" + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}")
+        rank = f"rank {s.rank}" + (f" (node {node_cell})" if several_nodes else "")
+        where = printable(rank + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}")
         trend = f"  {where}: growth {_growth_text(s)}; peak at {peak_at}"
         trends.append(wrap_to_width(trend))
         for f in s.micro_batch_changes:
@@ -111,18 +125,66 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    devices = {s.device for s in summaries if s.device}
-    totals = {s.device_total_bytes for s in summaries if s.device_total_bytes}
-    foot = f"device: {printable(', '.join(sorted(devices))) or 'n/a'}"
-    if totals:
-        foot += f"; device total {format_bytes(max(totals))}"
-    lines.append(foot)
+    lines += _footer(summaries, nodes)
     lines += ["growth and peak, by row:", *trends]
+    lines += _across_ranks(summaries, several_runs)
     if findings:
         lines += ["warnings in the logs:", *findings]
     if changes:
         lines += ["micro-batch changes (AutoMicroBatch):", *changes]
     return "\n".join(lines)
+
+
+def _footer(summaries: Sequence[PhaseSummary], nodes: dict[tuple[int, str], list[int]]) -> list[str]:
+    """The line under the table (devices and their total) and, with several nodes, the node legend."""
+    devices = {s.device for s in summaries if s.device}
+    totals = {s.device_total_bytes for s in summaries if s.device_total_bytes}
+    foot = f"device: {printable(', '.join(sorted(devices))) or 'n/a'}"
+    if totals:
+        foot += f"; device total {format_bytes(max(totals))}"
+    return [foot, _node_legend(nodes)] if len(nodes) > 1 else [foot]
+
+
+def _across_ranks(summaries: Sequence[PhaseSummary], several_runs: bool) -> list[str]:
+    """The ``across ranks:`` section (none with one rank per run and phase)."""
+    comparisons = compare_ranks(summaries)
+    if not comparisons:
+        return []
+    return ["across ranks:", *(_comparison_line(c, several_runs) for c in comparisons)]
+
+
+def _nodes(summaries: Sequence[PhaseSummary]) -> dict[tuple[int, str], list[int]]:
+    """The ranks of each node, keyed by (node rank, host) (-1 and "" for what a log does not say), in node order."""
+    nodes: dict[tuple[int, str], list[int]] = {}
+    for s in summaries:
+        ranks = nodes.setdefault((-1 if s.node_rank is None else s.node_rank, s.host or ""), [])
+        if s.rank not in ranks:
+            ranks.append(s.rank)
+    return dict(sorted(nodes.items()))
+
+
+def _node_legend(nodes: dict[tuple[int, str], list[int]]) -> str:
+    """``nodes: 0 gpu-a (ranks 0-1); 1 gpu-b (ranks 2-3)``, wrapped."""
+    parts = []
+    for (node_rank, host), ranks in nodes.items():
+        name = " ".join(part for part in ("?" if node_rank < 0 else str(node_rank), host) if part)
+        parts.append(f"{name} (rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)})")
+    return wrap_to_width(printable("nodes: " + "; ".join(parts)))
+
+
+def _comparison_line(c: RankComparison, several_runs: bool) -> str:
+    """``  train: peak 1.20 GiB on rank 3 (node 1, gpu-b); lowest ...; 1.20x, imbalanced; per node: ...``."""
+    run = f"run {c.run_id or _NO_RUN}, " if several_runs else ""
+    rss = " host RSS" if c.field == "peak_host_rss_bytes" else ""
+    ratio = "lowest is 0" if c.ratio is None else f"{c.ratio:.2f}x"
+    verdict = "imbalanced" if c.imbalanced else "balanced"
+    text = (
+        f"  {run}{c.phase}, {c.num_ranks} ranks: peak{rss} {format_bytes(c.highest.bytes)} on {c.highest.where()};"
+        f" lowest {format_bytes(c.lowest.bytes)} on {c.lowest.where()}; {ratio}, {verdict}"
+    )
+    if c.node_peaks:
+        text += "; highest per node: " + ", ".join(f"{format_bytes(p.bytes)} on {p.where()}" for p in c.node_peaks)
+    return wrap_to_width(printable(text))
 
 
 def _listed_at(where: str, f: MemoryFinding) -> str:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -25,7 +26,15 @@ from lightning_memopt.utilities.warnings import WarnOnce
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ArtifactCallback", "GuardedReader", "RankLogCallback", "last_train_epoch", "last_train_step", "position"]
+__all__ = [
+    "ArtifactCallback",
+    "GuardedReader",
+    "RankLogCallback",
+    "host_name",
+    "last_train_epoch",
+    "last_train_step",
+    "position",
+]
 
 
 class ArtifactCallback(RunIdCallback):
@@ -110,9 +119,22 @@ class GuardedReader:
         return self.memory.reset_peaks()
 
 
+def host_name() -> str:
+    """This machine's name (``socket.gethostname()``), written with the node rank into memory logs and OOM reports
+    so that the logs of several nodes can be told apart."""
+    return socket.gethostname()
+
+
 def position(trainer: pl.Trainer, batch_idx: int | None, epoch: int | None = None) -> Position:
-    """Where training is now (``epoch`` defaults to ``current_epoch``), for a record."""
-    return Position(trainer.current_epoch if epoch is None else epoch, trainer.global_step, batch_idx, run_id(trainer))
+    """Where training is now (``epoch`` defaults to ``current_epoch``), on which node and host, for a record."""
+    return Position(
+        trainer.current_epoch if epoch is None else epoch,
+        trainer.global_step,
+        batch_idx,
+        run_id(trainer),
+        node_rank=trainer.node_rank,
+        host=host_name(),
+    )
 
 
 def last_train_epoch(trainer: pl.Trainer) -> int:

@@ -202,24 +202,35 @@ def cross_rank_metrics(gathered: torch.Tensor) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Position:
-    """Where in training a record is taken: the position keys of a JSONL record."""
+    """Where in training a record is taken: the position keys of a JSONL record.
+
+    ``node_rank`` and ``host`` (the machine's name) say on which node the rank runs; ``None`` leaves them out of
+    the record.
+    """
 
     epoch: int | None
     global_step: int | None
     batch_idx: int | None
     run_id: str | None
+    node_rank: int | None = None
+    host: str | None = None
 
 
 def position_record(
     reading: MemoryReading, rank: int, phase: str, event: str, at: Position, **extra: Any
 ) -> dict[str, Any]:
-    """One JSONL record: ``reading`` at ``at`` (``extra`` keys after the memory fields, ``run_id`` last).
+    """One JSONL record: ``reading`` at ``at`` (``extra`` keys after the memory fields, then ``node_rank`` and
+    ``host`` when ``at`` has them, ``run_id`` last).
 
     Examples:
         >>> rec = position_record(MemoryReading(time=0.0, device="cpu"), 1, "train", "audit", Position(0, 3, None, "r"))
-        >>> rec["rank"], rec["global_step"], list(rec)[-1]
-        (1, 3, 'run_id')
+        >>> rec["rank"], rec["global_step"], list(rec)[-1], "host" in rec
+        (1, 3, 'run_id', False)
+        >>> at = Position(0, 3, None, "r", node_rank=1, host="gpu-b")
+        >>> list(position_record(MemoryReading(time=0.0, device="cpu"), 2, "train", "step", at))[-3:]
+        ['node_rank', 'host', 'run_id']
     """
+    node = {key: value for key, value in (("node_rank", at.node_rank), ("host", at.host)) if value is not None}
     return memory_record(
         reading,
         rank=rank,
@@ -229,6 +240,7 @@ def position_record(
         global_step=at.global_step,
         batch_idx=at.batch_idx,
         **extra,
+        **node,
         run_id=at.run_id,
     )
 

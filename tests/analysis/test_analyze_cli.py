@@ -140,8 +140,9 @@ def test_cli_refuses_a_named_pipe_without_opening_it(good_log, tmp_path, capsys)
     ("make", "words"),
     [
         (lambda tmp: tmp / "missing.jsonl", "no such file"),
-        (lambda tmp: tmp, "is a directory"),
+        (lambda tmp: (tmp / "empty").mkdir() or tmp / "empty", "no memory_rank*.jsonl in this directory"),
         (lambda tmp: tmp / "missing" / "memory_rank0.jsonl", "no such file"),
+        (lambda tmp: tmp / "missing" / "memory_rank*.jsonl", "matches no file"),
         pytest.param(
             lambda tmp: "/dev/null",
             "is a character device",

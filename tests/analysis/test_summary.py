@@ -125,7 +125,7 @@ def test_records_without_run_id_and_with_one_are_two_runs(tmp_path):
     assert [line.split()[1] for line in text.splitlines()[2:4]] == ["-", "new"]
 
 
-def _write_big_log(path, lines):
+def _write_big_log(path, lines, rank=0):
     MiB = 1024**2
     with open(path, "w") as f:
         for s in range(lines):
@@ -133,7 +133,7 @@ def _write_big_log(path, lines):
                 json.dumps(
                     {
                         "time": 1_700_000_000.0 + 0.05 * s,
-                        "rank": 0,
+                        "rank": rank,
                         "phase": "train",
                         "event": "step",
                         "epoch": s // 5000,
@@ -196,7 +196,7 @@ print(json.dumps({"code": code, "base": base, "peak": peak_rss()}))
 def test_peak_rss_of_analyze_grows_less_than_twice_the_logs(tmp_path):
     from tests.helpers.subprocess_run import run_script
 
-    logs = [_write_big_log(tmp_path / f"memory_rank{r}.jsonl", 15_000) for r in (0, 1)]
+    logs = [_write_big_log(tmp_path / f"memory_rank{r}.jsonl", 15_000, rank=r) for r in (0, 1)]
     size = sum(p.stat().st_size for p in logs)
     proc = run_script(RSS_SCRIPT, tmp_path, args=tuple(map(str, logs)), timeout=300)
     assert proc.returncode == 0, proc.stderr
