@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from lightning_memopt.callbacks._memory_log import ArtifactCallback
+from lightning_memopt.callbacks._memory_log import ArtifactCallback, host_name
 from lightning_memopt.callbacks._states import MAX_REMEMBERED_REPORTS as _MAX_REMEMBERED
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional import oom
@@ -246,12 +246,13 @@ class OOMReporter(ArtifactCallback):
 # only: nothing here communicates with other ranks (`on_exception` runs on the failing rank alone). A read that
 # fails raises; `build_oom_report`'s guard lists it in the report's `report_errors`.
 def _trainer_position(trainer: pl.Trainer) -> oom.TrainerPosition:
-    """Rank, world size, trainer function and stage, epoch and global step."""
+    """Rank (global, local), node (rank, host name), world size, trainer function and stage, epoch, global step."""
     state = trainer.state
     return {
         "rank": trainer.global_rank,
         "local_rank": trainer.local_rank,
         "node_rank": trainer.node_rank,
+        "host": host_name(),
         "world_size": trainer.world_size,
         "fn": None if state.fn is None else str(state.fn.value),
         "stage": None if state.stage is None else str(state.stage.value),

@@ -138,6 +138,7 @@ def _when(when: Mapping[str, Any]) -> Lines:
     rows = [
         ("time (UTC)", _iso(when.get("time"))),
         ("rank / world size", f"{when.get('rank')} / {when.get('world_size')}"),
+        *([("node / host", f"{when.get('node_rank')} / {when.get('host')}")] if "host" in when else []),
         ("trainer function", when.get("fn")),
         ("stage", when.get("stage")),
         ("epoch", when.get("epoch")),

@@ -94,6 +94,7 @@ class TrainerPosition(TypedDict):
     rank: int
     local_rank: int
     node_rank: int
+    host: str
     world_size: int
     fn: str | None
     stage: str | None

@@ -40,6 +40,7 @@ class WhenSection(TypedDict, total=False):
     run_id: Required[str | None]  # the run id shared by all ranks (see `lightning_memopt.utilities.run_id`)
     local_rank: int
     node_rank: int
+    host: str  # the machine's name (socket.gethostname()), to tell the nodes of a job apart
     fn: str | None  # trainer function: "fit", "validate", "test", "predict"
     stage: str | None  # "train", "validate", "test", "predict", "sanity_check"
     epoch: int
