@@ -79,7 +79,7 @@ def _expected_peak_rank(records, phase):
 def test_analyze_merges_both_nodes_into_one_table(job, capsys, monkeypatch):
     monkeypatch.chdir(job)
     assert main(["analyze", "node0/memopt", "node1/memopt"]) == 0
-    out, err = capsys.readouterr()
+    out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["rank", "node", "phase"], out
     end = next(i for i, line in enumerate(lines) if line.startswith("device:"))

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 NUM_NODES = 2
 DEVICES = 2
@@ -64,7 +65,7 @@ def launch() -> int:
                 other.kill()
             codes.append(proc.wait())
         log.close()
-    tails = [open(f"rank{r}.log").read()[-3000:] for r in range(len(procs))]
+    tails = [Path(f"rank{r}.log").read_text()[-3000:] for r in range(len(procs))]
     with open("ranks.json", "w") as f:
         json.dump({"codes": codes, "tails": tails}, f)
     return 0
