@@ -115,24 +115,28 @@ def _by_rank(path: Path) -> tuple[int, str]:
     return (int(found.group(1)) if found else -1, path.name)
 
 
+def _directory_logs(given: Path) -> list[Path]:
+    """A directory's ``memory_rank*.jsonl``, by rank; any other path as it is (checked when read)."""
+    if not given.is_dir():
+        return [given]
+    found = sorted(given.glob(_LOG_PATTERN), key=_by_rank)
+    if not found:
+        raise MemoryLogError(
+            f"{given}: no {_LOG_PATTERN} in this directory; pass the directory MemoryMonitor wrote to"
+            " (`dirpath`, by default <log_dir>/memopt) or the files themselves"
+        )
+    return found
+
+
 def _expand(given: Path) -> list[Path]:
-    """A directory stands for its ``memory_rank*.jsonl`` (by rank); a glob pattern that names no file, for its
-    matches; any other path for itself (checked when read)."""
-    if given.is_dir():
-        found = sorted(given.glob(_LOG_PATTERN), key=_by_rank)
-        if not found:
-            raise MemoryLogError(
-                f"{given}: no {_LOG_PATTERN} in this directory; pass the directory MemoryMonitor wrote to"
-                " (`dirpath`, by default <log_dir>/memopt) or the files themselves"
-            )
-        return found
+    """A glob pattern that names no file stands for its matches, a directory for its logs (by rank)."""
     text = os.fspath(given)
-    if glob.has_magic(text) and not given.exists():
-        matches = sorted(glob.glob(text))
-        if not matches:
-            raise MemoryLogError(f"{text}: matches no file")
-        return [Path(m) for m in matches]
-    return [given]
+    if not glob.has_magic(text) or given.exists():
+        return _directory_logs(given)
+    matches = sorted(glob.glob(text))
+    if not matches:
+        raise MemoryLogError(f"{text}: matches no file")
+    return [file for match in matches for file in _directory_logs(Path(match))]
 
 
 def log_files(paths: Sequence[Path]) -> list[Path]:
