@@ -2,7 +2,8 @@
 
 Subcommands:
 
-* ``analyze LOG [LOG ...] [--plot FILE.png]``: summary table and timeline plot from memory JSONL logs.
+* ``analyze LOG|DIR [...] [--plot FILE.png]``: summary table and timeline plot from memory JSONL logs, of one
+  machine or merged over several nodes (one directory per node).
 * ``report REPORT [REPORT ...]``: an out-of-memory report (``oom_report_rank{r}.json``) as Markdown; a directory
   stands for the newest report of each rank in it.
 * ``estimate --model CLASS_PATH | --config FILE.yaml [--data CLASS_PATH | --batch-shape SPEC ...] [--gpu NAME |
@@ -45,6 +46,18 @@ class CLIError(Exception):
 _ANALYZE_DESCRIPTION = """\
 Summarise memory JSONL logs (MemoryMonitor, MemoryAudit): one row per rank and phase (and run, when the logs
 hold several run_ids) with peaks, means, growth and warnings; optionally a timeline plot.
+
+logs: memory_rank*.jsonl files, directories (the memory_rank*.jsonl in them) or quoted glob patterns; a file
+named twice is read once. A job on several machines: pass each node's directory, for one table over all global
+ranks with a node column (the records' node_rank) and a line naming each node's host and ranks. A global rank of
+one run found in two logs, or from two hosts, over the same time is an error (two jobs that share a run id after
+resuming from one checkpoint, or a copied log): analyse them separately. A run resumed later, in another
+directory or on another machine, is merged into its ranks' rows. For example:
+  lightning-memopt analyze node0/memopt node1/memopt
+
+across ranks: per run and phase with two ranks or more, the rank that peaks and the lowest one with their node
+and host, their ratio ("imbalanced" from 1.10x on) and, over several nodes, the rank that peaks on each node.
+Compared: peak allocated bytes, or peak host RSS where a rank has no device figures.
 
 growth: a straight line fitted to the phase's step readings (allocated bytes; host RSS, marked "(RSS)", where
 the device gives none) against global_step, leaving out the first third of the steps (warm-up). Shown as the
@@ -98,7 +111,12 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
         description=_ANALYZE_DESCRIPTION,
         formatter_class=_Paragraphs,
     )
-    parser.add_argument("logs", nargs="+", metavar="LOG", help="memory_rank*.jsonl files written by MemoryMonitor")
+    parser.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="memory_rank*.jsonl files written by MemoryMonitor, directories of them (one per node) or glob patterns",
+    )
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
