@@ -139,20 +139,29 @@ def _expand(given: Path) -> list[Path]:
     return [file for match in matches for file in _directory_logs(Path(match))]
 
 
+def _identity(file: Path) -> tuple[int, int] | str:
+    """What makes two names one file: its device and inode (links, other paths), else its real path."""
+    try:
+        st = file.stat()
+    except OSError:  # missing or unreadable: refused by name when it is checked
+        return os.path.realpath(file)
+    return (st.st_dev, st.st_ino)
+
+
 def log_files(paths: Sequence[Path]) -> list[Path]:
-    """The files to read: directories and glob patterns expanded (:func:`_expand`), each file once (the same file
-    named twice, or through another path, is read once, where it first appears).
+    """The files to read: directories and glob patterns expanded (:func:`_expand`), each file once (one file named
+    twice, through another path or a link, is read once, where it first appears).
 
     Raises:
         MemoryLogError: a directory without logs, or a pattern that matches nothing.
     """
     files: list[Path] = []
-    seen: set[str] = set()
+    seen: set[tuple[int, int] | str] = set()
     for given in paths:
         for file in _expand(given):
-            real = os.path.realpath(file)
-            if real not in seen:
-                seen.add(real)
+            identity = _identity(file)
+            if identity not in seen:
+                seen.add(identity)
                 files.append(file)
     return files
 

@@ -119,8 +119,10 @@ def draw(summarizer: LogSummarizer, labels: Iterable[str], path: Path, fmt: str)
         raise MemoryLogError("no memory records to plot")
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False, sharex=True)
     try:
+        several_nodes = len({(panel.node_rank, panel.host) for *_, panel in panels}) > 1
         for ax, (run, rank, t0, panel) in zip(axes[:, 0], panels):
-            _draw_panel(ax, run, rank, t0, panel, summarizer.several_runs)
+            node = f" (node {panel.node_rank}, {panel.host})" if several_nodes else ""
+            _draw_panel(ax, run, f"rank {rank}{node}", t0, panel, summarizer.several_runs)
         axes[-1, 0].set_xlabel("seconds since the first record" + (" of each run" if summarizer.several_runs else ""))
         fig.suptitle("Memory timeline: " + ", ".join(labels), fontsize=11)
         fig.tight_layout()
@@ -133,7 +135,8 @@ def draw(summarizer: LogSummarizer, labels: Iterable[str], path: Path, fmt: str)
     return path
 
 
-def _draw_panel(ax: Any, run: str | None, rank: int, t0: float, panel: TimelinePanel, several_runs: bool) -> None:
+def _draw_panel(ax: Any, run: str | None, rank: str, t0: float, panel: TimelinePanel, several_runs: bool) -> None:
+    """One (run, rank) panel; ``rank`` is its name (``rank 2``, or ``rank 2 (node 1, gpu-b)`` over several nodes)."""
     series = DEVICE_SERIES if panel.has_device else HOST_SERIES
     top = max(panel.top_device if panel.has_device else panel.top_host, 1.0)
     total = panel.total
@@ -177,7 +180,7 @@ def _draw_panel(ax: Any, run: str | None, rank: int, t0: float, panel: TimelineP
     unmarked = sum(panel.checks.values()) - len(panel.findings)
     if unmarked:
         note += f"; {unmarked} more warnings not marked"
-    name = f"rank {rank}" + ((f", run {run}" if run is not None else ", no run_id") if several_runs else "")
+    name = rank + ((f", run {run}" if run is not None else ", no run_id") if several_runs else "")
     ax.set_title(f"{name} ({panel.device or '?'}{note})", loc="left", fontsize=10)
     ax.grid(alpha=0.3)
     headroom = 1.6 if panel.findings or panel.changes else 1.2  # room for the warnings' boxes above the lines

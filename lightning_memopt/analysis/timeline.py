@@ -39,6 +39,8 @@ class TimelinePanel:
 
     device: str | None = None
     device_time: float = math.inf
+    node_rank: int | None = None  # where the rank ran (the first record that says)
+    host: str | None = None
     has_device: bool = False
     top_device: float = 0.0
     top_host: float = 0.0
@@ -60,6 +62,8 @@ class TimelinePanel:
         """Take one checked record of ``event`` at time ``t``."""
         if r.get("device") and t < self.device_time:
             self.device, self.device_time = r["device"], t
+        if self.host is None and self.node_rank is None:
+            self.node_rank, self.host = r.get("node_rank"), r.get("host")
         if event == "warning":
             self._add_warning(r, t)
         elif event == MICRO_BATCH_EVENT:

@@ -6,6 +6,7 @@ The real 2-node x 2-process job is in ``test_two_nodes.py``.
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -96,8 +97,11 @@ def test_analyze_merges_the_directories_of_two_nodes(two_nodes):
 def test_paths_are_directories_files_or_patterns_each_file_read_once(two_nodes, tmp_path, capsys):
     node0, node1 = two_nodes
     base, _ = analyze_memory_logs([node0, node1])
+    os.link(node1 / "memory_rank2.jsonl", tmp_path / "hard_link.jsonl")
+    (tmp_path / "soft_link.jsonl").symlink_to(node1 / "memory_rank3.jsonl")
     for paths in (
         [str(tmp_path / "node*" / "memopt" / "memory_rank*.jsonl")],
+        [node0, node1, tmp_path / "hard_link.jsonl", tmp_path / "soft_link.jsonl"],
         [node0 / "memory_rank0.jsonl", node0, node1, node1 / "memory_rank3.jsonl"],
         [node0, node1, tmp_path / "node1" / ".." / "node1" / "memopt"],
     ):
@@ -216,3 +220,21 @@ def test_monitor_records_and_oom_report_carry_node_and_host(tmp_path, monkeypatc
     when = json.loads((tmp_path / "memopt" / "oom_report_rank0.json").read_text())["when"]
     assert (when["node_rank"], when["local_rank"], when["host"]) == (0, 0, "gpu-node-7")
     assert "| node / host | 0 / gpu-node-7 |" in (tmp_path / "memopt" / "oom_report_rank0.md").read_text()
+
+
+def test_plot_panels_name_the_node_of_each_rank(two_nodes, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from tests.helpers.plots import plotted_figure
+
+    fig = plotted_figure(monkeypatch, list(two_nodes), tmp_path / "p.png")
+    try:
+        titles = [ax.get_title(loc="left").split(" (cuda")[0] for ax in fig.axes]
+    finally:
+        plt.close(fig)
+    assert titles == [
+        "rank 0 (node 0, gpu-a)",
+        "rank 1 (node 0, gpu-a)",
+        "rank 2 (node 1, gpu-b)",
+        "rank 3 (node 1, gpu-b)",
+    ]
