@@ -108,6 +108,8 @@ def _read_into(path: Path, summarizer: LogSummarizer, sources: RankSources) -> _
 #: The per-rank logs in a directory, and the rank in a log's name (to list them by rank).
 _LOG_PATTERN = "memory_rank*.jsonl"
 _RANK_IN_NAME = re.compile(r"memory_rank(\d+)\.jsonl$")
+#: What makes a path a glob pattern (as the ``glob`` module decides).
+_GLOB_MAGIC = re.compile("[*?[]")
 
 
 def _by_rank(path: Path) -> tuple[int, str]:
@@ -131,7 +133,7 @@ def _directory_logs(given: Path) -> list[Path]:
 def _expand(given: Path) -> list[Path]:
     """A glob pattern that names no file stands for its matches, a directory for its logs (by rank)."""
     text = os.fspath(given)
-    if not glob.has_magic(text) or given.exists():
+    if not _GLOB_MAGIC.search(text) or given.exists():
         return _directory_logs(given)
     matches = sorted(glob.glob(text))
     if not matches:
