@@ -173,7 +173,8 @@ def _node_legend(nodes: dict[tuple[int, str], list[int]]) -> str:
 
 
 def _comparison_line(c: RankComparison, several_runs: bool) -> str:
-    """``  train: peak 1.20 GiB on rank 3 (node 1, gpu-b); lowest ...; 1.20x, imbalanced; per node: ...``."""
+    """One comparison: ``  train, 4 ranks: peak 1.20 GiB on rank 3 (node 1, gpu-b); lowest ...; 1.20x, imbalanced``
+    and, over several nodes, ``; highest per node: ...``."""
     run = f"run {c.run_id or _NO_RUN}, " if several_runs else ""
     rss = " host RSS" if c.field == "peak_host_rss_bytes" else ""
     ratio = "lowest is 0" if c.ratio is None else f"{c.ratio:.2f}x"
