@@ -216,6 +216,19 @@ def test_only_rank_1_runs_out_of_memory_and_both_ranks_halve_to_lightning_accumu
 
 
 @pytest.mark.slow
+def test_ranks_out_of_memory_at_different_points_halve_together(fsdp2_run):
+    """8: rank 0 runs out of memory in block 1's forward, rank 1 learns it at block 2's all-gather; 4: rank 1 runs out
+    of memory in block 2's backward, rank 0 learns it at a collective of backward; 2 fits."""
+    reference, ranks = _load(fsdp2_run, "reference"), _load(fsdp2_run, "both")
+    for r in ranks:
+        assert (r["micro"], r["retries"], r["step"]) == (2, 2, 3)
+    assert ranks[0]["sizes"][:3] == [8, 4, 2] and ranks[1]["sizes"][:3] == [8, 4, 2]
+    for name, value in ranks[0]["weights"].items():
+        assert torch.equal(value, ranks[1]["weights"][name]), name
+        assert torch.allclose(value, reference[0]["weights"][name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.slow
 def test_an_out_of_memory_error_inside_a_collective_ends_every_rank_within_seconds(fsdp2_run):
     failing, waiting = _load(fsdp2_run, "collective")[::-1]
     assert failing["error"].startswith("OutOfMemoryError: simulated: inside the reduce-scatter")

@@ -3,7 +3,9 @@ test_auto_micro_batch_fsdp2.
 
 Lightning's ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ``fully_shard`` per block and on the
 root in ``configure_model``. Rank 1 runs out of memory above 2 samples in the forward of a middle block, then (second
-fit) in its backward; a third fit is the reference, Lightning's accumulation at the micro-batch that fits. In a last
+fit) in its backward; in a third fit both ranks do, at different points (rank 0 above 4 samples in the forward of the
+block before, rank 1 above 2 in the backward); a fourth is the reference, Lightning's accumulation at the micro-batch
+that fits. In a last
 fit rank 1 runs out of memory inside FSDP's reduce-scatter itself (not recoverable): each rank writes the error it
 ended with and how long it took.
 """
@@ -50,6 +52,11 @@ class Sharded(pl.LightningModule):
         mesh = self.device_mesh["data_parallel"]
         if self.global_rank == 1 and self.where in ("forward", "backward"):
             setattr(self.blocks[2], f"{self.where}_budget", BUDGET)  # a middle block, rank 1 only
+        if self.where == "both":
+            if self.global_rank == 0:
+                self.blocks[1].forward_budget = 2 * BUDGET
+            else:
+                self.blocks[2].backward_budget = BUDGET
         for block in self.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self, mesh=mesh)
@@ -84,7 +91,7 @@ def full_weights(model):
 
 
 def recoverable() -> None:
-    for where in ("forward", "backward", "reference"):
+    for where in ("forward", "backward", "both", "reference"):
         if where == "reference":  # Lightning's accumulation at the micro-batch that fits
             model, callbacks, accumulate = Sharded(batch_size=BUDGET), [], BATCH // BUDGET
         else:
