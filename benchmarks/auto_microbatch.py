@@ -26,9 +26,10 @@ step with the callback's explicit sync vs DDP's own reducer, alternating, ratio 
 
 An FSDP2 section (``--fsdp2``: Lightning's ModelParallelStrategy on 2 CPU processes, gloo, ``fully_shard`` per block
 and on the root) measures what the agreement costs: the agreement points per optimizer step (one per all-gather and
-reduce-scatter of each unit while a micro-batch runs), the time of one such 1-element all-reduce, and the time per
-step of AutoMicroBatch at a fixed micro-batch vs Lightning's accumulation at the same micro-batch (alternating), then
-one recovery (rank 1 alone out of memory above the micro-batch in a middle block).
+reduce-scatter of each unit while a micro-batch runs), the time of one such 1-element all-reduce alone, and the time
+per step of AutoMicroBatch at a fixed micro-batch with and without its agreement points vs Lightning's accumulation at
+the same micro-batch (in rotating order), then one recovery (rank 1 alone out of memory above the micro-batch in a
+middle block).
 
     python benchmarks/auto_microbatch.py --fsdp2 --out benchmarks/results/auto_microbatch_fsdp2_cpu.json
 """
@@ -36,6 +37,7 @@ one recovery (rank 1 alone out of memory above the micro-batch in a middle block
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -426,6 +428,20 @@ def fit_fsdp2(model: ShardedModel, steps: int, root: Path, accumulate: int = 1, 
     return [b - a for a, b in itertools.pairwise(ends)]
 
 
+@contextlib.contextmanager
+def _agreement_points(on: bool):
+    """With ``on`` false, the agreement points inside micro-batches send nothing (both ranks alike): what they cost."""
+    from lightning_memopt.functional.micro_batch_retry import Agreement
+
+    original = Agreement.before_collective
+    if not on:
+        Agreement.before_collective = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Agreement.before_collective = original  # type: ignore[method-assign]
+
+
 def measure_fsdp2(width: int, blocks: int, batch: int, micro: int, steps: int, repeats: int, root: Path) -> dict:
     """Median seconds per step with and without the agreement, its points per step, one flag's time, one recovery."""
     import statistics
@@ -433,16 +449,17 @@ def measure_fsdp2(width: int, blocks: int, batch: int, micro: int, steps: int, r
     import torch.distributed as dist
 
     n = batch * 2 * (steps + 1)
-    times: dict[str, list[float]] = {"lightning": [], "ours": []}
+    times: dict[str, list[float]] = {"lightning": [], "ours": [], "ours_without_agreement": []}
     points = None
     for r in range(repeats + 1):  # the first round warms up
-        for name in ("ours", "lightning") if r % 2 == 0 else ("lightning", "ours"):
-            if name == "ours":
-                model = ShardedModel(width, batch, n, blocks)
-                seconds = fit_fsdp2(model, steps, root, callbacks=[AutoMicroBatch(micro_batch_size=micro)])
-                points = model.points_per_step
-            else:
+        for name in itertools.islice(itertools.cycle(times), r, r + len(times)):  # a rotating order
+            if name == "lightning":
                 seconds = fit_fsdp2(ShardedModel(width, micro, n, blocks), steps, root, accumulate=batch // micro)
+            else:
+                model = ShardedModel(width, batch, n, blocks)
+                with _agreement_points(name == "ours"):
+                    seconds = fit_fsdp2(model, steps, root, callbacks=[AutoMicroBatch(micro_batch_size=micro)])
+                points = model.points_per_step if name == "ours" else points
             times[name] += seconds if r else []
     flags = []
     for _ in range(20):
@@ -453,6 +470,7 @@ def measure_fsdp2(width: int, blocks: int, batch: int, micro: int, steps: int, r
     callback = AutoMicroBatch()
     fit_fsdp2(model, 3, root, callbacks=[callback])
     ours, lightning = statistics.median(times["ours"]), statistics.median(times["lightning"])
+    unagreed = statistics.median(times["ours_without_agreement"])
     result = {
         "width": width,
         "blocks": blocks,
@@ -460,7 +478,9 @@ def measure_fsdp2(width: int, blocks: int, batch: int, micro: int, steps: int, r
         "micro": micro,
         "lightning_step_s": lightning,
         "ours_step_s": ours,
+        "ours_without_agreement_step_s": unagreed,
         "ratio": ours / lightning,
+        "agreement_s_per_step": ours - unagreed,
         "agreement_points_per_step": points,
         "flag_all_reduce_s": statistics.median(flags),
         "steps_timed": {k: len(v) for k, v in times.items()},
@@ -476,7 +496,7 @@ def fsdp2_main(args: argparse.Namespace) -> int:
     """``--fsdp2``: the cost of the agreement on 2 CPU processes (gloo), and one recovery."""
     torch.set_num_threads(1)
     width, blocks, batch, micro, steps, repeats = (
-        (64, 4, 16, 4, 4, 1) if args.quick else (args.width, args.blocks, args.batch, args.micro, args.steps, 3)
+        (64, 4, 16, 4, 4, 1) if args.quick else (256, args.blocks, 64, 16, 10, 5)
     )
     result = measure_fsdp2(width, blocks, batch, micro, steps, repeats, Path("/tmp/auto_microbatch_bench"))
     gathered: list[Any] = [None, None]
@@ -488,9 +508,11 @@ def fsdp2_main(args: argparse.Namespace) -> int:
     print(
         f"FSDP2 on 2 CPU processes (gloo), {blocks} blocks of width {width}, batch {batch} in micro-batches of {micro}:"
         f" median step {result['lightning_step_s']:.4f} s with Lightning's accumulation, {result['ours_step_s']:.4f} s"
-        f" with AutoMicroBatch -> {result['ratio']:.3f}x; {result['agreement_points_per_step']:.0f} agreement points"
-        f" per step x {result['flag_all_reduce_s'] * 1e6:.0f} us per 1-element all-reduce = {added * 1e3:.2f} ms per"
-        f" step. One recovery (micro-batch {batch} -> {result['micro_batch_size']}): {result['recovery_s']:.3f} s"
+        f" with AutoMicroBatch -> {result['ratio']:.3f}x ({result['ours_without_agreement_step_s']:.4f} s without its"
+        f" agreement points: they cost {result['agreement_s_per_step'] * 1e3:.1f} ms per step);"
+        f" {result['agreement_points_per_step']:.0f} agreement points per step x"
+        f" {result['flag_all_reduce_s'] * 1e6:.0f} us per 1-element all-reduce alone = {added * 1e3:.2f} ms per step."
+        f" One recovery (micro-batch {batch} -> {result['micro_batch_size']}): {result['recovery_s']:.3f} s"
         f" from rank 1's first error to the end of that step; a normal step {result['normal_step_s']:.3f} s"
     )
     out = {"fsdp2": result, "machine": machine_info("cpu"), "command": "python " + " ".join(sys.argv)}
@@ -500,7 +522,7 @@ def fsdp2_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
@@ -518,10 +540,12 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--fsdp2", action="store_true", help="the FSDP2 agreement's cost on 2 CPU processes (gloo)")
     parser.add_argument("--blocks", type=int, default=8, help="FSDP2 units (blocks) for --fsdp2")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     if args.fsdp2:
-        if not args.quick:
-            args.width, args.batch, args.micro, args.steps = 256, 64, 16, 10
         return fsdp2_main(args)
     if args.ddp or args.ddp_model_only:
         if args.ddp and not args.quick:
