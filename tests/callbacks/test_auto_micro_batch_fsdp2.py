@@ -35,7 +35,7 @@ from tests.helpers.amb import BackwardBudget
 from tests.helpers.lightning import lightning_module
 from tests.helpers.subprocess_run import SCRIPTS, run_file
 
-OK, RETRY = 0, 1
+OK, RETRY, GIVE_UP = 0, 1, 2
 
 
 class Scripted(Agreement):
@@ -80,6 +80,18 @@ def test_a_peer_s_flag_learned_inside_a_step_is_that_round_s_agreement():
     assert halvings == [(8, 4, False)] and size == 4 and [p.samples for p in parts] == [4, 4]
     # round count, point (peer's RETRY: no end-of-round flag), then at 4: count, point, end, point, end
     assert comm.sent == [1, OK, 2, OK, OK, OK, OK]
+
+
+def test_a_peer_giving_up_at_the_smallest_micro_batch_ends_this_rank_too():
+    comm = Scripted(answers=[OK, GIVE_UP])
+
+    def step(start, stop):
+        comm.before_collective()
+        return MicroBatchPart(stop - start, None, {})
+
+    with pytest.raises(torch.OutOfMemoryError, match="another process ran out of memory at a micro-batch of 1"):
+        run_micro_batches(1, 1, 1, step, agreement=comm)
+    assert comm.sent == [1, OK]
 
 
 def test_an_out_of_memory_error_inside_a_collective_ends_the_run_without_agreeing():
@@ -184,6 +196,39 @@ def test_after_a_backward_abandoned_mid_way_the_retry_s_gradients_are_a_fresh_ru
     model(x[:2]).sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
+
+
+@pytest.fixture
+def fake_two_rank_mesh():
+    """Rank 0 of a fake process group of 2 (torch's test backend: collectives do nothing), and its mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_s_collectives_agree_inside_a_micro_batch_only_and_a_peer_s_flag_stops_the_forward(fake_two_rank_mesh):
+    model = _sharded(fake_two_rank_mesh)
+    comm = Scripted()
+    install_agreement(fsdp_modules(model), comm)
+    x = torch.randn(4, 4)
+    model(x).sum().backward()  # outside a micro-batch (validation, another callback's forward): FSDP2's defaults
+    assert comm.sent == []
+    with comm.step():
+        model(x).sum().backward()
+    # all-gathers: the root and three blocks in forward, the three blocks again in backward; four reduce-scatters
+    assert comm.points == len(comm.sent) == 11
+    comm.answers = [OK, RETRY]  # another rank ran out of memory in the root's forward, before block 1's all-gather
+    with pytest.raises(PeerOutOfMemoryError), comm.step():
+        model(x)
+    reset_fsdp_state(fsdp_modules(model))
+    model(x).sum().backward()  # FSDP2 runs again after the reset
 
 
 # ----------------------------------------------------------------------------------------------- two processes
