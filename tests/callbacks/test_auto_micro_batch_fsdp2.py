@@ -274,6 +274,20 @@ def test_ranks_out_of_memory_at_different_points_halve_together(fsdp2_run):
 
 
 @pytest.mark.slow
+def test_a_backward_out_of_memory_mid_window_keeps_the_window_s_sharded_gradients(fsdp2_run):
+    """accumulate_grad_batches=2: the first batch of the window went through at 8; rank 1 runs out of memory in the
+    second's backward after some units reduce-scattered their gradients into the sharded ones: back to the first
+    batch's, and the window ends equal to Lightning's accumulation at 2 (the first batch at 8 rounds differently)."""
+    reference, ranks = _load(fsdp2_run, "window_reference"), _load(fsdp2_run, "window")
+    for r in ranks:
+        assert (r["micro"], r["retries"], r["step"]) == (2, 2, 3)
+        assert r["sizes"][:4] == [8, 8, 4, 2]
+    for name, value in ranks[0]["weights"].items():
+        assert torch.equal(value, ranks[1]["weights"][name]), name
+        assert torch.allclose(value, reference[0]["weights"][name], rtol=0, atol=1e-6), name
+
+
+@pytest.mark.slow
 def test_an_out_of_memory_error_inside_a_collective_ends_every_rank_within_seconds(fsdp2_run):
     failing, waiting = _load(fsdp2_run, "collective")[::-1]
     assert failing["error"].startswith("OutOfMemoryError: simulated: inside the reduce-scatter")

@@ -5,7 +5,8 @@ Lightning's ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
 root in ``configure_model``. Rank 1 runs out of memory above 2 samples in the forward of a middle block, then (second
 fit) in its backward; in a third fit both ranks do, at different points (rank 0 above 4 samples in the forward of the
 block before, rank 1 above 2 in the backward); a fourth is the reference, Lightning's accumulation at the micro-batch
-that fits. In a last
+that fits. Then, with ``accumulate_grad_batches=2``, rank 1 runs out of memory in the backward of the second batch of
+the first window (sharded gradients of the first batch to keep, partial ones to drop), next to its reference. In a last
 fit rank 1 runs out of memory inside FSDP's reduce-scatter itself (not recoverable): each rank writes the error it
 ended with and how long it took.
 """
@@ -61,6 +62,10 @@ class Sharded(pl.LightningModule):
             fully_shard(block, mesh=mesh)
         fully_shard(self, mesh=mesh)
 
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.where == "window" and self.global_rank == 1 and batch_idx == 1:
+            self.blocks[2].backward_budget = BUDGET
+
     def forward(self, x):
         h = self.inp(x)
         for block in self.blocks:
@@ -73,6 +78,8 @@ class Sharded(pl.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self):
+        if self.where is not None and self.where.startswith("window"):  # plain SGD: the first batch at 8 (not 4 x 2)
+            return torch.optim.SGD(self.parameters(), lr=0.05)  # rounds apart by 1e-8, AdamW amplifies it to 2e-6
         return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-5)
 
     def train_dataloader(self):
@@ -91,11 +98,12 @@ def full_weights(model):
 
 
 def recoverable() -> None:
-    for where in ("forward", "backward", "both", "reference"):
-        if where == "reference":  # Lightning's accumulation at the micro-batch that fits
-            model, callbacks, accumulate = Sharded(batch_size=BUDGET), [], BATCH // BUDGET
+    for where in ("forward", "backward", "both", "reference", "window", "window_reference"):
+        if where.endswith("reference"):  # Lightning's accumulation at the micro-batch that fits
+            window = 2 if where == "window_reference" else 1
+            model, callbacks, accumulate = Sharded(where, batch_size=BUDGET), [], window * BATCH // BUDGET
         else:
-            model, callbacks, accumulate = Sharded(where), [AutoMicroBatch()], 1
+            model, callbacks, accumulate = Sharded(where), [AutoMicroBatch()], 2 if where == "window" else 1
         trainer = fsdp2_trainer(callbacks, accumulate_grad_batches=accumulate)
         start = time.perf_counter()
         trainer.fit(model)
