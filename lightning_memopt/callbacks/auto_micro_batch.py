@@ -401,6 +401,13 @@ class AutoMicroBatch(Callback):
 
     A retry cannot undo what ``training_step`` does outside these: Python attributes it sets, prints, logger calls.
 
+    Strategies: one device, DDP, and FSDP2 through ``ModelParallelStrategy(tensor_parallel_size=1)`` with
+    ``fully_shard`` per block and on the root in ``configure_model``. When any rank runs out of memory, every rank
+    halves together. Under FSDP2 each all-gather and reduce-scatter of a micro-batch is preceded by a 1-element
+    all-reduce, so that all ranks stop at the same collective (:mod:`~lightning_memopt.functional.fsdp_sync`, which
+    also gives the cost). An out-of-memory error raised inside a collective itself ends the run. FSDP1
+    (``FSDPStrategy``), DeepSpeed and tensor parallelism are refused in ``setup``.
+
     Logs (rank zero, to the Trainer's loggers): ``memory/micro_batch_size`` (samples) at each change and at the end of
     fit, ``memory/micro_batch_retries`` (count) at the end of fit. Each change is also printed by rank zero and, with a
     ``MemoryMonitor`` among the callbacks, written to every rank's memory log as an ``event: "micro_batch"`` record.
