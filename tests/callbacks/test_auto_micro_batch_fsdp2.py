@@ -294,3 +294,14 @@ def test_an_out_of_memory_error_inside_a_collective_ends_every_rank_within_secon
     assert "cannot be retried" in failing["error"]
     assert "another process stopped inside FSDP's reduce-scatter" in waiting["error"]
     assert waiting["seconds"] < 60  # the process group's time-out is 30 minutes
+
+
+def test_hsdp_s_two_dimensional_mesh_is_refused(fake_two_rank_mesh):
+    """HSDP all-reduces the reduce-scattered gradients over the replicas: no agreement point before that collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    with pytest.raises(ValueError, match="one-dimensional data-parallel mesh"):
+        check_fsdp_for_micro_batches(model)
+    check_fsdp_for_micro_batches(fully_shard(nn.Linear(4, 4), mesh=fake_two_rank_mesh))  # FSDP: accepted
