@@ -23,11 +23,21 @@ step with the callback's explicit sync vs DDP's own reducer, alternating, ratio 
 
     python benchmarks/auto_microbatch.py --ddp --out benchmarks/results/auto_microbatch_ddp_cpu.json
     python benchmarks/auto_microbatch.py --ddp-model-only --grad-gb 5.2 --bus-gbps 20 --backward-s 0.2
+
+An FSDP2 section (``--fsdp2``: Lightning's ModelParallelStrategy on 2 CPU processes, gloo, ``fully_shard`` per block
+and on the root) measures what the agreement costs: the agreement points per optimizer step (one per all-gather and
+reduce-scatter of each unit while a micro-batch runs), the time of one such 1-element all-reduce alone, and the time
+per step of AutoMicroBatch at a fixed micro-batch with and without its agreement points vs Lightning's accumulation at
+the same micro-batch (in rotating order), then one recovery (rank 1 alone out of memory above the micro-batch in a
+middle block).
+
+    python benchmarks/auto_microbatch.py --fsdp2 --out benchmarks/results/auto_microbatch_fsdp2_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -360,7 +370,159 @@ def ddp_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
+# ------------------------------------------------------------------------------------------- FSDP2: the agreement
+
+
+class ShardedModel(Model):
+    """:class:`Model`'s data, ``blocks`` residual blocks sharded one by one and the root sharded last; a budget (rank
+    1 only) in the middle block's forward."""
+
+    def __init__(self, width: int, batch: int, n: int, blocks: int, budget: int | None = None) -> None:
+        super().__init__(width, batch, n)
+        del self.net
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks))
+        self.head = nn.Linear(width, 1)
+        self.block_budget = budget
+        self.points_per_step: float | None = None
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            budgeted = self.block_budget is not None and self.global_rank == 1 and i == len(self.blocks) // 2
+            if budgeted and x.shape[0] > self.block_budget:
+                self.oom_at.append(time.perf_counter())
+                raise torch.OutOfMemoryError(f"simulated: {x.shape[0]} samples over {self.block_budget}")
+            x = x + block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def on_train_end(self):  # before AutoMicroBatch gives the Trainer's loop back
+        agreement = getattr(self.trainer.fit_loop.epoch_loop.automatic_optimization, "fsdp_agreement", None)
+        if agreement is not None:
+            self.points_per_step = agreement.points / max(1, self.trainer.global_step)
+
+    def train_dataloader(self):
+        from torch.utils.data import DistributedSampler
+
+        return DataLoader(self.data, batch_size=self.batch, sampler=DistributedSampler(self.data, shuffle=False))
+
+
+def fit_fsdp2(model: ShardedModel, steps: int, root: Path, accumulate: int = 1, callbacks: list | None = None) -> list:
+    """Seconds per step (from the second on) of a 2-process FSDP2 fit on CPU (gloo)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = trainer_for(steps, root, callbacks, devices=2, strategy=strategy, accumulate_grad_batches=accumulate)
+    trainer.fit(model)
+    ends = model.step_ends[accumulate - 1 :: accumulate]  # the batch that stepped
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
+@contextlib.contextmanager
+def _agreement_points(on: bool):
+    """With ``on`` false, the agreement points inside micro-batches send nothing (both ranks alike): what they cost."""
+    from lightning_memopt.functional.micro_batch_retry import Agreement
+
+    original = Agreement.before_collective
+    if not on:
+        Agreement.before_collective = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Agreement.before_collective = original  # type: ignore[method-assign]
+
+
+def measure_fsdp2(width: int, blocks: int, batch: int, micro: int, steps: int, repeats: int, root: Path) -> dict:
+    """Median seconds per step with and without the agreement, its points per step, one flag's time, one recovery."""
+    import statistics
+
+    import torch.distributed as dist
+
+    n = batch * 2 * (steps + 1)
+    times: dict[str, list[float]] = {"lightning": [], "ours": [], "ours_without_agreement": []}
+    points = None
+    for r in range(repeats + 1):  # the first round warms up
+        for name in itertools.islice(itertools.cycle(times), r, r + len(times)):  # a rotating order
+            if name == "lightning":
+                seconds = fit_fsdp2(ShardedModel(width, micro, n, blocks), steps, root, accumulate=batch // micro)
+            else:
+                model = ShardedModel(width, batch, n, blocks)
+                with _agreement_points(name == "ours"):
+                    seconds = fit_fsdp2(model, steps, root, callbacks=[AutoMicroBatch(micro_batch_size=micro)])
+                points = model.points_per_step if name == "ours" else points
+            times[name] += seconds if r else []
+    flags = []
+    for _ in range(20):
+        start = time.perf_counter()
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64), op=dist.ReduceOp.MAX)
+        flags.append(time.perf_counter() - start)
+    model = ShardedModel(width, batch, n, blocks, budget=micro)
+    callback = AutoMicroBatch()
+    fit_fsdp2(model, 3, root, callbacks=[callback])
+    ours, lightning = statistics.median(times["ours"]), statistics.median(times["lightning"])
+    unagreed = statistics.median(times["ours_without_agreement"])
+    result = {
+        "width": width,
+        "blocks": blocks,
+        "batch": batch,
+        "micro": micro,
+        "lightning_step_s": lightning,
+        "ours_step_s": ours,
+        "ours_without_agreement_step_s": unagreed,
+        "ratio": ours / lightning,
+        "agreement_s_per_step": ours - unagreed,
+        "agreement_points_per_step": points,
+        "flag_all_reduce_s": statistics.median(flags),
+        "steps_timed": {k: len(v) for k, v in times.items()},
+    }
+    if dist.get_rank() == 1:  # the rank that ran out of memory: first error to the end of that step
+        result["recovery_s"] = model.step_ends[0] - model.oom_at[0]
+        result["normal_step_s"] = model.step_ends[2] - model.step_ends[1]
+        result["micro_batch_size"] = callback.micro_batch_size
+    return result
+
+
+def fsdp2_main(args: argparse.Namespace) -> int:
+    """``--fsdp2``: the cost of the agreement on 2 CPU processes (gloo), and one recovery."""
+    torch.set_num_threads(1)
+    width, blocks, batch, micro, steps, repeats = (
+        (64, 4, 16, 4, 4, 1) if args.quick else (256, args.blocks, 64, 16, 10, 5)
+    )
+    result = measure_fsdp2(width, blocks, batch, micro, steps, repeats, Path("/tmp/auto_microbatch_bench"))
+    gathered: list[Any] = [None, None]
+    torch.distributed.all_gather_object(gathered, result)
+    if torch.distributed.get_rank() != 0:
+        return 0
+    result = {**gathered[0], **{k: gathered[1][k] for k in ("recovery_s", "normal_step_s", "micro_batch_size")}}
+    added = result["agreement_points_per_step"] * result["flag_all_reduce_s"]
+    print(
+        f"FSDP2 on 2 CPU processes (gloo), {blocks} blocks of width {width}, batch {batch} in micro-batches of {micro}:"
+        f" median step {result['lightning_step_s']:.4f} s with Lightning's accumulation, {result['ours_step_s']:.4f} s"
+        f" with AutoMicroBatch -> {result['ratio']:.3f}x ({result['ours_without_agreement_step_s']:.4f} s without its"
+        f" agreement points: they cost {result['agreement_s_per_step'] * 1e3:.1f} ms per step);"
+        f" {result['agreement_points_per_step']:.0f} agreement points per step x"
+        f" {result['flag_all_reduce_s'] * 1e6:.0f} us per 1-element all-reduce alone = {added * 1e3:.2f} ms per step."
+        f" One recovery (micro-batch {batch} -> {result['micro_batch_size']}): {result['recovery_s']:.3f} s"
+        f" from rank 1's first error to the end of that step; a normal step {result['normal_step_s']:.3f} s"
+    )
+    out = {"fsdp2": result, "machine": machine_info("cpu"), "command": "python " + " ".join(sys.argv)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
@@ -376,7 +538,15 @@ def main() -> int:
     parser.add_argument("--bus-gbps", type=float, default=20.0, help="your all-reduce bus bandwidth (GB/s)")
     parser.add_argument("--backward-s", type=float, default=0.2, help="your last micro-batch's backward (s)")
     parser.add_argument("--world-size", type=int, default=8)
-    args = parser.parse_args()
+    parser.add_argument("--fsdp2", action="store_true", help="the FSDP2 agreement's cost on 2 CPU processes (gloo)")
+    parser.add_argument("--blocks", type=int, default=8, help="FSDP2 units (blocks) for --fsdp2")
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
+    if args.fsdp2:
+        return fsdp2_main(args)
     if args.ddp or args.ddp_model_only:
         if args.ddp and not args.quick:
             args.width, args.batch, args.steps = 2048, 64, 20

@@ -29,6 +29,12 @@ from lightning_memopt.functional.ddp_sync import (
     check_strategy_for_micro_batches,
     gradient_reduction,
 )
+from lightning_memopt.functional.fsdp_sync import (
+    check_fsdp_for_micro_batches,
+    fsdp_modules,
+    install_agreement,
+    reset_fsdp_state,
+)
 from lightning_memopt.functional.memory import empty_device_cache
 from lightning_memopt.functional.micro_batch import check_first_batch, count_samples, loader_batch_size, micro_batch_of
 from lightning_memopt.functional.micro_batch_retry import (
@@ -174,6 +180,17 @@ class MicroBatchOptimization:
         self._first_size: int | None = None  # the micro-batch of the fit's first batch (the final error names it)
         self._buffers = BufferKeeper()
         self._parts: ModuleParts | None = None  # found after the fit's first batch that went through
+        #: under FSDP2: the sharded modules and the agreement their collectives run (set by :meth:`use_fsdp`)
+        self.fsdp_modules: list[torch.nn.Module] = []
+        self.fsdp_agreement: Agreement | None = None
+
+    def use_fsdp(self, modules: list[torch.nn.Module]) -> None:
+        """Run under FSDP2: the collectives of ``modules`` agree first, an abandoned attempt resets their state."""
+        trainer = self.trainer
+        active = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.fsdp_agreement = Agreement(active, trainer.strategy.root_device)
+        install_agreement(modules, self.fsdp_agreement)
+        self.fsdp_modules = modules
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
         zero_grad_fn = self._make_zero_grad_fn(batch_idx, optimizer)  # type: ignore[attr-defined]  # Lightning's
@@ -192,21 +209,27 @@ class MicroBatchOptimization:
         size = self._micro_batch_size(kwargs["batch"], n)
         batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn)
         params = [p for p in pl_module.parameters() if p.requires_grad]
-        active = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-        no_sync = getattr(trainer.strategy, "block_backward_sync", None)  # DDP's; the only strategy let through
-        comm = Agreement(active, trainer.strategy.root_device, no_sync)
+        comm = self.fsdp_agreement or self._ddp_agreement()
         # the gradients to go back to after an out-of-memory error: those accumulated by the window's earlier batches
         saved = (
             snapshot_grads(params)
             if zero_grad_fn is None and backward_fn is not None and batch.accumulate > 1
             else None
         )
-        # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end
-        sync_at_end = comm.active and backward_fn is not None and not trainer.fit_loop._should_accumulate()
+        # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end (FSDP2
+        # reduce-scatters every micro-batch's gradients itself, as under Lightning's accumulation)
+        sync_at_end = (
+            comm.active
+            and not self.fsdp_modules
+            and backward_fn is not None
+            and not trainer.fit_loop._should_accumulate()
+        )
         results = trainer._results
         snapshot = self._keep(pl_module, results, size)  # before the first attempt: what a retry puts back
 
         def restore() -> None:
+            if self.fsdp_modules:  # unsharded parameters and FSDP2's trackers of the abandoned attempt
+                reset_fsdp_state(self.fsdp_modules)
             restore_grads(params, saved, batch.zeroed)
             self._restore(snapshot)
 
@@ -234,6 +257,13 @@ class MicroBatchOptimization:
         finally:
             if results is not None and whole is not None:
                 results.batch, results.batch_size = whole
+
+    def _ddp_agreement(self) -> Agreement:
+        """The agreement of one batch on one device or under DDP (its reducer held back during micro-batches)."""
+        trainer = self.trainer
+        active = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        no_sync = getattr(trainer.strategy, "block_backward_sync", None)  # DDP's
+        return Agreement(active, trainer.strategy.root_device, no_sync)
 
     def _micro_batch_size(self, batch: Any, n: int) -> int:
         """The micro-batch this batch starts with; on the fit's first batch, check that the batch can be split."""
@@ -339,6 +369,13 @@ class MicroBatchOptimization:
 # ----------------------------------------------------------------------------------------------- the callback
 
 
+def _tensor_parallel_size(strategy: Any) -> int:
+    """The tensor-parallel size of Lightning's ``ModelParallelStrategy`` (its device mesh exists before ``setup``)."""
+    mesh = strategy.device_mesh
+    names = mesh.mesh_dim_names or ()
+    return mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+
+
 class AutoMicroBatch(Callback):
     """Runs each training batch as micro-batches and halves the micro-batch when one runs out of memory.
 
@@ -363,6 +400,13 @@ class AutoMicroBatch(Callback):
             ``True``); each batch copies the buffers that batches change (all of them before the first batch).
 
     A retry cannot undo what ``training_step`` does outside these: Python attributes it sets, prints, logger calls.
+
+    Strategies: one device, DDP, and FSDP2 through ``ModelParallelStrategy(tensor_parallel_size=1)`` with
+    ``fully_shard`` per block and on the root in ``configure_model``. When any rank runs out of memory, every rank
+    halves together. Under FSDP2 each all-gather and reduce-scatter of a micro-batch is preceded by a 1-element
+    all-reduce, so that all ranks stop at the same collective (:mod:`~lightning_memopt.functional.fsdp_sync`, which
+    also gives the cost). An out-of-memory error raised inside a collective itself ends the run. FSDP1
+    (``FSDPStrategy``), DeepSpeed and tensor parallelism are refused in ``setup``.
 
     Logs (rank zero, to the Trainer's loggers): ``memory/micro_batch_size`` (samples) at each change and at the end of
     fit, ``memory/micro_batch_retries`` (count) at the end of fit. Each change is also printed by rank zero and, with a
@@ -410,6 +454,7 @@ class AutoMicroBatch(Callback):
         self.batch_size_fn = batch_size_fn
         self._state = self._fresh_state()
         self._restored = False
+        self._fsdp2 = False
         self._warn = WarnOnce()
 
     def _fresh_state(self) -> MicroBatchState:
@@ -444,7 +489,8 @@ class AutoMicroBatch(Callback):
             )
         strategy = trainer.strategy
         is_ddp = is_instance(strategy, "strategies.DDPStrategy")
-        check_strategy_for_micro_batches(type(strategy).__name__, trainer.world_size, is_ddp)
+        self._fsdp2 = is_instance(strategy, "strategies.ModelParallelStrategy") and _tensor_parallel_size(strategy) == 1
+        check_strategy_for_micro_batches(type(strategy).__name__, trainer.world_size, is_ddp, self._fsdp2)
         if not self._restored:
             self._state = self._fresh_state()
         settings = MicroBatchSettings(
@@ -467,6 +513,12 @@ class AutoMicroBatch(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_ddp_for_micro_batches(trainer.strategy.model)  # DDP wraps the model after setup, before this hook
+        if not self._fsdp2:
+            return
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        if isinstance(loop, MicroBatchOptimization):  # sharded in configure_model, after setup
+            check_fsdp_for_micro_batches(pl_module)
+            loop.use_fsdp(fsdp_modules(pl_module))
 
     def _give_back(self, trainer: pl.Trainer) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop

@@ -11,10 +11,11 @@ micro-batch's loss weighted by its share of the batch and of the accumulation wi
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
@@ -25,10 +26,13 @@ __all__ = [
     "BUCKET_BYTES",
     "Agreement",
     "MicroBatchPart",
+    "PeerOutOfMemoryError",
     "combine_losses",
     "extend_message",
     "give_up_note",
+    "is_unrecoverable",
     "mark_micro_batch",
+    "mark_unrecoverable",
     "micro_batch_facts",
     "micro_batch_weight",
     "next_micro_batch_size",
@@ -115,6 +119,31 @@ def micro_batch_facts(err: BaseException) -> MicroBatchFacts | None:
     return facts if isinstance(facts, MicroBatchFacts) else None
 
 
+_UNRECOVERABLE = "lightning_memopt_unrecoverable"
+
+
+def mark_unrecoverable(err: BaseException, where: str) -> None:
+    """Mark ``err`` as raised inside a collective (``where``) that the other ranks already wait in: no retry, no
+    agreement; it ends the run (:func:`is_unrecoverable`)."""
+    setattr(err, _UNRECOVERABLE, True)
+    extend_message(
+        err,
+        f" [AutoMicroBatch: raised inside {where} itself, where the other processes already wait for this one: it"
+        " cannot be retried with a smaller micro-batch; every process stops.]",
+    )
+
+
+def is_unrecoverable(err: BaseException) -> bool:
+    """Whether :func:`mark_unrecoverable` marked ``err``.
+
+    Examples:
+        >>> err = torch.OutOfMemoryError("simulated")
+        >>> is_unrecoverable(err), mark_unrecoverable(err, "an all-gather"), is_unrecoverable(err)
+        (False, None, True)
+    """
+    return bool(getattr(err, _UNRECOVERABLE, False))
+
+
 def snapshot_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor | None]:
     """A copy of every parameter's gradient (``None`` where there is none), for :func:`restore_grads`."""
     return [None if p.grad is None else p.grad.detach().clone() for p in params]
@@ -145,8 +174,29 @@ def combine_losses(parts: Sequence[MicroBatchPart], batch_size: int, accumulate:
     return (total / accumulate).to(losses[0][1].dtype)
 
 
+class PeerOutOfMemoryError(torch.OutOfMemoryError):
+    """Raised by :meth:`Agreement.before_collective` on a rank that learns there that another rank ran out of memory.
+
+    ``flag`` is what the ranks agreed on (retry with a smaller micro-batch, or give up); the agreement of the round is
+    done, so the rank that catches it sends no flag of its own for this round.
+    """
+
+    def __init__(self, flag: int) -> None:
+        super().__init__(
+            "AutoMicroBatch: another process ran out of memory during this micro-batch; this process abandons it at the"
+            " same collective."
+        )
+        self.flag = flag
+
+
 class Agreement:
     """The few collectives every rank runs in the same order, whatever happened locally (no-ops when inactive).
+
+    Under DDP the ranks agree once per micro-batch round, after its backward. Under FSDP2 (``fully_shard``) forward and
+    backward run collectives of their own, so the ranks also agree right before each of them
+    (:meth:`before_collective`, called by the collectives of :mod:`lightning_memopt.functional.fsdp_sync` while a
+    micro-batch runs): a rank that ran out of memory sends its flag at its next agreement point, which every other rank
+    reaches before its next collective, and every rank abandons the attempt there.
 
     Args:
         active: whether a process group is there to agree with (``False``: one process, nothing is sent).
@@ -167,6 +217,10 @@ class Agreement:
         self.active = active
         self.device = device
         self._no_sync = no_sync
+        #: whether a micro-batch is running (its collectives agree first; others, as in validation, do not)
+        self.in_step = False
+        #: agreement points passed inside micro-batches (for the cost measurement)
+        self.points = 0
 
     def max(self, value: int) -> int:
         """The largest ``value`` over the ranks."""
@@ -179,6 +233,29 @@ class Agreement:
     def no_sync(self) -> AbstractContextManager[Any]:
         """Backward without the DDP reducer's sync (only when active)."""
         return self._no_sync() if self.active and self._no_sync is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """While a micro-batch runs: :meth:`before_collective` agrees (only when active)."""
+        self.in_step = self.active
+        try:
+            yield
+        finally:
+            self.in_step = False
+
+    def before_collective(self) -> None:
+        """An agreement point before a collective of forward or backward: every rank is still in the micro-batch.
+
+        Raises:
+            PeerOutOfMemoryError: another rank ran out of memory; the agreed flag is on the error.
+        """
+        if not self.in_step:
+            return
+        self.points += 1
+        flag = self.max(OK)
+        if flag != OK:
+            self.in_step = False  # no further agreement in this round: the others are done with it
+            raise PeerOutOfMemoryError(flag)
 
     def average_gradients(
         self,
@@ -303,27 +380,25 @@ def _attempt(
     give_up: Callable[[BaseException, int], None],
 ) -> tuple[list[MicroBatchPart], tuple[bool, BaseException | None] | None]:
     """One run over the batch at ``size``: its parts, and ``None`` or ``(here, error)`` when it must run again."""
+
+    def on_oom(err: torch.OutOfMemoryError) -> int:
+        if next_micro_batch_size(size, min_size) is not None:
+            return RETRY
+        give_up(err, size)
+        if not comm.active:
+            raise err
+        return GIVE_UP
+
     parts: list[MicroBatchPart] = []
-    flag, error, here = OK, None, False
+    flag, error = OK, None
     # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
     for k in range(comm.max(math.ceil(batch_size / size))):
         start, stop = k * size, min(batch_size, (k + 1) * size)
+        agreed = False
         if start < batch_size:
-            try:
-                with comm.no_sync():
-                    part = step(start, stop)
-                parts.append(part)
-                del part
-            except torch.OutOfMemoryError as err:
-                here, error = True, err
-                if next_micro_batch_size(size, min_size) is None:
-                    give_up(err, size)
-                    if not comm.active:
-                        raise
-                    flag = GIVE_UP
-                else:
-                    flag = RETRY
-        flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
+            flag, error, agreed = _round(functools.partial(step, start, stop), comm, parts, on_oom)
+        if not agreed:
+            flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
         if flag != OK:
             break
     if flag == GIVE_UP:
@@ -333,4 +408,28 @@ def _attempt(
             f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
             f" smallest allowed (min_micro_batch_size={min_size}); every process stops."
         )
-    return parts, None if flag == OK else (here, error)
+    return parts, None if flag == OK else (error is not None, error)
+
+
+def _round(
+    run: Callable[[], MicroBatchPart],
+    comm: Agreement,
+    parts: list[MicroBatchPart],
+    on_oom: Callable[[torch.OutOfMemoryError], int],
+) -> tuple[int, BaseException | None, bool]:
+    """One micro-batch: ``(flag, this rank's out-of-memory error or None, whether the ranks already agreed on flag)``.
+
+    ``on_oom(err)`` turns this rank's out-of-memory error into the flag to send (or raises it on one process).
+    """
+    try:
+        with comm.no_sync(), comm.step():
+            part = run()
+        parts.append(part)
+        del part
+    except PeerOutOfMemoryError as err:  # learned at a collective of forward or backward: that was the agreement
+        return err.flag, None, True
+    except torch.OutOfMemoryError as err:
+        if is_unrecoverable(err):  # the others wait inside a collective: no agreement can be reached
+            raise
+        return on_oom(err), err, False
+    return OK, None, False
