@@ -32,6 +32,7 @@ from lightning_memopt.functional.planning import (
 from lightning_memopt.functional.planning.sharding import (
     OFFLOADED_LABELS,
     Sharding,
+    child_roots,
     collective_labels,
     default_shard_blocks,
     describe_sharding,
@@ -297,7 +298,8 @@ def estimate_memory(
             group may be initialised already. A LightningModule whose ``configure_model`` calls ``fully_shard`` is
             sharded by it (``self.device_mesh`` is Lightning's mesh: ``"data_parallel"`` of ``world_size``,
             ``"tensor_parallel"`` of 1); any other model per block (the ``shard_modules``, else the children holding
-            parameters of every ``ModuleList``/``Sequential``), then at the root.
+            parameters of every ``ModuleList``/``Sequential``), then at the root (a LightningModule: each of its
+            children, which its ``training_step`` may call without calling ``self``).
         reshard_after_forward: FSDP2's option: ``True`` frees a unit's all-gathered parameters after its forward
             (gathered again for backward), ``False`` keeps them to the backward; ``None``: ``True`` for the default
             sharding, as ``configure_model`` set it otherwise. Needs ``world_size`` > 1.
@@ -477,9 +479,14 @@ class _ShardedRun:
             source = "configure_model"
         else:
             blocks = default_shard_blocks(model, self.shard_modules)
+            # a training_step calls its submodules more often than `self(...)`: each child of a LightningModule is a
+            # root of its own (a root's own parameters are gathered only when it is called)
+            roots = child_roots(model, blocks) if self.lightning else [""]
             reshard = True if self.reshard is None else self.reshard
-            shard_model(model, self.mesh, blocks, reshard_after_forward=reshard, cpu_offload=self.cpu_offload)
-            source = "default"
+            shard_model(
+                model, self.mesh, blocks, reshard_after_forward=reshard, cpu_offload=self.cpu_offload, roots=roots
+            )
+            source = "default children" if self.lightning else "default"
         self.sharding = describe_sharding(model, self.world_size, source, self.reshard, self.cpu_offload)
 
     def _configure_model(self, model: nn.Module) -> None:

@@ -6,7 +6,9 @@ False, the most bytes alive at once on that rank over two training steps of :cla
 
 The bytes are counted by a live-storage counter of its own (not the planner's): every storage an operator creates,
 its local shard for a ``DTensor`` (a DTensor's own storage reports the global size), and every storage FSDP2 frees or
-re-creates with ``UntypedStorage.resize_`` (no operator shows it).
+re-creates with ``UntypedStorage.resize_`` (no operator shows it). A storage leaves the count when its last holder
+lets go, which for a collective's tensors can be gloo's worker thread a moment after the collective has returned: a
+new high waits ``SETTLE_SECONDS`` for that thread, so the peak is the step's, not the thread scheduler's.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+#: How long a new high waits for gloo's worker thread (see ``Live.grow``).
+SETTLE_SECONDS = 0.002
 WIDTH = 128
 BLOCKS = 4
 BATCH = 16
@@ -93,7 +98,11 @@ def peak_bytes(world_size: int, reshard_after_forward: bool, steps: int = 2) -> 
 
         def grow(self, nbytes: int) -> None:
             self.now += nbytes
-            self.peak = max(self.peak, self.now)
+            if self.now > self.peak:
+                # gloo's worker thread lets go of a finished collective's tensors after it has signalled completion:
+                # let it, before a new high is taken (a dropped buffer it still held is not a byte the step needs)
+                time.sleep(SETTLE_SECONDS)
+                self.peak = max(self.peak, self.now)
 
         def resized(self, storage: torch.UntypedStorage) -> None:
             key = id(storage)

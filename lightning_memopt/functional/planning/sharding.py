@@ -27,6 +27,7 @@ __all__ = [
     "SHARDED_PARTS",
     "Sharding",
     "collective_labels",
+    "child_roots",
     "default_shard_blocks",
     "describe_sharding",
     "fake_process_group",
@@ -126,17 +127,36 @@ def default_shard_blocks(model: nn.Module, shard_modules: Sequence[type[nn.Modul
 
 
 def shard_model(
-    model: nn.Module, mesh: Any, blocks: Sequence[str], *, reshard_after_forward: bool, cpu_offload: bool
+    model: nn.Module,
+    mesh: Any,
+    blocks: Sequence[str],
+    *,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+    roots: Sequence[str] = ("",),
 ) -> None:
-    """``fully_shard`` each of ``blocks`` (qualified names), then the root, over ``mesh``'s ``"data_parallel"``
-    dimension, as a ``configure_model`` for Lightning's ``ModelParallelStrategy`` does."""
+    """``fully_shard`` each of ``blocks``, then each of ``roots`` (qualified names; ``""``: ``model``), over
+    ``mesh``'s ``"data_parallel"`` dimension, as a ``configure_model`` for Lightning's ``ModelParallelStrategy``
+    does."""
     fsdp = _fsdp()
     options: dict[str, Any] = {"mesh": mesh["data_parallel"], "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         options["offload_policy"] = fsdp.CPUOffloadPolicy(pin_memory=False)
-    for name in blocks:
+    for name in [*blocks, *roots]:
         fsdp.fully_shard(model.get_submodule(name), **options)
-    fsdp.fully_shard(model, **options)
+
+
+def child_roots(model: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The roots of a LightningModule's default sharding: its children holding parameters that are not blocks.
+
+    FSDP2 gathers a root's own parameters only when the root itself is called; a ``training_step`` calls its
+    submodules (``self.model(**batch)``) more often than ``self(...)``, so each child is a root of its own.
+
+    Examples:
+        >>> child_roots(nn.ModuleDict({"encoder": nn.Linear(2, 2), "act": nn.ReLU(), "head": nn.Linear(2, 2)}), [])
+        ['encoder', 'head']
+    """
+    return [name for name, child in model.named_children() if name not in blocks and _holds_parameters(child)]
 
 
 def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool) -> None:
@@ -156,9 +176,9 @@ class Sharding:
 
     Attributes:
         world_size: ranks the parameters are sharded over.
-        units: the qualified names of the ``fully_shard`` units (``""``: the root, last).
-        source: ``"configure_model"`` (the LightningModule sharded itself) or ``"default"`` (per block, then the
-            root).
+        units: the qualified names of the ``fully_shard`` units, inner ones first (``""``: the root, last).
+        source: ``"configure_model"`` (the LightningModule sharded itself), ``"default"`` (per block, then the
+            root) or ``"default children"`` (a LightningModule: per block, then each child as a root).
         reshard_after_forward: the value asked for (``None``: as ``configure_model`` set it).
         cpu_offload: parameters, gradients and optimizer states counted on the host.
         unsharded_parameter_bytes: the parameters' bytes before sharding (the whole model).
@@ -174,7 +194,11 @@ class Sharding:
     def __str__(self) -> str:
         names = [n or "root" for n in self.units]
         shown = ", ".join(names if len(names) <= 6 else [*names[:5], "...", names[-1]])
-        how = "by configure_model" if self.source == "configure_model" else "per block, then the root"
+        how = {
+            "configure_model": "by configure_model",
+            "default": "per block, then the root",
+            "default children": "per block, then each child of the LightningModule",
+        }.get(self.source, self.source)
         reshard = "as configure_model set it" if self.reshard_after_forward is None else self.reshard_after_forward
         offload = ", CPU offload of parameters, gradients and optimizer states" if self.cpu_offload else ""
         return (
@@ -191,7 +215,8 @@ def describe_sharding(
     params = {id(p): p for p in model.parameters()}.values()
     return Sharding(
         world_size=world_size,
-        units=tuple(sorted(_units(model), key=lambda name: name == "")),  # the root last, as it was sharded
+        # inner units before the units around them, the order fully_shard is applied in
+        units=tuple(sorted(_units(model), key=lambda name: -len(name.split(".")) if name else 0)),
         source=source,
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
