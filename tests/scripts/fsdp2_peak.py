@@ -1,8 +1,9 @@
 """The real per-rank peak of FSDP2 training steps: N gloo processes (forked), plain torch (no Lightning).
 
 Usage: ``python fsdp2_peak.py PORT WORLD_SIZE``; writes ``peak_{rank}.json``: for ``reshard_after_forward`` True and
-False, the most bytes alive at once on that rank over two training steps of :class:`ResidualMLP` in Lightning's order
-(forward, ``zero_grad(set_to_none=True)``, backward, ``AdamW.step``), each ``fully_shard`` per block and at the root.
+False (and True with AdamW's ``foreach`` step, key ``"foreach"``), the most bytes alive at once on that rank over two
+training steps of :class:`ResidualMLP` in Lightning's order (forward, ``zero_grad(set_to_none=True)``, backward,
+``AdamW.step``), each ``fully_shard`` per block and at the root.
 
 The bytes are counted by a live-storage counter of its own (not the planner's): every storage an operator creates,
 its local shard for a ``DTensor`` (a DTensor's own storage reports the global size), and every storage FSDP2 frees or
@@ -75,8 +76,9 @@ def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     return [s for t in inner if isinstance(t, torch.Tensor) for s in _storages(t)]
 
 
-def peak_bytes(world_size: int, reshard_after_forward: bool, steps: int = 2) -> int:
-    """The peak bytes alive on this rank over ``steps`` training steps (a process group must be initialised)."""
+def peak_bytes(world_size: int, reshard_after_forward: bool, foreach: bool = False, steps: int = 2) -> int:
+    """The peak bytes alive on this rank over ``steps`` training steps (a process group must be initialised);
+    ``foreach``: AdamW's multi-tensor step (CUDA's default)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
@@ -139,7 +141,7 @@ def peak_bytes(world_size: int, reshard_after_forward: bool, steps: int = 2) -> 
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
     try:
         with counter:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
             for _ in range(steps):
                 loss = model(batch)
                 optimizer.zero_grad(set_to_none=True)
@@ -158,6 +160,7 @@ def run(rank: int, world_size: int, port: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         peaks = {str(r).lower(): peak_bytes(world_size, r) for r in (True, False)}
+        peaks["foreach"] = peak_bytes(world_size, True, foreach=True)
     finally:
         dist.destroy_process_group()
     with open(f"peak_{rank}.json", "w") as f:
