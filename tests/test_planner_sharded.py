@@ -150,6 +150,7 @@ def test_print_shows_the_ranks_the_sharding_and_the_unsharded_bytes():
     assert "peak memory per rank" in text
     assert "sharding: FSDP2 over 2 ranks, 5 units per block, then the root" in text
     assert "reshard_after_forward=False" in text
+    assert "reshard_after_forward=True" in str(_estimate())  # FSDP2's default, said as applied
     assert "unsharded" in text and "all-gathered" in text and "totals per rank" in text
     assert "fake process group" in text
 
@@ -203,6 +204,7 @@ def test_a_lightning_module_is_sharded_by_its_own_configure_model():
     overridden = _estimate(model=_Lit(reshard=False), reshard_after_forward=True)
     assert overridden.peak_bytes == _estimate(optimizer=ADAMW).peak_bytes
     assert "by configure_model" in str(est)
+    assert "reshard_after_forward=as configure_model set it" in str(_estimate(model=_Lit()))
 
 
 def test_a_lightning_module_that_does_not_shard_gets_the_default_sharding_with_its_children_as_roots():

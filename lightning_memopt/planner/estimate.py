@@ -476,7 +476,7 @@ class _ShardedRun:
                 )
             if self.reshard is not None:
                 set_reshard_after_forward(model, self.reshard)
-            source = "configure_model"
+            source, reshard = "configure_model", self.reshard
         else:
             blocks = default_shard_blocks(model, self.shard_modules)
             # a training_step calls its submodules more often than `self(...)`: each child of a LightningModule is a
@@ -487,7 +487,7 @@ class _ShardedRun:
                 model, self.mesh, blocks, reshard_after_forward=reshard, cpu_offload=self.cpu_offload, roots=roots
             )
             source = "default children" if self.lightning else "default"
-        self.sharding = describe_sharding(model, self.world_size, source, self.reshard, self.cpu_offload)
+        self.sharding = describe_sharding(model, self.world_size, source, reshard, self.cpu_offload)
 
     def _configure_model(self, model: nn.Module) -> None:
         """Lightning's ``configure_model`` with what ``ModelParallelStrategy`` gives it: ``self.device_mesh``."""

@@ -179,7 +179,7 @@ class Sharding:
         units: the qualified names of the ``fully_shard`` units, inner ones first (``""``: the root, last).
         source: ``"configure_model"`` (the LightningModule sharded itself), ``"default"`` (per block, then the
             root) or ``"default children"`` (a LightningModule: per block, then each child as a root).
-        reshard_after_forward: the value asked for (``None``: as ``configure_model`` set it).
+        reshard_after_forward: the value applied (``None``: as ``configure_model`` set it).
         cpu_offload: parameters, gradients and optimizer states counted on the host.
         unsharded_parameter_bytes: the parameters' bytes before sharding (the whole model).
     """
