@@ -128,7 +128,11 @@ def test_cpu_offload_lowers_the_device_peak_and_counts_the_host_bytes_apart():
 
 
 def test_more_ranks_hold_less_and_the_shards_add_up_to_the_model():
-    one, two, four = (_estimate(n) for n in (1, 2, 4))
+    from torch.distributed.tensor import DTensor
+
+    model = ResidualMLP()
+    one, two, four = (_estimate(n, model=model) for n in (1, 2, 4))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # a twin was sharded, not the model
     assert one.peak_bytes > two.peak_bytes > four.peak_bytes
     assert two.unsharded_parameter_bytes == four.unsharded_parameter_bytes == one.parameter_bytes
     assert two.parameter_bytes == one.parameter_bytes // 2 and four.parameter_bytes == one.parameter_bytes // 4
@@ -153,6 +157,11 @@ def test_print_shows_the_ranks_the_sharding_and_the_unsharded_bytes():
     assert "reshard_after_forward=True" in str(_estimate())  # FSDP2's default, said as applied
     assert "unsharded" in text and "all-gathered" in text and "totals per rank" in text
     assert "fake process group" in text
+
+
+def test_a_real_cpu_step_on_the_fake_group_counts_the_same_bytes():
+    """``fake=False`` (the fallback for steps fake tensors cannot run) allocates rank 0's real shards: same bytes."""
+    assert _estimate(fake=False).peak_bytes == _estimate().peak_bytes == 6_124_880
 
 
 def test_a_cuda_target_is_modelled_as_on_one_device():
