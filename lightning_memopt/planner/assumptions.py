@@ -12,6 +12,27 @@ from lightning_memopt.utilities.formatting import format_bytes
 __all__ = ["assumptions", "cublas_workspace"]
 
 
+def _sharding_assumptions(world_size: int, cpu_offload: bool, cuda: bool) -> list[str]:
+    if world_size == 1:
+        return []
+    said = [
+        f"FSDP2 (fully_shard) over {world_size} ranks, run in one process on a fake process group: the bytes are"
+        " rank 0's (uneven shards padded as FSDP2 pads them); collectives in the CPU's order, without overlap"
+    ]
+    if cpu_offload:
+        said.append(
+            "CPU offload: sharded parameters, their gradients, optimizer states and the optimizer step on the host"
+            " (offloaded_bytes), not in the peak; not counted: the host-to-device copies of a unit's shards while"
+            " it is all-gathered"
+        )
+    if cuda:
+        said.append(
+            "not counted for FSDP2 on CUDA: NCCL's buffers, memory kept longer by the all-gather and reduce-scatter"
+            " streams"
+        )
+    return said
+
+
 def cublas_workspace(gpu: str | tuple[int, int] | None) -> tuple[int, str]:
     """Bytes of the cuBLAS workspaces (one for forward's thread, one for backward's) and where the size comes from.
 
@@ -43,10 +64,13 @@ def assumptions(
     attention: str | None,
     corrections: Sequence[str],
     manual: bool,
+    world_size: int = 1,
+    cpu_offload: bool = False,
 ) -> tuple[str, ...]:
-    """The estimate's assumptions: accumulation, the CUDA models (allocator, ``workspace``, ``attention``,
-    ``foreach``), autocast, the fallback, the fake-kernel ``corrections`` made and manual optimization."""
-    said = []
+    """The estimate's assumptions: FSDP2 sharding over ``world_size`` ranks (and ``cpu_offload``), accumulation, the
+    CUDA models (allocator, ``workspace``, ``attention``, ``foreach``), autocast, the fallback, the fake-kernel
+    ``corrections`` made and manual optimization."""
+    said = list(_sharding_assumptions(world_size, cpu_offload, cuda))
     if accumulate > 1:
         said.append(
             f"gradient accumulation over {accumulate} micro-batches: the gradients stay alive through every"

@@ -29,6 +29,18 @@ from lightning_memopt.functional.planning import (
     kernel_scratch,
     use_foreach,
 )
+from lightning_memopt.functional.planning.sharding import (
+    OFFLOADED_LABELS,
+    Sharding,
+    child_roots,
+    collective_labels,
+    default_shard_blocks,
+    describe_sharding,
+    fake_process_group,
+    is_sharded,
+    set_reshard_after_forward,
+    shard_model,
+)
 from lightning_memopt.planner.assumptions import assumptions, cublas_workspace
 from lightning_memopt.planner.budget import gpu_compute_capability
 from lightning_memopt.planner.model_step import (
@@ -41,7 +53,7 @@ from lightning_memopt.planner.model_step import (
     manual_step_function,
     step_function,
 )
-from lightning_memopt.utilities.checks import check_choice, check_positive_int
+from lightning_memopt.utilities.checks import check_bool, check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 
 __all__ = ["ESTIMATE_PRECISIONS", "MemoryEstimate", "estimate_memory"]
@@ -58,6 +70,8 @@ _PART_TEXT = {
     "activations": "activations (forward, kept for backward)",
     "temporaries": "temporaries (backward, optimizer step)",
     "workspace": "cuBLAS workspaces",
+    "unsharded_parameters": "unsharded parameters (all-gathered by FSDP2)",
+    "communication": "all-gather / reduce-scatter buffers",
 }
 #: The logger fake tensors report a failing operator on (with its traceback) before the error is raised.
 _FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -78,8 +92,9 @@ class MemoryEstimate(StepCount):
             later one (its backward adds into the gradients kept since the first).
         accumulate_grad_batches: micro-batches per optimizer step (as given).
         at_peak: what the peak is made of (``parameters``, ``buffers``, ``batch``, ``gradients``,
-            ``optimizer_states``, ``activations``, ``temporaries``, ``workspace``); adds up to ``peak_bytes``.
-        parameter_bytes: the parameters' bytes.
+            ``optimizer_states``, ``activations``, ``temporaries``, ``workspace``; sharded: also
+            ``unsharded_parameters`` and ``communication``); adds up to ``peak_bytes``.
+        parameter_bytes: the parameters' bytes (sharded: one rank's shards, padded as FSDP2 pads them).
         trainable_parameter_bytes: the bytes of the parameters that train.
         buffer_bytes: the buffers' bytes.
         gradient_bytes: the gradients' bytes.
@@ -93,6 +108,10 @@ class MemoryEstimate(StepCount):
         seconds: how long the estimate took.
         steps: how many training steps were simulated.
         extra: free-form details (not compared).
+        world_size: ranks the model is sharded over (1: not sharded); every byte above is one rank's.
+        sharding: how the model is sharded (``None`` with ``world_size=1``): its FSDP2 units, options and the
+            unsharded parameter bytes; ``str(sharding)`` describes it.
+        apart_peak_bytes: with CPU offload, the most bytes on the host (:attr:`offloaded_bytes`).
 
     Examples:
         >>> est = estimate_memory(nn.Linear(64, 64, bias=False), torch.randn(32, 64), device="cpu")
@@ -107,6 +126,19 @@ class MemoryEstimate(StepCount):
     seconds: float = 0.0
     steps: int = 2
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    world_size: int = 1
+    sharding: Sharding | None = None
+
+    @property
+    def unsharded_parameter_bytes(self) -> int:
+        """The parameters' bytes before sharding (the whole model); ``parameter_bytes`` without sharding."""
+        return self.sharding.unsharded_parameter_bytes if self.sharding is not None else self.parameter_bytes
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """With CPU offload, the most bytes held on the host (sharded parameters, gradients, optimizer states and
+        the optimizer step's temporaries); they are not in ``peak_bytes``. 0 without offload."""
+        return self.apart_peak_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -132,22 +164,27 @@ class MemoryEstimate(StepCount):
         lines = [f"{a:<{width}}  {b:>11}  {c}".rstrip() for a, b, c in rows]
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        unsharded = f", {format_bytes(self.unsharded_parameter_bytes)} unsharded" if self.sharding else ""
         totals = (
-            f"totals: parameters {format_bytes(self.parameter_bytes)}"
-            f" ({format_bytes(self.trainable_parameter_bytes)} trainable),"
+            f"totals{' per rank' if self.sharding else ''}: parameters {format_bytes(self.parameter_bytes)}"
+            f" ({format_bytes(self.trainable_parameter_bytes)} trainable{unsharded}),"
             f" gradients {format_bytes(self.gradient_bytes)},"
             f" optimizer states {format_bytes(self.optimizer_state_bytes)}, batch {format_bytes(self.batch_bytes)}"
         )
+        if self.sharding is not None and self.sharding.cpu_offload:
+            totals += f"; on the host (CPU offload, not in the peak): {format_bytes(self.offloaded_bytes)} at most"
         return wrap_to_width("\n".join([*lines, totals]))
 
     def __str__(self) -> str:
         how = "fake tensors" if self.fake else "a real CPU step"
+        per_rank = " per rank" if self.sharding is not None else ""
         head = (
-            f"Estimated peak memory of a training step on {self.device} at {self.precision}:"
+            f"Estimated peak memory{per_rank} of a training step on {self.device} at {self.precision}:"
             f" {format_bytes(self.peak_bytes)} ({how}, {self.seconds:.1f} s)"
         )
+        sharding = [f"sharding: {self.sharding}"] if self.sharding is not None else []
         notes = [f"  - {a}" for a in self.assumptions]
-        return wrap_to_width("\n".join([head, self.table(), *(["assumed:", *notes] if notes else [])]))
+        return wrap_to_width("\n".join([head, *sharding, self.table(), *(["assumed:", *notes] if notes else [])]))
 
 
 def _check_arguments(
@@ -204,6 +241,10 @@ def estimate_memory(
     steps: int = 2,
     accumulate_grad_batches: int = 1,
     gpu: str | tuple[int, int] | None = None,
+    world_size: int = 1,
+    reshard_after_forward: bool | None = None,
+    cpu_offload: bool = False,
+    shard_modules: Sequence[type[nn.Module] | str] | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step, without allocating it and without a GPU.
 
@@ -250,13 +291,34 @@ def estimate_memory(
             (``"H100-80GB"``) or a compute capability (``(9, 0)``); it sets the cuBLAS workspace (32 MiB on compute
             capability 9.0, else 8 MiB + 128 KiB, each; ``CUBLAS_WORKSPACE_CONFIG`` in the environment overrides
             both). ``None``: not 9.0.
+        world_size: ranks the model is sharded over with FSDP2 (``fully_shard``), as Lightning's
+            ``ModelParallelStrategy(data_parallel_size=world_size)`` does; 1: not sharded (the single-device
+            estimate). Every byte of the result is then one rank's. The run stays in this process: a fake process
+            group of ``world_size`` ranks (no communication) and a fake twin sharded with rank 0's shapes; no process
+            group may be initialised already. A LightningModule whose ``configure_model`` calls ``fully_shard`` is
+            sharded by it (``self.device_mesh`` is Lightning's mesh: ``"data_parallel"`` of ``world_size``,
+            ``"tensor_parallel"`` of 1); any other model per block (the ``shard_modules``, else the children holding
+            parameters of every ``ModuleList``/``Sequential``), then at the root (a LightningModule: each of its
+            children, which its ``training_step`` may call without calling ``self``).
+        reshard_after_forward: FSDP2's option: ``True`` frees a unit's all-gathered parameters after its forward
+            (gathered again for backward), ``False`` keeps them to the backward; ``None``: ``True`` for the default
+            sharding, as ``configure_model`` set it otherwise. Needs ``world_size`` > 1.
+        cpu_offload: FSDP2 with ``CPUOffloadPolicy``: the sharded parameters, their gradients and the optimizer
+            states live on the host, the optimizer step runs there; they are counted in
+            :attr:`MemoryEstimate.offloaded_bytes`, not in ``peak_bytes``. With a ``configure_model`` that shards,
+            give its ``fully_shard`` the policy too (the bytes are counted as offloaded either way). Needs
+            ``world_size`` > 1.
+        shard_modules: the blocks the default sharding shards (module classes, class names or name patterns, as
+            ``checkpoint_modules``); ``None``: the repeated blocks. Needs ``world_size`` > 1 and a model that
+            ``configure_model`` does not shard.
 
     Returns:
         a :class:`MemoryEstimate`; ``print(estimate)`` shows its breakdown and assumptions.
 
     Raises:
-        ValueError: an argument is not one the function takes (the message names it), or
-            ``accumulate_grad_batches`` > 1 with manual optimization.
+        ValueError: an argument is not one the function takes (the message names it),
+            ``accumulate_grad_batches`` > 1 with manual optimization, or ``world_size`` > 1 while a process group is
+            initialised.
         MemoryEstimateError: the step cannot run on fake tensors (the message names the operator and the
             fallback), the optimizer cannot be built, the training step returns no loss, or the checkpointing matches
             no submodule.
@@ -268,10 +330,14 @@ def estimate_memory(
         True
         >>> est.optimizer_state_bytes == 2 * est.parameter_bytes + 4 * 4  # AdamW: two moments, a step per tensor
         True
+        >>> sharded = estimate_memory(model, torch.randn(32, 256), device="cpu", world_size=2)
+        >>> sharded.parameter_bytes * 2 == sharded.unsharded_parameter_bytes == est.parameter_bytes
+        True
     """
     manual = loss_fn is None and is_manual_optimization(module)
     _check_arguments(module, batch, precision, optimizer, device, steps, fake, accumulate_grad_batches, manual)
     lightning = is_lightning_module(module)
+    sharded = _ShardedRun(world_size, reshard_after_forward, cpu_offload, shard_modules, lightning)
     cuda = device == "cuda"
     workspace_bytes, workspace_text = cublas_workspace(gpu)  # checks `gpu` before the run
     schedulers: list[Any] = []
@@ -291,6 +357,7 @@ def estimate_memory(
         attending as attention,
         cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
         cuda_dropout() if cuda and fake else contextlib.nullcontext(),
+        sharded.process_group(),
     ):
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*reference is not registered.*")
@@ -305,13 +372,15 @@ def estimate_memory(
                 block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
                 scratch=kernel_scratch,
                 outputs=corrections,
-                prepare=hooks.prepare,
+                prepare=sharded.prepare(hooks.prepare),
                 step_context=hooks.step_context,
                 prepare_optimizers=hooks.prepare_optimizers,
                 batch_fn=hooks.cast_batch,
                 dtype=dtype if mode == "true" else None,
                 accumulate_grad_batches=accumulate_grad_batches,
                 manual=manual_optimization(schedulers) if manual else None,
+                labels=sharded.labels,
+                apart=sharded.apart,
             )
         except FakeStepError as err:
             raise MemoryEstimateError(
@@ -340,10 +409,127 @@ def estimate_memory(
             attention=attention_assumption(attention, capability) if attention else None,
             corrections=corrections.assumptions(),
             manual=manual,
+            world_size=world_size,
+            cpu_offload=cpu_offload,
         ),
         seconds=seconds,
         steps=steps,
+        world_size=world_size,
+        sharding=sharded.sharding,
     )
+
+
+class _ShardedRun:
+    """How a sharded estimate (``world_size`` > 1) shards the twin: the fake process group around the run, the
+    sharding after the step hooks' preparation, and what the counter is told (FSDP2's buffers, the offloaded parts).
+    With ``world_size`` 1 it does nothing: the estimate is the single-device one."""
+
+    def __init__(
+        self,
+        world_size: int,
+        reshard_after_forward: bool | None,
+        cpu_offload: bool,
+        shard_modules: Sequence[type[nn.Module] | str] | None,
+        lightning: bool,
+    ) -> None:
+        _check_sharding(world_size, reshard_after_forward, cpu_offload, shard_modules)
+        self.world_size, self.reshard, self.cpu_offload = world_size, reshard_after_forward, cpu_offload
+        self.shard_modules = tuple(shard_modules) if shard_modules is not None else None
+        self.lightning = lightning
+        self.mesh: Any = None
+        self.sharding: Sharding | None = None
+        on = world_size > 1
+        self.labels = collective_labels if on else None
+        self.apart = OFFLOADED_LABELS if on and cpu_offload else ()
+
+    def process_group(self) -> contextlib.AbstractContextManager:
+        return self._fake_group() if self.world_size > 1 else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _fake_group(self) -> Any:
+        with fake_process_group(self.world_size) as mesh:
+            self.mesh = mesh
+            try:
+                yield
+            finally:
+                self.mesh = None
+
+    def prepare(self, base: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+        if self.world_size == 1:
+            return base
+
+        def prepare(model: nn.Module) -> None:
+            base(model)  # checkpointing before sharding, the order FSDP2 needs
+            self.shard(model)
+
+        return prepare
+
+    def shard(self, model: nn.Module) -> None:
+        """Shard ``model`` as its ``configure_model`` does, else per block and at the root."""
+        if self.lightning:
+            self._configure_model(model)
+        if is_sharded(model):
+            if self.shard_modules is not None:
+                raise ValueError(
+                    f"`shard_modules`={self.shard_modules!r}, but {type(model).__name__}.configure_model shards the"
+                    " model itself. Drop `shard_modules` (or shard those blocks in `configure_model`)."
+                )
+            if self.reshard is not None:
+                set_reshard_after_forward(model, self.reshard)
+            source, reshard = "configure_model", self.reshard
+        else:
+            blocks = default_shard_blocks(model, self.shard_modules)
+            # a training_step calls its submodules more often than `self(...)`: each child of a LightningModule is a
+            # root of its own (a root's own parameters are gathered only when it is called)
+            roots = child_roots(model, blocks) if self.lightning else [""]
+            reshard = True if self.reshard is None else self.reshard
+            shard_model(
+                model, self.mesh, blocks, reshard_after_forward=reshard, cpu_offload=self.cpu_offload, roots=roots
+            )
+            source = "default children" if self.lightning else "default"
+        self.sharding = describe_sharding(model, self.world_size, source, reshard, self.cpu_offload)
+
+    def _configure_model(self, model: nn.Module) -> None:
+        """Lightning's ``configure_model`` with what ``ModelParallelStrategy`` gives it: ``self.device_mesh``."""
+        model._device_mesh = self.mesh  # what `LightningModule.device_mesh` returns
+        try:
+            model.configure_model()  # type: ignore[operator]
+        except Exception as err:  # the user's hook, run outside a Trainer: say which hook failed
+            raise MemoryEstimateError(
+                f"`{type(model).__name__}.configure_model()` failed on the fake twin with a fake device mesh of"
+                f" {self.world_size} ranks ({type(err).__name__}: {err})."
+            ) from err
+
+
+def _check_sharding(world_size: Any, reshard_after_forward: Any, cpu_offload: Any, shard_modules: Any) -> None:
+    check_positive_int("world_size", world_size, hint="The ranks the model is sharded over; 1: not sharded.")
+    if reshard_after_forward is not None:
+        check_bool("reshard_after_forward", reshard_after_forward, hint="None: FSDP2's default for the sharding.")
+    check_bool("cpu_offload", cpu_offload)
+    if shard_modules is not None:
+        entries = (shard_modules,) if isinstance(shard_modules, (str, type)) else shard_modules
+        if (
+            not isinstance(entries, Sequence)
+            or not entries
+            or not all(
+                (isinstance(e, str) and e) or (isinstance(e, type) and issubclass(e, nn.Module)) for e in entries
+            )
+        ):
+            raise ValueError(
+                f"`shard_modules` must be a non-empty list of module classes, class names or name patterns, or None,"
+                f" got {shard_modules!r}. Example: ['Block', 'encoder.layers.*']."
+            )
+    given = {
+        "reshard_after_forward": reshard_after_forward is not None,
+        "cpu_offload": cpu_offload,
+        "shard_modules": shard_modules is not None,
+    }
+    named = [name for name, on in given.items() if on]
+    if world_size == 1 and named:
+        raise ValueError(
+            f"`{named[0]}` shapes a sharded estimate, but `world_size`=1 does not shard. Pass `world_size` > 1 (the"
+            f" number of GPUs FSDP2 shards over), or drop `{named[0]}`."
+        )
 
 
 class _StepHooks:

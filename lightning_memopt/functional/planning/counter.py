@@ -8,10 +8,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "kernel_scratch", "unique_storages"]
+__all__ = ["LiveBytes", "kernel_scratch", "tensor_storages", "unique_storages"]
 
 
 def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
@@ -40,9 +44,51 @@ def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor) and not t.is_contiguous())
 
 
+def tensor_storages(tensor: Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``tensor``'s data: its own, or for a wrapper subclass (a ``DTensor``: its local shard)
+    those of the tensors it wraps.
+
+    A wrapper's own storage is not memory: a ``DTensor``'s reports the bytes of the global tensor.
+
+    Examples:
+        >>> [s.nbytes() for s in tensor_storages(torch.ones(3))]
+        [12]
+    """
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor.untyped_storage()]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return [s for t in inner if isinstance(t, Tensor) for s in tensor_storages(t)]
+
+
 def unique_storages(tensors: Iterable[Tensor]) -> list[Tensor]:
     """One tensor per storage: tied weights and views are counted once."""
-    return list({id(t.untyped_storage()): t for t in tensors}.values())
+    return list({tuple(id(s) for s in tensor_storages(t)): t for t in tensors}.values())
+
+
+#: The counters entered now that follow storage resizes (``UntypedStorage.resize_`` is not an operator).
+_RESIZE_WATCHERS: list[LiveBytes] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _counted_resize(storage: torch.UntypedStorage, size: int) -> Any:
+    out = _ORIGINAL_RESIZE(storage, size)
+    for counter in list(_RESIZE_WATCHERS):
+        counter.resized(storage)
+    return out
+
+
+def _watch_resizes(counter: LiveBytes) -> None:
+    if not _RESIZE_WATCHERS:
+        torch.UntypedStorage.resize_ = _counted_resize  # type: ignore[method-assign,assignment]
+    _RESIZE_WATCHERS.append(counter)
+
+
+def _unwatch_resizes(counter: LiveBytes) -> None:
+    if counter in _RESIZE_WATCHERS:
+        _RESIZE_WATCHERS.remove(counter)
+    if not _RESIZE_WATCHERS:
+        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -52,6 +98,11 @@ class LiveBytes(TorchDispatchMode):
     and leaves the count when torch frees it. Storages are labelled with the phase that created them; a label can
     change later (a gradient, an optimizer state), so the totals at the peak say what the peak was made of.
 
+    Two things no operator shows are followed too: a storage resized in place (``UntypedStorage.resize_``, how FSDP2
+    frees and re-creates its all-gathered parameters) changes the count while a counter is entered, and a wrapper
+    tensor subclass (a ``DTensor``) counts as the tensors it wraps, whose operators the counter sees once the subclass
+    has run.
+
     Args:
         block_bytes: round each storage up to a multiple of this (512 models the CUDA caching allocator; 1: none).
         scratch: ``scratch(op, args, kwargs) -> bytes`` a kernel holds inside itself beside its outputs while it runs
@@ -59,10 +110,15 @@ class LiveBytes(TorchDispatchMode):
         outputs: ``outputs(op, args, kwargs, out) -> out``: the operator's outputs as they are counted and returned,
             where a fake kernel returns fewer bytes than the real one (e.g.
             :func:`~lightning_memopt.functional.planning.corrections.fake_kernel_outputs`).
+        labels: ``labels(op, args, kwargs) -> [(tensor, label), ...]``: what an operator's arguments are, said once it
+            has run (e.g. a collective's buffers).
+        apart: labels counted apart from ``now`` and ``peak``, in ``apart_now`` and ``apart_peak`` (memory held
+            elsewhere, e.g. on the host under CPU offload).
 
     Outputs (attributes): ``now`` and ``peak`` (bytes), ``peak_phase``/``peak_step``/``peak_seq`` (when the peak
     happened), ``peak_totals`` (bytes by label at the peak), ``phase_peaks`` (the highest count in each phase),
-    ``totals`` (bytes by label now). The caller sets ``phase`` and ``step`` as the training step goes on.
+    ``totals`` (bytes by label now), ``apart_now`` and ``apart_peak``. The caller sets ``phase`` and ``step`` as the
+    training step goes on.
 
     Examples:
         >>> with LiveBytes() as counter:
@@ -77,15 +133,21 @@ class LiveBytes(TorchDispatchMode):
         block_bytes: int = 1,
         scratch: Callable[[Any, tuple, dict], int] | None = None,
         outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
+        labels: Callable[[Any, tuple, dict], Iterable[tuple[Tensor, str]]] | None = None,
+        apart: Iterable[str] = (),
     ) -> None:
         super().__init__()
         self.block_bytes = block_bytes
         self.scratch = scratch
         self.outputs = outputs
+        self.labels = labels
+        self.apart = frozenset(apart)
         self.phase = "setup"
         self.step = 0
         self.now = 0
         self.peak = 0
+        self.apart_now = 0
+        self.apart_peak = 0
         self.peak_phase = "setup"
         self.peak_step = 0
         self.peak_seq = 0
@@ -101,48 +163,68 @@ class LiveBytes(TorchDispatchMode):
         return nbytes if block <= 1 else -(-nbytes // block) * block
 
     def storage_bytes(self, tensor: Tensor) -> int:
-        """The counted (rounded) bytes of ``tensor``'s whole storage."""
-        return self.rounded(tensor.untyped_storage().nbytes())
+        """The counted (rounded) bytes of ``tensor``'s whole storage (a wrapper subclass: of the tensors it wraps)."""
+        return sum(self.rounded(s.nbytes()) for s in tensor_storages(tensor))
 
     def track(self, tensor: Tensor, label: str | None = None) -> None:
         """Count ``tensor``'s storage if it is new; ``label`` (default: the current phase) says what it is."""
-        storage = tensor.untyped_storage()
+        for storage in tensor_storages(tensor):
+            self._track_storage(storage, label or self.phase)
+
+    def _track_storage(self, storage: torch.UntypedStorage, label: str) -> None:
         key = id(storage)
         if key in self._info:
             return
         nbytes = self.rounded(storage.nbytes())
-        label = label or self.phase
         self._seq += 1
         self._info[key] = [nbytes, label, self._seq, self.step]
-        self.totals[label] = self.totals.get(label, 0) + nbytes
-        self.now += nbytes
+        self._add(label, nbytes)
         weakref.finalize(storage, self._free, key)
         self._record(self.now, self.totals)
 
     def relabel(self, tensor: Tensor, label: str) -> None:
         """Say what an already counted storage is (e.g. ``"gradients"``); unknown storages are counted first."""
-        info = self._info.get(id(tensor.untyped_storage()))
+        for storage in tensor_storages(tensor):
+            info = self._info.get(id(storage))
+            if info is None:
+                self._track_storage(storage, label)
+            elif info[1] != label:
+                self._add(info[1], -info[0])
+                self._add(label, info[0])
+                info[1] = label
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A counted storage changed its size in place: count its new bytes (unknown storages are ignored)."""
+        info = self._info.get(id(storage))
         if info is None:
-            self.track(tensor, label)
             return
-        if info[1] != label:
-            self.totals[info[1]] -= info[0]
-            self.totals[label] = self.totals.get(label, 0) + info[0]
-            info[1] = label
+        nbytes = self.rounded(storage.nbytes())
+        if nbytes != info[0]:
+            self._add(info[1], nbytes - info[0])
+            info[0] = nbytes
+            self._record(self.now, self.totals)
 
     def info(self, tensor: Tensor) -> tuple[int, str, int, int] | None:
         """(bytes, label, creation number, step) of ``tensor``'s storage, if it is counted and alive."""
-        found = self._info.get(id(tensor.untyped_storage()))
+        storages = tensor_storages(tensor)
+        found = self._info.get(id(storages[0])) if storages else None
         if found is None:
             return None
         nbytes, label, seq, step = found
         return nbytes, label, seq, step
 
+    def _add(self, label: str, nbytes: int) -> None:
+        self.totals[label] = self.totals.get(label, 0) + nbytes
+        if label in self.apart:
+            self.apart_now += nbytes
+            self.apart_peak = max(self.apart_peak, self.apart_now)
+        else:
+            self.now += nbytes
+
     def _free(self, key: int) -> None:
         info = self._info.pop(key, None)
         if info is not None:
-            self.now -= info[0]
-            self.totals[info[1]] -= info[0]
+            self._add(info[1], -info[0])
 
     def _record(self, level: int, totals: dict[str, int]) -> None:
         """A new high of the current phase and of the whole run, with what it is made of."""
@@ -152,7 +234,23 @@ class LiveBytes(TorchDispatchMode):
             self.peak, self.peak_phase, self.peak_step, self.peak_seq = level, self.phase, self.step, self._seq
             self.peak_totals = dict(totals)
 
+    def __enter__(self) -> LiveBytes:
+        _watch_resizes(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _unwatch_resizes(self)
+            raise
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            _unwatch_resizes(self)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # a DTensor runs its local operators, which are counted
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.outputs is not None:
@@ -160,6 +258,9 @@ class LiveBytes(TorchDispatchMode):
         for value in tree_flatten(out)[0]:
             if isinstance(value, Tensor):
                 self.track(value)
+        if self.labels is not None:
+            for tensor, label in self.labels(func, args, kwargs):
+                self.relabel(tensor, label)
         if self.scratch is not None:
             extra = self.scratch(func, args, kwargs)
             if extra:  # held inside the kernel beside what is alive now, gone when it returns

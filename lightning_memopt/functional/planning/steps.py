@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ class StepCount:
         peak_micro_batch: the micro-batch of the peak within its optimizer step (0: the first, which starts from no
             gradients; 1: a later one, whose backward adds into the gradients kept since the first).
         accumulate_grad_batches: micro-batches per optimizer step.
+        apart_peak_bytes: the peak of the bytes counted apart (``count_training_steps``' ``apart`` labels).
     """
 
     peak_bytes: int
@@ -87,6 +88,7 @@ class StepCount:
     phase_peaks: dict[str, int] = field(default_factory=dict)
     peak_micro_batch: int = 0
     accumulate_grad_batches: int = 1
+    apart_peak_bytes: int = 0
 
 
 class _StepBytes(LiveBytes):
@@ -215,6 +217,8 @@ def count_training_steps(
     dtype: torch.dtype | None = None,
     accumulate_grad_batches: int = 1,
     manual: Callable[[nn.Module, list[CountedOptimizer], Callable[..., None]], None] | None = None,
+    labels: Callable[[Any, tuple, dict], Iterable[tuple[Tensor, str]]] | None = None,
+    apart: Iterable[str] = (),
 ) -> StepCount:
     """Run ``steps`` training steps in Lightning's order and count the bytes alive at every moment.
 
@@ -247,6 +251,9 @@ def count_training_steps(
         dtype: cast the model's floating parameters and buffers to it (``"bf16-true"``).
         accumulate_grad_batches: micro-batches per optimizer step (gradient accumulation).
         manual: binds the counted optimizers and backward to the model for a manually optimized step.
+        labels: says what operators' arguments are (see :class:`LiveBytes`), e.g. FSDP2's collective buffers.
+        apart: labels counted apart from the peak (see :class:`LiveBytes`), e.g. what CPU offload keeps on the host:
+            their peak is ``StepCount.apart_peak_bytes``, and ``at_peak`` leaves them out.
 
     Returns:
         a :class:`StepCount`.
@@ -262,7 +269,7 @@ def count_training_steps(
         >>> count.peak_bytes == 4 * (2 * 64 * 64 + 2 * 32 * 64) + 4, count.peak_phase  # W, its grad, x, y, the loss
         (True, 'forward')
     """
-    counter = _StepBytes(block_bytes, scratch, outputs)
+    counter = _StepBytes(block_bytes, scratch, outputs, labels, apart)
     mode, batch = _fake_batch(batch, fake)
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
     loop = _StepLoop(counter, step_fn, steps, accumulate_grad_batches, step_context, manual)
@@ -337,11 +344,15 @@ def _step_count(
         peak_phase=counter.peak_phase,
         peak_step=counter.peak_step,
         at_peak=_parts_at_peak(counter, states),
-        gradient_bytes=sum(counter.storage_bytes(p.grad) for p in trainable if p.grad is not None),
+        # FSDP2's sharded gradients are views of one flat buffer per unit: each storage once
+        gradient_bytes=sum(
+            counter.storage_bytes(g) for g in unique_storages([p.grad for p in trainable if p.grad is not None])
+        ),
         optimizer_state_bytes=sum(counter.storage_bytes(t) for t in states),
         phase_peaks={k: v for k, v in counter.phase_peaks.items() if k in ("forward", "backward", "optimizer step")},
         peak_micro_batch=counter.peak_micro_batch,
         accumulate_grad_batches=accumulate_grad_batches,
+        apart_peak_bytes=counter.apart_peak,
         **sizes,
     )
 
@@ -422,5 +433,7 @@ def _parts_at_peak(counter: LiveBytes, states: list[Tensor]) -> dict[str, int]:
                 totals["optimizer_states"] = totals.get("optimizer_states", 0) + info[0]
     parts = dict.fromkeys(PEAK_PARTS, 0)
     for label, nbytes in totals.items():
-        parts[_PHASE_PARTS.get(label, label)] += nbytes
+        if label not in counter.apart:
+            part = _PHASE_PARTS.get(label, label)
+            parts[part] = parts.get(part, 0) + nbytes
     return parts
