@@ -23,6 +23,7 @@ __all__: list[str] = [
     "ddp_replays_comm_hook",
     "run_ddp_comm_hook",
     "dump_memory_snapshot",
+    "fsdp2_unit_policy",
     "storage_weak_ref",
     "start_memory_history",
     "stop_memory_history",
@@ -226,3 +227,33 @@ def ddp_gradient_buckets(module: Any) -> list[Any]:
 def run_ddp_comm_hook(module: Any, bucket: Any) -> Any:
     """Start the registered hook (or DDP's summing all-reduce without one) on ``bucket``; a future of its result."""
     return module.reducer._run_comm_hook(bucket)
+
+
+def fsdp2_unit_policy(module: Any) -> dict[str, Any] | None:
+    """What ``fully_shard`` was told for ``module`` (an ``FSDPModule``): ``reshard_after_forward``,
+    ``cpu_offload`` (a ``CPUOffloadPolicy``), ``param_dtype`` and ``reduce_dtype`` of its ``MixedPrecisionPolicy``
+    (dtype names, ``None`` when unset). ``None`` when the unit holds no parameters or this torch build keeps these
+    elsewhere (read from FSDP2's private state).
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if not callable(get_state):
+        return None
+    try:
+        group = getattr(get_state(), "_fsdp_param_group", None)
+    except (AssertionError, AttributeError, RuntimeError, TypeError):
+        return None
+    if group is None or not hasattr(group, "post_forward_mesh_info"):
+        return None
+    policy = getattr(group, "mp_policy", None)
+
+    def dtype_name(name: str) -> str | None:
+        dtype = getattr(policy, name, None)
+        return None if dtype is None else str(dtype)
+
+    offload = getattr(group, "offload_policy", None)
+    return {
+        "reshard_after_forward": group.post_forward_mesh_info is not None,
+        "cpu_offload": type(offload).__name__ == "CPUOffloadPolicy",
+        "param_dtype": dtype_name("param_dtype"),
+        "reduce_dtype": dtype_name("reduce_dtype"),
+    }

@@ -31,6 +31,7 @@ from lightning_memopt.functional.oom.schema import (
     HoldersSection,
     MemorySection,
     OOMReport,
+    ShardingSection,
     SnapshotSection,
     Suggestion,
     WhenSection,
@@ -148,6 +149,7 @@ class ReportSources:
         allocator: The allocator settings.
         versions: The versions of the stack.
         live_tensors: The live tensors on a device, largest first (``footprint.live_tensors``).
+        sharding: How the model is sharded (``footprint.model_sharding``).
     """
 
     settings: Callable[[], TrainerSettings]
@@ -159,6 +161,7 @@ class ReportSources:
     allocator: Callable[[], dict[str, str | None]] = allocator_settings
     versions: Callable[[], dict[str, str | None]] = collect_versions
     live_tensors: Callable[..., Sequence[LiveTensorLike]] = fp.live_tensors
+    sharding: Callable[[nn.Module], fp.Sharding] = fp.model_sharding
 
 
 def _no_memory(err: Exception) -> MemorySection:
@@ -262,6 +265,7 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
         allocator_conf=allocator.get("PYTORCH_ALLOC_CONF") or allocator.get("PYTORCH_CUDA_ALLOC_CONF"),
         device_type=device_type,
         activation_checkpointing=None if checkpointing is None else checkpointing.get("on"),
+        sharding=report.get("sharding"),
     )
 
 
@@ -345,6 +349,11 @@ def build_oom_report(
             state = cast(CheckpointingState, {**at_start, "seen": "at train start"})
         config["activation_checkpointing"] = state
 
+    def read_sharding() -> None:
+        facts = sources.sharding(module)
+        if facts.sharded:  # only a sharded model has the part
+            report["sharding"] = cast(ShardingSection, {**facts.as_dict(), "strategy": config.get("strategy")})
+
     def read_hparams() -> None:
         report["hparams"] = hparams_as_json(module)
 
@@ -355,6 +364,7 @@ def build_oom_report(
         report["suggestions"] = suggestions_for(report, device.type)
 
     guard("activation checkpointing", read_checkpointing, _nothing)
+    guard("sharding", read_sharding, _nothing)
     guard("hyperparameters", read_hparams, _nothing)
     guard("environment", read_environment, _nothing)
     guard("suggestions", read_suggestions, _nothing)

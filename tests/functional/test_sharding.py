@@ -1,0 +1,169 @@
+"""How a model is sharded (``footprint.model_sharding``), and what the out-of-memory report makes of it.
+
+The sharded models are built in this process on torch's fake process group (``tests/helpers/fake_sharded.py``):
+rank 0's shards of a 2- or 4-way FSDP2 sharding. The 2-process run under Lightning is ``tests/callbacks/test_fsdp2.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_memopt.functional.footprint import model_sharding
+from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.functional.oom import (
+    ReportSources,
+    build_oom_report,
+    failure_memory,
+    failure_position,
+    render_markdown,
+    suggest_fixes,
+)
+from tests.helpers import oom_fixtures as F
+from tests.helpers.fake_sharded import blocks, fake_mesh, shard
+from tests.helpers.oom_schema import check_against_schema
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+
+def _rank0_bytes(model: torch.nn.Module, world_size: int) -> int:
+    """Rank 0's bytes of a dim-0 sharding (``torch.chunk``: the first ranks take ``ceil(rows / world_size)``)."""
+    return sum(
+        math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * p.element_size() for p in model.parameters()
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_sharded_model_says_how_and_gives_local_and_whole_bytes(world_size):
+    plain = blocks()
+    whole = sum(p.numel() * p.element_size() for p in plain.parameters())
+    expected_local = _rank0_bytes(plain, world_size)
+    with fake_mesh(world_size) as mesh:
+        facts = model_sharding(shard(blocks(), mesh))
+    assert facts.sharded and facts.kind == "fsdp2"
+    assert facts.data_parallel_size == world_size and facts.mesh_shape == [world_size]
+    assert facts.num_parameters == facts.num_dtensor_parameters == 10
+    assert facts.num_units == 3 and facts.unit_names == ["", "0", "1"]
+    assert facts.unsharded_parameter_bytes == whole == 4 * (2 * (32 * 128 + 128 + 128 * 32 + 32) + 32 * 3 + 3)
+    assert facts.local_parameter_bytes == expected_local < whole
+    assert facts.reshard_after_forward is True and facts.kept_unsharded == []
+    assert facts.cpu_offload is False and facts.param_dtype is None
+    text = facts.text()
+    assert f"over {world_size} ranks" in text and f"({expected_local} bytes) of" in text and f"({whole} bytes)" in text
+
+
+def test_policies_of_the_units_are_read():
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    with fake_mesh(2) as mesh:
+        kept = model_sharding(shard(blocks(), mesh, reshard_after_forward=False))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        offload = model_sharding(
+            shard(blocks(), mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), mp_policy=policy)
+        )
+    assert kept.reshard_after_forward is False and kept.kept_unsharded == ["0", "1"]  # the root is not an inner unit
+    assert offload.cpu_offload is True and offload.param_dtype == "torch.bfloat16" and offload.reshard_after_forward
+
+
+def test_a_plain_model_is_not_sharded():
+    facts = model_sharding(blocks())
+    assert not facts.sharded and facts.kind is None and facts.num_units == 0 and facts.data_parallel_size is None
+    assert facts.local_parameter_bytes == facts.unsharded_parameter_bytes
+    assert facts.text().startswith("not sharded")
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+
+
+def _report(model: torch.nn.Module, strategy: str = "ModelParallelStrategy"):
+    exception = F.training_oom()
+    settings = dict(F.SETTINGS, strategy=strategy, world_size=2)
+    sources = ReportSources(
+        settings=lambda: settings,
+        live_tensors=lambda d, names=None: [],
+        environment=dict,
+        allocator=dict,
+        versions=dict,
+    )
+    when = failure_position(
+        lambda: F.POSITION, device=torch.device("cpu"), traceback=exception.__traceback__, run_id=None
+    )
+    memory = failure_memory(lambda: MemoryReading(**F.CPU_MEMORY))
+    return build_oom_report(
+        exception, when=when, memory=memory, device=torch.device("cpu"), module=model, sources=sources
+    )
+
+
+def test_the_report_of_a_sharded_model_has_a_sharding_part():
+    with fake_mesh(2) as mesh:
+        model = shard(blocks(), mesh, reshard_after_forward=False)
+        report = _report(model)
+    check_against_schema(report)
+    sharding = report["sharding"]
+    assert sharding["sharded"] and sharding["strategy"] == "ModelParallelStrategy" and sharding["num_units"] == 3
+    assert sharding["local_parameter_bytes"] == report["holders"]["bytes_by_category"]["parameters"]
+    assert list(report).index("sharding") == list(report).index("config") + 1
+    actions = " ".join(tip["action"] for tip in report["suggestions"])
+    assert "reshard_after_forward=True" in actions and "`0`, `1`" in actions
+    text = render_markdown(report)
+    assert "## Sharding" in text and "over 2 ranks" in text and "unsharded" in text
+
+
+def test_the_report_of_a_plain_model_has_no_sharding_part():
+    report = _report(blocks(), strategy="DDPStrategy")
+    assert "sharding" not in report and "## Sharding" not in render_markdown(report)
+
+
+# ---------------------------------------------------------------------------------------------------- suggestions
+
+_SHARDED = {
+    "sharded": True,
+    "kind": "fsdp2",
+    "data_parallel_size": 2,
+    "reshard_after_forward": True,
+    "kept_unsharded": [],
+    "cpu_offload": False,
+    "param_dtype": None,
+}
+_HEAVY_STATES = dict(
+    stage="train",
+    allocated_bytes=10_000,
+    reserved_bytes=10_000,
+    bytes_by_category={"parameters": 2500, "gradients": 2500, "optimizer_states": 4000, "buffers": 0},
+    unexplained_bytes=1000,
+    micro_batch_size=8,
+    world_size=2,
+    precision="32-true",
+)
+
+
+def _actions(**kwargs) -> str:
+    return "\n".join(tip["action"] for tip in suggest_fixes(**kwargs))
+
+
+def test_sharded_tips_never_suggest_the_sharding_that_is_done():
+    plain = _actions(**_HEAVY_STATES)
+    sharded = _actions(**_HEAVY_STATES, sharding=_SHARDED)
+    assert "strategy='fsdp'" in plain and "Shard parameters and gradients" in plain
+    assert (
+        "strategy='fsdp'" not in sharded and "Shard parameters" not in sharded and "Shard the optimizer" not in sharded
+    )
+    assert "sharded over 2 ranks already" in sharded and "CPUOffloadPolicy" in sharded
+    offloaded = _actions(**_HEAVY_STATES, sharding=dict(_SHARDED, cpu_offload=True))
+    assert "CPUOffloadPolicy" not in offloaded and "sharded over 2 ranks already" in offloaded
+
+
+def test_sharded_tips_checkpoint_before_fully_shard_and_reshard_after_forward():
+    busy = dict(_HEAVY_STATES, bytes_by_category={"parameters": 100, "gradients": 100}, unexplained_bytes=9000)
+    sharded = _actions(**busy, sharding=dict(_SHARDED, reshard_after_forward=False, kept_unsharded=["model.0"]))
+    assert "before `fully_shard`" in sharded and "reshard_after_forward=True` to `fully_shard` for `model.0`" in sharded
+    assert "reshard_after_forward" not in _actions(**busy, sharding=_SHARDED)
+    assert "before `fully_shard`" not in _actions(**busy)
+
+
+def test_sharded_mixed_precision_tip_names_one_of_the_two_ways():
+    busy = dict(_HEAVY_STATES, unexplained_bytes=9000, device_type="cuda")
+    assert "MixedPrecisionPolicy" in _actions(**busy, sharding=_SHARDED)
+    assert "mixed precision" not in _actions(**busy, sharding=dict(_SHARDED, param_dtype="torch.bfloat16"))
