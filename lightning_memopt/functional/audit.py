@@ -22,10 +22,12 @@ from lightning_memopt.functional.footprint import (
     Duplicates,
     Footprint,
     LiveTensor,
+    Sharding,
     StorageKey,
     find_duplicates,
     find_storage_holders,
     model_footprint,
+    model_sharding,
     tensor_names,
     unexplained_bytes,
 )
@@ -71,6 +73,7 @@ class ModelAudit:
     unexplained: int | None
     unowned: list[LiveTensor]
     duplicates: Duplicates
+    sharding: Sharding | None = None  # how the parameters are sharded (``None``: not read)
 
     def fields(self, when: str, max_listed: int) -> dict[str, Any]:
         """The keys of an ``audit`` record after the reading (``docs/memory-log.md``)."""
@@ -94,8 +97,13 @@ class ModelAudit:
         return metrics
 
     def text(self, when: str) -> str:
-        """The printed summary: the footprint table, unexplained bytes and unowned live tensors."""
-        lines = [f"MemoryAudit ({when.replace('_', ' ')}): model and optimizer footprint", self.footprint.table()]
+        """The printed summary: the footprint table (this rank's shards of a sharded model, with the unsharded whole
+        beside them), unexplained bytes and unowned live tensors."""
+        title = f"MemoryAudit ({when.replace('_', ' ')}): model and optimizer footprint"
+        lines = [title, self.footprint.table()]
+        if self.sharding is not None and self.sharding.sharded:
+            lines[0] = f"{title} of this rank"
+            lines.append(f"model {self.sharding.text()}")
         if self.unexplained is not None:
             lines.append(
                 f"unexplained allocated bytes on {self.device}: {format_bytes(self.unexplained)}"
@@ -131,7 +139,8 @@ def audit_model(
     """
     unowned = [t for t in live if t.name is None]
     duplicates = find_duplicates(module, live, max_listed=max_listed, known=known)
-    return ModelAudit(footprint, device, unexplained_bytes(allocated_bytes, footprint, device), unowned, duplicates)
+    unexplained = unexplained_bytes(allocated_bytes, footprint, device)
+    return ModelAudit(footprint, device, unexplained, unowned, duplicates, model_sharding(module))
 
 
 def where_held(module: torch.nn.Module, dup: Duplicates) -> str:

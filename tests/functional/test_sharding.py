@@ -67,6 +67,27 @@ def test_policies_of_the_units_are_read():
     assert offload.cpu_offload is True and offload.param_dtype == "torch.bfloat16" and offload.reshard_after_forward
 
 
+def test_gathered_parameters_are_neither_duplicates_nor_lost_shards():
+    # One rank: each shard has the shape and values of its whole parameter. A unit with reshard_after_forward=False
+    # keeps the gathered whole after a no-grad forward (as in validation); the shards are then no module attribute.
+    from lightning_memopt.functional.footprint import find_duplicates, live_tensors, model_footprint, tensor_names
+
+    with fake_mesh(1, backend="gloo") as mesh:
+        model = shard(blocks(), mesh, reshard_after_forward=False)
+        before = model_footprint(model).bytes_by_category()["parameters"]
+        with torch.no_grad():
+            model(torch.randn(4, 32))
+        gathered = [p for p in model.parameters() if not isinstance(p, torch.distributed.tensor.DTensor)]
+        live = live_tensors("cpu", names=tensor_names(model))
+        duplicates = find_duplicates(model, live)
+        facts = model_sharding(model)
+        after = model_footprint(model).bytes_by_category()["parameters"]
+    assert len(gathered) == 10  # every unit (the root too) holds whole tensors now
+    assert duplicates.num_tensors == 0, duplicates
+    assert facts.num_dtensor_parameters == 10 and facts.local_parameter_bytes == before
+    assert after == before + sum(p.numel() * p.element_size() for p in gathered)  # the shards and the gathered wholes
+
+
 def test_a_plain_model_is_not_sharded():
     facts = model_sharding(blocks())
     assert not facts.sharded and facts.kind is None and facts.num_units == 0 and facts.data_parallel_size is None
@@ -167,3 +188,24 @@ def test_sharded_mixed_precision_tip_names_one_of_the_two_ways():
     busy = dict(_HEAVY_STATES, unexplained_bytes=9000, device_type="cuda")
     assert "MixedPrecisionPolicy" in _actions(**busy, sharding=_SHARDED)
     assert "mixed precision" not in _actions(**busy, sharding=dict(_SHARDED, param_dtype="torch.bfloat16"))
+
+
+# ---------------------------------------------------------------------------------------------------- MemoryAudit
+
+
+def test_the_audit_printout_says_the_model_is_sharded_and_gives_the_whole():
+    from lightning_memopt.functional.audit import audit_model
+    from lightning_memopt.functional.footprint import live_tensors, model_footprint, tensor_names
+
+    with fake_mesh(2) as mesh:
+        model = shard(blocks(), mesh)
+        footprint = model_footprint(model)
+        text = audit_model(model, footprint, live_tensors("cpu", tensor_names(model)), None, "cpu").text("fit_start")
+    local, whole = footprint.bytes_by_category()["parameters"], 67212
+    assert local == _rank0_bytes(blocks(), 2)
+    assert text.splitlines()[0] == "MemoryAudit (fit start): model and optimizer footprint of this rank"
+    assert "model sharded (fsdp2, 3 units, over 2 ranks): parameters" in text
+    assert f"({local} bytes) of" in text and f"unsharded ({whole} bytes)" in text
+    plain = blocks()
+    plain_text = audit_model(plain, model_footprint(plain), [], None, "cpu").text("fit_start")
+    assert "sharded" not in plain_text and "of this rank" not in plain_text

@@ -26,13 +26,18 @@ def blocks(num_blocks: int = 2) -> nn.Sequential:
 
 
 @contextlib.contextmanager
-def fake_mesh(world_size: int = 2) -> Iterator[Any]:
-    """A 1-D ``data_parallel`` device mesh of ``world_size`` CPU ranks on the fake process group (rank 0)."""
+def fake_mesh(world_size: int = 2, backend: str = "fake") -> Iterator[Any]:
+    """A 1-D ``data_parallel`` device mesh of ``world_size`` CPU ranks on the fake process group (rank 0).
+
+    ``backend="gloo"`` (``world_size=1`` only) gives a real group of one process: forward and backward run, with
+    every shard the whole parameter.
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    store = FakeStore() if backend == "fake" else dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
     finally:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.functional.footprint.sharding import parameter_shards
 from lightning_memopt.functional.footprint.storage import (
     StorageKey,
     device_matches,
@@ -114,9 +115,17 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
 
 
+def _named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's parameters, then the shards FSDP2 keeps of those it has gathered now (``"name (shard)"``)."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    current = {id(param) for _, param in named}
+    shards = [(f"{name} (shard)", shard) for name, shard in parameter_shards(module) if id(shard) not in current]
+    return named + shards
+
+
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
+    for name, param in _named_parameters(module):
         names.setdefault(id(param), name)
     return names
 
@@ -129,8 +138,9 @@ def _param_groups(optimizers: Sequence[Any]) -> Iterator[tuple[int, int, Mapping
 
 
 def _parameters(module: torch.nn.Module, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
-    """The module's parameters, then the optimizers' (named after the module's where they are the same tensor)."""
-    for name, param in module.named_parameters(remove_duplicate=False):
+    """The module's parameters (and FSDP2's shards of gathered ones), then the optimizers' (named after the module's
+    where they are the same tensor)."""
+    for name, param in _named_parameters(module):
         yield "parameters", name, param
     for i, g, group in _param_groups(optimizers):
         for j, param in enumerate(group.get("params", ())):
@@ -146,7 +156,7 @@ def _buffers(module: torch.nn.Module) -> Iterator[_Owned]:
 
 def _gradients(module: torch.nn.Module, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
     """The gradients of the module's parameters, then of the optimizers' parameters the module does not have."""
-    for name, param in module.named_parameters(remove_duplicate=False):
+    for name, param in _named_parameters(module):
         if param.grad is not None:
             yield "gradients", f"{name}.grad", param.grad
     for i, g, group in _param_groups(optimizers):

@@ -17,7 +17,7 @@ from lightning_memopt.functional.footprint.storage import plain_tensor
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["Sharding", "model_sharding"]
+__all__ = ["Sharding", "model_sharding", "parameter_shards"]
 
 #: Mesh dimension names that mean data parallelism (Lightning's ``ModelParallelStrategy`` names it ``data_parallel``).
 _DATA_PARALLEL_NAMES = ("data_parallel", "dp", "dp_shard")
@@ -145,20 +145,47 @@ def _policies(units: list[tuple[str, torch.nn.Module, str]]) -> tuple[bool | Non
     return not kept, kept, offload, dtypes[0] if dtypes else None
 
 
+def parameter_shards(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(qualified name, sharded parameter)`` of every parameter an FSDP2 unit in ``module`` manages.
+
+    While a unit has gathered its parameters (inside its forward and backward, or after a no-grad forward of a unit
+    with ``reshard_after_forward=False``), ``module.named_parameters()`` gives the whole tensors; the shards, which
+    the optimizer updates, are these. Empty for a module without FSDP2 units.
+    """
+    found = _torch_private.fsdp2_sharded_parameters(module)
+    if not found:
+        return []
+    prefixes = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
+    shards = []
+    for owner, name, shard in found:
+        prefix = prefixes.get(id(owner))
+        if prefix is not None:
+            shards.append((f"{prefix}.{name}" if prefix else name, shard))
+    return shards
+
+
+def _sharded_view(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Each parameter of ``module`` once, as its shard where an FSDP2 unit keeps one."""
+    shards = dict(parameter_shards(module))
+    seen: set[int] = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        tensor = shards.get(name, param)
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
+
+
 def model_sharding(module: torch.nn.Module) -> Sharding:
     """How ``module``'s parameters are sharded on this rank (see :class:`Sharding`); reads only, never communicates.
 
     Each parameter is counted once (tied weights too): its local shard's bytes (``DTensor.to_local()``), and its
-    whole bytes (``numel() * element_size()``, the global shape for a ``DTensor``).
+    whole bytes (``numel() * element_size()``, the global shape for a ``DTensor``). A unit that has gathered its
+    parameters at the moment of reading still counts its shards (:func:`parameter_shards`).
     """
     dtensor = _dtensor_type()
-    seen: set[int] = set()
     num = num_dtensors = local = whole = 0
     mesh = None
-    for param in module.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+    for param in _sharded_view(module):
         num += 1
         plain = plain_tensor(param)
         local += int(plain.numel()) * plain.element_size()
