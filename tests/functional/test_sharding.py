@@ -7,6 +7,7 @@ rank 0's shards of a 2- or 4-way FSDP2 sharding. The 2-process run under Lightni
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -209,3 +210,23 @@ def test_the_audit_printout_says_the_model_is_sharded_and_gives_the_whole():
     plain = blocks()
     plain_text = audit_model(plain, model_footprint(plain), [], None, "cpu").text("fit_start")
     assert "sharded" not in plain_text and "of this rank" not in plain_text
+
+
+@pytest.mark.parametrize(("precision", "warned"), [("bf16-mixed", True), ("32-true", False), (None, False)])
+def test_the_audit_warns_when_autocast_and_fsdp_mixed_precision_both_cast(precision, warned):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lightning_memopt.functional.audit import AuditSession
+    from lightning_memopt.functional.leaks import LeakSampler
+    from lightning_memopt.functional.memory import DeviceMemory
+
+    session = AuditSession(DeviceMemory("cpu"), LeakSampler(3, 1, None), 0.5, 5, collect_garbage=False)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with fake_mesh(2) as mesh, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session.audit(shard(blocks(), mesh, mp_policy=policy), [], "fit_start", lambda *a, **k: {}, precision=precision)
+        session.audit(shard(blocks(), mesh), [], "fit_start", lambda *a, **k: {}, precision=precision)  # no policy
+    found = [str(w.message) for w in caught if "both lower precision" in str(w.message)]
+    assert len(found) == int(warned)
+    if warned:
+        assert "`Trainer(precision='bf16-mixed')`" in found[0] and "param_dtype=torch.bfloat16" in found[0]
