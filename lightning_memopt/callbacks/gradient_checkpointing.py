@@ -67,6 +67,10 @@ class GradientCheckpointing(Callback):
 
     Logs: no metrics. A warning says when nothing matched.
 
+    Sharded training (FSDP2 under ``ModelParallelStrategy``): Lightning calls this ``setup`` before
+    ``configure_model``, so the blocks are wrapped before ``fully_shard``; the wrapper replaces only the instance's
+    ``forward``, so it runs inside FSDP's hooks (gathered parameters, recomputation in backward) in either order.
+
     Examples:
         >>> from torch import nn
         >>> cb = GradientCheckpointing(checkpoint_modules=[nn.TransformerEncoderLayer, "decoder.*"])
