@@ -247,8 +247,14 @@ def fsdp2_sharded_parameters(module: Any) -> list[tuple[Any, str, Any]]:
     While a unit has gathered its parameters (between its forward and backward), the module's attribute is the whole
     tensor; its shard stays here. Empty where this torch build keeps them elsewhere (read from FSDP2's private state).
     """
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
     found = []
     for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
         group = _fsdp2_param_group(sub)
         for param in getattr(group, "fsdp_params", None) or ():
             info = getattr(param, "_module_info", None)
