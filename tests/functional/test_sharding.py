@@ -99,9 +99,9 @@ def test_a_plain_model_is_not_sharded():
 # ---------------------------------------------------------------------------------------------------- the report
 
 
-def _report(model: torch.nn.Module, strategy: str = "ModelParallelStrategy"):
+def _report(model: torch.nn.Module, strategy: str = "ModelParallelStrategy", world_size: int = 2):
     exception = F.training_oom()
-    settings = dict(F.SETTINGS, strategy=strategy, world_size=2)
+    settings = dict(F.SETTINGS, strategy=strategy, world_size=world_size)
     sources = ReportSources(
         settings=lambda: settings,
         live_tensors=lambda d, names=None: [],
@@ -109,8 +109,9 @@ def _report(model: torch.nn.Module, strategy: str = "ModelParallelStrategy"):
         allocator=dict,
         versions=dict,
     )
+    position = dict(F.POSITION, world_size=world_size)
     when = failure_position(
-        lambda: F.POSITION, device=torch.device("cpu"), traceback=exception.__traceback__, run_id=None
+        lambda: position, device=torch.device("cpu"), traceback=exception.__traceback__, run_id=None
     )
     memory = failure_memory(lambda: MemoryReading(**F.CPU_MEMORY))
     return build_oom_report(
@@ -131,6 +132,26 @@ def test_the_report_of_a_sharded_model_has_a_sharding_part():
     assert "reshard_after_forward=True" in actions and "`0`, `1`" in actions
     text = render_markdown(report)
     assert "## Sharding" in text and "over 2 ranks" in text and "unsharded" in text
+
+
+def test_the_effective_batch_counts_data_parallel_ranks_only():
+    # 4 ranks: 2-way FSDP on the mesh's data-parallel dimension, 2-way tensor parallel (ranks that share samples)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        report = _report(shard(blocks(), mesh["data_parallel"]), world_size=4)
+    finally:
+        dist.destroy_process_group()
+    micro, accumulate = report["config"]["micro_batch_size"], report["config"]["accumulate_grad_batches"]
+    assert report["sharding"]["data_parallel_size"] == 2 and report["when"]["world_size"] == 4
+    assert report["config"]["effective_batch_size"] == micro * 2 * accumulate  # not x 4
+    halve = next(tip["action"] for tip in report["suggestions"] if tip["action"].startswith("Halve"))
+    assert halve.endswith(f"the effective batch stays {micro * 2 * accumulate}")
+    assert _report(blocks(), world_size=4)["config"]["effective_batch_size"] == micro * 4 * accumulate
 
 
 def test_the_report_of_a_plain_model_has_no_sharding_part():

@@ -209,6 +209,7 @@ def _config(
     stage: str | None,
     guard: SectionGuard,
     batch_size: int | None = None,
+    data_parallel_size: int | None = None,
 ) -> ConfigSection:
     config: ConfigSection = {}
 
@@ -217,8 +218,8 @@ def _config(
         accumulate, world_size = settings["accumulate_grad_batches"], settings["world_size"]
         effective = None
         samples = batch_size or micro_batch_size  # the whole batch, when a micro-batch of it failed
-        if samples:
-            effective = samples * world_size * (accumulate if stage == "train" else 1)
+        if samples:  # ranks that see other samples: all of them, or the sharding's data-parallel ones (not TP)
+            effective = samples * (data_parallel_size or world_size) * (accumulate if stage == "train" else 1)
         config.update(
             ConfigSection(
                 precision=settings["precision"],
@@ -249,6 +250,8 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
     config = report.get("config", {})
     allocator = config.get("allocator") or {}
     checkpointing = config.get("activation_checkpointing")
+    sharding = report.get("sharding")
+    data_parallel = sharding.get("data_parallel_size") if sharding else None
     return suggest_fixes(
         stage=report["when"].get("stage"),
         allocated_bytes=memory.get("allocated_bytes"),
@@ -260,7 +263,7 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
         unexplained_bytes=holders.get("unexplained_bytes"),
         micro_batch_size=config.get("micro_batch_size"),
         accumulate_grad_batches=config.get("accumulate_grad_batches"),
-        world_size=int(report["when"].get("world_size") or 1),
+        world_size=int(data_parallel or report["when"].get("world_size") or 1),
         precision=config.get("precision"),
         allocator_conf=allocator.get("PYTORCH_ALLOC_CONF") or allocator.get("PYTORCH_CUDA_ALLOC_CONF"),
         device_type=device_type,
@@ -339,7 +342,9 @@ def build_oom_report(
     facts = micro_batch_facts(exception)  # AutoMicroBatch's last micro-batch: the frames hold only its slice
     micro = facts.micro_batch_size if facts is not None else report["batch"].get("micro_batch_size")
     whole = facts.batch_size if facts is not None else None
-    config = report["config"] = _config(sources, micro, when.get("stage"), guard, whole)
+    sharding = guard("sharding", lambda: sources.sharding(module), _nothing)
+    data_parallel = sharding.data_parallel_size if sharding is not None and sharding.sharded else None
+    config = report["config"] = _config(sources, micro, when.get("stage"), guard, whole, data_parallel)
 
     def read_checkpointing() -> None:
         state = checkpointing_state(module, sources.is_checkpointed)
@@ -348,11 +353,6 @@ def build_oom_report(
             # on at train start, given back by its callback before this report
             state = cast(CheckpointingState, {**at_start, "seen": "at train start"})
         config["activation_checkpointing"] = state
-
-    def read_sharding() -> None:
-        facts = sources.sharding(module)
-        if facts.sharded:  # only a sharded model has the part
-            report["sharding"] = cast(ShardingSection, {**facts.as_dict(), "strategy": config.get("strategy")})
 
     def read_hparams() -> None:
         report["hparams"] = hparams_as_json(module)
@@ -364,7 +364,8 @@ def build_oom_report(
         report["suggestions"] = suggestions_for(report, device.type)
 
     guard("activation checkpointing", read_checkpointing, _nothing)
-    guard("sharding", read_sharding, _nothing)
+    if sharding is not None and sharding.sharded:  # only a sharded model has the part
+        report["sharding"] = cast(ShardingSection, {**sharding.as_dict(), "strategy": config.get("strategy")})
     guard("hyperparameters", read_hparams, _nothing)
     guard("environment", read_environment, _nothing)
     guard("suggestions", read_suggestions, _nothing)
