@@ -251,3 +251,30 @@ def test_the_audit_warns_when_autocast_and_fsdp_mixed_precision_both_cast(precis
     assert len(found) == int(warned)
     if warned:
         assert "`Trainer(precision='bf16-mixed')`" in found[0] and "param_dtype=torch.bfloat16" in found[0]
+
+
+# ---------------------------------------------------------------------------------------------------- checkpointing
+
+
+@pytest.mark.parametrize("order", ["wrapped, then fully_shard", "fully_shard, then wrapped"])
+def test_checkpointed_fsdp2_blocks_recompute_and_give_the_same_gradients(order):
+    # One real rank (gloo): FSDP's hooks gather around the block's call; the wrapper replaces only its forward.
+    from lightning_memopt.functional.checkpointing import wrap_modules
+
+    def gradients(wrap: bool) -> tuple[list[torch.Tensor], int]:
+        with fake_mesh(1, backend="gloo") as mesh:
+            model, calls = blocks(), []
+            for block in model[:-1]:
+                block[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+            if wrap and order.startswith("wrapped"):
+                wrap_modules(model, ["0", "1"])
+            shard(model, mesh)
+            if wrap and order.startswith("fully_shard"):
+                wrap_modules(model, ["0", "1"])
+            model(torch.randn(4, 32, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+            return [p.grad.full_tensor().clone() for p in model.parameters()], len(calls)
+
+    (plain, plain_calls), (checkpointed, calls) = gradients(False), gradients(True)
+    assert (plain_calls, calls) == (2, 4)  # each block again in backward
+    for got, expected in zip(checkpointed, plain):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)

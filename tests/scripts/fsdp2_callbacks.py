@@ -1,13 +1,15 @@
 """Two processes (gloo, CPU) of FSDP2 under Lightning's ``ModelParallelStrategy``, with every memory callback.
 
 Usage: ``python fsdp2_callbacks.py`` in an empty directory (run by ``tests/callbacks/test_fsdp2.py``). The
-LightningModule applies ``fully_shard`` to each block and to the root in ``configure_model``; the fit runs
-``MemoryMonitor`` (with its cross-rank exchange every step), ``CacheCleaner``, ``GarbageCollector``,
-``MemoryAudit``, ``GradientCheckpointing`` and ``OOMReporter``. After the second optimizer step, each rank writes
-what it saw to ``seen_rank{r}.json``; the package's log goes to ``log_rank{r}.txt``. At the fourth step rank 1 alone
-raises ``torch.OutOfMemoryError`` inside the third block's forward (rank 0 then waits in the next unit's all-gather
-until Lightning ends it), so rank 1 writes its out-of-memory report and ``caught_rank1.json``. Lightning re-launches
-this file for rank 1, so it must be a file of its own.
+LightningModule builds two more blocks and applies ``fully_shard`` to each block and to the root in
+``configure_model``; the fit runs ``MemoryMonitor`` (with its cross-rank exchange every step), ``CacheCleaner``,
+``GarbageCollector``, ``MemoryAudit``, ``GradientCheckpointing`` twice (one for the blocks built in ``__init__``,
+wrapped at setup before ``fully_shard``; one for the blocks ``configure_model`` builds, wrapped at fit start after
+it) and ``OOMReporter``. After the second optimizer step, each rank writes what it saw to ``seen_rank{r}.json``;
+the package's log goes to ``log_rank{r}.txt``. At the fourth step rank 1 alone raises ``torch.OutOfMemoryError``
+inside the third block's forward (rank 0 then waits in the next unit's all-gather until Lightning ends it), so
+rank 1 writes its out-of-memory report and ``caught_rank1.json``. Lightning re-launches this file for rank 1, so it
+must be a file of its own.
 """
 
 from __future__ import annotations
@@ -43,10 +45,18 @@ class Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
+class EarlyBlock(Block):
+    """Built in ``__init__``: there when callbacks' ``setup`` runs."""
+
+
+class LateBlock(Block):
+    """Built in ``configure_model``, right before ``fully_shard``."""
+
+
 class ShardedModel(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model = nn.Sequential(*[Block(WIDTH) for _ in range(NUM_BLOCKS)], nn.Linear(WIDTH, 2))
+        self.model = nn.Sequential(*[EarlyBlock(WIDTH) for _ in range(NUM_BLOCKS // 2)], nn.Linear(WIDTH, 2))
         self.wrapped_at_shard: list[bool] = []
 
     def configure_model(self) -> None:
@@ -56,6 +66,8 @@ class ShardedModel(pl.LightningModule):
 
         if getattr(self.model, "_sharded", False):
             return
+        for i in range(NUM_BLOCKS // 2, NUM_BLOCKS):
+            self.model.insert(i, LateBlock(WIDTH))
         mesh = self.device_mesh["data_parallel"]
         for block in self.model[:NUM_BLOCKS]:
             self.wrapped_at_shard.append(is_checkpointed(block))  # GradientCheckpointing's setup ran before
@@ -134,7 +146,8 @@ def main() -> None:
         CacheCleaner(every_n_train_steps=1),
         GarbageCollector(every_n_train_steps=1),
         MemoryAudit(dirpath="memopt", leak_every_n_train_steps=1, leak_window=3),
-        GradientCheckpointing(checkpoint_modules=[Block]),
+        GradientCheckpointing(checkpoint_modules=[EarlyBlock]),
+        GradientCheckpointing(checkpoint_modules=[LateBlock]),
         OOMReporter(dirpath="memopt"),
         Observer(),
     ]
