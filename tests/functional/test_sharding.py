@@ -278,3 +278,20 @@ def test_checkpointed_fsdp2_blocks_recompute_and_give_the_same_gradients(order):
     assert (plain_calls, calls) == (2, 4)  # each block again in backward
     for got, expected in zip(checkpointed, plain):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_a_model_sharded_as_one_unit_is_told_to_shard_per_block():
+    from torch.distributed.fsdp import fully_shard
+
+    with fake_mesh(1, backend="gloo") as mesh:
+        model = blocks()
+        fully_shard(model, mesh=mesh)
+        model(torch.randn(2, 32)).sum().backward()  # FSDP2 keeps the root gathered after forward from now on
+        facts = model_sharding(model)
+        report = _report(model)
+    assert facts.num_units == 1 and facts.reshard_after_forward is None and facts.kept_unsharded == []
+    actions = " ".join(tip["action"] for tip in report["suggestions"])
+    assert "Apply `fully_shard` to each block" in actions and "reshard_after_forward" not in actions
+    with fake_mesh(2) as mesh:
+        per_block = _report(shard(blocks(), mesh))
+    assert not any("Apply `fully_shard` to each block" in tip["action"] for tip in per_block["suggestions"])

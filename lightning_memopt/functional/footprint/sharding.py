@@ -38,7 +38,7 @@ class Sharding:
         num_units: ``fully_shard`` (or FSDP1) units in the module.
         unit_names: Their qualified names (``""`` is the module itself), outermost first.
         reshard_after_forward: Whether every unit below the outermost one frees its gathered parameters after
-            forward (``False`` if one does not; ``None`` when not readable).
+            forward (``False`` if one does not; ``None`` when not readable or when there is no inner unit).
         kept_unsharded: Units below the outermost one with ``reshard_after_forward=False``.
         cpu_offload: Whether a unit offloads its parameters to the CPU (``CPUOffloadPolicy``), ``None`` if unknown.
         param_dtype: The ``MixedPrecisionPolicy.param_dtype`` of the units (``None``: unset or unknown).
@@ -138,11 +138,13 @@ def _policies(units: list[tuple[str, torch.nn.Module, str]]) -> tuple[bool | Non
     known = {name: policy for name, policy in read.items() if policy is not None}
     if not known:
         return None, [], None, None
-    inner = {name: policy for name, policy in known.items() if _is_inner(name, names)} or known
+    # FSDP2 keeps the outermost unit gathered after forward once training started (its parameters are needed first
+    # in backward): only the inner units' setting is the user's to choose.
+    inner = {name: policy for name, policy in known.items() if _is_inner(name, names)}
     kept = [name for name, policy in inner.items() if not policy["reshard_after_forward"]]
     dtypes = [policy["param_dtype"] for policy in known.values() if policy["param_dtype"] is not None]
     offload = any(policy["cpu_offload"] for policy in known.values())
-    return not kept, kept, offload, dtypes[0] if dtypes else None
+    return (not kept) if inner else None, kept, offload, dtypes[0] if dtypes else None
 
 
 def parameter_shards(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

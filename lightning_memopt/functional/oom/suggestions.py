@@ -292,6 +292,25 @@ def reshard_after_forward(f: Facts) -> Iterator[Tip]:
     )
 
 
+def units_per_block(f: Facts) -> Iterator[Tip]:
+    """FSDP2 with the whole model as one unit: every parameter is gathered at once; shard per block."""
+    if not (f.sharded and f.training and f.sharding.get("kind") == "fsdp2" and f.sharding.get("num_units") == 1):
+        return
+    yield Tip(
+        None,
+        2,
+        "Apply `fully_shard` to each block (transformer layer, residual block) in `configure_model`, then to the"
+        " root: each unit then gathers only its own parameters",
+        "The model is one FSDP unit: forward and backward gather all of its parameters at once"
+        + (
+            f" ({format_bytes(f.sharding['unsharded_parameter_bytes'])} unsharded)"
+            if isinstance(f.sharding.get("unsharded_parameter_bytes"), int)
+            else ""
+        )
+        + ", so sharding saves nothing at the peak.",
+    )
+
+
 def fragmentation(f: Facts) -> Iterator[Tip]:
     """Reserved but unallocated memory at least a tenth of reserved and the request: expandable segments."""
     if f.reserved_bytes is None or f.allocated_bytes is None:
@@ -333,6 +352,7 @@ def other_users(f: Facts) -> Iterator[Tip]:
 #: The rules, in the order their tips are collected (ties in the ranking keep this order).
 RULES: tuple[Rule, ...] = (
     huge_allocation,
+    units_per_block,
     reshard_after_forward,
     activation_checkpointing,
     smaller_micro_batch,
