@@ -295,3 +295,12 @@ def test_a_model_sharded_as_one_unit_is_told_to_shard_per_block():
     with fake_mesh(2) as mesh:
         per_block = _report(shard(blocks(), mesh))
     assert not any("Apply `fully_shard` to each block" in tip["action"] for tip in per_block["suggestions"])
+
+
+def test_fsdp1_tips_name_the_strategy_settings_not_fully_shard():
+    busy = dict(_HEAVY_STATES, device_type="cuda")
+    fsdp1 = _actions(**busy, sharding=dict(_SHARDED, kind="fsdp1"))
+    assert "FSDPStrategy(cpu_offload=True)" in fsdp1 and "already" in fsdp1
+    assert "fully_shard" not in fsdp1 and "MixedPrecisionPolicy" not in fsdp1 and "ModelParallelStrategy" not in fsdp1
+    activations = dict(busy, unexplained_bytes=9000, bytes_by_category={"parameters": 100})
+    assert "activation_checkpointing_policy" in _actions(**activations, sharding=dict(_SHARDED, kind="fsdp1"))

@@ -61,6 +61,11 @@ class Facts:
         return bool(self.sharding.get("sharded"))
 
     @property
+    def fsdp1(self) -> bool:
+        """Sharded by FSDP1 (``FSDPStrategy``), whose settings are the strategy's, not ``fully_shard``'s."""
+        return self.sharding.get("kind") == "fsdp1"
+
+    @property
     def shard_ranks(self) -> str:
         """The ranks the model is sharded over, in words."""
         size = self.sharding.get("data_parallel_size")
@@ -126,7 +131,9 @@ def activation_checkpointing(f: Facts) -> Iterator[Tip]:
             " (the `GradientCheckpointing` callback, or `model.activation_checkpointing_enable()` for Hugging"
             " Face models; `gradient_checkpointing_enable()` before transformers 5)"
         )
-        if f.sharded:
+        if f.fsdp1:
+            how = " on the blocks, inside FSDP's units (`FSDPStrategy(activation_checkpointing_policy={Block})`)"
+        elif f.sharded:
             how = (
                 " on the blocks, before `fully_shard` wraps them (the `GradientCheckpointing` callback does: its"
                 " `setup` runs before `configure_model`; by hand, `checkpoint_wrapper` each block, then `fully_shard`)"
@@ -178,7 +185,7 @@ def mixed_precision(f: Facts) -> Iterator[Tip]:
             4,
             "Train in mixed precision: `fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,"
             " reduce_dtype=torch.float32))` in `configure_model`, or `Trainer(precision='bf16-mixed')`, not both"
-            if f.sharded
+            if f.sharded and not f.fsdp1
             else "Train in mixed precision: `Trainer(precision='bf16-mixed')` (or '16-mixed' on GPUs without bf16)",
             f"Precision is {precision!r}: activations are stored in 32 bits; mixed precision stores most of them"
             " in 16.",
@@ -216,8 +223,10 @@ def optimizer_state(f: Facts) -> Iterator[Tip]:
             f.opt / 2,
             5,
             f"Optimizer states are sharded over {f.shard_ranks} already: shard over twice the data-parallel ranks"
-            " (more GPUs, `ModelParallelStrategy(data_parallel_size=...)`), " + _offload(f) + "or use an optimizer"
-            " with less state (SGD with momentum, Adafactor, an 8-bit Adam)",
+            + ("" if f.fsdp1 else " (more GPUs, `ModelParallelStrategy(data_parallel_size=...)`)")
+            + ", "
+            + _offload(f)
+            + "or use an optimizer with less state (SGD with momentum, Adafactor, an 8-bit Adam)",
             f"This rank's optimizer-state shards hold {format_bytes(f.opt)} ({percent(f.opt, f.total)} of"
             f" {f.basis}), versus {format_bytes(f.params)} of parameter shards.",
         )
@@ -269,6 +278,8 @@ def _offload(f: Facts) -> str:
     """The CPU-offload part of a sharded tip, empty when parameters are offloaded already."""
     if f.sharding.get("cpu_offload"):
         return ""
+    if f.fsdp1:
+        return "offload parameters and gradients to the CPU (`FSDPStrategy(cpu_offload=True)`), "
     return (
         "offload parameters, gradients and optimizer states to the CPU"
         " (`fully_shard(..., offload_policy=CPUOffloadPolicy())`), "
