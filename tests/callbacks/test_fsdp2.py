@@ -48,6 +48,7 @@ def test_the_sharded_fit_runs_every_callback_and_ends_on_the_oom(run):
         records = [json.loads(line) for line in (directory / "memopt" / f"memory_rank{rank}.jsonl").open()]
         assert {r["rank"] for r in records} == {rank}
         assert sum(r["event"] == "step" for r in records) >= 2 and sum(r["event"] == "audit" for r in records) == 2
+        assert {"train", "validate"} <= {r["phase"] for r in records}  # the validation after step 2 was monitored
     logged = _read(directory, "seen_rank0.json")["logged_keys"]
     assert {"memory/train/host_rss_bytes_max", "memory/audit/parameters_bytes"} <= set(logged)  # the all_gather ran
 

@@ -6,10 +6,10 @@ LightningModule builds two more blocks and applies ``fully_shard`` to each block
 ``GarbageCollector``, ``MemoryAudit``, ``GradientCheckpointing`` twice (one for the blocks built in ``__init__``,
 wrapped at setup before ``fully_shard``; one for the blocks ``configure_model`` builds, wrapped at fit start after
 it) and ``OOMReporter``. After the second optimizer step, each rank writes what it saw to ``seen_rank{r}.json``;
-the package's log goes to ``log_rank{r}.txt``. At the fourth step rank 1 alone raises ``torch.OutOfMemoryError``
-inside the third block's forward (rank 0 then waits in the next unit's all-gather until Lightning ends it), so
-rank 1 writes its out-of-memory report and ``caught_rank1.json``. Lightning re-launches this file for rank 1, so it
-must be a file of its own.
+the package's log goes to ``log_rank{r}.txt``. A validation of two batches follows. At the fourth step rank 1
+alone raises ``torch.OutOfMemoryError`` inside the third block's forward (rank 0 then waits in the next unit's
+all-gather until Lightning ends it), so rank 1 writes its out-of-memory report and ``caught_rank1.json``.
+Lightning re-launches this file for rank 1, so it must be a file of its own.
 """
 
 from __future__ import annotations
@@ -86,8 +86,14 @@ class ShardedModel(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self(batch).pow(2).mean(), sync_dist=True)
+
     def train_dataloader(self):
         return torch.utils.data.DataLoader(RandomDataset(WIDTH, 64), batch_size=4)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(RandomDataset(WIDTH, 16, seed=1), batch_size=4)
 
 
 class Observer(pl.Callback):
@@ -159,6 +165,8 @@ def main() -> None:
         strategy=strategy,
         max_steps=6,
         limit_train_batches=6,
+        limit_val_batches=2,
+        val_check_interval=2,  # a validation (no-grad forwards of the sharded model) after step 2, before the OOM
         callbacks=callbacks,
         logger=RecordingLogger(),
     )
