@@ -7,6 +7,7 @@ rank 0's shards of a 2- or 4-way FSDP2 sharding. The 2-process run under Lightni
 from __future__ import annotations
 
 import math
+import typing
 import warnings
 
 import pytest
@@ -20,6 +21,7 @@ from lightning_memopt.functional.oom import (
     failure_memory,
     failure_position,
     render_markdown,
+    schema,
     suggest_fixes,
 )
 from tests.helpers import oom_fixtures as F
@@ -128,6 +130,7 @@ def test_the_report_of_a_sharded_model_has_a_sharding_part():
     assert sharding["sharded"] and sharding["strategy"] == "ModelParallelStrategy" and sharding["num_units"] == 3
     assert sharding["local_parameter_bytes"] == report["holders"]["bytes_by_category"]["parameters"]
     assert list(report).index("sharding") == list(report).index("config") + 1
+    assert list(sharding) == list(typing.get_type_hints(schema.ShardingSection))  # every key, in the schema's order
     actions = " ".join(tip["action"] for tip in report["suggestions"])
     assert "reshard_after_forward=True" in actions and "`0`, `1`" in actions
     text = render_markdown(report)

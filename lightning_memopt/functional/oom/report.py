@@ -365,7 +365,8 @@ def build_oom_report(
 
     guard("activation checkpointing", read_checkpointing, _nothing)
     if sharding is not None and sharding.sharded:  # only a sharded model has the part
-        report["sharding"] = cast(ShardingSection, {**sharding.as_dict(), "strategy": config.get("strategy")})
+        found = {**sharding.as_dict(), "strategy": config.get("strategy")}
+        report["sharding"] = cast(ShardingSection, {k: found[k] for k in ShardingSection.__annotations__ if k in found})
     guard("hyperparameters", read_hparams, _nothing)
     guard("environment", read_environment, _nothing)
     guard("suggestions", read_suggestions, _nothing)
