@@ -139,16 +139,8 @@ def test_the_report_of_a_sharded_model_has_a_sharding_part():
 
 def test_the_effective_batch_counts_data_parallel_ranks_only():
     # 4 ranks: 2-way FSDP on the mesh's data-parallel dimension, 2-way tensor parallel (ranks that share samples)
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    with fake_mesh(4, shape=(2, 2), names=("data_parallel", "tensor_parallel")) as mesh:
         report = _report(shard(blocks(), mesh["data_parallel"]), world_size=4)
-    finally:
-        dist.destroy_process_group()
     micro, accumulate = report["config"]["micro_batch_size"], report["config"]["accumulate_grad_batches"]
     assert report["sharding"]["data_parallel_size"] == 2 and report["when"]["world_size"] == 4
     assert report["config"]["effective_batch_size"] == micro * 2 * accumulate  # not x 4

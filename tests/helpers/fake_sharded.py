@@ -26,20 +26,29 @@ def blocks(num_blocks: int = 2) -> nn.Sequential:
 
 
 @contextlib.contextmanager
-def fake_mesh(world_size: int = 2, backend: str = "fake") -> Iterator[Any]:
-    """A 1-D ``data_parallel`` device mesh of ``world_size`` CPU ranks on the fake process group (rank 0).
+def fake_mesh(
+    world_size: int = 2,
+    backend: str = "fake",
+    shape: tuple[int, ...] | None = None,
+    names: tuple[str, ...] = ("data_parallel",),
+) -> Iterator[Any]:
+    """A device mesh of ``world_size`` CPU ranks (1-D ``data_parallel`` unless ``shape`` and ``names`` say
+    otherwise) on the fake process group, as rank 0; the group is destroyed afterwards.
 
     ``backend="gloo"`` (``world_size=1`` only) gives a real group of one process: forward and backward run, with
-    every shard the whole parameter.
+    every shard the whole parameter. A test that finds a process group already initialized is skipped.
     """
+    import pytest
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
     store = FakeStore() if backend == "fake" else dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+        yield init_device_mesh("cpu", shape or (world_size,), mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
 
