@@ -6,6 +6,7 @@ rank 0's shards of a 2- or 4-way FSDP2 sharding. The 2-process run under Lightni
 
 from __future__ import annotations
 
+import gc
 import math
 import typing
 import warnings
@@ -75,6 +76,7 @@ def test_gathered_parameters_are_neither_duplicates_nor_lost_shards():
     # keeps the gathered whole after a no-grad forward (as in validation); the shards are then no module attribute.
     from lightning_memopt.functional.footprint import find_duplicates, live_tensors, model_footprint, tensor_names
 
+    gc.collect()  # earlier tests' seeded models, left in reference cycles, hold the same values
     with fake_mesh(1, backend="gloo") as mesh:
         model = shard(blocks(), mesh, reshard_after_forward=False)
         before = model_footprint(model).bytes_by_category()["parameters"]
@@ -89,6 +91,28 @@ def test_gathered_parameters_are_neither_duplicates_nor_lost_shards():
     assert duplicates.num_tensors == 0, duplicates
     assert facts.num_dtensor_parameters == 10 and facts.local_parameter_bytes == before
     assert after == before + sum(p.numel() * p.element_size() for p in gathered)  # the shards and the gathered wholes
+
+
+def test_a_whole_copy_of_sharded_weights_kept_on_a_rank_is_a_duplicate():
+    # rank 0 of 2: a full state dict holds each whole parameter, whose first rows are this rank's shard
+    from lightning_memopt.functional.footprint import find_duplicates, live_tensors, tensor_names
+    from lightning_memopt.functional.footprint.sharding import shard_rows
+
+    gc.collect()  # earlier tests' seeded models, left in reference cycles, hold the same values
+    with fake_mesh(2) as mesh:
+        model = shard(blocks(), mesh)
+        whole = []
+        for param in model.parameters():
+            shape, rows = shard_rows(param)
+            assert rows.start == 0 and rows.stop == param.to_local().shape[0]
+            rest = torch.randn(shape[0] - rows.stop, *shape[1:])
+            whole.append(torch.cat([param.to_local().detach(), rest]))
+        unrelated = [torch.randn(t.shape) for t in whole]  # whole shapes, other values
+        duplicates = find_duplicates(model, live_tensors("cpu", names=tensor_names(model)))
+    assert duplicates.num_tensors == 10 and duplicates.num_same_shape_other_values >= 10  # the unrelated ones
+    assert duplicates.bytes == sum(t.numel() * 4 for t in whole) and duplicates.fraction > 1.9  # whole vs shards
+    assert duplicates.cause.startswith("a whole (unsharded) copy of the sharded weights")
+    del whole, unrelated
 
 
 def test_a_plain_model_is_not_sharded():

@@ -17,7 +17,7 @@ from lightning_memopt.functional.footprint.storage import plain_tensor
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["Sharding", "model_sharding", "parameter_shards"]
+__all__ = ["Sharding", "model_sharding", "parameter_shards", "shard_rows"]
 
 #: Mesh dimension names that mean data parallelism (Lightning's ``ModelParallelStrategy`` names it ``data_parallel``).
 _DATA_PARALLEL_NAMES = ("data_parallel", "dp", "dp_shard")
@@ -164,6 +164,30 @@ def parameter_shards(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         if prefix is not None:
             shards.append((f"{prefix}.{name}" if prefix else name, shard))
     return shards
+
+
+def shard_rows(param: torch.Tensor) -> tuple[tuple[int, ...], slice] | None:
+    """``(whole shape, rows)`` of a ``DTensor`` sharded on its first dimension over a 1-D mesh (FSDP2's default):
+    the rows of the whole parameter that this rank's shard holds (``torch.chunk``'s split). ``None`` for any other
+    tensor or placement. Read from the DTensor's metadata: nothing is gathered.
+
+    Examples:
+        >>> shard_rows(torch.zeros(3)) is None
+        True
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(param, dtensor):
+        return None
+    mesh = getattr(param, "device_mesh", None)
+    placements: tuple[Any, ...] = tuple(getattr(param, "placements", ()))
+    if mesh is None or mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard(dim=0):
+        return None
+    whole = tuple(int(s) for s in param.shape)
+    if not whole:
+        return None
+    chunk = -(-whole[0] // int(mesh.size()))  # ceil: the first ranks take the larger chunks
+    start = min(int(mesh.get_local_rank()) * chunk, whole[0])
+    return whole, slice(start, min(start + chunk, whole[0]))
 
 
 def _sharded_view(module: torch.nn.Module) -> Iterator[torch.Tensor]:
