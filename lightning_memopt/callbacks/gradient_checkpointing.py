@@ -67,6 +67,12 @@ class GradientCheckpointing(Callback):
 
     Logs: no metrics. A warning says when nothing matched.
 
+    Sharded training (FSDP2 under ``ModelParallelStrategy``): Lightning calls this ``setup`` before
+    ``configure_model``, so the blocks are wrapped before ``fully_shard``; the wrapper replaces only the instance's
+    ``forward``, so it runs inside FSDP's hooks (gathered parameters, recomputation in backward) in either order.
+    A model that builds its blocks in ``configure_model`` has nothing to match at setup: they are wrapped at fit
+    start instead (after ``fully_shard``), and the warning about no match waits until then.
+
     Examples:
         >>> from torch import nn
         >>> cb = GradientCheckpointing(checkpoint_modules=[nn.TransformerEncoderLayer, "decoder.*"])
@@ -96,6 +102,7 @@ class GradientCheckpointing(Callback):
         #: Submodules that the last wrap found checkpointed already (left to whoever wrapped them).
         self.already_wrapped_names: list[str] = []
         self._handles: list[CheckpointingHandle] = []
+        self._pending = False  # nothing matched at setup: look again at fit start, after `configure_model`
         self._warn = WarnOnce()
 
     def wrap(self, model: nn.Module) -> list[str]:
@@ -122,7 +129,22 @@ class GradientCheckpointing(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or any(h._wrapped or h._switched for h in self._handles):
             return
+        self._apply(pl_module, last_look=False)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending:
+            self._pending = False
+            self._apply(pl_module, last_look=True)
+
+    def _apply(self, pl_module: pl.LightningModule, last_look: bool) -> None:
+        """Wrap (or switch on) what matches; when nothing does before ``configure_model`` (a model that builds its
+        blocks there, as sharded training does), look again at fit start, and warn only then."""
         handle = wrap_checkpointing(pl_module, self.checkpoint_modules, self.use_model_switch)
+        if not (handle.used_switch or handle.wrapped_names or handle.already_wrapped_names or last_look):
+            handle.restore()
+            self._pending = True
+            return
         self._handles.append(handle)
         if not handle.used_switch:
             self.wrapped_names.extend(handle.wrapped_names)
@@ -171,6 +193,7 @@ class GradientCheckpointing(Callback):
     def restore(self) -> None:
         """Give back everything setup changed: the original forwards, and model switches turned on by this callback."""
         handles, self._handles = self._handles, []
+        self._pending = False
         for handle in reversed(handles):
             handle.restore()
         self.wrapped_names.clear()

@@ -255,7 +255,9 @@ class MemoryAudit(RankLogCallback):
 
     def _audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
         optimizers = list(getattr(trainer, "optimizers", []) or [])
-        result = self._session.audit(pl_module, optimizers, when, self._emitter(trainer))
+        precision = getattr(trainer, "precision", None)
+        precision = None if precision is None else str(precision)
+        result = self._session.audit(pl_module, optimizers, when, self._emitter(trainer), precision=precision)
         self._say(result.text(when))
         if when == "fit_start" and trainer.global_rank == 0 and trainer.loggers:
             log_to_loggers(trainer, result.metrics(self._session.warn_duplicates), self._warn, "MemoryAudit")

@@ -51,7 +51,9 @@ class OOMReporter(ArtifactCallback):
       memory, configuration, hyperparameters, environment (allow-listed, secrets redacted) and ranked
       suggestions. Every key is in :class:`~lightning_memopt.functional.oom.schema.OOMReport` and described
       in ``docs/oom-report.md``; ``lightning-memopt report FILE`` prints it as Markdown;
-    * ``oom_report_rank{r}.md``: the same, readable (the sections are in ``docs/oom-report.md``);
+    * ``oom_report_rank{r}.md``: the same, readable (the sections are in ``docs/oom-report.md``). A sharded model
+      (FSDP2 ``fully_shard``, e.g. under ``ModelParallelStrategy``) adds how it is sharded (``sharding``: units,
+      data-parallel size, this rank's shard bytes beside the unsharded whole) and the suggestions know it;
     * ``oom_snapshot_rank{r}.pickle`` with ``record_history=True`` on CUDA: the allocator's history, for
       https://pytorch.org/memory_viz. Recording starts in ``setup`` and stops at ``teardown`` or after an
       exception; it costs time on every allocation (use it to investigate). On a device without allocator

@@ -22,10 +22,12 @@ from lightning_memopt.functional.footprint import (
     Duplicates,
     Footprint,
     LiveTensor,
+    Sharding,
     StorageKey,
     find_duplicates,
     find_storage_holders,
     model_footprint,
+    model_sharding,
     tensor_names,
     unexplained_bytes,
 )
@@ -43,6 +45,7 @@ from lightning_memopt.functional.leaks import (
 )
 from lightning_memopt.functional.loaders import LoaderMemory, batch_bytes, loader_memory
 from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.functional.precision import double_cast
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.state import StateField, as_bool, as_int, as_list, load_state
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -53,6 +56,7 @@ __all__ = [
     "Emit",
     "ModelAudit",
     "audit_model",
+    "double_cast_message",
     "duplicates_message",
     "metric_states_message",
     "validation_findings",
@@ -71,6 +75,7 @@ class ModelAudit:
     unexplained: int | None
     unowned: list[LiveTensor]
     duplicates: Duplicates
+    sharding: Sharding | None = None  # how the parameters are sharded (``None``: not read)
 
     def fields(self, when: str, max_listed: int) -> dict[str, Any]:
         """The keys of an ``audit`` record after the reading (``docs/memory-log.md``)."""
@@ -94,8 +99,13 @@ class ModelAudit:
         return metrics
 
     def text(self, when: str) -> str:
-        """The printed summary: the footprint table, unexplained bytes and unowned live tensors."""
-        lines = [f"MemoryAudit ({when.replace('_', ' ')}): model and optimizer footprint", self.footprint.table()]
+        """The printed summary: the footprint table (this rank's shards of a sharded model, with the unsharded whole
+        beside them), unexplained bytes and unowned live tensors."""
+        title = f"MemoryAudit ({when.replace('_', ' ')}): model and optimizer footprint"
+        lines = [title, self.footprint.table()]
+        if self.sharding is not None and self.sharding.sharded:
+            lines[0] = f"{title} of this rank"
+            lines.append(f"model {self.sharding.text()}")
         if self.unexplained is not None:
             lines.append(
                 f"unexplained allocated bytes on {self.device}: {format_bytes(self.unexplained)}"
@@ -131,7 +141,8 @@ def audit_model(
     """
     unowned = [t for t in live if t.name is None]
     duplicates = find_duplicates(module, live, max_listed=max_listed, known=known)
-    return ModelAudit(footprint, device, unexplained_bytes(allocated_bytes, footprint, device), unowned, duplicates)
+    unexplained = unexplained_bytes(allocated_bytes, footprint, device)
+    return ModelAudit(footprint, device, unexplained, unowned, duplicates, model_sharding(module))
 
 
 def where_held(module: torch.nn.Module, dup: Duplicates) -> str:
@@ -182,6 +193,21 @@ def duplicates_message(rank: int, when: str, device: str, dup: Duplicates, held:
         f" ({format_bytes(dup.bytes)} = {dup.bytes} bytes, dtypes {', '.join(dup.dtypes)}) are not owned by the"
         f" model or optimizer but have the shapes of its parameters: {dup.fraction:.2f}x the parameters'"
         f" elements. {held} Likely cause: {dup.cause}. Largest: {largest}."
+    )
+
+
+def double_cast_message(rank: int, precision: str, param_dtype: str) -> str:
+    """The warning for a Trainer's autocast precision on top of FSDP2's ``MixedPrecisionPolicy`` (see ``double_cast``).
+
+    Examples:
+        >>> double_cast_message(0, "bf16-mixed", "torch.bfloat16").split(":")[0]
+        'MemoryAudit [rank 0]'
+    """
+    return (
+        f"MemoryAudit [rank {rank}]: `Trainer(precision={precision!r})` and the model's FSDP"
+        f" `MixedPrecisionPolicy(param_dtype={param_dtype})` both lower precision: FSDP casts the parameters per unit"
+        " and autocast casts every operation again. Keep one: `Trainer(precision='32-true')` with the policy, or"
+        " drop `mp_policy` from `fully_shard` in `configure_model`."
     )
 
 
@@ -330,9 +356,17 @@ class AuditSession:
         self.sampler.restart()
 
     # ---------------------------------------------------------------- footprint and duplicates
-    def audit(self, module: torch.nn.Module, optimizers: Sequence[Any], when: str, emit: Emit) -> ModelAudit:
+    def audit(
+        self,
+        module: torch.nn.Module,
+        optimizers: Sequence[Any],
+        when: str,
+        emit: Emit,
+        precision: str | None = None,
+    ) -> ModelAudit:
         """Audit the footprint and stray copies (``when``: ``fit_start``/``first_step``): emit the ``audit`` record
-        and, once per fit, a ``duplicates`` warning (also warned)."""
+        and, once per fit, a ``duplicates`` warning (also warned). With the Trainer's ``precision``, a sharded model
+        whose FSDP mixed precision autocast would cast again is warned about once per fit."""
         if self.collect_garbage:
             gc.collect()
         footprint = model_footprint(module, optimizers)
@@ -347,6 +381,9 @@ class AuditSession:
         self.duplicates_seen = dup.signatures
         self.warn_duplicates = dup.num_tensors > 0 and dup.fraction >= self.duplicate_fraction
         self.last_audit = emit(reading, "audit", None, **result.fields(when, self.max_listed))
+        param_dtype = None if result.sharding is None else result.sharding.param_dtype
+        if precision is not None and double_cast(precision, param_dtype):
+            self.findings.warn("double-cast", double_cast_message(self.rank, precision, str(param_dtype)))
         if self.warn_duplicates:
             message = duplicates_message(self.rank, when, device, dup, where_held(module, dup))
             if self.findings.warn("duplicates", message):

@@ -240,7 +240,8 @@ class CheckpointingHandle:
 def wrap_modules(model: nn.Module, checkpoint_modules: ModuleSpec | None = None) -> CheckpointingHandle:
     """Wrap the matching submodules of ``model`` (outermost match only).
 
-    Submodules that are checkpointed already are skipped with everything inside them (``already_wrapped_names``).
+    Submodules that are checkpointed already are skipped with everything inside them; those that match are listed
+    in ``already_wrapped_names`` (another ``GradientCheckpointing``'s blocks that do not match are not).
 
     Examples:
         >>> layer = nn.TransformerEncoderLayer(8, 2, 16)
@@ -253,13 +254,17 @@ def wrap_modules(model: nn.Module, checkpoint_modules: ModuleSpec | None = None)
     """
     handle = CheckpointingHandle()
     covered, skipped = handle.wrapped_names, handle.already_wrapped_names
+    inside: list[str] = []  # checkpointed already: nothing inside is wrapped again
     for name, module in model.named_modules():
-        if module is model or any(name.startswith(prefix + ".") for prefix in covered + skipped):
+        if module is model or any(name.startswith(prefix + ".") for prefix in covered + inside):
             continue
+        matches = module_matches(name, module, checkpoint_modules)
         if is_checkpointed(module):
-            skipped.append(name)
+            inside.append(name)
+            if matches:
+                skipped.append(name)
             continue
-        if not module_matches(name, module, checkpoint_modules):
+        if not matches:
             continue
         original = module.__dict__.get("forward")
         module.forward = _CheckpointedForward(module, original)

@@ -20,6 +20,8 @@ __all__ = [
     "PrecisionInput",
     "PrecisionMode",
     "choose_precision",
+    "double_cast",
+    "fsdp2_mixed_precision",
     "has_native_bf16",
     "checked_scaler_state",
     "has_own_precision",
@@ -192,6 +194,42 @@ def has_own_precision(strategy: Any) -> bool:
         [True, True, True, False, False, False]
     """
     return own_precision_strategy(strategy) is not None
+
+
+#: FSDP2's own mixed precision for a Lightning precision string: ``MixedPrecisionPolicy`` keyword arguments, as dtype
+#: names (``torch.<name>``). Parameters are cast once per unit and gradients reduced in float32.
+_FSDP2_POLICIES = {
+    "bf16-mixed": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+    "16-mixed": {"param_dtype": "float16", "reduce_dtype": "float32"},
+}
+
+
+def fsdp2_mixed_precision(precision: Any) -> dict[str, str] | None:
+    """The ``MixedPrecisionPolicy`` keyword arguments (dtype names) that give ``fully_shard`` the mixed precision
+    ``precision`` names, for a ``configure_model`` that lets FSDP own precision while the Trainer keeps
+    ``precision="32-true"``; ``None`` for a precision that is not mixed.
+
+    Examples:
+        >>> fsdp2_mixed_precision("bf16-mixed"), fsdp2_mixed_precision("32")
+        ({'param_dtype': 'bfloat16', 'reduce_dtype': 'float32'}, None)
+    """
+    policy = _FSDP2_POLICIES.get(normalize_precision(precision))
+    return None if policy is None else dict(policy)
+
+
+def double_cast(precision: Any, param_dtype: str | None) -> bool:
+    """Whether the Trainer's ``precision`` (autocast: ``*-mixed``) and FSDP2's ``MixedPrecisionPolicy.param_dtype``
+    (``Sharding.param_dtype``, e.g. ``"torch.bfloat16"``) both lower the compute precision: the model is then cast
+    twice (FSDP casts the parameters per unit, autocast each operation again). Keep one of the two.
+
+    Examples:
+        >>> double_cast("bf16-mixed", "torch.bfloat16"), double_cast("32-true", "torch.bfloat16")
+        (True, False)
+        >>> double_cast("bf16-mixed", None), double_cast("bf16-mixed", "torch.float32")
+        (False, False)
+    """
+    mixed = normalize_precision(precision) in _FSDP2_POLICIES
+    return mixed and param_dtype is not None and param_dtype.removeprefix("torch.") in ("bfloat16", "float16")
 
 
 def _scale(value: Any) -> float:

@@ -51,6 +51,13 @@ else:
 
 __all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
 
+#: How FSDP2 owns precision instead (``ModelParallelStrategy``): one of the two casts, never both.
+_FSDP2_HINT = (
+    " With `fully_shard` in `configure_model`, FSDP can own it instead: keep `precision='32-true'` and pass"
+    " `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` to `fully_shard`;"
+    " one of the two, not both (both cast twice)."
+)
+
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 #: Backends whose ``matmul.fp32_precision`` ``torch.set_float32_matmul_precision`` also writes (torch >= 2.9).
@@ -264,6 +271,8 @@ class _MemoryPrecisionMixin(_PluginBase):
                 f"`MemoryPrecision` cannot serve `strategy={type(strategy).__name__}`: {own} needs its own"
                 " precision class. Drop `MemoryPrecision` from `plugins` and pass `precision='bf16-mixed'` (or"
                 " '16-mixed') to the Trainer, or call `MemoryPreset.trainer_kwargs(strategy=...)`, which does that."
+                + _FSDP2_HINT
+                * (own == "ModelParallelStrategy")
             )
 
     def _setup(self, module: Module) -> None:

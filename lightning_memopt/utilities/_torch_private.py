@@ -23,6 +23,8 @@ __all__: list[str] = [
     "ddp_replays_comm_hook",
     "run_ddp_comm_hook",
     "dump_memory_snapshot",
+    "fsdp2_sharded_parameters",
+    "fsdp2_unit_policy",
     "storage_weak_ref",
     "start_memory_history",
     "stop_memory_history",
@@ -226,3 +228,61 @@ def ddp_gradient_buckets(module: Any) -> list[Any]:
 def run_ddp_comm_hook(module: Any, bucket: Any) -> Any:
     """Start the registered hook (or DDP's summing all-reduce without one) on ``bucket``; a future of its result."""
     return module.reducer._run_comm_hook(bucket)
+
+
+def _fsdp2_param_group(module: Any) -> Any:
+    """The parameter group of an FSDP2 unit (FSDP2's private state), ``None`` for any other module."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if not callable(get_state):
+        return None
+    try:
+        return getattr(get_state(), "_fsdp_param_group", None)
+    except (AssertionError, AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def fsdp2_sharded_parameters(module: Any) -> list[tuple[Any, str, Any]]:
+    """``(owning module, parameter name, sharded DTensor)`` of every parameter the FSDP2 units in ``module`` manage.
+
+    While a unit has gathered its parameters (between its forward and backward), the module's attribute is the whole
+    tensor; its shard stays here. Empty where this torch build keeps them elsewhere (read from FSDP2's private state).
+    """
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = _fsdp2_param_group(sub)
+        for param in getattr(group, "fsdp_params", None) or ():
+            info = getattr(param, "_module_info", None)
+            sharded = getattr(param, "sharded_param", None)
+            if info is not None and isinstance(sharded, torch.Tensor):
+                found.append((info.module, str(info.param_name), sharded))
+    return found
+
+
+def fsdp2_unit_policy(module: Any) -> dict[str, Any] | None:
+    """What ``fully_shard`` was told for ``module`` (an ``FSDPModule``): ``reshard_after_forward``,
+    ``cpu_offload`` (a ``CPUOffloadPolicy``), ``param_dtype`` and ``reduce_dtype`` of its ``MixedPrecisionPolicy``
+    (dtype names, ``None`` when unset). ``None`` when the unit holds no parameters or this torch build keeps these
+    elsewhere (read from FSDP2's private state).
+    """
+    group = _fsdp2_param_group(module)
+    if group is None or not hasattr(group, "post_forward_mesh_info"):
+        return None
+    policy = getattr(group, "mp_policy", None)
+
+    def dtype_name(name: str) -> str | None:
+        dtype = getattr(policy, name, None)
+        return None if dtype is None else str(dtype)
+
+    offload = getattr(group, "offload_policy", None)
+    return {
+        "reshard_after_forward": group.post_forward_mesh_info is not None,
+        "cpu_offload": type(offload).__name__ == "CPUOffloadPolicy",
+        "param_dtype": dtype_name("param_dtype"),
+        "reduce_dtype": dtype_name("reduce_dtype"),
+    }

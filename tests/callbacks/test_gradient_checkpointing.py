@@ -438,3 +438,40 @@ def test_the_blocks_own_keyword_arguments_reach_it(name):
         losses.append(loss.item())
         grads.append(model.block.linear.weight.grad.clone())
     assert losses[0] == losses[1] and torch.equal(grads[0], grads[1])
+
+
+class _BuiltInConfigureModel(Blocks):
+    """Builds its encoder in ``configure_model``, as sharded training does: nothing to match at setup."""
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        self.encoder = None
+        self.head = nn.Linear(16, 1)
+        self.calls = 0
+
+    def configure_model(self):
+        if self.encoder is None:
+            torch.manual_seed(0)
+            layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.encoder.layers[0].linear1.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+
+def test_blocks_built_in_configure_model_are_wrapped_at_fit_start(tmp_path):
+    model = _BuiltInConfigureModel()
+    cb = GradientCheckpointing()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*nothing is checkpointed")
+        make_trainer(tmp_path, callbacks=[cb], max_steps=2).fit(model)
+    assert model.calls == 2 * 2  # forward + recomputation in backward, for each of the 2 steps
+    assert all("forward" not in m.__dict__ for m in model.modules()) and not cb._pending  # given back at teardown
+
+
+def test_no_match_after_configure_model_warns_once_at_fit_start(tmp_path):
+    cb = GradientCheckpointing(checkpoint_modules=["NoSuchLayer"])
+    with pytest.warns(UserWarning, match="found no submodule matching") as caught:
+        make_trainer(tmp_path, callbacks=[cb], max_steps=1).fit(_BuiltInConfigureModel())
+    assert sum("found no submodule" in str(w.message) for w in caught) == 1

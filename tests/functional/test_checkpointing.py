@@ -151,3 +151,16 @@ def test_recomputation_leaves_batchnorm_running_stats_as_one_forward_left_them()
         assert torch.equal(a, b), name
     for a, b in zip(plain.parameters(), wrapped.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_modules_checkpointed_by_another_spec_are_left_alone_and_not_listed():
+    layer = nn.TransformerEncoderLayer(8, 2, 16)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    first = wrap_modules(model, ["layers.0"])
+    second = wrap_modules(model, ["layers.1"])  # layers.0 is another's: neither wrapped again nor listed as "already"
+    assert (second.wrapped_names, second.already_wrapped_names) == (["layers.1"], [])
+    again = wrap_modules(model, ["layers.*", "layers.0.linear1"])
+    assert (again.wrapped_names, again.already_wrapped_names) == ([], ["layers.0", "layers.1"])  # nothing inside
+    second.restore()
+    first.restore()
+    assert not any(is_checkpointed(m) for m in model.modules())

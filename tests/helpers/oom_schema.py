@@ -36,5 +36,8 @@ def check_against_schema(report) -> None:
     if "activation_checkpointing" in report["config"]:
         state = set(report["config"]["activation_checkpointing"])
         assert schema.CheckpointingState.__required_keys__ <= state <= _keys(schema.CheckpointingState)
+    if "sharding" in report:
+        sharding = set(report["sharding"])
+        assert schema.ShardingSection.__required_keys__ <= sharding <= _keys(schema.ShardingSection), sharding
     for tip in report.get("suggestions", []):
         assert set(tip) == _keys(schema.Suggestion)

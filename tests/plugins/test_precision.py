@@ -361,3 +361,15 @@ def test_cuda_native_bf16_agrees_with_torch_without_emulation():
     reference = torch.cuda.is_bf16_supported(including_emulation=False)
     choice = MemoryPrecision("auto").resolve(torch.device("cuda", 0))
     assert (choice.precision == "bf16-mixed") is reference
+
+
+def test_model_parallel_strategy_refusal_names_fsdp_mixed_precision_as_the_other_way():
+    strategy = object.__new__(lightning_module("strategies").ModelParallelStrategy)
+    module = torch.nn.Linear(2, 2)
+    module._trainer = SimpleNamespace(strategy=strategy, global_rank=0)
+    with pytest.raises(TypeError, match=r"keep `precision='32-true'` and pass `mp_policy=MixedPrecisionPolicy\("):
+        MemoryPrecision().convert_module(module)
+    module._trainer = SimpleNamespace(strategy=type("DeepSpeedStrategy", (), {})(), global_rank=0)
+    with pytest.raises(TypeError) as refused:
+        MemoryPrecision().convert_module(module)
+    assert "MixedPrecisionPolicy" not in str(refused.value)

@@ -10,7 +10,8 @@ is identified by its :data:`StorageKey`: ``(device string, data pointer of the s
 
 Modules: :mod:`.storage` (storage keys and sizes, the garbage collector's tensors), :mod:`.accounting` (what a model
 and its optimizers hold), :mod:`.live` (the live tensors), :mod:`.duplicates` (stray copies of the weights),
-:mod:`.holders` (where tensors are held).
+:mod:`.holders` (where tensors are held), :mod:`.sharding` (how the parameters are sharded: FSDP units, local
+shards beside the whole).
 """
 
 from lightning_memopt.functional.footprint.accounting import (
@@ -24,6 +25,7 @@ from lightning_memopt.functional.footprint.accounting import (
 from lightning_memopt.functional.footprint.duplicates import Duplicates, find_duplicates
 from lightning_memopt.functional.footprint.holders import MODULE_INTERNALS, find_storage_holders, iter_held_tensors
 from lightning_memopt.functional.footprint.live import LiveTensor, live_tensors
+from lightning_memopt.functional.footprint.sharding import Sharding, model_sharding
 from lightning_memopt.functional.footprint.storage import StorageKey, storage_bytes, storage_key
 
 __all__ = [
@@ -33,12 +35,14 @@ __all__ = [
     "Footprint",
     "FootprintRow",
     "LiveTensor",
+    "Sharding",
     "StorageKey",
     "find_duplicates",
     "find_storage_holders",
     "iter_held_tensors",
     "live_tensors",
     "model_footprint",
+    "model_sharding",
     "storage_bytes",
     "storage_key",
     "tensor_names",

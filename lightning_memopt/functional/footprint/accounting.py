@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lightning_memopt.functional.footprint.sharding import parameter_shards
 from lightning_memopt.functional.footprint.storage import (
     StorageKey,
     device_matches,
@@ -114,9 +115,21 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
 
 
-def _param_names(module: torch.nn.Module) -> dict[int, str]:
+def _named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's parameters, then the shards FSDP2 keeps of those it has gathered now (``"name (shard)"``)."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    current = {id(param) for _, param in named}
+    shards = [(f"{name} (shard)", shard) for name, shard in parameter_shards(module) if id(shard) not in current]
+    return named + shards
+
+
+#: ``(name, parameter)`` of a module, from :func:`_named_parameters` (read once per accounting).
+_Named = Sequence[tuple[str, torch.Tensor]]
+
+
+def _param_names(named: _Named) -> dict[int, str]:
     names: dict[int, str] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
+    for name, param in named:
         names.setdefault(id(param), name)
     return names
 
@@ -128,9 +141,10 @@ def _param_groups(optimizers: Sequence[Any]) -> Iterator[tuple[int, int, Mapping
             yield i, g, group
 
 
-def _parameters(module: torch.nn.Module, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
-    """The module's parameters, then the optimizers' (named after the module's where they are the same tensor)."""
-    for name, param in module.named_parameters(remove_duplicate=False):
+def _parameters(named: _Named, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
+    """The module's parameters (and FSDP2's shards of gathered ones), then the optimizers' (named after the module's
+    where they are the same tensor)."""
+    for name, param in named:
         yield "parameters", name, param
     for i, g, group in _param_groups(optimizers):
         for j, param in enumerate(group.get("params", ())):
@@ -144,9 +158,9 @@ def _buffers(module: torch.nn.Module) -> Iterator[_Owned]:
             yield "buffers", name, buf
 
 
-def _gradients(module: torch.nn.Module, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
+def _gradients(named: _Named, optimizers: Sequence[Any], names: dict[int, str]) -> Iterator[_Owned]:
     """The gradients of the module's parameters, then of the optimizers' parameters the module does not have."""
-    for name, param in module.named_parameters(remove_duplicate=False):
+    for name, param in named:
         if param.grad is not None:
             yield "gradients", f"{name}.grad", param.grad
     for i, g, group in _param_groups(optimizers):
@@ -169,11 +183,12 @@ def _optimizer_states(optimizers: Sequence[Any], names: dict[int, str]) -> Itera
 
 def _owned(module: torch.nn.Module, optimizers: Sequence[Any]) -> Iterator[_Owned]:
     """``(category, name, tensor)`` for every tensor the module and optimizers own, in accounting order."""
-    names = _param_names(module)
+    named = _named_parameters(module)
+    names = _param_names(named)
     unwrapped = [_unwrap_optimizer(opt) for opt in optimizers]
-    yield from _parameters(module, unwrapped, names)
+    yield from _parameters(named, unwrapped, names)
     yield from _buffers(module)
-    yield from _gradients(module, unwrapped, names)
+    yield from _gradients(named, unwrapped, names)
     yield from _optimizer_states(unwrapped, names)
 
 

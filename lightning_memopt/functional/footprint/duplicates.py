@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.functional.footprint.live import LiveTensor
+from lightning_memopt.functional.footprint.sharding import shard_rows
 from lightning_memopt.functional.footprint.storage import (
     INSPECTION_ERRORS,
     StorageKey,
@@ -62,11 +63,43 @@ class Duplicates:
 
 def _unique_parameters(module: torch.nn.Module) -> Iterable[torch.Tensor]:
     """Each parameter once (tied weights too), as the local tensor behind any wrapper subclass."""
+    for param in _unique(module):
+        yield plain_tensor(param)
+
+
+def _unique(module: torch.nn.Module) -> Iterable[torch.Tensor]:
     seen: set[int] = set()
     for param in module.parameters():
         if id(param) not in seen:
             seen.add(id(param))
-            yield plain_tensor(param)
+            yield param
+
+
+#: A parameter's values to compare a candidate with: ``(rows of the candidate, samples)``; rows ``None``: all of it
+#: (a candidate of the local shape), else this rank's rows of a whole (unsharded) copy of a sharded parameter.
+_Reference = tuple[slice | None, torch.Tensor]
+
+
+def _references(module: torch.nn.Module, wanted: set[tuple[int, ...]]) -> dict[tuple[int, ...], list[_Reference]]:
+    """The sampled values of the parameters whose local shape, or whole shape (sharded on dim 0), is ``wanted``."""
+    references: dict[tuple[int, ...], list[_Reference]] = {}
+    for param in _unique(module):
+        plain = plain_tensor(param)
+        shape = tuple(int(s) for s in plain.shape)
+        if shape in wanted:
+            references.setdefault(shape, []).append((None, _sampled_values(plain)))
+        rows = shard_rows(param)
+        if rows is not None and rows[0] in wanted and rows[0] != shape:
+            references.setdefault(rows[0], []).append((rows[1], _sampled_values(plain)))
+    return references
+
+
+def _mirrors(tensor: torch.Tensor, references: Sequence[_Reference]) -> bool:
+    for rows, ref in references:
+        part = tensor if rows is None else tensor[rows]
+        if part.numel() and torch.allclose(_sampled_values(part), ref, rtol=1e-2, atol=1e-3):
+            return True
+    return False
 
 
 #: How many evenly spaced elements of a tensor are compared with a parameter's to call it a mirror.
@@ -91,11 +124,7 @@ def _mirroring_keys(module: torch.nn.Module, candidates: Sequence[LiveTensor]) -
     wanted = {t.key: t.shape for t in candidates if t.key is not None}
     if not wanted:
         return set()
-    samples: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for plain in _unique_parameters(module):
-        shape = tuple(int(s) for s in plain.shape)
-        if shape in wanted.values():
-            samples.setdefault(shape, []).append(_sampled_values(plain))
+    samples = _references(module, set(wanted.values()))
     found: set[StorageKey] = set()
     tensors = gc_tensors()
     try:
@@ -106,14 +135,44 @@ def _mirroring_keys(module: torch.nn.Module, candidates: Sequence[LiveTensor]) -
                 shape = tuple(int(s) for s in tensor.shape)
                 if key not in wanted or key in found or wanted[key] != shape:
                     continue
-                values = _sampled_values(tensor)
-                if any(torch.allclose(values, ref, rtol=1e-2, atol=1e-3) for ref in samples.get(shape, ())):
+                if _mirrors(tensor, samples.get(shape, ())):
                     found.add(key)
             except INSPECTION_ERRORS:
                 continue
     finally:
         del tensors
     return found
+
+
+def _cause(copies: Sequence[LiveTensor], shapes: dict[tuple[int, ...], set[str]], whole_bytes: int) -> str:
+    """The likely cause of ``copies``, in words (``whole_bytes``: of them, whole copies of sharded parameters)."""
+    nbytes = sum(t.bytes for t in copies)
+    other_dtype = sum(t.bytes for t in copies if t.dtype not in shapes[t.shape])
+    with_grad = sum(t.bytes for t in copies if t.requires_grad)
+    if not copies:
+        return "no copies found"
+    if whole_bytes * 2 >= nbytes:
+        return (
+            "a whole (unsharded) copy of the sharded weights on this rank: a full state dict"
+            " (`get_model_state_dict(..., options=StateDictOptions(full_state_dict=True))`, `DTensor.full_tensor()`)"
+            " kept in a variable; gather it on one rank only, offload it to the CPU (`cpu_offload=True`), or drop it"
+            " after saving"
+        )
+    if other_dtype * 2 >= nbytes:
+        return (
+            "a copy in another dtype than the model's: the weights from before a dtype conversion (an fp32 model"
+            " or state dict kept after `.to(torch.bfloat16)`/`.half()`), or an fp32 master copy; convert once in"
+            " place (`to_device_and_dtype`) and drop the other reference"
+        )
+    if with_grad * 2 >= nbytes:
+        return (
+            "a second model object: a `copy.deepcopy` of the model, an EMA/teacher model that is not a submodule,"
+            " or the model loaded twice"
+        )
+    return (
+        "a state dict or detached copy of the weights on this device: `torch.load(..., map_location=<device>)`"
+        " or `model.state_dict()` kept in a variable, or weights cached in a list or dict"
+    )
 
 
 def find_duplicates(
@@ -150,10 +209,18 @@ def find_duplicates(
         (True, True, 'torch.float64')
     """
     shapes: dict[tuple[int, ...], set[str]] = {}
+    local: set[tuple[int, ...]] = set()
+    whole_shapes: set[tuple[int, ...]] = set()  # of the sharded parameters: a whole (unsharded) copy has them
     total_numel = 0
-    for plain in _unique_parameters(module):
+    for param in _unique(module):
+        plain = plain_tensor(param)
+        local.add(tuple(int(s) for s in plain.shape))
         shapes.setdefault(tuple(int(s) for s in plain.shape), set()).add(str(plain.dtype))
         total_numel += int(plain.numel())
+        rows = shard_rows(param)
+        if rows is not None:
+            whole_shapes.add(rows[0])
+            shapes.setdefault(rows[0], set()).add(str(plain.dtype))
     candidates = [t for t in live if t.name is None and t.shape in shapes and t.bytes > 0]
     known = set(known)
     if match_values and candidates:
@@ -168,26 +235,8 @@ def find_duplicates(
     by_dtype: dict[str, int] = {}
     for t in copies:
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.bytes
-    other_dtype = sum(t.bytes for t in copies if t.dtype not in shapes[t.shape])
-    with_grad = sum(t.bytes for t in copies if t.requires_grad)
-    if not copies:
-        cause = "no copies found"
-    elif other_dtype * 2 >= nbytes:
-        cause = (
-            "a copy in another dtype than the model's: the weights from before a dtype conversion (an fp32 model"
-            " or state dict kept after `.to(torch.bfloat16)`/`.half()`), or an fp32 master copy; convert once in"
-            " place (`to_device_and_dtype`) and drop the other reference"
-        )
-    elif with_grad * 2 >= nbytes:
-        cause = (
-            "a second model object: a `copy.deepcopy` of the model, an EMA/teacher model that is not a submodule,"
-            " or the model loaded twice"
-        )
-    else:
-        cause = (
-            "a state dict or detached copy of the weights on this device: `torch.load(..., map_location=<device>)`"
-            " or `model.state_dict()` kept in a variable, or weights cached in a list or dict"
-        )
+    whole = sum(t.bytes for t in copies if t.shape in whole_shapes - local)
+    cause = _cause(copies, shapes, whole)
     return Duplicates(
         num_tensors=len(copies),
         bytes=nbytes,

@@ -256,6 +256,28 @@ def _config(config: Mapping[str, Any], shape: _Shape) -> Lines:
     return lines
 
 
+def _sharding(sharding: Mapping[str, Any]) -> Lines:
+    if not sharding:
+        return []
+    local, whole = sharding.get("local_parameter_bytes"), sharding.get("unsharded_parameter_bytes")
+    rows = [
+        (key, _size(value) if str(key).endswith("_bytes") else _raw(value) if isinstance(value, list) else value)
+        for key, value in sharding.items()
+        if not isinstance(value, Mapping)
+    ]
+    lines = ["## Sharding", ""]
+    if sharding.get("sharded"):
+        lines += [
+            printable(
+                f"Parameters are sharded ({sharding.get('kind')}, {sharding.get('num_units')} units, over"
+                f" {sharding.get('data_parallel_size')} ranks): {_size(local)} on this rank of {_size(whole)}"
+                " unsharded; gradients and optimizer states are shards too."
+            ),
+            "",
+        ]
+    return lines + _table(["field", "value"], rows)
+
+
 def _hparams(hparams: Mapping[str, Any]) -> Lines:
     if not hparams:
         return []
@@ -321,6 +343,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines += _memory(memory)
     lines += _holders(shape.get(report, "holders", Mapping), memory.get("allocated_bytes"), shape)
     lines += _config(shape.get(report, "config", Mapping), shape)
+    lines += _sharding(shape.get(report, "sharding", Mapping))
     lines += _hparams(shape.get(report, "hparams", Mapping))
     lines += _snapshot(shape.get(report, "snapshot", Mapping))
     lines += _environment(shape.get(report, "environment", Mapping))

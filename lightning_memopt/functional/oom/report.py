@@ -31,6 +31,7 @@ from lightning_memopt.functional.oom.schema import (
     HoldersSection,
     MemorySection,
     OOMReport,
+    ShardingSection,
     SnapshotSection,
     Suggestion,
     WhenSection,
@@ -149,6 +150,7 @@ class ReportSources:
         allocator: The allocator settings.
         versions: The versions of the stack.
         live_tensors: The live tensors on a device, largest first (``footprint.live_tensors``).
+        sharding: How the model is sharded (``footprint.model_sharding``).
     """
 
     settings: Callable[[], TrainerSettings]
@@ -160,6 +162,7 @@ class ReportSources:
     allocator: Callable[[], dict[str, str | None]] = allocator_settings
     versions: Callable[[], dict[str, str | None]] = collect_versions
     live_tensors: Callable[..., Sequence[LiveTensorLike]] = fp.live_tensors
+    sharding: Callable[[nn.Module], fp.Sharding] = fp.model_sharding
 
 
 def _no_memory(err: Exception) -> MemorySection:
@@ -207,6 +210,7 @@ def _config(
     stage: str | None,
     guard: SectionGuard,
     batch_size: int | None = None,
+    data_parallel_size: int | None = None,
 ) -> ConfigSection:
     config: ConfigSection = {}
 
@@ -215,8 +219,8 @@ def _config(
         accumulate, world_size = settings["accumulate_grad_batches"], settings["world_size"]
         effective = None
         samples = batch_size or micro_batch_size  # the whole batch, when a micro-batch of it failed
-        if samples:
-            effective = samples * world_size * (accumulate if stage == "train" else 1)
+        if samples:  # ranks that see other samples: all of them, or the sharding's data-parallel ones (not TP)
+            effective = samples * (data_parallel_size or world_size) * (accumulate if stage == "train" else 1)
         config.update(
             ConfigSection(
                 precision=settings["precision"],
@@ -247,6 +251,8 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
     config = report.get("config", {})
     allocator = config.get("allocator") or {}
     checkpointing = config.get("activation_checkpointing")
+    sharding = report.get("sharding")
+    data_parallel = sharding.get("data_parallel_size") if sharding else None
     return suggest_fixes(
         stage=report["when"].get("stage"),
         allocated_bytes=memory.get("allocated_bytes"),
@@ -258,11 +264,12 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
         unexplained_bytes=holders.get("unexplained_bytes"),
         micro_batch_size=config.get("micro_batch_size"),
         accumulate_grad_batches=config.get("accumulate_grad_batches"),
-        world_size=int(report["when"].get("world_size") or 1),
+        world_size=int(data_parallel or report["when"].get("world_size") or 1),
         precision=config.get("precision"),
         allocator_conf=allocator.get("PYTORCH_ALLOC_CONF") or allocator.get("PYTORCH_CUDA_ALLOC_CONF"),
         device_type=device_type,
         activation_checkpointing=None if checkpointing is None else checkpointing.get("on"),
+        sharding=report.get("sharding"),
     )
 
 
@@ -336,7 +343,9 @@ def build_oom_report(
     facts = micro_batch_facts(exception)  # AutoMicroBatch's last micro-batch: the frames hold only its slice
     micro = facts.micro_batch_size if facts is not None else report["batch"].get("micro_batch_size")
     whole = facts.batch_size if facts is not None else None
-    config = report["config"] = _config(sources, micro, when.get("stage"), guard, whole)
+    sharding = guard("sharding", lambda: sources.sharding(module), _nothing)
+    data_parallel = sharding.data_parallel_size if sharding is not None and sharding.sharded else None
+    config = report["config"] = _config(sources, micro, when.get("stage"), guard, whole, data_parallel)
 
     def read_checkpointing() -> None:
         state = checkpointing_state(module, sources.is_checkpointed)
@@ -356,6 +365,9 @@ def build_oom_report(
         report["suggestions"] = suggestions_for(report, device.type)
 
     guard("activation checkpointing", read_checkpointing, _nothing)
+    if sharding is not None and sharding.sharded:  # only a sharded model has the part
+        found = {**sharding.as_dict(), "strategy": config.get("strategy")}
+        report["sharding"] = cast(ShardingSection, {k: found[k] for k in ShardingSection.__annotations__ if k in found})
     guard("hyperparameters", read_hparams, _nothing)
     guard("environment", read_environment, _nothing)
     guard("suggestions", read_suggestions, _nothing)

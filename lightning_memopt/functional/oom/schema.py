@@ -22,6 +22,7 @@ __all__ = [
     "LiveTensorDict",
     "MemorySection",
     "OOMReport",
+    "ShardingSection",
     "SnapshotSection",
     "Suggestion",
     "WhenSection",
@@ -165,6 +166,26 @@ class ConfigSection(TypedDict, total=False):
     activation_checkpointing: CheckpointingState
 
 
+class ShardingSection(TypedDict, total=False):
+    """``sharding``: how the model's parameters are sharded on the failing rank (FSDP2 ``fully_shard``, FSDP1)."""
+
+    sharded: Required[bool]
+    kind: str | None  # "fsdp2", "fsdp1" or None
+    strategy: str | None  # the trainer's strategy class name
+    data_parallel_size: int | None  # ranks the parameters are sharded over
+    mesh_shape: list[int]  # shape of the parameters' device mesh
+    num_parameters: int
+    num_dtensor_parameters: int  # parameters that are DTensors (FSDP2's shards)
+    num_units: int  # fully_shard (or FSDP1) units
+    unit_names: list[str]  # their qualified names, "" for the model itself
+    reshard_after_forward: bool | None  # every inner unit frees its gathered parameters after forward
+    kept_unsharded: list[str]  # inner units with reshard_after_forward=False
+    cpu_offload: bool | None  # a unit offloads its parameters to the CPU
+    param_dtype: str | None  # MixedPrecisionPolicy.param_dtype of the units
+    local_parameter_bytes: int  # this rank's parameter bytes (shards; whole where gathered at the failure)
+    unsharded_parameter_bytes: int  # the whole parameters' bytes
+
+
 class Suggestion(TypedDict):
     """One entry of ``suggestions``."""
 
@@ -192,6 +213,7 @@ class OOMReport(TypedDict, total=False):
     memory: Required[MemorySection]
     holders: Required[HoldersSection]
     config: Required[ConfigSection]
+    sharding: ShardingSection  # how the model is sharded
     hparams: dict[str, Any]  # the module's `hparams` as JSON values
     environment: dict[str, str]  # allow-listed environment variables
     suggestions: list[Suggestion]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from lightning_memopt.utilities.checks import is_finite_number
 from lightning_memopt.utilities.formatting import format_bytes
@@ -50,10 +50,26 @@ class Facts:
     allocator_conf: str
     device_type: str
     activation_checkpointing: bool | None
+    sharding: Mapping[str, Any] = field(default_factory=dict)  # the report's `sharding` part; empty: not sharded
 
     @property
     def training(self) -> bool:
         return self.stage == "train"
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.sharding.get("sharded"))
+
+    @property
+    def fsdp1(self) -> bool:
+        """Sharded by FSDP1 (``FSDPStrategy``), whose settings are the strategy's, not ``fully_shard``'s."""
+        return self.sharding.get("kind") == "fsdp1"
+
+    @property
+    def shard_ranks(self) -> str:
+        """The ranks the model is sharded over, in words."""
+        size = self.sharding.get("data_parallel_size")
+        return f"{size} ranks" if isinstance(size, int) else "its ranks"
 
     @property
     def activations_dominate(self) -> bool:
@@ -111,12 +127,21 @@ def huge_allocation(f: Facts) -> Iterator[Tip]:
 def activation_checkpointing(f: Facts) -> Iterator[Tip]:
     """Training where activations dominate, with checkpointing off."""
     if f.training and f.activations_dominate and not f.activation_checkpointing:
+        how = (
+            " (the `GradientCheckpointing` callback, or `model.activation_checkpointing_enable()` for Hugging"
+            " Face models; `gradient_checkpointing_enable()` before transformers 5)"
+        )
+        if f.fsdp1:
+            how = " on the blocks, inside FSDP's units (`FSDPStrategy(activation_checkpointing_policy={Block})`)"
+        elif f.sharded:
+            how = (
+                " on the blocks, before `fully_shard` wraps them (the `GradientCheckpointing` callback does: its"
+                " `setup` runs before `configure_model`; by hand, `checkpoint_wrapper` each block, then `fully_shard`)"
+            )
         yield Tip(
             _share_of_activations(f, 0.6),
             2,
-            "Enable activation checkpointing: recompute layer activations in backward instead of storing them"
-            " (the `GradientCheckpointing` callback, or `model.activation_checkpointing_enable()` for Hugging"
-            " Face models; `gradient_checkpointing_enable()` before transformers 5)",
+            "Enable activation checkpointing: recompute layer activations in backward instead of storing them" + how,
             _activations_why(f),
         )
 
@@ -153,10 +178,15 @@ def mixed_precision(f: Facts) -> Iterator[Tip]:
     """Full precision on an accelerator where activations dominate."""
     precision = f.precision
     if f.activations_dominate and precision and precision.startswith(("32", "64")) and f.device_type != "cpu":
+        if f.sharded and f.sharding.get("param_dtype"):
+            return  # FSDP's own mixed precision is on: the trainer's 32-bit setting is right
         yield Tip(
             _share_of_activations(f, 0.5),
             4,
-            "Train in mixed precision: `Trainer(precision='bf16-mixed')` (or '16-mixed' on GPUs without bf16)",
+            "Train in mixed precision: `fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,"
+            " reduce_dtype=torch.float32))` in `configure_model`, or `Trainer(precision='bf16-mixed')`, not both"
+            if f.sharded and not f.fsdp1
+            else "Train in mixed precision: `Trainer(precision='bf16-mixed')` (or '16-mixed' on GPUs without bf16)",
             f"Precision is {precision!r}: activations are stored in 32 bits; mixed precision stores most of them"
             " in 16.",
         )
@@ -188,6 +218,19 @@ def optimizer_state(f: Facts) -> Iterator[Tip]:
     """Optimizer states a quarter of memory or more: shard them, or a lighter optimizer."""
     if not (f.total and f.opt and f.opt / f.total >= 0.25):
         return
+    if f.sharded:
+        yield Tip(
+            f.opt / 2,
+            5,
+            f"Optimizer states are sharded over {f.shard_ranks} already: shard over twice the data-parallel ranks"
+            + ("" if f.fsdp1 else " (more GPUs, `ModelParallelStrategy(data_parallel_size=...)`)")
+            + ", "
+            + _offload(f)
+            + "or use an optimizer with less state (SGD with momentum, Adafactor, an 8-bit Adam)",
+            f"This rank's optimizer-state shards hold {format_bytes(f.opt)} ({percent(f.opt, f.total)} of"
+            f" {f.basis}), versus {format_bytes(f.params)} of parameter shards.",
+        )
+        return
     sharded = f.opt * (1 - 1 / f.world_size) if f.world_size > 1 else f.opt / 2
     action = (
         "Shard the optimizer state across ranks: `strategy='fsdp'` or `strategy='deepspeed_stage_2'`,"
@@ -210,6 +253,16 @@ def parameters_and_gradients(f: Facts) -> Iterator[Tip]:
     held = f.params + f.grads
     if not (f.total and held / f.total >= 0.5 and f.training):
         return
+    if f.sharded:
+        yield Tip(
+            held / 2,
+            7,
+            f"Parameters and gradients are sharded over {f.shard_ranks} already: shard over twice the data-parallel"
+            " ranks, " + _offload(f) + "or train fewer parameters (freeze layers, adapters)",
+            f"This rank's parameter and gradient shards hold {format_bytes(held)} ({percent(held, f.total)} of"
+            f" {f.basis}).",
+        )
+        return
     yield Tip(
         held * (1 - 1 / f.world_size) if f.world_size > 1 else None,
         7,
@@ -218,6 +271,54 @@ def parameters_and_gradients(f: Facts) -> Iterator[Tip]:
         else "Train fewer parameters (freeze layers, use adapters/LoRA) or keep weights in 16 bits"
         " (`precision='bf16-true'`)",
         f"Parameters and gradients hold {format_bytes(held)} ({percent(held, f.total)} of {f.basis}).",
+    )
+
+
+def _offload(f: Facts) -> str:
+    """The CPU-offload part of a sharded tip, empty when parameters are offloaded already."""
+    if f.sharding.get("cpu_offload"):
+        return ""
+    if f.fsdp1:
+        return "offload parameters and gradients to the CPU (`FSDPStrategy(cpu_offload=True)`), "
+    return (
+        "offload parameters, gradients and optimizer states to the CPU"
+        " (`fully_shard(..., offload_policy=CPUOffloadPolicy())`), "
+    )
+
+
+def reshard_after_forward(f: Facts) -> Iterator[Tip]:
+    """FSDP units that keep their gathered parameters from forward to backward: free them after forward."""
+    kept = f.sharding.get("kept_unsharded") or []
+    if not (f.sharded and f.training and f.sharding.get("reshard_after_forward") is False and kept):
+        return
+    names = ", ".join(f"`{name}`" for name in kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+    yield Tip(
+        None,
+        2,
+        f"Pass `reshard_after_forward=True` to `fully_shard` for {names}: each unit then frees its gathered"
+        " parameters after forward and gathers them again for backward",
+        f"{len(kept)} of the inner FSDP units keep their whole (all-gathered) parameters from forward until"
+        " backward, so every layer's whole weights are held at once at the peak; resharding costs one more"
+        " all-gather per unit in backward.",
+    )
+
+
+def units_per_block(f: Facts) -> Iterator[Tip]:
+    """FSDP2 with the whole model as one unit: every parameter is gathered at once; shard per block."""
+    if not (f.sharded and f.training and f.sharding.get("kind") == "fsdp2" and f.sharding.get("num_units") == 1):
+        return
+    yield Tip(
+        None,
+        2,
+        "Apply `fully_shard` to each block (transformer layer, residual block) in `configure_model`, then to the"
+        " root: each unit then gathers only its own parameters",
+        "The model is one FSDP unit: forward and backward gather all of its parameters at once"
+        + (
+            f" ({format_bytes(f.sharding['unsharded_parameter_bytes'])} unsharded)"
+            if isinstance(f.sharding.get("unsharded_parameter_bytes"), int)
+            else ""
+        )
+        + ", so sharding saves nothing at the peak.",
     )
 
 
@@ -262,6 +363,8 @@ def other_users(f: Facts) -> Iterator[Tip]:
 #: The rules, in the order their tips are collected (ties in the ranking keep this order).
 RULES: tuple[Rule, ...] = (
     huge_allocation,
+    units_per_block,
+    reshard_after_forward,
     activation_checkpointing,
     smaller_micro_batch,
     mixed_precision,
@@ -290,6 +393,7 @@ def suggest_fixes(
     allocator_conf: str | None = None,
     device_type: str = "cuda",
     activation_checkpointing: bool | None = None,
+    sharding: Mapping[str, Any] | None = None,
 ) -> list[Suggestion]:
     """Ranked suggestions for getting the failed step to fit, derived from the numbers at the failure.
 
@@ -318,6 +422,9 @@ def suggest_fixes(
         device_type: ``"cuda"``, ``"mps"``, ``"cpu"``, ...
         activation_checkpointing: whether activation checkpointing was on (``None``: unknown). When it was,
             it is not suggested again.
+        sharding: The report's ``sharding`` part (``None``: not sharded). Under sharding the tips say so: no
+            "shard it" that is done already; more data-parallel ranks, CPU offload, ``reshard_after_forward=True``
+            and checkpointing before ``fully_shard`` instead.
 
     Examples:
         >>> tips = suggest_fixes(stage="train", allocated_bytes=10_000, reserved_bytes=10_500,
@@ -352,6 +459,7 @@ def suggest_fixes(
         allocator_conf=allocator_conf or "",
         device_type=device_type,
         activation_checkpointing=activation_checkpointing,
+        sharding=dict(sharding or {}),
     )
     tips = [tip for rule in RULES for tip in rule(facts)]
     saves = [None if tip.saves is None else max(int(tip.saves), 0) for tip in tips]
