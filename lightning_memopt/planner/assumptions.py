@@ -30,6 +30,10 @@ def _sharding_assumptions(world_size: int, cpu_offload: bool, cuda: bool) -> lis
             "not counted for FSDP2 on CUDA: NCCL's buffers, memory kept longer by the all-gather and reduce-scatter"
             " streams"
         )
+        said.append(
+            "optimizer step over the DTensor shards modelled per tensor (CUDA's foreach kernels step them in place:"
+            " measured on one GPU within 0.3 %)"
+        )
     return said
 
 
