@@ -355,7 +355,7 @@ def _reason(done: list[_Stage], world: int, strategy: str) -> str:
 class _Gpus(NamedTuple):
     """How many GPUs FSDP2 needs for micro-batch 1: ``planned`` when estimated at that count, else a lower bound."""
 
-    count: int
+    number: int
     planned: bool
     needed: int = 0
 
@@ -410,13 +410,13 @@ def _advice(
         )
     if gpus.planned:
         return (
-            f"{text} Needs sharding: FSDP2 over {gpus.count} GPUs fits micro-batch 1 (planned:"
-            f" {format_bytes(gpus.needed)} per rank); plan again with `devices` x `num_nodes` = {gpus.count}."
+            f"{text} Needs sharding: FSDP2 over {gpus.number} GPUs fits micro-batch 1 (planned:"
+            f" {format_bytes(gpus.needed)} per rank); plan again with `devices` x `num_nodes` = {gpus.number}."
         )
     return (
-        f"{text} Needs sharding: at least {gpus.count} GPUs with FSDP2 (a lower bound: the model states split"
-        f" {gpus.count} ways, plus {format_bytes(rest)} of activations and temporaries per GPU; not confirmed by an"
-        f" estimate); plan again with `devices` x `num_nodes` = {gpus.count} to check."
+        f"{text} Needs sharding: at least {gpus.number} GPUs with FSDP2 (a lower bound: the model states split"
+        f" {gpus.number} ways, plus {format_bytes(rest)} of activations and temporaries per GPU; not confirmed by an"
+        f" estimate); plan again with `devices` x `num_nodes` = {gpus.number} to check."
     )
 
 
@@ -608,7 +608,7 @@ def plan_memory(
         strategy=final.runs.strategy,
         strategy_reason=_reason(done, world, strategy),
         **_sharding_fields(module, estimate, shard_modules),
-        gpus_needed=gpus.count if gpus is not None else None,
+        gpus_needed=gpus.number if gpus is not None else None,
         gpus_needed_planned=gpus is not None and gpus.planned,
     )
 
