@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_memopt import estimate_memory, plan_memory
+from lightning_memopt.utilities.formatting import format_bytes
 from tests.scripts.fsdp2_peak import WIDTH, ResidualMLP
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -124,3 +125,16 @@ def test_nothing_fits_one_gpu_plans_the_gpus_fsdp2_needs():
 def test_bad_world_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan_memory(ResidualMLP(), _batch, effective_batch_size=4, budget="1GB", device="cpu", **kwargs)
+
+
+def test_nothing_fits_even_offloaded_the_advice_speaks_of_the_states_on_the_gpu():
+    offloaded = _needs(world_size=2, reshard_after_forward=True, cpu_offload=True)
+    plan = plan_memory(
+        ResidualMLP(), _batch, effective_batch_size=2, budget=offloaded // 2, devices=2, device="cpu", margin=0,
+        optimizer=ADAMW,
+    )  # fmt: skip
+    assert not plan.feasible and plan.strategy == "fsdp2 + cpu offload" and plan.estimate.sharding.cpu_offload
+    assert [t.strategy for t in plan.trials] == ["ddp", "fsdp2", "fsdp2 + cpu offload"]
+    sharded = _needs(world_size=2, reshard_after_forward=True)
+    assert f"even micro-batch 1 with 32-true, fsdp2 needs {format_bytes(sharded)} per rank;" in plan.advice
+    assert plan.strategy_reason == "" and "Why" not in str(plan)

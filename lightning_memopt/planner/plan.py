@@ -583,7 +583,9 @@ def plan_memory(
         estimate = final.smallest()
         tried = world if final.runs.sharded else 1
         gpus = stages.gpus(done[0].smallest(), limit.usable, checkpointed, tried)
-        advice = _advice(estimate, limit.usable, world, checkpointed, sizes[0], gpus)
+        # the advice speaks of the model states on the GPU: of the last estimate without CPU offload
+        on_gpu = [stage for stage in done if not stage.runs.cpu_offload][-1].smallest()
+        advice = _advice(on_gpu, limit.usable, world, checkpointed, sizes[0], gpus)
     else:
         estimate, advice = final.runs.estimates[(chosen, checkpointed)], ""
     return MemoryPlan(
