@@ -151,3 +151,20 @@ def test_a_strategy_of_yours_that_contradicts_the_preset_is_refused():
         preset.trainer_kwargs(strategy="ddp")
     with pytest.raises(ValueError, match="`reshard_after_forward` is decided by the plan"):
         MemoryPreset.from_plan(_plan(Wrapped()), reshard_after_forward=False)
+
+
+def test_memory_preset_cli_builds_the_trainer_with_model_parallel_strategy(tmp_path):
+    from tests.plugins.test_preset_cli import _cli
+
+    memory = [
+        "--memory.effective_batch_size=16",
+        "--memory.micro_batch_size=4",
+        "--memory.strategy=fsdp2",
+        "--memory.shard_blocks=[net.0]",
+        "--memory.shard_roots=[net]",
+    ]
+    cli = _cli([*memory, "--trainer.devices=2"], tmp_path)
+    strategy = cli.trainer.strategy
+    assert type(strategy).__name__ == "ModelParallelStrategy" and strategy._data_parallel_size == 2
+    preset = cli.config_init.memory
+    assert preset.shard_blocks == ("net.0",) and "for name in ['net.0']:" in preset.configure_model_recipe
