@@ -38,6 +38,7 @@ def _run(capsys, *argv):
     return code, captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_devices_4_plans_fsdp2_for_a_model_too_big_for_one_24gb_card(capsys):
     big = ["--model", BIG, "--model.width", "4096", "--model.blocks", "8", "--batch-shape", "B,512,4096"]
     code, out, err = _run(capsys, *big, "--device-memory", "24GB", "--effective-batch-size", "32", "--devices", "4")

@@ -29,6 +29,7 @@ def _tokens(b: int) -> torch.Tensor:
     return torch.empty(b, 512, 4096, device="meta")
 
 
+@pytest.mark.slow
 def test_a_model_too_big_for_one_24gb_card_is_sharded_with_fsdp2_over_4_gpus():
     model = _big()
     # the first `foreach` optimizer step over DTensors of these shapes in a process counts more temporaries than every
@@ -99,6 +100,7 @@ def test_a_forced_strategy_is_kept_and_named():
     assert plan.estimate is not None and plan.estimate.world_size == 2
 
 
+@pytest.mark.slow
 def test_nothing_fits_one_gpu_plans_the_gpus_fsdp2_needs():
     model = _big()
     plan = plan_memory(model, _tokens, effective_batch_size=32, budget="24GB", progress=lambda _: None)
