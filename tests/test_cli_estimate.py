@@ -291,7 +291,7 @@ def test_a_budget_without_an_effective_batch_plans_the_datamodule_s_batch(capsys
     assert "Effective batch: 64 (batch size 32 x 2 devices; --effective-batch-size sets it)" in out
     # 10 samples, cycled to fill the micro-batch of 32
     assert "Batch 32 (the micro-batch): " in out and "[0] float32[32, 16]" in out
-    assert "Plan: micro-batch 32 x accumulate 1 x 2 devices = 64, 32-true" in out
+    assert "Plan: DDP, micro-batch 32 x accumulate 1 x 2 ranks = 64, 32-true" in out
 
 
 # ------------------------------------------------------------------------------------------------ DreaMS example

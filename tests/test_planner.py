@@ -403,7 +403,10 @@ def test_a_budget_too_small_for_micro_batch_1_gets_the_smallest_option_instead_o
     states = sum(one.at_peak[k] for k in ("parameters", "buffers", "gradients", "optimizer_states"))
     usable, rest = plan.usable_bytes, one.peak_bytes - states
     shards = math.ceil(states / (usable - rest))
-    assert shards >= 2 and f"Needs sharding: {shards} GPUs with FSDP" in plan.advice
+    # FSDP2's gathered units and buffers come on top of the split states: the estimates at 8 and 16 GPUs do not
+    # confirm the bound here, so it is said to be one
+    assert shards >= 2 and f"Needs sharding: at least {shards} GPUs with FSDP2 (a lower bound" in plan.advice
+    assert plan.gpus_needed == shards and not plan.gpus_needed_planned
     with pytest.raises(ValueError, match="No setting fits"):
         MemoryPreset.from_plan(plan)
     assert "Nothing fits" in str(plan) and max(len(line) for line in str(plan).splitlines()) <= 100

@@ -61,12 +61,25 @@ def preset_checkpointing(preset: Any) -> Any:
     return list(preset.checkpoint_modules) if preset.checkpoint_modules else True
 
 
+def _strategy_keys(plan: Any) -> dict[str, Any]:
+    """The preset's strategy fields of a plan over several ranks (none on one device)."""
+    if plan.sharded:
+        keys: dict[str, Any] = {"strategy": "fsdp2", "reshard_after_forward": bool(plan.reshard_after_forward)}
+        if plan.cpu_offload:
+            keys["cpu_offload"] = True
+        if plan.shard_blocks is not None:
+            keys.update(shard_blocks=list(plan.shard_blocks), shard_roots=list(plan.shard_roots))
+        return keys
+    return {"strategy": "ddp"} if plan.strategy == "ddp" else {}
+
+
 def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:
     """The ``memory:`` section to paste back into the config: yours, with what the plan chose.
 
     Keeps the keys you wrote (the preset's name, its other knobs; not those left null) and sets
     ``effective_batch_size``, ``micro_batch_size``, ``precision`` and ``gradient_checkpointing`` (and
-    ``checkpoint_modules`` for blocks given by name) as planned; ``devices`` and ``num_nodes`` stay under
+    ``checkpoint_modules`` for blocks given by name) and, over several ranks, the strategy (``ddp``, or ``fsdp2``
+    with its options, blocks and roots) as planned; ``devices`` and ``num_nodes`` stay under
     ``trainer:``, where MemoryPresetCLI reads them.
     """
     import yaml
@@ -81,6 +94,7 @@ def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:
     }
     if plan.gradient_checkpointing and plan.checkpoint_modules:
         memory["checkpoint_modules"] = [m if isinstance(m, str) else m.__name__ for m in plan.checkpoint_modules]
+    memory.update(_strategy_keys(plan))
     # null is the preset's value, as if not written (a config LightningCLI saved lists every field)
     memory.update({k: v for k, v in yours.items() if k not in memory and k not in _WORLD and v is not None})
     text = yaml.safe_dump({MEMORY_SECTION: memory}, sort_keys=False, default_flow_style=None)

@@ -123,6 +123,7 @@ class _Settings:
     checkpointing: Any
     accumulate: int
     preset_batch: int | None
+    strategy: str = "auto"
 
     @property
     def world(self) -> int:
@@ -160,7 +161,20 @@ def _settings(args: argparse.Namespace, trainer: dict[str, Any], memory: dict[st
         checkpointing=_checkpointing(args, preset, written, planning),
         accumulate=accumulate,
         preset_batch=preset_batch,
+        strategy=_strategy(preset, trainer, devices * num_nodes),
     )
+
+
+def _strategy(preset: Any, trainer: dict[str, Any], world: int) -> str:
+    """``"fsdp2"`` when the preset or ``trainer.strategy`` (Lightning's ``ModelParallelStrategy``) shards, ``"ddp"``
+    when the preset says so; else ``"auto"`` (the plan chooses; an estimate over several ranks is DDP's)."""
+    if world == 1:
+        return "auto"
+    if preset is not None and preset.strategy is not None:
+        return str(preset.strategy)
+    given = trainer.get("strategy")
+    text = str(given.get("class_path") if isinstance(given, dict) else given).lower().replace("_", "")
+    return "fsdp2" if "modelparallel" in text else "auto"
 
 
 def _precision(
@@ -274,14 +288,44 @@ class _Run:
                 gradient_checkpointing=settings.checkpointing is not None and settings.checkpointing is not False,
                 checkpoint_modules=_modules(settings.checkpointing),
                 accumulate_grad_batches=settings.accumulate,
+                **self._sharding(),
             ),
             self.model,
             self.source,
             settings.budget_flag,
         )
-        lines = [*self.out, f"Batch {batch_size}: {self.source}: {describe_batch(batch)}", str(estimate)]
+        lines = [*self.out, f"Batch {batch_size}: {self.source}: {describe_batch(batch)}"]
+        lines += [*self._world_line(), str(estimate)]
         print(wrap_to_width("\n".join(lines)))
         return 0
+
+    def _sharding(self) -> dict[str, Any]:
+        """``estimate_memory``'s sharding arguments: FSDP2 over the world when the config shards (the preset's
+        options, else FSDP2's defaults)."""
+        settings = self.settings
+        if settings.strategy != "fsdp2":
+            return {}
+        preset = settings.preset
+        if preset is None or preset.strategy != "fsdp2":
+            return {"world_size": settings.world}
+        return {
+            "world_size": settings.world,
+            "reshard_after_forward": preset.reshard_after_forward,
+            "cpu_offload": preset.cpu_offload,
+        }
+
+    def _world_line(self) -> list[str]:
+        """What the estimate's bytes are over several ranks: one FSDP2 rank's, or one DDP rank's."""
+        world = self.settings.world
+        if world == 1:
+            return []
+        if self.settings.strategy == "fsdp2":
+            return [f"Strategy: FSDP2 over {world} ranks (the config shards): the bytes below are one rank's."]
+        return [
+            f"Strategy: DDP over {world} ranks (every rank holds the whole model): the bytes below are one rank's,"
+            " without DDP's gradient buckets (about one more copy of the gradients). Plan with --gpu or"
+            " --device-memory to let the planner choose DDP or FSDP2."
+        ]
 
     def plan(self, batch_size: int | None) -> int:
         from lightning_memopt.planner import plan_memory
@@ -309,6 +353,7 @@ class _Run:
                 optimizer=self.optimizer,
                 device=args.device,
                 progress=progress,
+                strategy=settings.strategy,
             ),
             self.model,
             self.source,
@@ -362,6 +407,10 @@ class _Run:
         if plan.feasible:
             lines += ["", f"# the plan as MemoryPresetCLI's {MEMORY_SECTION}: section, to paste into the config:"]
             lines.append(memory_snippet(self.settings.memory, plan))
+        if plan.feasible and plan.sharded:
+            from lightning_memopt.presets import MemoryPreset
+
+            lines += ["", MemoryPreset.from_plan(plan).configure_model_recipe]
         return lines
 
 

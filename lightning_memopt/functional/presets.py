@@ -7,6 +7,7 @@ can be tested on a machine without a GPU. The precision decision lives in :mod:`
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = [
     "PRESET_NAMES",
     "TIERS",
     "AccumulationPlan",
+    "configure_model_recipe",
     "normalize_checkpoint_modules",
     "plan_accumulation",
     "plan_auto_micro_batch",
@@ -212,3 +214,94 @@ def plan_auto_micro_batch(
     """
     start = plan_accumulation(effective_batch_size, micro_batch_size, devices, num_nodes)
     return AccumulationPlan(effective_batch_size, effective_batch_size // start.world_size, 1, start.world_size)
+
+
+def _names_literal(names: Sequence[str], indent: str) -> str:
+    """A Python list of ``names``; runs ``prefix.i, prefix.i+1, ...`` written as one ``range`` (a model's 24 layers
+    are one line)."""
+    items: list[str] = []
+    run: list[tuple[str, int]] = []
+
+    def flush() -> None:
+        if len(run) > 2:
+            (prefix, first), last = run[0], run[-1][1]
+            items.append(f'*(f"{prefix}.{{i}}" for i in range({first}, {last + 1}))')
+        else:
+            items.extend(repr(f"{prefix}.{i}") for prefix, i in run)
+        run.clear()
+
+    for name in names:
+        match = re.fullmatch(r"(.+)\.(\d+)", name)
+        if match and run and run[-1] == (match[1], int(match[2]) - 1):
+            run.append((match[1], int(match[2])))
+            continue
+        flush()
+        if match:
+            run.append((match[1], int(match[2])))
+        else:
+            items.append(repr(name))
+    flush()
+    one_line = f"[{', '.join(items)}]"
+    if len(one_line) + len(indent) <= 100:
+        return one_line
+    inner = indent + "    "
+    return "[\n" + "".join(f"{inner}{item},\n" for item in items) + f"{indent}]"
+
+
+def configure_model_recipe(
+    world_size: int,
+    blocks: Sequence[str] | None,
+    roots: Sequence[str] | None,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+) -> str:
+    """The ``configure_model`` to paste into a LightningModule trained with
+    ``ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)``: ``fully_shard`` on each of
+    ``blocks`` (qualified names), then on each of ``roots`` (``""``: the module itself), over Lightning's
+    ``"data_parallel"`` mesh, as the planner estimated it. ``blocks`` ``None``: the module's own ``configure_model``
+    shards it (the plan estimated that one): the recipe says to keep it.
+
+    Examples:
+        >>> print(configure_model_recipe(2, ["blocks.0", "blocks.1", "blocks.2", "head"], [""], True, False))
+        # in your LightningModule, trained with
+        # Trainer(strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)):
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+        <BLANKLINE>
+            model = self  # the module that was planned: e.g. `self.model` if the plan was made on it
+            options = {"mesh": self.device_mesh["data_parallel"], "reshard_after_forward": True}
+            for name in [*(f"blocks.{i}" for i in range(0, 3)), 'head']:  # the blocks first
+                fully_shard(model.get_submodule(name), **options)
+            for name in ['']:  # then the roots ("": the module itself)
+                fully_shard(model.get_submodule(name), **options)
+    """
+    head = (
+        "# in your LightningModule, trained with\n"
+        f"# Trainer(strategy=ModelParallelStrategy(data_parallel_size={world_size}, tensor_parallel_size=1)):"
+    )
+    if blocks is None or roots is None:
+        return (
+            f"{head}\n# keep your own configure_model: the plan estimated the sharding it applies"
+            f" (with reshard_after_forward={reshard_after_forward}{', CPU offload' if cpu_offload else ''})."
+        )
+    offload = ", CPUOffloadPolicy" if cpu_offload else ""
+    policy = ', "offload_policy": CPUOffloadPolicy()' if cpu_offload else ""
+    lines = [
+        head,
+        "def configure_model(self):",
+        f"    from torch.distributed.fsdp import fully_shard{offload}",
+        "",
+        "    model = self  # the module that was planned: e.g. `self.model` if the plan was made on it",
+        f'    options = {{"mesh": self.device_mesh["data_parallel"], "reshard_after_forward": {reshard_after_forward}'
+        f"{policy}}}",
+    ]
+    if blocks:
+        lines += [
+            f"    for name in {_names_literal(blocks, '    ')}:  # the blocks first",
+            "        fully_shard(model.get_submodule(name), **options)",
+        ]
+    lines += [
+        f'    for name in {_names_literal(roots, "    ")}:  # then the roots ("": the module itself)',
+        "        fully_shard(model.get_submodule(name), **options)",
+    ]
+    return "\n".join(lines)

@@ -17,15 +17,21 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memopt.functional.divisors import INT64_MAX, divisors
+from lightning_memopt.functional.planning.sharding import child_roots, default_shard_blocks
 from lightning_memopt.functional.presets import normalize_checkpoint_modules, tier_for_memory
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate
-from lightning_memopt.planner.model_step import MemoryEstimateError, is_manual_optimization
-from lightning_memopt.planner.search import PlanTrial, Trials, needed_bytes
+from lightning_memopt.planner.model_step import MemoryEstimateError, is_lightning_module, is_manual_optimization
+from lightning_memopt.planner.search import PlanTrial, Trials, needed_bytes, strategy_label
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 
-__all__ = ["MemoryPlan", "plan_memory"]
+__all__ = ["PLAN_STRATEGIES", "MemoryPlan", "plan_memory"]
+
+#: What ``plan_memory(strategy=...)`` accepts: ``"auto"`` (DDP where the model fits each rank, else FSDP2), or one.
+PLAN_STRATEGIES = ("auto", "ddp", "fsdp2")
+#: GPU counts the advice plans for when nothing fits (after the lower bound from the model states).
+_GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 _log = logging.getLogger(__name__)
 
@@ -55,6 +61,17 @@ class MemoryPlan:
         estimate: the :class:`MemoryEstimate` of the chosen setting (when nothing fits: of the smallest tried).
         trials: every estimate run, in order.
         advice: what would fit, when nothing does.
+        strategy: how the ranks hold the model: ``"single device"``, ``"ddp"`` (every rank the whole model),
+            ``"fsdp2"`` (sharded over :attr:`world_size` ranks, ``reshard_after_forward=True``) or
+            ``"fsdp2 + cpu offload"`` (the last resort: parameters, gradients and optimizer states on the host).
+        strategy_reason: why that strategy, in words.
+        reshard_after_forward / cpu_offload: FSDP2's options in the plan (``None`` / ``False`` unless sharded).
+        shard_blocks / shard_roots: the qualified names ``fully_shard`` is applied to, blocks first, then the roots
+            (``""``: the module itself); ``None`` unless sharded, or when the LightningModule's ``configure_model``
+            shards the model itself.
+        gpus_needed: when nothing fits, the GPUs FSDP2 needs for micro-batch 1 (``None``: not even sharding helps);
+            :attr:`gpus_needed_planned` says whether it was estimated (``False``: a lower bound from the model
+            states, the estimate at that count did not fit or could not run).
 
     Examples:
         >>> model = nn.Linear(64, 64)
@@ -82,6 +99,24 @@ class MemoryPlan:
     estimate: MemoryEstimate | None
     trials: tuple[PlanTrial, ...]
     advice: str = ""
+    strategy: str = "single device"
+    strategy_reason: str = ""
+    reshard_after_forward: bool | None = None
+    cpu_offload: bool = False
+    shard_blocks: tuple[str, ...] | None = None
+    shard_roots: tuple[str, ...] | None = None
+    gpus_needed: int | None = None
+    gpus_needed_planned: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: ``devices x num_nodes`` (the ranks FSDP2 shards over, when sharded)."""
+        return self.devices * self.num_nodes
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the plan shards the model with FSDP2."""
+        return self.strategy.startswith("fsdp2")
 
     @property
     def batch_size(self) -> int | None:
@@ -90,10 +125,13 @@ class MemoryPlan:
 
     def table(self) -> str:
         """What was tried, one row per estimate."""
-        rows = [("micro-batch", "accumulate", "precision", "checkpointing", "needs", "fits")]
+        several = self.world_size > 1
+        rows = [(*(("strategy",) if several else ()), "micro-batch", "accumulate", "precision", "checkpointing")]
+        rows[0] += ("needs" + (" per rank" if several else ""), "fits")
         for t in self.trials:
             rows.append(
                 (
+                    *((t.strategy,) if several else ()),
                     str(t.micro_batch_size),
                     str(t.accumulate_grad_batches),
                     t.precision,
@@ -115,17 +153,26 @@ class MemoryPlan:
         )
         if self.feasible:
             assert self.estimate is not None
-            world = self.devices * self.num_nodes
+            world = self.world_size
             verdict = (
-                f"Plan: micro-batch {self.micro_batch_size} x accumulate {self.accumulate_grad_batches}"
-                f"{f' x {world} devices' if world > 1 else ''} = {self.effective_batch_size}, {self.precision},"
+                f"Plan: {self._strategy_text()}micro-batch {self.micro_batch_size} x accumulate"
+                f" {self.accumulate_grad_batches}{f' x {world} ranks' if world > 1 else ''} ="
+                f" {self.effective_batch_size}, {self.precision},"
                 f" activation checkpointing {'on' if self.gradient_checkpointing else 'off'};"
-                f" needs {format_bytes(needed_bytes(self.estimate, world))} of {format_bytes(self.usable_bytes)}"
+                f" needs {format_bytes(needed_bytes(self.estimate, world))}"
+                f"{' per rank' if world > 1 else ''} of {format_bytes(self.usable_bytes)}"
             )
         else:
             verdict = f"Nothing fits: {self.advice}"
-        wrapped = [wrap_to_width(text) for text in (head, verdict)]
-        return "\n".join([wrapped[0], self.table(), wrapped[1]])
+        texts = [head, verdict, *([f"Why: {self.strategy_reason}"] if self.strategy_reason else [])]
+        wrapped = [wrap_to_width(text) for text in texts]
+        return "\n".join([wrapped[0], self.table(), *wrapped[1:]])
+
+    def _strategy_text(self) -> str:
+        if self.sharded:
+            offload = ", CPU offload" if self.cpu_offload else ""
+            return f"FSDP2 over {self.world_size} ranks (reshard_after_forward={self.reshard_after_forward}{offload}), "
+        return "DDP, " if self.strategy == "ddp" else ""
 
 
 class _Budget(NamedTuple):
@@ -206,21 +253,144 @@ def _most_estimates(candidates: int) -> int:
     return 1 if candidates == 1 else 2 + max(0, math.ceil(math.log2(candidates - 1)))
 
 
-def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool, micro: int = 1) -> str:
+def _label(estimate: MemoryEstimate, world: int) -> str:
+    """The strategy an estimate modelled (see :func:`~lightning_memopt.planner.search.strategy_label`)."""
+    sharding = estimate.sharding
+    return strategy_label(world, sharding is not None, sharding is not None and sharding.cpu_offload)
+
+
+class _Stage(NamedTuple):
+    """One strategy searched: its estimates and the micro-batch chosen (``None``: nothing fits)."""
+
+    runs: Trials
+    chosen: int | None
+    checkpointed: bool
+
+    def smallest(self) -> MemoryEstimate:
+        """The estimate of micro-batch 1 (else the smallest tried) with the checkpointing searched last."""
+        estimates = self.runs.estimates
+        return estimates.get((1, self.checkpointed)) or estimates[min(estimates)]
+
+
+class _Stages:
+    """The strategies :func:`plan_memory` searches in order, until one fits: DDP (the whole model on each rank; a
+    single device when the world is 1), FSDP2 over the world, FSDP2 with CPU offload (the last resort)."""
+
+    def __init__(
+        self,
+        trials: dict[str, Any],
+        *,
+        effective: int,
+        world: int,
+        sizes: list[int],
+        gradient_checkpointing: bool | Literal["auto"],
+    ) -> None:
+        self.trials, self.effective, self.world, self.sizes = trials, effective, world, sizes
+        self.gradient_checkpointing = gradient_checkpointing
+
+    def runs(self, world: int, sharded: bool, cpu_offload: bool = False) -> Trials:
+        per_device = max(1, self.effective // world)
+        return Trials(batch_per_device=per_device, world=world, sharded=sharded, cpu_offload=cpu_offload, **self.trials)
+
+    def search(self, strategy: str) -> list[_Stage]:
+        """Each strategy in order until one fits."""
+        order = {"ddp": [(False, False)], "fsdp2": [(True, False), (True, True)]}
+        options = [(False, False)] if self.world == 1 else order.get(strategy, [*order["ddp"], *order["fsdp2"]])
+        done: list[_Stage] = []
+        for sharded, offload in options:
+            runs = self.runs(self.world, sharded, offload)
+            chosen, checkpointed = _search(runs, self.sizes, self.gradient_checkpointing)
+            done.append(_Stage(runs, chosen, checkpointed))
+            if chosen is not None:
+                break
+        return done
+
+    def gpus(self, estimate: MemoryEstimate, usable: int, checkpointing: bool, tried: int) -> _Gpus | None:
+        """The GPUs FSDP2 needs for micro-batch 1: estimated at the first two counts (2, 4, 8, ...) from the lower
+        bound and above ``tried`` (the world already sharded over); else the lower bound."""
+        lower = _lower_bound(estimate, usable, estimate.world_size)
+        if lower is None:
+            return None
+        for count in [c for c in _GPU_COUNTS if c >= lower and c > tried][:2]:
+            runs = self.runs(count, True)
+            try:
+                fits = runs.fits(1, checkpointing)
+            except (ValueError, MemoryEstimateError):  # e.g. a process group is initialised: keep the lower bound
+                break
+            if fits:
+                return _Gpus(count, True, runs.trials[-1].needed_bytes)
+        return _Gpus(lower, False)
+
+
+def _reason(done: list[_Stage], world: int, strategy: str) -> str:
+    """Why the plan's strategy, in words (empty on a single device, or when nothing fits)."""
+    final = done[-1]
+    if world == 1 or final.chosen is None:
+        return ""
+    asked = f"`strategy='{strategy}'` as asked. " if strategy != "auto" else ""
+    if not final.runs.sharded:
+        return (
+            f"{asked}DDP: the whole model fits on each of the {world} ranks at micro-batch {final.chosen}; it"
+            " runs no all-gathers, so it is faster than sharding."
+        )
+    texts = [asked] if asked else []
+    for stage in done[:-1]:
+        name = "DDP" if not stage.runs.sharded else "FSDP2 without CPU offload"
+        needed = format_bytes(needed_bytes(stage.smallest(), world))
+        texts.append(f"{name} does not fit even the smallest micro-batch ({needed} per rank).")
+    if final.runs.cpu_offload:
+        texts.append(
+            "CPU offload is the last resort: parameters, gradients and optimizer states live on the host, the"
+            " optimizer step runs on the CPU and each unit's parameters are copied in for every forward and backward"
+            " (slow)."
+        )
+    else:
+        texts.append(
+            f"FSDP2 shards parameters, gradients and optimizer states over {world} ranks"
+            " (reshard_after_forward=True: each unit's parameters are gathered again for backward)."
+        )
+    return " ".join(texts)
+
+
+class _Gpus(NamedTuple):
+    """How many GPUs FSDP2 needs for micro-batch 1: ``planned`` when estimated at that count, else a lower bound."""
+
+    number: int
+    planned: bool
+    needed: int = 0
+
+
+def _lower_bound(estimate: MemoryEstimate, usable: int, world: int) -> int | None:
+    """The fewest ranks whose shares of the model states fit beside one sample's activations and temporaries
+    (``None``: those alone exceed ``usable``); ``estimate`` holds one rank's bytes of a ``world_size``-way sharding."""
+    needed = needed_bytes(estimate, world)
+    states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
+    rest = needed - states
+    if usable <= rest:
+        return None
+    return max(2, math.ceil(states * estimate.world_size / (usable - rest)))
+
+
+def _advice(
+    estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool, micro: int, gpus: _Gpus | None
+) -> str:
     """What would fit when the smallest micro-batch (``micro``, 1 unless the step cannot accumulate) does not
-    (``estimate``): 8-bit optimizer states, FSDP over N GPUs, or nothing but shorter samples or a larger device."""
+    (``estimate``): 8-bit optimizer states, FSDP2 over ``gpus``, or nothing but shorter samples or a larger device."""
     needed = needed_bytes(estimate, world)
     states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
     rest = needed - states
     how = " and activation checkpointing" if checkpointing else ""
+    if world > 1:
+        how += f", {_label(estimate, world)}"
     text = (
         "manual optimization cannot accumulate gradients over micro-batches (Lightning refuses"
         " `accumulate_grad_batches` with it), so the whole per-device batch was estimated: "
         if micro > 1
         else ""
     ) + (
-        f"even micro-batch {micro} with {estimate.precision}{how} needs {format_bytes(needed)};"
-        f" the model states (parameters, gradients, optimizer states) alone take {format_bytes(states)}."
+        f"even micro-batch {micro} with {estimate.precision}{how} needs {format_bytes(needed)}"
+        f"{' per rank' if world > 1 else ''}; the model states (parameters, gradients, optimizer states) alone"
+        f" take {format_bytes(states)}."
     )
     optimizer = estimate.at_peak.get("optimizer_states", 0)
     if optimizer and needed - 0.75 * optimizer <= usable:
@@ -233,15 +403,20 @@ def _advice(estimate: MemoryEstimate, usable: int, world: int, checkpointing: bo
             f" 8-bit optimizer states would need about {format_bytes(int(needed - 0.75 * optimizer))} and fit"
             " (install bitsandbytes);"
         )
-    if usable > rest:
-        shards = max(2, math.ceil(states / (usable - rest)))
+    if gpus is None:
         return (
-            f"{text} Needs sharding: {shards} GPUs with FSDP (model states split {shards} ways, plus"
-            f" {format_bytes(rest)} of activations and temporaries per GPU)."
+            f"{text} Even sharded, the activations and temporaries of one sample ({format_bytes(rest)}) exceed the"
+            " usable memory: shorten the sequences or use a larger device."
+        )
+    if gpus.planned:
+        return (
+            f"{text} Needs sharding: FSDP2 over {gpus.number} GPUs fits micro-batch 1 (planned:"
+            f" {format_bytes(gpus.needed)} per rank); plan again with `devices` x `num_nodes` = {gpus.number}."
         )
     return (
-        f"{text} Even sharded, the activations and temporaries of one sample ({format_bytes(rest)}) exceed the"
-        " usable memory: shorten the sequences or use a larger device."
+        f"{text} Needs sharding: at least {gpus.number} GPUs with FSDP2 (a lower bound: the model states split"
+        f" {gpus.number} ways, plus {format_bytes(rest)} of activations and temporaries per GPU; not confirmed by an"
+        f" estimate); plan again with `devices` x `num_nodes` = {gpus.number} to check."
     )
 
 
@@ -304,6 +479,8 @@ def plan_memory(
     device: str = "cuda",
     progress: Callable[[str], None] | None = None,
     gpu: str | tuple[int, int] | None = None,
+    strategy: str = "auto",
+    shard_modules: Sequence[type[nn.Module] | str] | None = None,
 ) -> MemoryPlan:
     """Choose micro-batch, accumulation, precision and checkpointing so a training step fits a memory budget.
 
@@ -316,6 +493,15 @@ def plan_memory(
     Activation checkpointing is chosen only when it at least doubles the micro-batch (it costs about a third more
     compute; halving the accumulation saves more). Under DDP one more copy of the gradients (the buckets) is counted
     per device. The plan is numbers: ``MemoryPreset.from_plan(plan)`` builds the preset and its Trainer arguments.
+
+    On ``devices x num_nodes`` > 1 ranks it also chooses how the ranks hold the model (``strategy="auto"``): DDP
+    when the whole model fits each rank at some micro-batch (the single-device estimate plus DDP's gradient buckets;
+    faster: no all-gathers); otherwise FSDP2 over all the ranks (``estimate_memory(world_size=...)``, per-block
+    sharding, ``reshard_after_forward=True``); CPU offload of the shards only as the last resort. The same search
+    runs for each (micro-batch, accumulation, checkpointing) and the effective batch (micro-batch x accumulation x
+    ranks) is kept. When nothing fits, the advice plans the GPUs FSDP2 would need for micro-batch 1 (estimated at
+    the first two counts of 2, 4, 8, ... from a lower bound; said to be a lower bound when that estimate does not
+    fit).
 
     Args:
         module: as for :func:`estimate_memory`.
@@ -342,10 +528,14 @@ def plan_memory(
             prints them); ``None`` logs them at INFO on the ``lightning_memopt.planner.plan`` logger.
         gpu: the target GPU for its cuBLAS workspace (see :func:`estimate_memory`); default: the GPU named by
             ``budget``, or the current CUDA device's when ``budget`` is ``None``.
+        strategy: ``"auto"`` (DDP where it fits, else FSDP2, else FSDP2 with CPU offload), ``"ddp"`` or
+            ``"fsdp2"`` (FSDP2 only, CPU offload where nothing else fits); needs ``devices x num_nodes`` > 1 unless
+            ``"auto"``.
+        shard_modules: the blocks FSDP2 shards (as for :func:`estimate_memory`); ``None``: the repeated blocks.
 
     Returns:
         a :class:`MemoryPlan`. When even micro-batch 1 with the most saving settings does not fit, ``plan.feasible``
-        is ``False`` and ``plan.advice`` says what would (8-bit optimizer states, or FSDP over N GPUs).
+        is ``False`` and ``plan.advice`` says what would (8-bit optimizer states, or FSDP2 over N GPUs).
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
@@ -364,30 +554,40 @@ def plan_memory(
     _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision)
     gradient_checkpointing, modules = _checkpointing(gradient_checkpointing, checkpoint_modules)
     world = devices * num_nodes
+    _check_strategy(strategy, world, shard_modules)
     limit = _resolve_budget(budget, gpu, device, margin, precision)
     report = progress if progress is not None else _log.info
     per_device = effective_batch_size // world
     sizes = _micro_batches(per_device, loss_fn is None and is_manual_optimization(module), report)
-    runs = Trials(
-        module,
-        batch_fn,
-        batch_per_device=per_device,
-        gpu=limit.gpu,
-        usable=limit.usable,
-        world=world,
-        precision=limit.precision,
-        optimizer=optimizer,
-        device=device,
-        loss_fn=loss_fn,
-        progress=report,
-        checkpoint_modules=modules,
+    trials = {
+        "module": module,
+        "batch_fn": batch_fn,
+        "gpu": limit.gpu,
+        "usable": limit.usable,
+        "precision": limit.precision,
+        "optimizer": optimizer,
+        "device": device,
+        "loss_fn": loss_fn,
+        "progress": report,
+        "checkpoint_modules": modules,
+        "shard_modules": shard_modules,
+    }
+    stages = _Stages(
+        trials, effective=effective_batch_size, world=world, sizes=sizes, gradient_checkpointing=gradient_checkpointing
     )
-    chosen, checkpointed = _search(runs, sizes, gradient_checkpointing)
+    done = stages.search(strategy)
+    final = done[-1]
+    chosen, checkpointed = final.chosen, final.checkpointed
+    gpus: _Gpus | None = None
     if chosen is None:
-        estimate = runs.estimates.get((1, checkpointed)) or runs.estimates[min(runs.estimates)]
-        advice = _advice(estimate, limit.usable, world, checkpointed, micro=sizes[0])
+        estimate = final.smallest()
+        tried = world if final.runs.sharded else 1
+        gpus = stages.gpus(done[0].smallest(), limit.usable, checkpointed, tried)
+        # the advice speaks of the model states on the GPU: of the last estimate without CPU offload
+        on_gpu = [stage for stage in done if not stage.runs.cpu_offload][-1].smallest()
+        advice = _advice(on_gpu, limit.usable, world, checkpointed, sizes[0], gpus)
     else:
-        estimate, advice = runs.estimates[(chosen, checkpointed)], ""
+        estimate, advice = final.runs.estimates[(chosen, checkpointed)], ""
     return MemoryPlan(
         feasible=chosen is not None,
         effective_batch_size=effective_batch_size,
@@ -405,6 +605,42 @@ def plan_memory(
         device=device,
         preset_name=tier_for_memory(limit.total / 1024**3)[1],
         estimate=estimate,
-        trials=tuple(runs.trials),
+        trials=tuple(t for stage in done for t in stage.runs.trials),
         advice=advice,
+        strategy=final.runs.strategy,
+        strategy_reason=_reason(done, world, strategy),
+        **_sharding_fields(module, estimate, shard_modules),
+        gpus_needed=gpus.number if gpus is not None else None,
+        gpus_needed_planned=gpus is not None and gpus.planned,
     )
+
+
+def _check_strategy(strategy: Any, world: int, shard_modules: Any) -> None:
+    check_choice("strategy", strategy, PLAN_STRATEGIES)
+    if strategy != "auto" and world == 1:
+        raise ValueError(
+            f"`strategy`={strategy!r} needs several ranks, but `devices` x `num_nodes` = 1. Pass `devices` (GPUs per"
+            " node) and `num_nodes`, or leave `strategy='auto'`."
+        )
+    if shard_modules is not None and (world == 1 or strategy == "ddp"):
+        raise ValueError(
+            f"`shard_modules`={shard_modules!r} names the blocks FSDP2 shards, but this plan never shards"
+            f" (`devices` x `num_nodes` = {world}, `strategy`={strategy!r}). Drop `shard_modules`, or plan for"
+            " several GPUs."
+        )
+
+
+def _sharding_fields(module: nn.Module, estimate: MemoryEstimate, shard_modules: Any) -> dict[str, Any]:
+    """FSDP2's options and the blocks and roots sharded (``None`` when ``configure_model`` shards itself)."""
+    sharding = estimate.sharding
+    if sharding is None:
+        return {}
+    fields: dict[str, Any] = {
+        "reshard_after_forward": sharding.reshard_after_forward,
+        "cpu_offload": sharding.cpu_offload,
+    }
+    if sharding.source != "configure_model":
+        blocks = default_shard_blocks(module, shard_modules)
+        roots = child_roots(module, blocks) if is_lightning_module(module) else [""]
+        fields.update(shard_blocks=tuple(blocks), shard_roots=tuple(roots))
+    return fields

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from lightning_memopt.planner.estimate import MemoryEstimate, estimate_memory
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["PlanTrial", "Trials", "largest_fitting", "needed_bytes"]
+__all__ = ["PlanTrial", "Trials", "largest_fitting", "needed_bytes", "strategy_label"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class PlanTrial:
         needed_bytes: the estimate's peak, plus one more copy of the gradients under DDP (its buckets).
         fits: whether ``needed_bytes`` is within the plan's usable bytes.
         seconds: how long the estimate took.
+        strategy: ``"single device"``, ``"ddp"`` (every rank holds the whole model), ``"fsdp2"`` or
+            ``"fsdp2 + cpu offload"`` (sharded over the plan's world: one rank's bytes).
     """
 
     micro_batch_size: int
@@ -34,11 +36,27 @@ class PlanTrial:
     fits: bool
     seconds: float
     accumulate_grad_batches: int = 1
+    strategy: str = "single device"
 
 
 def needed_bytes(estimate: MemoryEstimate, world: int) -> int:
-    """The estimate's peak, and under DDP its gradient buckets: about one more copy of the gradients per process."""
-    return estimate.peak_bytes + (estimate.gradient_bytes if world > 1 else 0)
+    """The estimate's peak, and under DDP its gradient buckets: about one more copy of the gradients per process.
+
+    A sharded estimate (FSDP2) counts its reduce-scatter buffers itself: nothing is added."""
+    ddp = world > 1 and estimate.sharding is None
+    return estimate.peak_bytes + (estimate.gradient_bytes if ddp else 0)
+
+
+def strategy_label(world: int, sharded: bool, cpu_offload: bool) -> str:
+    """How the plan's ranks hold the model: ``"single device"``, ``"ddp"``, ``"fsdp2"`` or ``"fsdp2 + cpu offload"``.
+
+    Examples:
+        >>> strategy_label(1, False, False), strategy_label(4, False, False), strategy_label(4, True, True)
+        ('single device', 'ddp', 'fsdp2 + cpu offload')
+    """
+    if sharded:
+        return "fsdp2 + cpu offload" if cpu_offload else "fsdp2"
+    return "ddp" if world > 1 else "single device"
 
 
 class Trials:
@@ -50,10 +68,12 @@ class Trials:
             ``batch_per_device // size`` micro-batches accumulated, as the plan would run it.
         usable: the bytes a step may need (the budget less the CUDA context and the margin).
         gpu: the target GPU (see :func:`~lightning_memopt.estimate_memory`).
-        world: devices x nodes (over 1, DDP's gradient buckets are counted).
+        world: devices x nodes (over 1 and not sharded, DDP's gradient buckets are counted).
         precision / checkpoint_modules / optimizer / device / loss_fn: as for
             :func:`~lightning_memopt.estimate_memory` (the blocks checkpointed when checkpointing is on).
         progress: called with one line per estimate.
+        sharded: shard the model over ``world`` ranks with FSDP2 (``estimate_memory(world_size=world)``), with
+            ``cpu_offload`` and the blocks ``shard_modules`` (``None``: the default blocks); reshard after forward.
 
     Outputs (attributes): ``trials`` (a :class:`PlanTrial` per estimate) and ``estimates`` (by ``(micro-batch,
     checkpointing)``).
@@ -80,11 +100,16 @@ class Trials:
         progress: Callable[[str], None] | None = None,
         gpu: str | tuple[int, int] | None = None,
         checkpoint_modules: Sequence[type[nn.Module] | str] | None = None,
+        sharded: bool = False,
+        cpu_offload: bool = False,
+        shard_modules: Sequence[type[nn.Module] | str] | None = None,
     ) -> None:
         self.module, self.batch_fn, self.usable, self.world = module, batch_fn, usable, world
         self.batch_per_device, self.gpu = batch_per_device, gpu
         self.precision, self.optimizer, self.device, self.loss_fn = precision, optimizer, device, loss_fn
         self.progress, self.checkpoint_modules = progress, checkpoint_modules
+        self.sharded, self.cpu_offload, self.shard_modules = sharded, cpu_offload, shard_modules
+        self.strategy = strategy_label(world, sharded, cpu_offload)
         self.trials: list[PlanTrial] = []
         self.estimates: dict[tuple[int, bool], MemoryEstimate] = {}
 
@@ -103,18 +128,33 @@ class Trials:
             loss_fn=self.loss_fn,
             accumulate_grad_batches=accumulate,
             gpu=self.gpu if self.device == "cuda" else None,
+            **self._sharding(),
         )
         needed = needed_bytes(est, self.world)
         ok = needed <= self.usable
-        self.trials.append(PlanTrial(size, self.precision, checkpointing, needed, ok, est.seconds, accumulate))
+        self.trials.append(
+            PlanTrial(size, self.precision, checkpointing, needed, ok, est.seconds, accumulate, self.strategy)
+        )
         self.estimates[(size, checkpointing)] = est
         if self.progress is not None:
+            where = f"{self.strategy}, " if self.world > 1 else ""
             self.progress(
-                f"micro-batch {size:>5}, {self.precision}, accumulate {accumulate},"
+                f"{where}micro-batch {size:>5}, {self.precision}, accumulate {accumulate},"
                 f" checkpointing {'on' if checkpointing else 'off'}:"
                 f" {format_bytes(needed):>11} {'fits' if ok else 'too much'} ({est.seconds:.1f} s)"
             )
         return ok
+
+    def _sharding(self) -> dict[str, Any]:
+        """``estimate_memory``'s sharding arguments (none when not sharded: the single-device estimate per rank)."""
+        if not self.sharded:
+            return {}
+        return {
+            "world_size": self.world,
+            "reshard_after_forward": True,
+            "cpu_offload": self.cpu_offload,
+            "shard_modules": self.shard_modules,
+        }
 
     def largest_fitting(self, checkpointing: bool, candidates: list[int]) -> int | None:
         """The largest of ``candidates`` that fits with checkpointing on or off (see :func:`largest_fitting`)."""

@@ -38,6 +38,7 @@ from lightning_memopt.functional.presets import (
     PRESET_NAMES,
     PRESETS,
     AccumulationPlan,
+    configure_model_recipe,
     normalize_checkpoint_modules,
     plan_accumulation,
     plan_auto_micro_batch,
@@ -95,7 +96,15 @@ PLANNED = (
     "precision",
     "gradient_checkpointing",
     "checkpoint_modules",
+    "strategy",
+    "reshard_after_forward",
+    "cpu_offload",
+    "shard_blocks",
+    "shard_roots",
 )
+#: What ``MemoryPreset(strategy=...)`` accepts: ``None`` (the Trainer's own choice), ``"ddp"`` or ``"fsdp2"``
+#: (Lightning's ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``).
+PresetStrategy = Literal["ddp", "fsdp2"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,14 @@ class MemoryPreset:
         tier: set by :meth:`for_device` (the GPU-size tier label); informational.
         auto_micro_batch: the DataLoader yields the whole per-device batch and ``AutoMicroBatch`` splits it,
             halving on out-of-memory; ``micro_batch_size`` is then where it starts (``None``: the whole batch).
+        strategy: ``None`` leaves the Trainer's strategy alone; ``"ddp"`` passes ``strategy="ddp"``; ``"fsdp2"``
+            passes ``ModelParallelStrategy(data_parallel_size=devices x num_nodes, tensor_parallel_size=1)`` (and
+            a precision string, as that strategy needs): paste :attr:`configure_model_recipe` into the
+            LightningModule. :meth:`from_plan` sets it from the plan.
+        reshard_after_forward / cpu_offload: FSDP2's options in the recipe (``"fsdp2"`` only).
+        shard_blocks / shard_roots: the qualified names the recipe applies ``fully_shard`` to, blocks first, then
+            the roots (``""``: the module); ``None``: the LightningModule's own ``configure_model`` shards
+            (``"fsdp2"`` only).
 
     Examples:
         >>> preset = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=16)
@@ -169,6 +186,11 @@ class MemoryPreset:
     allow_emulated_bf16: bool = False
     tier: str | None = None
     auto_micro_batch: bool = False
+    strategy: PresetStrategy | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    shard_blocks: tuple[str, ...] | None = None
+    shard_roots: tuple[str, ...] | None = None
     plan: AccumulationPlan | None = field(default=None, init=False, repr=False, compare=False)
     _said: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -216,6 +238,7 @@ class MemoryPreset:
         check_positive_int("devices", self.devices, hint="Pass the number of devices per node, as for the Trainer.")
         check_positive_int("num_nodes", self.num_nodes)
         check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
+        _check_sharding(self)
         if self.auto_micro_batch and self.micro_batch_size is not None and self.effective_batch_size is None:
             raise ValueError(
                 f"`micro_batch_size`={self.micro_batch_size!r} with `auto_micro_batch=True` needs"
@@ -257,9 +280,11 @@ class MemoryPreset:
     def from_plan(cls, plan: MemoryPlan, **overrides: Any) -> MemoryPreset:
         """The preset of a :func:`~lightning_memopt.plan_memory` plan, with ``overrides`` for the fields it leaves.
 
-        The plan decides the effective batch, the micro-batch, the world, the precision and the checkpointing; the
-        preset is its budget's GPU-size tier (``plan.preset_name``, ``tier`` = the budget's label) unless
-        ``overrides`` name another. ``overrides`` may set any other field (``name``, ``monitor``,
+        The plan decides the effective batch, the micro-batch, the world, the precision, the checkpointing and the
+        strategy (``"ddp"`` over several ranks; ``"fsdp2"`` with its blocks, roots and options: the Trainer gets
+        ``ModelParallelStrategy`` and :attr:`configure_model_recipe` is the LightningModule's hook); the preset is
+        its budget's GPU-size tier (``plan.preset_name``, ``tier`` = the budget's label) unless ``overrides`` name
+        another. ``overrides`` may set any other field (``name``, ``monitor``,
         ``auto_micro_batch``, ...); a field the plan decides is refused: plan with it instead.
 
         Raises:
@@ -282,7 +307,7 @@ class MemoryPreset:
                 f" {overrides[planned[0]]!r} in `MemoryPreset.from_plan(plan, ...)`. Pass it to `plan_memory` instead,"
                 " or build the preset with `MemoryPreset.from_name`."
             )
-        fields = {"name": plan.preset_name, "tier": plan.budget_label, **{n: getattr(plan, n) for n in PLANNED}}
+        fields = {"name": plan.preset_name, "tier": plan.budget_label, **_planned_fields(plan)}
         fields.update(overrides)
         return cls.from_name(**fields)
 
@@ -388,6 +413,21 @@ class MemoryPreset:
             return None
         return self.micro_batch_size if self.micro_batch_size is not None else "auto"
 
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: ``devices x num_nodes``."""
+        return self.devices * self.num_nodes
+
+    @property
+    def configure_model_recipe(self) -> str:
+        """With ``strategy="fsdp2"``: the ``configure_model`` to paste into the LightningModule (``fully_shard`` per
+        block, then the roots, with the preset's options), as text; ``""`` otherwise. Also in ``print(preset)``."""
+        if self.strategy != "fsdp2":
+            return ""
+        return configure_model_recipe(
+            self.world_size, self.shard_blocks, self.shard_roots, self.reshard_after_forward, self.cpu_offload
+        )
+
     # ---------------------------------------------------------------------------------------------- outputs
     def precision_plugin(self) -> Any:
         """The :class:`~lightning_memopt.MemoryPrecision` plugin this preset uses."""
@@ -429,8 +469,9 @@ class MemoryPreset:
     def trainer_kwargs(self, **trainer_kwargs: Any) -> dict[str, Any]:
         """Arguments for ``Trainer(**kwargs)``, merged with your own ``trainer_kwargs``.
 
-        Returns ``plugins=[MemoryPrecision(...)]`` (or ``precision="..."`` for FSDP/DeepSpeed strategies, which need
-        their own precision classes), ``accumulate_grad_batches``, ``gradient_clip_val``, ``callbacks`` (yours first,
+        Returns ``plugins=[MemoryPrecision(...)]`` (or ``precision="..."`` for FSDP/DeepSpeed/model-parallel
+        strategies, which need their own precision classes), the preset's ``strategy`` (when it sets one),
+        ``accumulate_grad_batches``, ``gradient_clip_val``, ``callbacks`` (yours first,
         then the preset's; with ``auto_micro_batch`` an ``AutoMicroBatch`` of yours replaces the preset's) and, with
         an effective batch, ``devices`` and ``num_nodes``. Building them changes nothing in the process: the
         ``AllocatorSettings`` callback built here applies the allocator settings at ``setup`` and gives them back at
@@ -474,7 +515,8 @@ class MemoryPreset:
             MemoryPreset 'max-speed'
         """
         title = f"MemoryPreset {self.name!r}" + (f" (tier {self.tier})" if self.tier else "")
-        return _table(title, _describe_rows(self))
+        recipe = self.configure_model_recipe
+        return _table(title, _describe_rows(self)) + (f"\n\nconfigure_model (FSDP2):\n{recipe}" if recipe else "")
 
     def __str__(self) -> str:
         return self.describe()
@@ -523,6 +565,7 @@ def _describe_rows(preset: MemoryPreset) -> list[tuple[str, Any, str]]:
             else "effective / (micro x devices x nodes): same gradients as the full batch.",
         ),
         ("devices x num_nodes", f"{preset.devices} x {preset.num_nodes}", "world size used in the arithmetic."),
+        ("strategy", preset.strategy or "Trainer's", _strategy_reason(preset)),
         ("auto_micro_batch", preset.auto_micro_batch, _auto_micro_batch_reason(preset)),
         ("gradient_clip_val", preset.gradient_clip_val, "gradient norm clipping (None = off)."),
         (
@@ -549,6 +592,57 @@ def _describe_rows(preset: MemoryPreset) -> list[tuple[str, Any, str]]:
             " batch of host memory.",
         ),
     ]
+
+
+def _strategy_reason(preset: MemoryPreset) -> str:
+    if preset.strategy == "fsdp2":
+        offload = ", CPU offload of parameters, gradients and optimizer states" if preset.cpu_offload else ""
+        return (
+            f"ModelParallelStrategy(data_parallel_size={preset.world_size}): FSDP2 shards the model over the ranks"
+            f" (reshard_after_forward={preset.reshard_after_forward}{offload}); paste configure_model below."
+        )
+    if preset.strategy == "ddp":
+        return "every rank holds the whole model (no all-gathers: fastest where it fits)."
+    return "not set by the preset."
+
+
+def _check_sharding(preset: MemoryPreset) -> None:
+    """``strategy`` and the FSDP2 fields: known values, and the FSDP2 ones only with ``strategy="fsdp2"``."""
+    check_choice("strategy", preset.strategy, (None, "ddp", "fsdp2"), hint="None leaves the Trainer's strategy alone.")
+    check_bool("reshard_after_forward", preset.reshard_after_forward)
+    check_bool("cpu_offload", preset.cpu_offload)
+    for key in ("shard_blocks", "shard_roots"):
+        value = getattr(preset, key)
+        if value is None:
+            continue
+        names = (value,) if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                f'`{key}` must be a list of qualified module names ("": the module itself) or None, got {value!r}.'
+            )
+        object.__setattr__(preset, key, tuple(names))
+    sharding = [k for k in ("shard_blocks", "shard_roots") if getattr(preset, k) is not None]
+    sharding += ["cpu_offload"] if preset.cpu_offload else []
+    if preset.strategy != "fsdp2" and sharding:
+        raise ValueError(
+            f"`{sharding[0]}` shapes FSDP2's configure_model, but `strategy`={preset.strategy!r}. Pass"
+            f" `strategy='fsdp2'`, or drop `{sharding[0]}`."
+        )
+    if preset.strategy == "fsdp2" and preset.devices * preset.num_nodes == 1:
+        raise ValueError(
+            "`strategy`='fsdp2' shards over `devices` x `num_nodes` = 1 rank: nothing to shard. Pass the GPUs"
+            " (`devices`, `num_nodes`), or drop `strategy`."
+        )
+
+
+def _planned_fields(plan: MemoryPlan) -> dict[str, Any]:
+    """The preset's fields a plan decides (:data:`PLANNED`)."""
+    fields = {n: getattr(plan, n) for n in PLANNED if n not in ("strategy", "reshard_after_forward")}
+    if plan.sharded:
+        fields.update(strategy="fsdp2", reshard_after_forward=bool(plan.reshard_after_forward))
+    else:
+        fields["strategy"] = "ddp" if plan.strategy == "ddp" else None
+    return fields
 
 
 def _auto_micro_batch_reason(preset: MemoryPreset) -> str:
@@ -595,6 +689,7 @@ PRESET_TRAINER_KEYS = (
     "devices",
     "num_nodes",
     "callbacks",
+    "strategy",
 )
 
 
@@ -746,6 +841,30 @@ def _world_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, A
     return out
 
 
+def _strategy_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``strategy`` of a preset that sets one: ``"ddp"``, or ``ModelParallelStrategy(data_parallel_size=devices x
+    num_nodes, tensor_parallel_size=1)`` for ``"fsdp2"``; yours when it is the same kind (e.g. configured further)."""
+    if preset.strategy is None:
+        return {}
+    yours = given.get("strategy")
+    if yours is None or yours == "auto":
+        if preset.strategy == "ddp":
+            return {"strategy": "ddp"}
+        ModelParallelStrategy = classes("strategies.ModelParallelStrategy")[0]
+        return {"strategy": ModelParallelStrategy(data_parallel_size=preset.world_size, tensor_parallel_size=1)}
+    if preset.strategy == "fsdp2":
+        same = is_instance(yours, "strategies.ModelParallelStrategy")
+    else:
+        same = (isinstance(yours, str) and yours.startswith("ddp")) or is_instance(yours, "strategies.DDPStrategy")
+    if not same:
+        wanted = "a ModelParallelStrategy" if preset.strategy == "fsdp2" else "'ddp' (or a DDPStrategy)"
+        raise ValueError(
+            f"`strategy={yours!r}` contradicts the preset's strategy={preset.strategy!r}, which needs {wanted}. Drop"
+            " `strategy=` from the Trainer arguments or build the preset with another `strategy`."
+        )
+    return {}
+
+
 def _callbacks(preset: MemoryPreset, given: Mapping[str, Any]) -> list[Any]:
     """Yours first, then the preset's; one of yours of a type the preset adds replaces the preset's."""
     yours = given.get("callbacks") or []
@@ -762,7 +881,9 @@ def _callbacks(preset: MemoryPreset, given: Mapping[str, Any]) -> list[Any]:
 def build_trainer_kwargs(preset: MemoryPreset, trainer_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """``preset.trainer_kwargs(**trainer_kwargs)``: see :meth:`MemoryPreset.trainer_kwargs`."""
     out: dict[str, Any] = dict(trainer_kwargs)
-    precision = _precision_kwargs(preset, trainer_kwargs)
+    strategy = _strategy_kwargs(preset, trainer_kwargs)
+    out.update(strategy)
+    precision = _precision_kwargs(preset, {**trainer_kwargs, **strategy})
     if "plugins" in precision:
         out.pop("precision", None)  # MemoryPrecision decides (a `precision=None` of yours said nothing)
     out.update(precision)
