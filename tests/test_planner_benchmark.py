@@ -61,3 +61,14 @@ def test_benchmark_quick_mode_runs(tmp_path):
     assert set(scale["estimates"]) == {"cuda", "cpu"}
     assert scale["estimates"]["cuda"]["peak_bytes"] > 0 and report["checks"]["scale_seconds"]["pass"] is True
     assert "large-model estimate" in proc.stdout and "PASS  accuracy" in proc.stdout
+
+    # the sharded cases: one 2-rank gloo run, each option predicted to the byte; torch's tracker beside it
+    sharded = {(r["reshard_after_forward"], r["foreach"]): r for r in report["sharded"]}
+    assert set(sharded) == {(True, False), (False, False), (True, True)}
+    for row in sharded.values():
+        assert row["world_size"] == 2 and len(row["measured_per_rank"]) == 2, row
+        assert row["predicted_bytes"] == row["measured_bytes"] and row["ratio"] == 1.0, row
+        assert row["estimate_seconds"] > 0 and row["tracker_bytes"] > 0
+    assert sharded[(False, False)]["predicted_bytes"] > sharded[(True, False)]["predicted_bytes"]
+    assert sharded[(True, False)]["tracker_bytes"] == sharded[(True, False)]["predicted_bytes"]
+    assert report["checks"]["sharded"]["pass"] is True and "PASS  sharded" in proc.stdout
