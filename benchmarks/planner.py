@@ -46,12 +46,13 @@ so the shipped benchmark and the tests measure the same models. Target: every zo
     python benchmarks/planner.py --zoo-only      # the zoo table only, both precisions (planner_zoo_cpu.json): ~30 s
     python benchmarks/planner.py --quick --out /tmp/planner.json     # seconds: a smoke test of every path
     python benchmarks/planner.py --no-rss --no-scale --no-sharded    # the predicted/measured table only
-    python benchmarks/planner.py --sharded-only  # ~40 s: the FSDP2 table only (planner_sharded_cpu.json)
+    python benchmarks/planner.py --sharded-only  # ~1 minute: the FSDP2 table only (planner_sharded_cpu.json)
 
-Then the sharded cases (``benchmarks/_sharded.py``): FSDP2 over 2 and 4 ranks (``--quick``: 2), ``reshard_after_forward``
-True and False and AdamW's ``foreach`` step, the residual MLP of ``tests/scripts/fsdp2_peak.py``: the planner's
-per-rank prediction (``world_size=N``), its seconds and RSS growth, next to the real per-rank peak of that script's
-N gloo processes and to torch's ``FSDPMemTracker`` (prediction and seconds). Target: equal to the byte.
+Then the sharded cases (``benchmarks/_sharded.py``): FSDP2 over 2 and 4 ranks (``--quick``: 2),
+``reshard_after_forward`` True and False and AdamW's ``foreach`` step, the residual MLP of
+``tests/scripts/fsdp2_peak.py`` and the zoo T5 (not in ``--quick``): the planner's per-rank prediction
+(``world_size=N``), its seconds and RSS growth, next to the real per-rank peak of that script's N gloo processes and
+to torch's ``FSDPMemTracker`` (prediction and seconds). Target: equal to the byte.
 
 Targets: predicted == measured within 1 % on every case, RSS growth within 10 % of the prediction, the
 100M-parameter estimate under 30 s on 2 cores with the process under 1 GB of RSS. Fake and real differ by a few
@@ -88,6 +89,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _machine import machine_info  # noqa: E402  (benchmarks/_machine.py)
+from _sharded import cases as sharded_case_list  # noqa: E402
 from _sharded import (  # noqa: E402  (benchmarks/_sharded.py)
     measured_peaks,
     print_sharded,
@@ -95,7 +97,6 @@ from _sharded import (  # noqa: E402  (benchmarks/_sharded.py)
     sharded_case_rows,
     sharded_check,
     sharded_worker,
-    world_sizes,
 )
 
 from lightning_memopt.planner import estimate_memory  # noqa: E402
@@ -561,13 +562,13 @@ def sharded_cases(quick: bool) -> list[dict]:
     process (``--sharded-worker``); one after the other, so the gloo ranks have the cores. ``--quick`` predicts in
     this process (its imports are done: seconds saved; its RSS numbers mean nothing)."""
     rows: list[dict] = []
-    for world_size in world_sizes(quick):
-        measured = measured_peaks(world_size)
+    for name, world_size in sharded_case_list(quick):
+        measured = measured_peaks(name, world_size)
         if quick:
-            predicted = sharded_worker(world_size, _rss_tools())
+            predicted = sharded_worker(name, world_size, _rss_tools())
         else:
-            predicted = _collect(_start(_worker_cmd("--sharded-worker", str(world_size)), False), 600)
-        rows += sharded_case_rows(world_size, measured, predicted)
+            predicted = _collect(_start(_worker_cmd("--sharded-worker", f"{name}:{world_size}"), False), 600)
+        rows += sharded_case_rows(name, world_size, measured, predicted)
     return rows
 
 
@@ -855,10 +856,11 @@ def main() -> int:
     parser.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--scale-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--sharded-worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sharded-worker", default=None, help=argparse.SUPPRESS)  # "model:world_size"
     args = parser.parse_args()
     if args.sharded_worker:
-        print(json.dumps(sharded_worker(args.sharded_worker, _rss_tools())))
+        name, world_size = args.sharded_worker.split(":")
+        print(json.dumps(sharded_worker(name, int(world_size), _rss_tools())))
         return 0
     if args.rss_worker:
         case = json.loads(args.rss_worker)
