@@ -45,7 +45,14 @@ so the shipped benchmark and the tests measure the same models. Target: every zo
     python benchmarks/planner.py                 # ~3 minutes on 2 cores, writes benchmarks/results/planner_cpu.json
     python benchmarks/planner.py --zoo-only      # the zoo table only, both precisions (planner_zoo_cpu.json): ~30 s
     python benchmarks/planner.py --quick --out /tmp/planner.json     # seconds: a smoke test of every path
-    python benchmarks/planner.py --no-rss --no-scale                 # the predicted/measured table only
+    python benchmarks/planner.py --no-rss --no-scale --no-sharded    # the predicted/measured table only
+    python benchmarks/planner.py --sharded-only  # ~1 minute: the FSDP2 table only (planner_sharded_cpu.json)
+
+Then the sharded cases (``benchmarks/_sharded.py``): FSDP2 over 2 and 4 ranks (``--quick``: 2),
+``reshard_after_forward`` True and False and AdamW's ``foreach`` step, the residual MLP of
+``tests/scripts/fsdp2_peak.py`` and the zoo T5 (not in ``--quick``): the planner's per-rank prediction
+(``world_size=N``), its seconds and RSS growth, next to the real per-rank peak of that script's N gloo processes and
+to torch's ``FSDPMemTracker`` (prediction and seconds). Target: equal to the byte.
 
 Targets: predicted == measured within 1 % on every case, RSS growth within 10 % of the prediction, the
 100M-parameter estimate under 30 s on 2 cores with the process under 1 GB of RSS. Fake and real differ by a few
@@ -82,6 +89,15 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _machine import machine_info  # noqa: E402  (benchmarks/_machine.py)
+from _sharded import cases as sharded_case_list  # noqa: E402
+from _sharded import (  # noqa: E402  (benchmarks/_sharded.py)
+    measured_peaks,
+    print_sharded,
+    print_sharded_check,
+    sharded_case_rows,
+    sharded_check,
+    sharded_worker,
+)
 
 from lightning_memopt.planner import estimate_memory  # noqa: E402
 
@@ -541,6 +557,48 @@ def _collect(proc: subprocess.Popen, timeout: float) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def sharded_cases(quick: bool) -> list[dict]:
+    """The sharded rows: per world size, the gloo run of tests/scripts/fsdp2_peak.py, then the predictions in a fresh
+    process (``--sharded-worker``); one after the other, so the gloo ranks have the cores. ``--quick`` predicts in
+    this process (its imports are done: seconds saved; its RSS numbers mean nothing)."""
+    rows: list[dict] = []
+    for name, world_size in sharded_case_list(quick):
+        measured = measured_peaks(name, world_size)
+        if quick:
+            predicted = sharded_worker(name, world_size, _rss_tools())
+        else:
+            predicted = _collect(_start(_worker_cmd("--sharded-worker", f"{name}:{world_size}"), False), 600)
+        rows += sharded_case_rows(name, world_size, measured, predicted)
+    return rows
+
+
+def sharded_only(out: Path, quick: bool, t0: float, argv: list[str]) -> int:
+    """``--sharded-only``: the sharded table and its JSON."""
+    rows = sharded_cases(quick)
+    print_sharded(rows)
+    check = sharded_check(rows)
+    print()
+    print_sharded_check(check)
+    result = {
+        "benchmark": "planner_sharded",
+        "command": " ".join(["python benchmarks/planner.py", *argv]),
+        "device": "cpu",
+        "quick": quick,
+        "machine": machine_info("cpu"),
+        "sharded": rows,
+        "checks": {"sharded": check},
+        "total_seconds": time.perf_counter() - t0,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"total {result['total_seconds']:.0f} s; wrote {out}")
+    return 0
+
+
+def _rss_tools() -> dict[str, Callable[[], Any]]:
+    return {"now": rss_now, "peak": peak_rss, "reset_peak": reset_peak_rss, "trim": _trim}
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -788,6 +846,8 @@ def main() -> int:
     parser.add_argument("--no-scale", action="store_true", help="skip the ~100M-parameter timing")
     parser.add_argument("--no-zoo", action="store_true", help="skip the zoo table (tests/helpers/zoo.py)")
     parser.add_argument("--zoo-only", action="store_true", help="the zoo table only (both precisions), seconds")
+    parser.add_argument("--no-sharded", action="store_true", help="skip the sharded (FSDP2, gloo) cases")
+    parser.add_argument("--sharded-only", action="store_true", help="the sharded table only (planner_sharded_cpu.json)")
     parser.add_argument(
         "--no-default-malloc", action="store_true", help="run the RSS cases with the tuned malloc settings only"
     )
@@ -796,7 +856,12 @@ def main() -> int:
     parser.add_argument("--rss-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--scale-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded-worker", default=None, help=argparse.SUPPRESS)  # "model:world_size"
     args = parser.parse_args()
+    if args.sharded_worker:
+        name, world_size = args.sharded_worker.split(":")
+        print(json.dumps(sharded_worker(name, int(world_size), _rss_tools())))
+        return 0
     if args.rss_worker:
         case = json.loads(args.rss_worker)
         print(
@@ -811,7 +876,9 @@ def main() -> int:
         return 0
     if args.threads or args.quick:  # --quick: one thread, the RSS worker runs beside this process on the other core
         torch.set_num_threads(args.threads or 1)
-    default = "planner_zoo_cpu.json" if args.zoo_only else "planner_cpu.json"  # the zoo table never replaces the rest
+    # the zoo and the sharded tables never replace the rest
+    default = "planner_zoo_cpu.json" if args.zoo_only else "planner_cpu.json"
+    default = "planner_sharded_cpu.json" if args.sharded_only else default
     out = Path(args.out or REPO / "benchmarks" / "results" / default)
     warnings.filterwarnings("ignore")
     import logging
@@ -820,6 +887,8 @@ def main() -> int:
     t0 = time.perf_counter()
     if args.zoo_only:
         return zoo_only(out, t0)
+    if args.sharded_only:
+        return sharded_only(out, args.quick, t0, sys.argv[1:])
     specs = model_specs(args.quick)
     t5 = transformers_status()
     if not t5["available"]:
@@ -912,6 +981,10 @@ def main() -> int:
                 )
             print(f"    process peak RSS {_mb(s['process_peak_rss'])}")
 
+    sharded: list[dict] = [] if args.no_sharded else sharded_cases(args.quick)
+    if sharded:
+        print_sharded(sharded)
+
     # ------------------------------------------------------------------------------------------- verdicts
     worst = max(abs(c["ratio"] - 1) for c in cases)
     checks = {
@@ -925,6 +998,8 @@ def main() -> int:
     }
     if zoo:
         checks["zoo"] = zoo_check(zoo)
+    if sharded:
+        checks["sharded"] = sharded_check(sharded)
     if rss:
         ok = [r for r in rss if "ratio" in r]
         worst_rss = max((abs(r["ratio"] - 1) for r in ok), default=float("inf"))
@@ -958,6 +1033,8 @@ def main() -> int:
     )
     if "zoo" in checks:
         print_zoo_check(checks["zoo"])
+    if "sharded" in checks:
+        print_sharded_check(checks["sharded"])
     if "rss" in checks:
         c = checks["rss"]
         verdict = "n/a " if c["pass"] is None else "PASS" if c["pass"] else "FAIL"
@@ -997,6 +1074,7 @@ def main() -> int:
         "rss": rss,
         "rss_note": RSS_NOTE,
         "scale": scale,
+        "sharded": sharded,
         "checks": checks,
         "total_seconds": time.perf_counter() - t0,
     }

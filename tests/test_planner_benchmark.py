@@ -61,3 +61,47 @@ def test_benchmark_quick_mode_runs(tmp_path):
     assert set(scale["estimates"]) == {"cuda", "cpu"}
     assert scale["estimates"]["cuda"]["peak_bytes"] > 0 and report["checks"]["scale_seconds"]["pass"] is True
     assert "large-model estimate" in proc.stdout and "PASS  accuracy" in proc.stdout
+
+    # the sharded cases: one 2-rank gloo run, each option predicted to the byte; torch's tracker beside it
+    sharded = {(r["reshard_after_forward"], r["foreach"]): r for r in report["sharded"]}
+    assert set(sharded) == {(True, False), (False, False), (True, True)}
+    for row in sharded.values():
+        assert row["world_size"] == 2 and len(row["measured_per_rank"]) == 2, row
+        assert row["predicted_bytes"] == row["measured_bytes"] and row["ratio"] == 1.0, row
+        assert row["estimate_seconds"] > 0 and row["tracker_bytes"] > 0
+    assert sharded[(False, False)]["predicted_bytes"] > sharded[(True, False)]["predicted_bytes"]
+    assert sharded[(True, False)]["tracker_bytes"] == sharded[(True, False)]["predicted_bytes"]
+    assert report["checks"]["sharded"]["pass"] is True and "PASS  sharded" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sharded_table_on_tiny_configs(tmp_path):
+    """benchmarks/sharded_table.py --tiny: the Markdown table (model x GPUs, fits on 24/40/80 GB) and its JSON."""
+    out = tmp_path / "table.md"
+    script = REPO_ROOT / "benchmarks" / "sharded_table.py"
+    proc = run_script(
+        f"""
+        import runpy, sys
+        sys.argv = ["sharded_table.py", "--tiny", "--models", "decoder", "--out", {str(out)!r}]
+        runpy.run_path({str(script)!r}, run_name="__main__")
+        """,
+        tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    head = "| model | GPUs | per-rank peak, AdamW foreach=False | fits 24 GB | fits 40 GB | fits 80 GB"
+    assert lines[0].startswith(head)
+    assert [line.split(" | ")[1] for line in lines[2:4]] == ["1", "2"]
+    assert all(line.count("| yes ") == 6 for line in lines[2:4]), lines  # a tiny model fits every card
+    assert "Made by `python benchmarks/sharded_table.py --tiny" in out.read_text()
+
+    report = json.loads(out.with_suffix(".json").read_text())
+    one, two = report["rows"]
+    for name in ("foreach", "foreach=False"):
+        assert one[name]["sharding"].startswith("none") and two[name]["sharding"].startswith("FSDP2 over 2 ranks")
+        # the shards of 2 ranks hold half the parameters (FSDP2 pads uneven shards: a few bytes more)
+        assert 0 <= 2 * two[name]["parameter_bytes"] - one[name]["parameter_bytes"] < one[name]["parameter_bytes"] / 100
+        assert one[name]["call_seconds"] > 0 and set(one[name]["fits"]) == {"24 GB", "40 GB", "80 GB"}
+    # the planner's usable-memory rule: the card less the CUDA context, less plan_memory's 10 % margin
+    assert report["usable_bytes"]["40 GB"] == int((int(39.4 * 1024**3) - 512 * 1024**2) * 0.9)
