@@ -4,8 +4,9 @@ Each model is built from its ``transformers`` config on the ``meta`` device (no 
 with ``estimate_memory(..., device="cuda", precision="bf16-mixed", gradient_checkpointing=True, world_size=N)`` on
 fake tensors: nothing of the model's size is allocated. ``world_size=1`` is the single-device estimate (what one rank
 of DDP holds, without DDP's gradient buckets); N > 1 is FSDP2 with ``fully_shard`` per block and at the root,
-``reshard_after_forward=True``, in a fake process group of N ranks. The optimizer is AdamW (lr 1e-4) twice: with
-torch's CUDA default, the multi-tensor ``foreach`` step, and with ``foreach=False`` (one parameter at a time).
+``reshard_after_forward=True``, in a fake process group of N ranks. The optimizer is AdamW (lr 1e-4) with torch's
+CUDA default (the planner models the multi-tensor ``foreach`` step on one device, and the step over DTensor shards
+per tensor, as CUDA's ``foreach`` kernels run it in place).
 
 A model fits a card when its per-rank peak is within the planner's usable memory (``plan_memory``'s rule: the card's
 memory less the CUDA context, less ``plan_memory``'s default margin); the cards are the 24, 40 and 80 GB ones of
@@ -51,11 +52,8 @@ CARDS = {"24 GB": "RTX4090", "40 GB": "A100-40GB", "80 GB": "A100-80GB"}
 WORLD_SIZES = (1, 2, 4, 8)
 TINY_WORLD_SIZES = (1, 2)
 GPU = "A100-80GB"  # compute capability 8.0: the cuBLAS workspaces (8.9 of the RTX4090 has the same)
-#: foreach=False first: the column checked on a GPU (benchmarks/sharded_cuda.py); the planner's CUDA default after it
-OPTIMIZERS = {
-    "foreach=False": functools.partial(torch.optim.AdamW, lr=1e-4, foreach=False),
-    "foreach": functools.partial(torch.optim.AdamW, lr=1e-4),  # torch's CUDA default: the multi-tensor step
-}
+#: the optimizer of the table, by the name its column gives
+OPTIMIZERS = {"AdamW": functools.partial(torch.optim.AdamW, lr=1e-4)}
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,7 @@ def markdown_table(rows: list[dict]) -> str:
     """The rows as a Markdown table: model x GPUs; per-rank peak and fits on 24/40/80 GB, for each optimizer."""
     head = ["model", "GPUs"]
     for name in OPTIMIZERS:
-        head += [f"per-rank peak, AdamW {name}", *(f"fits {label}" for label in CARDS)]
+        head += [f"per-rank peak, {name}", *(f"fits {label}" for label in CARDS)]
     head.append("estimate s")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for row in rows:
@@ -202,17 +200,12 @@ def _notes(cases: list[ModelCase], world_sizes: tuple[int, ...]) -> str:
         " 1 is the single-device estimate (one DDP rank, DDP's gradient buckets not counted), more is FSDP2"
         " (fully_shard per block and at the root, reshard_after_forward=True). Usable memory (the card less the"
         f" 512 MiB CUDA context, less plan_memory's 10 % margin): {usable}. Estimated on fake tensors from a meta"
-        " model (no weights allocated); estimate s: seconds of each estimate (foreach=False / foreach) on the CPU."
-        "\n\nChecked on a GPU (benchmarks/sharded_cuda.py, H200, rank 0 of 1, 2 and 4 ranks on a fake process group,"
-        " a 68M-parameter residual MLP at bf16-mixed): AdamW foreach=False within 0.2 % of the allocator's peak on"
-        " every world size. AdamW foreach on more than one rank was predicted 1.8-2.0x the card's peak, which equalled"
-        " the foreach=False one: the optimizer-step temporaries the planner counts for the multi-tensor step over"
-        " DTensor shards (byte-exact on the CPU) do not show on CUDA, so the foreach column over-counts sharded rows;"
-        " on one GPU it is right (within 0.1 %). The activations at the forward peak (12.7 GiB for the 7B model, 5.1"
-        " GiB for T5-XL, whatever the number of GPUs) are mostly autocast's cache of bf16 weight copies: with"
-        " bf16-mixed (autocast), each rank keeps a bf16 copy of every all-gathered weight until the forward ends"
-        " (in the GPU check too: the peak is there, 136 MB of its 156 MB of activations, and it was measured)."
-        " FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) instead of autocast avoids it (not estimated here)."
+        " model (no weights allocated); estimate s: seconds of each estimate on the CPU. The sharded CUDA model is"
+        " checked on a GPU by tests/test_planner_sharded_cuda.py (one real FSDP2 rank of 2 or 4 on a fake process"
+        " group: within 0.5 % of the allocator's peak on an H200). The activations at the forward peak do not shrink"
+        " with more GPUs: with bf16-mixed (autocast) each rank keeps a bf16 copy of every all-gathered weight until"
+        " the forward ends (autocast's cache); FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) instead of"
+        " autocast avoids it (not estimated here)."
     )
 
 
