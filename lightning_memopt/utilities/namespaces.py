@@ -81,12 +81,17 @@ def _import(namespace: str, module: str = "") -> ModuleType:
 def classes(path: str) -> tuple[type, ...]:
     """The class at ``path`` (e.g. ``"callbacks.Callback"``) in every installed namespace, in :data:`NAMESPACES` order.
 
+    A namespace whose release has no such class (``ModelParallelStrategy`` came with Lightning 2.3) is left out.
+
     Examples:
         >>> [c.__name__ for c in classes("callbacks.Callback")] == ["Callback"] * len(NAMESPACES)
         True
+        >>> classes("callbacks.NoSuchCallback")
+        ()
     """
     module, _, name = path.rpartition(".")
-    return tuple(getattr(_import(namespace, module), name) for namespace in NAMESPACES)
+    found = (getattr(_import(namespace, module), name, None) for namespace in NAMESPACES)
+    return tuple(cls for cls in found if cls is not None)
 
 
 def _namespace_name(obj: Any) -> str | None:
