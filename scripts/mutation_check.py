@@ -12,6 +12,7 @@ exits 1 when any survives.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: A mutant's bytecode is never cached: restored within the same second at the same size, the source would look
+#: unchanged to the next import, which would run the mutant.
+_NO_BYTECODE = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,7 @@ def run(mutant: Mutant) -> tuple[bool, float]:
             cwd=ROOT,
             capture_output=True,
             text=True,
+            env=_NO_BYTECODE,
         )
     finally:
         path.write_text(source)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import random
 import re
 import signal
@@ -27,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: A mutant's bytecode is never cached: restored within the same second at the same size, the source would look
+#: unchanged to the next import, which would run the mutant.
+_NO_BYTECODE = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 CORE = ("lightning_memopt/functional", "lightning_memopt/analysis")
 
 SWAPS: dict[type, type] = {
@@ -171,7 +175,7 @@ def run(site: Site, timeout: float) -> tuple[str, float, list[str]]:
         site.path.write_text(mutated, encoding="utf-8")
         module = str(site.path.relative_to(ROOT))  # its doctests too
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", module, *tests]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_NO_BYTECODE)
         outcome = "survived" if proc.returncode == 0 else "killed"
     except subprocess.TimeoutExpired:
         outcome = "killed"  # a mutant that makes the tests hang is noticed

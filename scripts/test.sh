@@ -11,4 +11,7 @@ site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
 rm -rf "$site"
 # Two processes (pytest-xdist): independent tests share the 2 cores CI has; `-n 0` after it runs them in one.
-.venv/bin/python -m pytest -n 2 "$@"
+# Bytecode caches are written (into the clone's __pycache__/, ignored by git) even where the environment turns them
+# off: every xdist worker and every process a test starts would otherwise compile the package and the tests again
+# (collection alone: 9.3 s against 5.6 s per process).
+env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -m pytest -n 2 "$@"
