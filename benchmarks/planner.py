@@ -676,10 +676,15 @@ def zoo_reference(entry: Any, precision: str, steps: int = 2) -> tuple[int, str]
     return memtracker_peak(entry.build(), entry.batch(ZOO_BATCH), precision, steps), "torch MemTracker"
 
 
+#: ``--quick``'s zoo rows: a Hugging Face model (its CUDA attention kernel) and the manual-optimization entry.
+QUICK_ZOO = ("t5", "manual")
+
+
 def zoo_cases(quick: bool) -> list[dict]:
     """Every entry of the test suite's zoo (``tests/helpers/zoo.py``, imported from the repository root, which this
-    script puts on ``sys.path``; it needs pytest): the estimate on fake tensors (``device="cpu"``) next to the measured
-    CPU peak (:func:`zoo_reference`), and the CUDA estimate with the attention kernels it chose."""
+    script puts on ``sys.path``; it needs pytest; ``--quick``: :data:`QUICK_ZOO`): the estimate on fake tensors
+    (``device="cpu"``) next to the measured CPU peak (:func:`zoo_reference`), and the CUDA estimate with the attention
+    kernels it chose."""
     try:
         from tests.helpers.zoo import ZOO
     except ImportError as err:  # run from outside the repository, or without pytest
@@ -687,6 +692,8 @@ def zoo_cases(quick: bool) -> list[dict]:
     transformers = transformers_status()["available"]
     rows: list[dict] = []
     for entry in ZOO.values():
+        if quick and entry.name not in QUICK_ZOO:  # the others: tests/zoo/test_zoo_estimate.py, `--zoo-only`
+            continue
         if entry.needs_transformers and not transformers:
             rows.append({"model": entry.name, "skipped": "transformers is not installed"})
             continue

@@ -1,6 +1,10 @@
 """benchmarks/planner.py --quick: every path runs, and the fake-tensor prediction equals the real step's peak."""
 
 import json
+import logging
+import runpy
+import sys
+import warnings
 
 import pytest
 
@@ -35,11 +39,11 @@ def test_benchmark_quick_mode_runs(tmp_path):
     if not report["transformers"]["available"]:
         assert "skipped" in report["transformers"] and "t5" not in report["models"]
 
-    # the zoo table: every model of tests/helpers/zoo.py, the estimate within 2 % of the measured CPU peak
+    # the zoo table (--quick: T5 and the manual-optimization entry), the estimate within 2 % of the measured CPU peak
     from tests.helpers.zoo import ZOO
 
     zoo = {row["model"]: row for row in report["zoo"]}
-    assert set(zoo) == set(ZOO)
+    assert set(zoo) == {"t5", "manual"} and set(zoo) <= set(ZOO)  # --quick: two; every entry in tests/zoo/
     for name, row in zoo.items():
         assert "error" not in row, row
         if "skipped" in row:  # manual optimization until the planner runs it; transformers missing
@@ -75,20 +79,19 @@ def test_benchmark_quick_mode_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_table_on_tiny_configs(tmp_path):
+def test_sharded_table_on_tiny_configs(tmp_path, monkeypatch):
     """benchmarks/sharded_table.py --tiny: the Markdown table (model x GPUs, fits on 24/40/80 GB) and its JSON."""
     out = tmp_path / "table.md"
     script = REPO_ROOT / "benchmarks" / "sharded_table.py"
-    proc = run_script(
-        f"""
-        import runpy, sys
-        sys.argv = ["sharded_table.py", "--tiny", "--models", "decoder", "--out", {str(out)!r}]
-        runpy.run_path({str(script)!r}, run_name="__main__")
-        """,
-        tmp_path,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["sharded_table.py", "--tiny", "--models", "decoder", "--out", str(out)]
+    # in this process (seconds of imports saved); the script puts benchmarks/ on sys.path and silences warnings
+    with monkeypatch.context() as patched:
+        patched.setattr(sys, "argv", argv)
+        patched.setattr(sys, "path", list(sys.path))
+        patched.setattr(logging.getLogger("transformers"), "level", logging.getLogger("transformers").level)
+        with warnings.catch_warnings(), pytest.raises(SystemExit) as ended:
+            runpy.run_path(str(script), run_name="__main__")
+    assert ended.value.code == 0
     lines = out.read_text().splitlines()
     head = "| model | GPUs | per-rank peak, AdamW | fits 24 GB | fits 40 GB | fits 80 GB | estimate s |"
     assert lines[0].startswith(head)
