@@ -8,6 +8,7 @@ with Lightning's accumulation at the micro-batch that fits.
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -294,6 +295,11 @@ def test_an_out_of_memory_error_inside_a_collective_ends_every_rank_within_secon
     assert "cannot be retried" in failing["error"]
     assert "another process stopped inside FSDP's reduce-scatter" in waiting["error"]
     assert waiting["seconds"] < 60  # the process group's time-out is 30 minutes
+    # the rank that ran out of memory wrote its report (the documented name links to the newest)
+    report = json.loads((fsdp2_run / "collective_reports" / "oom_report_rank1.json").read_text())
+    assert report["error"]["type"] == "torch.OutOfMemoryError" and report["when"]["rank"] == 1
+    assert "inside the reduce-scatter" in report["error"]["message"]
+    assert report["sharding"]["kind"] == "fsdp2" and report["sharding"]["data_parallel_size"] == 2
 
 
 def test_hsdp_s_two_dimensional_mesh_is_refused(fake_two_rank_mesh):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_memopt import OOMReporter
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from tests.helpers.amb import BackwardBudget, ddp_trainer
 from tests.helpers.lightning import lightning_module, pl
@@ -124,7 +125,7 @@ def collective() -> None:
     rank, start = None, time.perf_counter()
     try:
         model = Sharded()
-        trainer = fsdp2_trainer([AutoMicroBatch()])
+        trainer = fsdp2_trainer([AutoMicroBatch(), OOMReporter(dirpath="collective_reports")])
         rank = trainer.global_rank
         if rank == 1:  # FSDP's reduce-scatter itself runs out of memory, after the agreement point
             real = torch.distributed.reduce_scatter_single
