@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memopt.functional.footprint.sharding import fsdp_units
 from lightning_memopt.functional.micro_batch_retry import Agreement, extend_message, mark_unrecoverable
 
 __all__ = [
@@ -48,14 +49,6 @@ __all__ = [
 ]
 
 
-def _fsdp_module_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return None
-    return FSDPModule
-
-
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
     """The modules of ``module`` that ``fully_shard`` was applied to, outermost first.
 
@@ -63,8 +56,7 @@ def fsdp_modules(module: nn.Module) -> list[nn.Module]:
         >>> fsdp_modules(nn.Linear(2, 2))
         []
     """
-    cls = _fsdp_module_class()
-    return [] if cls is None else [m for m in module.modules() if isinstance(m, cls)]
+    return [unit for _, unit, kind in fsdp_units(module) if kind == "fsdp2"]
 
 
 _PEER_LEFT = (

@@ -17,7 +17,7 @@ from lightning_memopt.functional.footprint.storage import plain_tensor
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["Sharding", "model_sharding", "parameter_shards", "shard_rows"]
+__all__ = ["Sharding", "fsdp_units", "model_sharding", "parameter_shards", "shard_rows"]
 
 #: Mesh dimension names that mean data parallelism (Lightning's ``ModelParallelStrategy`` names it ``data_parallel``).
 _DATA_PARALLEL_NAMES = ("data_parallel", "dp", "dp_shard")
@@ -109,8 +109,14 @@ def _unit_types() -> dict[type, str]:
     return {FSDPModule: "fsdp2", FullyShardedDataParallel: "fsdp1"}
 
 
-def _units(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str]]:
-    """``(name, unit, kind)`` of every FSDP unit in ``module`` (outermost first, as ``named_modules`` walks)."""
+def fsdp_units(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str]]:
+    """``(name, unit, kind)`` of every FSDP unit in ``module``, outermost first (as ``named_modules`` walks); ``kind``
+    is ``"fsdp2"`` (``fully_shard``) or ``"fsdp1"`` (``FullyShardedDataParallel``).
+
+    Examples:
+        >>> list(fsdp_units(torch.nn.Linear(2, 2)))
+        []
+    """
     types = _unit_types()
     for name, child in module.named_modules():
         kind = next((kind for cls, kind in types.items() if isinstance(child, cls)), None)
@@ -219,7 +225,7 @@ def model_sharding(module: torch.nn.Module) -> Sharding:
         if dtensor is not None and isinstance(param, dtensor):
             num_dtensors += 1
             mesh = getattr(param, "device_mesh", None) if mesh is None else mesh
-    units = list(_units(module))
+    units = list(fsdp_units(module))
     kinds = {kind for _, _, kind in units}
     kind = "fsdp1" if "fsdp1" in kinds else "fsdp2" if (kinds or num_dtensors) else None
     reshard, kept, offload, param_dtype = _policies(units)

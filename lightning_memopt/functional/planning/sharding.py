@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_memopt.functional.checkpointing import module_matches
+from lightning_memopt.functional.footprint.sharding import fsdp_units
 
 __all__ = [
     "OFFLOADED_LABELS",
@@ -166,8 +167,7 @@ def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool) -> 
 
 
 def _units(model: nn.Module) -> dict[str, Any]:
-    fsdp = _fsdp()
-    return {name: m for name, m in model.named_modules() if isinstance(m, fsdp.FSDPModule)}
+    return {name: unit for name, unit, kind in fsdp_units(model) if kind == "fsdp2"}
 
 
 @dataclass(frozen=True)
