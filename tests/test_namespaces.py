@@ -1,8 +1,9 @@
 """Both Lightning namespaces: ``lightning.pytorch`` and the standalone ``pytorch_lightning`` (2.1 and later).
 
 The contract tests run again in a fresh interpreter with ``LIGHTNING_MEMOPT_TEST_NAMESPACE=pytorch_lightning``
-(their models, Trainers and CLIs then come from ``pytorch_lightning``): once with the installed release and once
-with the oldest one served, which ``scripts/bootstrap.sh`` puts into ``.venv/lightning-oldest``.
+(their models, Trainers and CLIs then come from ``pytorch_lightning``) with the oldest release served, which
+``scripts/bootstrap.sh`` puts into ``.venv/lightning-oldest``; the installed ``pytorch_lightning`` (the release of
+``lightning.pytorch``) runs the plugin and the preset through its own Trainer here.
 """
 
 from __future__ import annotations
@@ -34,19 +35,16 @@ pytorch_lightning = pytest.importorskip("pytorch_lightning")
 import lightning.pytorch as lightning_pytorch  # noqa: E402
 
 OLDEST = REPO_ROOT / ".venv" / "lightning-oldest"
-#: The tests that build every callback, the precision plugin and the presets into a Trainer and fit.
-CONTRACT_TESTS = [
+#: The tests that build every callback, the precision plugin and the presets into a Trainer and fit, run again with
+#: the oldest ``pytorch_lightning`` served. The installed ``pytorch_lightning`` is the same release as
+#: ``lightning.pytorch`` (the main run) under another name; its Trainer takes the plugin and the preset in this file.
+OLDEST_TESTS = [
     "tests/callbacks/test_contract.py",  # every callback, AutoMicroBatch's loop included, fits in a Trainer
     "tests/plugins/test_precision.py",
     "tests/plugins/test_precision_classes.py",  # the Lightning plugin class is the namespace's own
-    "tests/plugins/test_preset_cli.py",  # MemoryPresetCLI on the namespace's LightningCLI
-]
-OLDEST_TESTS = [
-    "tests/callbacks/test_contract.py",
-    "tests/plugins/test_precision.py",
     "tests/plugins/test_presets.py",
     "tests/plugins/test_precision_names.py",
-    "tests/plugins/test_preset_cli.py",
+    "tests/plugins/test_preset_cli.py",  # MemoryPresetCLI on the namespace's LightningCLI
 ]
 CALLBACKS = [
     AllocatorSettings,
@@ -157,14 +155,6 @@ def _run_contract_tests(
     assert " passed" in proc.stdout and " failed" not in proc.stdout
     version = next(line for line in proc.stdout.splitlines() if line.startswith("VERSIONS ")).split()
     return version[1], version[2]
-
-
-@pytest.mark.slow
-def test_the_contract_tests_pass_with_pytorch_lightning_trainers():
-    # the slow ones (LightningCLI, DDP) once with lightning.pytorch in the main run: the suite stays under 4 minutes
-    version, found = _run_contract_tests(CONTRACT_TESTS, options=("-m", "not slow"))
-    assert version == pytorch_lightning.__version__
-    assert found == "lightning.pytorch,pytorch_lightning"
 
 
 @pytest.mark.slow
