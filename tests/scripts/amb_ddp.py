@@ -1,4 +1,6 @@
-"""AutoMicroBatch on two DDP processes (gloo) where only rank 1 has a memory budget; run by test_auto_micro_batch."""
+"""AutoMicroBatch on two DDP processes (gloo) where only rank 1 has a memory budget, in forward, then in backward; each
+fit's checkpoint (``forward.ckpt``, ``backward.ckpt``) is there for a one-process run to resume from. Run by
+tests/callbacks/test_auto_micro_batch_ddp.py."""
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -26,8 +28,9 @@ if __name__ == "__main__":
         budget = {"forward_budget": 2} if where == "forward" else {"backward_budget": 2}
         model = RankBudget(optimizer="adamw", batch_size=8, **budget)
         callback = AutoMicroBatch()
-        trainer = ddp_trainer([callback, MemoryMonitor(dirpath=where)])
+        trainer = ddp_trainer([callback, MemoryMonitor(dirpath=where, log_every_n_steps=1)])
         trainer.fit(model)
+        trainer.save_checkpoint(f"{where}.ckpt")  # every rank calls it; rank 0 writes
         torch.save(
             {
                 "weights": model.state_dict(),
