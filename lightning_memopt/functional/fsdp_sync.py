@@ -15,11 +15,14 @@ The agreement point sits inside the collective object FSDP2 calls (``FSDPModule.
 ``set_custom_reduce_scatter``), after FSDP2 allocated the collective's buffers and right before the collective: an
 out-of-memory error while allocating them is recovered like any other. One that the collective itself raises (its
 own buffers inside the backend) is not: the other ranks are already inside that collective. The rank that raised it
-marks it (:func:`~lightning_memopt.functional.micro_batch_retry.is_unrecoverable`), joins no further agreement and
-ends with that error. The others stay in the collective until the process that raised it ends (gloo: its
-connections close, measured below a second; ``ProcessGroup.abort``, ``shutdown`` and ``destroy_process_group`` do
-not close them) or, if that process goes on, until the process group's time-out; their backend error then says that
-another process stopped inside the collective.
+marks it (:func:`~lightning_memopt.functional.micro_batch_retry.is_unrecoverable`), joins no further agreement,
+writes the error into the process group's store and ends with it. The others stay in the collective until the process
+that raised it ends (gloo: its connections close, measured below a second; ``ProcessGroup.abort``, ``shutdown`` and
+``destroy_process_group`` do not close them) or, if that process goes on, until the process group's time-out. Each
+then reads that error from the store and ends with :class:`PeerCollectiveOutOfMemoryError`, which carries it (the
+backend's error is its cause), so its ``OOMReporter`` writes a report too. Where the store is gone with the failing
+process (it is rank 0, which hosts it), they end with the backend's error and a note that another process stopped
+inside the collective.
 
 Cost: one extra one-element all-reduce per all-gather (forward; backward for units resharded after forward) and per
 reduce-scatter (backward) of each FSDP unit while a micro-batch runs, each waited for before the collective (on a GPU,
@@ -30,6 +33,7 @@ a host synchronisation). Measured on 2 CPU processes (gloo, a shared 2-core mach
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,10 +42,12 @@ from torch import nn
 
 from lightning_memopt.functional.footprint.sharding import fsdp_units
 from lightning_memopt.functional.micro_batch_retry import Agreement, extend_message, mark_unrecoverable
+from lightning_memopt.utilities import _torch_private
 
 __all__ = [
     "AgreeingAllGather",
     "AgreeingReduceScatter",
+    "PeerCollectiveOutOfMemoryError",
     "check_fsdp_for_micro_batches",
     "fsdp_modules",
     "install_agreement",
@@ -65,6 +71,20 @@ _PEER_LEFT = (
 )
 
 
+#: The store key under which a rank that ran out of memory inside a collective leaves its error for the others.
+_STORE_KEY = "lightning_memopt/out_of_memory_inside_a_collective"
+#: How long a rank whose collective failed waits for that error (written before the failing rank's connections close).
+PEER_ERROR_WAIT_S = 5.0
+
+
+class PeerCollectiveOutOfMemoryError(torch.OutOfMemoryError):
+    """Ends a rank that waited inside FSDP's collective for a rank that ran out of memory in that collective itself.
+
+    Its message is the other rank's error (rank, host and message); the collective's own error (the backend's, e.g.
+    gloo's "connection closed by peer") is its ``__cause__``. Never retried.
+    """
+
+
 class _Agreeing:
     """What both collectives share: the agreement, the allocation FSDP2 asks for, the marking of a collective's OOM."""
 
@@ -84,11 +104,33 @@ class _Agreeing:
         except torch.OutOfMemoryError as err:
             if self.agreement.in_step:
                 mark_unrecoverable(err, f"FSDP's {self.what}")
+                self._tell_peers(err)
             raise
         except RuntimeError as err:  # the backend's error: a peer left this collective
-            if self.agreement.in_step:
+            if not self.agreement.in_step:
+                raise
+            told = _torch_private.read_from_peer(_STORE_KEY, PEER_ERROR_WAIT_S)
+            if told is None:  # no store, or it went with the failing rank (rank 0 hosts it)
                 extend_message(err, _PEER_LEFT.format(what=self.what))
-            raise
+                raise
+            raise self._peer_error(told) from err
+
+    def _tell_peers(self, err: torch.OutOfMemoryError) -> None:
+        """Leave ``err`` in the process group's store for the ranks that wait in this collective."""
+        if not torch.distributed.is_initialized():
+            return
+        rank = torch.distributed.get_rank()
+        text = f"rank {rank} ({socket.gethostname()}): {type(err).__name__}: {err}"
+        _torch_private.publish_to_peers(_STORE_KEY, text)
+
+    def _peer_error(self, told: str) -> PeerCollectiveOutOfMemoryError:
+        """The error this rank ends with: the failing rank's (``told``, read from the store), never retried."""
+        peer = PeerCollectiveOutOfMemoryError(
+            f"AutoMicroBatch: another process ran out of memory inside FSDP's {self.what}, where this process waited"
+            f" for it; every process stops. Its error: {told}"
+        )
+        mark_unrecoverable(peer, None)
+        return peer
 
 
 class AgreeingAllGather(_Agreeing):

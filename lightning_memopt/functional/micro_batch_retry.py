@@ -122,15 +122,17 @@ def micro_batch_facts(err: BaseException) -> MicroBatchFacts | None:
 _UNRECOVERABLE = "lightning_memopt_unrecoverable"
 
 
-def mark_unrecoverable(err: BaseException, where: str) -> None:
+def mark_unrecoverable(err: BaseException, where: str | None) -> None:
     """Mark ``err`` as raised inside a collective (``where``) that the other ranks already wait in: no retry, no
-    agreement; it ends the run (:func:`is_unrecoverable`)."""
+    agreement; it ends the run (:func:`is_unrecoverable`). ``where=None`` marks it without a note (its message says
+    it already)."""
     setattr(err, _UNRECOVERABLE, True)
-    extend_message(
-        err,
-        f" [AutoMicroBatch: raised inside {where} itself, where the other processes already wait for this one: it"
-        " cannot be retried with a smaller micro-batch; every process stops.]",
-    )
+    if where is not None:
+        extend_message(
+            err,
+            f" [AutoMicroBatch: raised inside {where} itself, where the other processes already wait for this one: it"
+            " cannot be retried with a smaller micro-batch; every process stops.]",
+        )
 
 
 def is_unrecoverable(err: BaseException) -> bool:

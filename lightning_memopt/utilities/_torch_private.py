@@ -8,6 +8,7 @@ degrades to a warning, never a crash.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ __all__: list[str] = [
     "dump_memory_snapshot",
     "fsdp2_sharded_parameters",
     "fsdp2_unit_policy",
+    "publish_to_peers",
+    "read_from_peer",
     "storage_weak_ref",
     "start_memory_history",
     "stop_memory_history",
@@ -286,3 +289,41 @@ def fsdp2_unit_policy(module: Any) -> dict[str, Any] | None:
         "param_dtype": dtype_name("param_dtype"),
         "reduce_dtype": dtype_name("reduce_dtype"),
     }
+
+
+def _default_store() -> Any:
+    """The key-value store the default process group was set up with; ``None`` without one (or where this torch build
+    keeps it elsewhere)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    get_store = getattr(torch.distributed.distributed_c10d, "_get_default_store", None)
+    try:
+        return get_store() if callable(get_store) else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def publish_to_peers(key: str, value: str) -> bool:
+    """Write ``value`` under ``key`` in the default process group's store, for the other processes to read while the
+    process group's collectives can no longer carry it. Returns whether it was written."""
+    store = _default_store()
+    if store is None:
+        return False
+    try:
+        store.set(key, value)
+    except (RuntimeError, OSError):  # the store's host process is gone
+        return False
+    return True
+
+
+def read_from_peer(key: str, timeout_s: float) -> str | None:
+    """What another process wrote under ``key`` (:func:`publish_to_peers`), waiting at most ``timeout_s``; ``None``
+    when nothing came in time or the store is gone with the process that hosted it (rank 0)."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        return bytes(store.get(key)).decode("utf-8", errors="replace")
+    except (RuntimeError, OSError):
+        return None

@@ -20,6 +20,8 @@ from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
 from lightning_memopt.functional.ddp_sync import check_strategy_for_micro_batches
 from lightning_memopt.functional.fsdp_sync import (
     AgreeingAllGather,
+    AgreeingReduceScatter,
+    PeerCollectiveOutOfMemoryError,
     check_fsdp_for_micro_batches,
     fsdp_modules,
     install_agreement,
@@ -155,6 +157,40 @@ def one_process_mesh(tmp_path):
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+def _collective_failing_with(error):
+    def collective(**kwargs):
+        raise error
+
+    return collective
+
+
+def test_the_ranks_waiting_in_a_collective_end_with_the_error_of_the_rank_that_ran_out_of_memory_in_it(
+    one_process_mesh,
+):
+    """Rank 0 plays both sides: it runs out of memory inside the reduce-scatter (its error goes to the store), then,
+    as a waiting rank would, gets the backend's error from the collective and ends with the first error instead."""
+    comm = Scripted()
+    oom = torch.OutOfMemoryError("simulated: inside the reduce-scatter")
+    collective = AgreeingReduceScatter(comm)
+    with pytest.raises(torch.OutOfMemoryError, match="inside the reduce-scatter"), comm.step():
+        collective._run(_collective_failing_with(oom))
+    gloo = RuntimeError("[gloo] Connection closed by peer")
+    with pytest.raises(PeerCollectiveOutOfMemoryError) as caught:
+        run_micro_batches(8, 8, 1, lambda start, stop: collective._run(_collective_failing_with(gloo)), agreement=comm)
+    said = str(caught.value)
+    assert "another process ran out of memory inside FSDP's reduce-scatter" in said
+    assert "rank 0 (" in said and "OutOfMemoryError: simulated: inside the reduce-scatter" in said
+    assert caught.value.__cause__ is gloo and is_unrecoverable(caught.value)  # the backend's error kept; no retry
+
+
+def test_without_a_store_the_waiting_rank_ends_with_the_backend_s_error_and_a_note():
+    comm = Scripted()
+    gloo = RuntimeError("[gloo] Connection closed by peer")
+    with pytest.raises(RuntimeError) as caught, comm.step():
+        AgreeingAllGather(comm)._run(_collective_failing_with(gloo))
+    assert caught.value is gloo and "another process stopped inside FSDP's all-gather" in str(gloo)
 
 
 class _Block(nn.Module):
@@ -293,13 +329,16 @@ def test_an_out_of_memory_error_inside_a_collective_ends_every_rank_within_secon
     failing, waiting = _load(fsdp2_run, "collective")[::-1]
     assert failing["error"].startswith("OutOfMemoryError: simulated: inside the reduce-scatter")
     assert "cannot be retried" in failing["error"]
-    assert "another process stopped inside FSDP's reduce-scatter" in waiting["error"]
+    assert waiting["error"].startswith("PeerCollectiveOutOfMemoryError: AutoMicroBatch: another process ran out of")
+    assert "rank 1 (" in waiting["error"] and "Error: simulated: inside the reduce-scatter" in waiting["error"]
     assert waiting["seconds"] < 60  # the process group's time-out is 30 minutes
-    # the rank that ran out of memory wrote its report (the documented name links to the newest)
-    report = json.loads((fsdp2_run / "collective_reports" / "oom_report_rank1.json").read_text())
-    assert report["error"]["type"] == "torch.OutOfMemoryError" and report["when"]["rank"] == 1
-    assert "inside the reduce-scatter" in report["error"]["message"]
-    assert report["sharding"]["kind"] == "fsdp2" and report["sharding"]["data_parallel_size"] == 2
+    # each rank wrote its report (the documented name links to the newest)
+    reports = [json.loads((fsdp2_run / "collective_reports" / f"oom_report_rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[1]["error"]["type"] == "torch.OutOfMemoryError" and reports[1]["when"]["rank"] == 1
+    assert reports[0]["error"]["type"].endswith("PeerCollectiveOutOfMemoryError") and reports[0]["when"]["rank"] == 0
+    for report in reports:
+        assert "inside the reduce-scatter" in report["error"]["message"]
+        assert report["sharding"]["kind"] == "fsdp2" and report["sharding"]["data_parallel_size"] == 2
 
 
 def test_hsdp_s_two_dimensional_mesh_is_refused(fake_two_rank_mesh):
