@@ -29,6 +29,9 @@ from tests.helpers.lightning import pl
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 
+# gc.freeze() by the package and by the application is part of what these tests check: from an unfrozen process
+pytestmark = pytest.mark.usefixtures("unfrozen_gc")
+
 _WAIT_S = 60
 
 

@@ -14,6 +14,9 @@ from tests.helpers.models import RandomDataset, TinyModel
 from tests.helpers.monitor_loggers import RecordingLogger
 from tests.helpers.trainer import make_trainer
 
+# gc.freeze() by the package and by the application is part of what these tests check: from an unfrozen process
+pytestmark = pytest.mark.usefixtures("unfrozen_gc")
+
 
 def collect_calls(mocked):
     return [c.args for c in mocked.call_args_list]
