@@ -572,6 +572,14 @@ def sharded_cases(quick: bool) -> list[dict]:
     return rows
 
 
+def write_result(out: Path, result: dict) -> int:
+    """Write ``result`` as JSON to ``out`` and say so with the total time; the exit code."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"total {result['total_seconds']:.0f} s; wrote {out}")
+    return 0
+
+
 def sharded_only(out: Path, quick: bool, t0: float, argv: list[str]) -> int:
     """``--sharded-only``: the sharded table and its JSON."""
     rows = sharded_cases(quick)
@@ -589,10 +597,7 @@ def sharded_only(out: Path, quick: bool, t0: float, argv: list[str]) -> int:
         "checks": {"sharded": check},
         "total_seconds": time.perf_counter() - t0,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"total {result['total_seconds']:.0f} s; wrote {out}")
-    return 0
+    return write_result(out, result)
 
 
 def _rss_tools() -> dict[str, Callable[[], Any]]:
@@ -782,10 +787,7 @@ def zoo_only(out: Path, t0: float) -> int:
         "checks": {"zoo": check},
         "total_seconds": time.perf_counter() - t0,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"total {result['total_seconds']:.0f} s; wrote {out}")
-    return 0
+    return write_result(out, result)
 
 
 def _rss_case_list(specs: list[ModelSpec]) -> list[dict]:
@@ -1085,10 +1087,7 @@ def main() -> int:
         "checks": checks,
         "total_seconds": time.perf_counter() - t0,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"total {result['total_seconds']:.0f} s; wrote {out}")
-    return 0
+    return write_result(out, result)
 
 
 if __name__ == "__main__":
