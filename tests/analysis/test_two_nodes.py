@@ -15,7 +15,7 @@ import pytest
 
 from lightning_memopt.analysis import iter_memory_records
 from lightning_memopt.cli import main
-from tests.helpers.subprocess_run import SCRIPTS, run_file
+from tests.helpers.subprocess_run import run_script_once
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="the ranks are forked")]
 
@@ -24,9 +24,7 @@ HOSTS = {0: "sim-node-0", 1: "sim-node-1"}
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("two_nodes")
-    result = run_file(SCRIPTS / "two_nodes.py", root, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    root = run_script_once(tmp_path_factory, "two_nodes.py", timeout=240)
     ranks = json.loads((root / "ranks.json").read_text())
     # ranks 0-2 end normally; rank 3 (node 1) ran out of memory in validate and exited with 3
     assert ranks["codes"] == [0, 0, 0, 3], "\n".join(ranks["tails"])

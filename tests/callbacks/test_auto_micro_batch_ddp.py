@@ -16,16 +16,13 @@ from lightning_memopt import MemoryMonitor
 from lightning_memopt.analysis.memory_log import load_memory_log
 from lightning_memopt.callbacks import AutoMicroBatch
 from tests.helpers.amb import Net, fit
-from tests.helpers.subprocess_run import SCRIPTS, run_file
+from tests.helpers.subprocess_run import run_script_once
 from tests.helpers.trainer import make_trainer
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("amb_ddp")
-    proc = run_file(SCRIPTS / "amb_ddp.py", directory, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return directory
+    return run_script_once(tmp_path_factory, "amb_ddp.py")
 
 
 @pytest.mark.slow

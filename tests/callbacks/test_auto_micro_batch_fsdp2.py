@@ -36,7 +36,7 @@ from lightning_memopt.functional.micro_batch_retry import (
 )
 from tests.helpers.amb import BackwardBudget
 from tests.helpers.lightning import lightning_module
-from tests.helpers.subprocess_run import SCRIPTS, run_file
+from tests.helpers.subprocess_run import run_script_once
 
 OK, RETRY, GIVE_UP = 0, 1, 2
 
@@ -273,10 +273,7 @@ def test_fsdp2_s_collectives_agree_inside_a_micro_batch_only_and_a_peer_s_flag_s
 
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("amb_fsdp2")
-    proc = run_file(SCRIPTS / "amb_fsdp2.py", directory, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return directory
+    return run_script_once(tmp_path_factory, "amb_fsdp2.py")
 
 
 def _load(directory, name):

@@ -12,15 +12,12 @@ import json
 
 import pytest
 
-from tests.helpers.subprocess_run import SCRIPTS, run_file
+from tests.helpers.subprocess_run import run_script_once
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("ddp_run")
-    proc = run_file(SCRIPTS / "monitor_ddp_run.py", directory, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return directory
+    return run_script_once(tmp_path_factory, "monitor_ddp_run.py", timeout=240)
 
 
 def _read_jsonl(path):

@@ -60,3 +60,14 @@ def run_file(script, tmp_path, timeout: float = 180, args: tuple[str, ...] = ())
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_script_once(tmp_path_factory, name: str, timeout: float = 300) -> Path:
+    """Run ``SCRIPTS / name`` in a fresh directory and fail on a non-zero exit; the directory.
+
+    For a module-scoped fixture: one multi-process run whose files several tests read.
+    """
+    directory = tmp_path_factory.mktemp(Path(name).stem)
+    proc = run_file(SCRIPTS / name, directory, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return directory
