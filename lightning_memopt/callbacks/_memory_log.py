@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -20,7 +19,7 @@ from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.monitoring import MemoryReader, Position
 from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
 from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
-from lightning_memopt.utilities.trainer import default_artifact_dir
+from lightning_memopt.utilities.trainer import default_artifact_dir, host_name
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
@@ -30,7 +29,6 @@ __all__ = [
     "ArtifactCallback",
     "GuardedReader",
     "RankLogCallback",
-    "host_name",
     "last_train_epoch",
     "last_train_step",
     "position",
@@ -117,12 +115,6 @@ class GuardedReader:
 
     def reset_peaks(self) -> bool:
         return self.memory.reset_peaks()
-
-
-def host_name() -> str:
-    """This machine's name (``socket.gethostname()``), written with the node rank into memory logs and OOM reports
-    so that the logs of several nodes can be told apart."""
-    return socket.gethostname()
 
 
 def position(trainer: pl.Trainer, batch_idx: int | None, epoch: int | None = None) -> Position:

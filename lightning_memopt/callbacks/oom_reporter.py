@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from lightning_memopt.callbacks._memory_log import ArtifactCallback, host_name
+from lightning_memopt.callbacks._memory_log import ArtifactCallback
 from lightning_memopt.callbacks._states import MAX_REMEMBERED_REPORTS as _MAX_REMEMBERED
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional import oom
@@ -29,7 +29,7 @@ from lightning_memopt.utilities.oom import is_out_of_memory_error
 from lightning_memopt.utilities.quiet import note_inactive, report_inactive
 from lightning_memopt.utilities.run_id import ensure_run_id, run_id
 from lightning_memopt.utilities.shared_state import Lease
-from lightning_memopt.utilities.trainer import default_artifact_dir, trainer_device
+from lightning_memopt.utilities.trainer import default_artifact_dir, host_name, trainer_device
 from lightning_memopt.utilities.warnings import WarnOnce, log
 
 if TYPE_CHECKING:

@@ -33,7 +33,6 @@ a host synchronisation). Measured on 2 CPU processes (gloo, a shared 2-core mach
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from torch import nn
 from lightning_memopt.functional.footprint.sharding import fsdp_units
 from lightning_memopt.functional.micro_batch_retry import Agreement, extend_message, mark_unrecoverable
 from lightning_memopt.utilities import _torch_private
+from lightning_memopt.utilities.trainer import host_name
 
 __all__ = [
     "AgreeingAllGather",
@@ -120,7 +120,7 @@ class _Agreeing:
         if not torch.distributed.is_initialized():
             return
         rank = torch.distributed.get_rank()
-        text = f"rank {rank} ({socket.gethostname()}): {type(err).__name__}: {err}"
+        text = f"rank {rank} ({host_name()}): {type(err).__name__}: {err}"
         _torch_private.publish_to_peers(_STORE_KEY, text)
 
     def _peer_error(self, told: str) -> PeerCollectiveOutOfMemoryError:

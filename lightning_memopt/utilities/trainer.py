@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,7 +12,7 @@ import torch
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ARTIFACT_SUBDIR", "default_artifact_dir", "log_to_loggers", "trainer_device"]
+__all__ = ["ARTIFACT_SUBDIR", "default_artifact_dir", "host_name", "log_to_loggers", "trainer_device"]
 
 #: The folder, under the trainer's log directory, of every file the package writes by default.
 ARTIFACT_SUBDIR = "memopt"
@@ -60,3 +62,10 @@ def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], warn: Any, wh
             logger.log_metrics(metrics, step=trainer.global_step)
         except Exception as err:
             warn.warn(f"logger-{type(logger).__name__}", f"{who}: logging to {type(logger).__name__} failed ({err!r}).")
+
+
+@functools.cache
+def host_name() -> str:
+    """This machine's name (``socket.gethostname()``, looked up once), written with the node rank into memory logs,
+    OOM reports and errors so that the ranks of several nodes can be told apart."""
+    return socket.gethostname()

@@ -17,6 +17,7 @@ from lightning_memopt.analysis import MemoryLogError, analyze_memory_logs, iter_
 from lightning_memopt.analysis.ranks import RankSources, compare_ranks, rank_ranges
 from lightning_memopt.analysis.records import record_problem
 from lightning_memopt.cli import main
+from lightning_memopt.utilities.trainer import host_name
 from tests.helpers.analysis_logs import jsonl_text, rec
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
@@ -201,8 +202,10 @@ def test_compare_ranks_rules():
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def test_monitor_records_and_oom_report_carry_node_and_host(tmp_path, monkeypatch):
+def test_monitor_records_and_oom_report_carry_node_and_host(tmp_path, monkeypatch, request):
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-7")
+    host_name.cache_clear()  # looked up once per process: again, on this "machine"
+    request.addfinalizer(host_name.cache_clear)
 
     class FailsAtStep2(TinyModel):
         def training_step(self, batch, batch_idx):
