@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
+from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
+
 __all__ = ["LiveBytes", "kernel_scratch", "tensor_storages", "unique_storages"]
 
 
@@ -68,27 +70,37 @@ def unique_storages(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 #: The counters entered now that follow storage resizes (``UntypedStorage.resize_`` is not an operator).
 _RESIZE_WATCHERS: list[LiveBytes] = []
-_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+_RESIZE_KEY = "torch.UntypedStorage.resize_"
 
 
-def _counted_resize(storage: torch.UntypedStorage, size: int) -> Any:
-    out = _ORIGINAL_RESIZE(storage, size)
-    for counter in list(_RESIZE_WATCHERS):
-        counter.resized(storage)
-    return out
+def _follow_resizes(_: object) -> Restore:
+    """Put a ``resize_`` that tells the entered counters in place of the one in effect; the function that puts it
+    back (applied by the first counter in, through :func:`~lightning_memopt.utilities.shared_state.borrow`)."""
+    resize = torch.UntypedStorage.resize_
+
+    def counted_resize(storage: torch.UntypedStorage, size: int) -> Any:
+        out = resize(storage, size)
+        for counter in list(_RESIZE_WATCHERS):
+            counter.resized(storage)
+        return out
+
+    def restore() -> None:
+        torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]
+
+    torch.UntypedStorage.resize_ = counted_resize  # type: ignore[method-assign,assignment]
+    return restore
 
 
-def _watch_resizes(counter: LiveBytes) -> None:
-    if not _RESIZE_WATCHERS:
-        torch.UntypedStorage.resize_ = _counted_resize  # type: ignore[method-assign,assignment]
+def _watch_resizes(counter: LiveBytes) -> Lease | None:
     _RESIZE_WATCHERS.append(counter)
+    return borrow(_RESIZE_KEY, True, _follow_resizes)
 
 
-def _unwatch_resizes(counter: LiveBytes) -> None:
+def _unwatch_resizes(counter: LiveBytes, lease: Lease | None) -> None:
     if counter in _RESIZE_WATCHERS:
         _RESIZE_WATCHERS.remove(counter)
-    if not _RESIZE_WATCHERS:
-        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
+    if lease is not None:
+        lease.release()
 
 
 class LiveBytes(TorchDispatchMode):
@@ -235,18 +247,18 @@ class LiveBytes(TorchDispatchMode):
             self.peak_totals = dict(totals)
 
     def __enter__(self) -> LiveBytes:
-        _watch_resizes(self)
+        self._resizes = _watch_resizes(self)
         try:
             return super().__enter__()
         except BaseException:
-            _unwatch_resizes(self)
+            _unwatch_resizes(self, self._resizes)
             raise
 
     def __exit__(self, *args: Any) -> None:
         try:
             super().__exit__(*args)
         finally:
-            _unwatch_resizes(self)
+            _unwatch_resizes(self, self._resizes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
