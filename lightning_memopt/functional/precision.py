@@ -21,7 +21,7 @@ __all__ = [
     "PrecisionMode",
     "choose_precision",
     "double_cast",
-    "fsdp2_mixed_precision",
+    "fsdp2_policy",
     "has_native_bf16",
     "checked_scaler_state",
     "has_own_precision",
@@ -204,17 +204,19 @@ _FSDP2_POLICIES = {
 }
 
 
-def fsdp2_mixed_precision(precision: Any) -> dict[str, str] | None:
-    """The ``MixedPrecisionPolicy`` keyword arguments (dtype names) that give ``fully_shard`` the mixed precision
-    ``precision`` names, for a ``configure_model`` that lets FSDP own precision while the Trainer keeps
-    ``precision="32-true"``; ``None`` for a precision that is not mixed.
+def fsdp2_policy(precision: Any) -> str | None:
+    """The ``MixedPrecisionPolicy`` that gives ``fully_shard`` the mixed precision ``precision`` names, as code, for a
+    ``configure_model`` that lets FSDP own precision while the Trainer keeps ``precision="32-true"``; ``None`` for a
+    precision that is not mixed.
 
     Examples:
-        >>> fsdp2_mixed_precision("bf16-mixed"), fsdp2_mixed_precision("32")
-        ({'param_dtype': 'bfloat16', 'reduce_dtype': 'float32'}, None)
+        >>> fsdp2_policy("bf16-mixed"), fsdp2_policy("32")
+        ('MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)', None)
     """
     policy = _FSDP2_POLICIES.get(normalize_precision(precision))
-    return None if policy is None else dict(policy)
+    if policy is None:
+        return None
+    return "MixedPrecisionPolicy(" + ", ".join(f"{name}=torch.{dtype}" for name, dtype in policy.items()) + ")"
 
 
 def double_cast(precision: Any, param_dtype: str | None) -> bool:

@@ -31,6 +31,7 @@ from lightning_memopt.functional.precision import (
     PrecisionInput,
     checked_scaler_state,
     choose_precision,
+    fsdp2_policy,
     has_own_precision,
     normalize_precision,
     own_precision_strategy,
@@ -54,8 +55,7 @@ __all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
 #: How FSDP2 owns precision instead (``ModelParallelStrategy``): one of the two casts, never both.
 _FSDP2_HINT = (
     " With `fully_shard` in `configure_model`, FSDP can own it instead: keep `precision='32-true'` and pass"
-    " `mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` to `fully_shard`;"
-    " one of the two, not both (both cast twice)."
+    f" `mp_policy={fsdp2_policy('bf16-mixed')}` to `fully_shard`; one of the two, not both (both cast twice)."
 )
 
 _MATMUL_PRECISIONS = ("highest", "high", "medium")

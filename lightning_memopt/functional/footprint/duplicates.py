@@ -61,12 +61,6 @@ class Duplicates:
         return out
 
 
-def _unique_parameters(module: torch.nn.Module) -> Iterable[torch.Tensor]:
-    """Each parameter once (tied weights too), as the local tensor behind any wrapper subclass."""
-    for param in _unique(module):
-        yield plain_tensor(param)
-
-
 def _unique(module: torch.nn.Module) -> Iterable[torch.Tensor]:
     seen: set[int] = set()
     for param in module.parameters():

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lightning_memopt.functional.precision import fsdp2_policy
 from lightning_memopt.utilities.checks import is_finite_number
 from lightning_memopt.utilities.formatting import format_bytes
 
@@ -183,8 +184,8 @@ def mixed_precision(f: Facts) -> Iterator[Tip]:
         yield Tip(
             _share_of_activations(f, 0.5),
             4,
-            "Train in mixed precision: `fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,"
-            " reduce_dtype=torch.float32))` in `configure_model`, or `Trainer(precision='bf16-mixed')`, not both"
+            f"Train in mixed precision: `fully_shard(..., mp_policy={fsdp2_policy('bf16-mixed')})` in"
+            " `configure_model`, or `Trainer(precision='bf16-mixed')`, not both"
             if f.sharded and not f.fsdp1
             else "Train in mixed precision: `Trainer(precision='bf16-mixed')` (or '16-mixed' on GPUs without bf16)",
             f"Precision is {precision!r}: activations are stored in 32 bits; mixed precision stores most of them"

@@ -25,7 +25,6 @@ from lightning_memopt.functional.footprint.sharding import fsdp_units
 
 __all__ = [
     "OFFLOADED_LABELS",
-    "SHARDED_PARTS",
     "Sharding",
     "collective_labels",
     "child_roots",
@@ -36,10 +35,6 @@ __all__ = [
     "set_reshard_after_forward",
     "shard_model",
 ]
-
-#: Parts of a sharded step's peak beside :data:`~lightning_memopt.functional.planning.PEAK_PARTS`: the parameters
-#: FSDP2 all-gathered (unsharded) for a unit's forward or backward, and the flat buffers of its collectives.
-SHARDED_PARTS = ("unsharded_parameters", "communication")
 
 #: What lives on the host under CPU offload (``CPUOffloadPolicy``): the sharded parameters, their gradients, the
 #: optimizer states and the optimizer step, which runs on the CPU.
