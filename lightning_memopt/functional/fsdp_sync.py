@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memopt.functional.footprint.sharding import fsdp_units
+from lightning_memopt.functional.footprint.sharding import fsdp2_units
 from lightning_memopt.functional.micro_batch_retry import Agreement, extend_message, mark_unrecoverable
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.trainer import host_name
@@ -62,7 +62,7 @@ def fsdp_modules(module: nn.Module) -> list[nn.Module]:
         >>> fsdp_modules(nn.Linear(2, 2))
         []
     """
-    return [unit for _, unit, kind in fsdp_units(module) if kind == "fsdp2"]
+    return list(fsdp2_units(module).values())
 
 
 _PEER_LEFT = (

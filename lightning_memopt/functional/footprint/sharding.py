@@ -17,7 +17,7 @@ from lightning_memopt.functional.footprint.storage import plain_tensor
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["Sharding", "fsdp_units", "model_sharding", "parameter_shards", "shard_rows"]
+__all__ = ["Sharding", "fsdp2_units", "fsdp_units", "model_sharding", "parameter_shards", "shard_rows"]
 
 #: Mesh dimension names that mean data parallelism (Lightning's ``ModelParallelStrategy`` names it ``data_parallel``).
 _DATA_PARALLEL_NAMES = ("data_parallel", "dp", "dp_shard")
@@ -122,6 +122,16 @@ def fsdp_units(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, 
         kind = next((kind for cls, kind in types.items() if isinstance(child, cls)), None)
         if kind is not None:
             yield name, child, kind
+
+
+def fsdp2_units(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules ``fully_shard`` was applied to in ``module``, by name, outermost first.
+
+    Examples:
+        >>> fsdp2_units(torch.nn.Linear(2, 2))
+        {}
+    """
+    return {name: unit for name, unit, kind in fsdp_units(module) if kind == "fsdp2"}
 
 
 def _is_inner(name: str, names: list[str]) -> bool:

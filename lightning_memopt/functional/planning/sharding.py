@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_memopt.functional.checkpointing import module_matches
-from lightning_memopt.functional.footprint.sharding import fsdp_units
+from lightning_memopt.functional.footprint.sharding import fsdp2_units
 
 __all__ = [
     "OFFLOADED_LABELS",
@@ -157,12 +157,8 @@ def child_roots(model: nn.Module, blocks: Sequence[str]) -> list[str]:
 
 def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool) -> None:
     """Change ``reshard_after_forward`` on every FSDP2 unit of ``model`` (sharded by its own ``configure_model``)."""
-    for module in _units(model).values():
-        module.set_reshard_after_forward(reshard_after_forward, recurse=False)
-
-
-def _units(model: nn.Module) -> dict[str, Any]:
-    return {name: unit for name, unit, kind in fsdp_units(model) if kind == "fsdp2"}
+    for module in fsdp2_units(model).values():
+        module.set_reshard_after_forward(reshard_after_forward, recurse=False)  # type: ignore[operator]  # an FSDPModule
 
 
 @dataclass(frozen=True)
@@ -211,7 +207,7 @@ def describe_sharding(
     return Sharding(
         world_size=world_size,
         # inner units before the units around them, the order fully_shard is applied in
-        units=tuple(sorted(_units(model), key=lambda name: -len(name.split(".")) if name else 0)),
+        units=tuple(sorted(fsdp2_units(model), key=lambda name: -len(name.split(".")) if name else 0)),
         source=source,
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
@@ -221,7 +217,7 @@ def describe_sharding(
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` holds an FSDP2 unit (its ``configure_model`` called ``fully_shard``)."""
-    return bool(_units(model))
+    return bool(fsdp2_units(model))
 
 
 def collective_labels(func: Any, args: tuple, kwargs: dict) -> Iterable[tuple[Tensor, str]]:
