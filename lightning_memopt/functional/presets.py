@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.utilities.checks import check_positive_int, check_positive_number
+from lightning_memopt.utilities.formatting import WIDTH
 
 __all__ = [
     "PRESETS",
@@ -242,7 +243,7 @@ def _names_literal(names: Sequence[str], indent: str) -> str:
             items.append(repr(name))
     flush()
     one_line = f"[{', '.join(items)}]"
-    if len(one_line) + len(indent) <= 100:
+    if len(one_line) + len(indent) <= WIDTH:
         return one_line
     inner = indent + "    "
     return "[\n" + "".join(f"{inner}{item},\n" for item in items) + f"{indent}]"

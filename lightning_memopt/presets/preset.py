@@ -14,7 +14,7 @@ import textwrap
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 from torch import nn
@@ -608,7 +608,9 @@ def _strategy_reason(preset: MemoryPreset) -> str:
 
 def _check_sharding(preset: MemoryPreset) -> None:
     """``strategy`` and the FSDP2 fields: known values, and the FSDP2 ones only with ``strategy="fsdp2"``."""
-    check_choice("strategy", preset.strategy, (None, "ddp", "fsdp2"), hint="None leaves the Trainer's strategy alone.")
+    check_choice(
+        "strategy", preset.strategy, (None, *get_args(PresetStrategy)), hint="None leaves the Trainer's strategy alone."
+    )
     check_bool("reshard_after_forward", preset.reshard_after_forward)
     check_bool("cpu_offload", preset.cpu_offload)
     for key in ("shard_blocks", "shard_roots"):
@@ -628,7 +630,7 @@ def _check_sharding(preset: MemoryPreset) -> None:
             f"`{sharding[0]}` shapes FSDP2's configure_model, but `strategy`={preset.strategy!r}. Pass"
             f" `strategy='fsdp2'`, or drop `{sharding[0]}`."
         )
-    if preset.strategy == "fsdp2" and preset.devices * preset.num_nodes == 1:
+    if preset.strategy == "fsdp2" and preset.world_size == 1:
         raise ValueError(
             "`strategy`='fsdp2' shards over `devices` x `num_nodes` = 1 rank: nothing to shard. Pass the GPUs"
             " (`devices`, `num_nodes`), or drop `strategy`."
@@ -850,8 +852,13 @@ def _strategy_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str
     if yours is None or yours == "auto":
         if preset.strategy == "ddp":
             return {"strategy": "ddp"}
-        ModelParallelStrategy = classes("strategies.ModelParallelStrategy")[0]
-        return {"strategy": ModelParallelStrategy(data_parallel_size=preset.world_size, tensor_parallel_size=1)}
+        found = classes("strategies.ModelParallelStrategy")
+        if not found:
+            raise ValueError(
+                "`strategy`='fsdp2' runs on Lightning's ModelParallelStrategy, which came with Lightning 2.3: upgrade"
+                " Lightning, or pass `strategy='ddp'`."
+            )
+        return {"strategy": found[0](data_parallel_size=preset.world_size, tensor_parallel_size=1)}
     if preset.strategy == "fsdp2":
         same = is_instance(yours, "strategies.ModelParallelStrategy")
     else:

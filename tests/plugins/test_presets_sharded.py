@@ -130,6 +130,17 @@ def test_merge_trainer_config_takes_the_preset_strategy_over_the_default():
     assert preset.merge_trainer_config({"strategy": "auto", "devices": "auto"})["strategy"] == "ddp"
 
 
+def test_fsdp2_on_a_lightning_without_model_parallel_strategy_names_the_version(monkeypatch):
+    from lightning_memopt.presets import preset as preset_module
+
+    installed = preset_module.classes
+    missing = "strategies.ModelParallelStrategy"  # as on Lightning 2.1 and 2.2
+    monkeypatch.setattr(preset_module, "classes", lambda path: () if path == missing else installed(path))
+    preset = MemoryPreset(effective_batch_size=8, micro_batch_size=4, devices=2, strategy="fsdp2")
+    with pytest.raises(ValueError, match="ModelParallelStrategy, which came with Lightning 2.3"):
+        preset.merge_trainer_config({"strategy": "auto"})
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

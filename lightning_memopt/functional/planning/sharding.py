@@ -116,7 +116,7 @@ def default_shard_blocks(model: nn.Module, shard_modules: Sequence[type[nn.Modul
             picked = module_matches(name, module, shard_modules)
         else:
             parent = model.get_submodule(name.rpartition(".")[0])
-            picked = isinstance(parent, containers) and _holds_parameters(module)
+            picked = isinstance(parent, containers)
         if picked and _holds_parameters(module):
             chosen.append(name)
     return chosen
