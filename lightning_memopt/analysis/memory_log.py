@@ -47,7 +47,6 @@ __all__ = [
     "analyze_memory_logs",
     "format_summary",
     "load_memory_log",
-    "log_files",
     "plot_memory_timeline",
     "summarize_memory_log",
 ]
@@ -108,8 +107,6 @@ def _read_into(path: Path, summarizer: LogSummarizer, sources: RankSources) -> _
 #: The per-rank logs in a directory, and the rank in a log's name (to list them by rank).
 _LOG_PATTERN = "memory_rank*.jsonl"
 _RANK_IN_NAME = re.compile(r"memory_rank(\d+)\.jsonl$")
-#: What makes a path a glob pattern (as the ``glob`` module decides).
-_GLOB_MAGIC = re.compile("[*?[]")
 
 
 def _by_rank(path: Path) -> tuple[int, str]:
@@ -133,7 +130,7 @@ def _directory_logs(given: Path) -> list[Path]:
 def _expand(given: Path) -> list[Path]:
     """A glob pattern that names no file stands for its matches, a directory for its logs (by rank)."""
     text = os.fspath(given)
-    if not _GLOB_MAGIC.search(text) or given.exists():
+    if not glob.has_magic(text) or given.exists():
         return _directory_logs(given)
     matches = sorted(glob.glob(text))
     if not matches:
@@ -150,7 +147,7 @@ def _identity(file: Path) -> tuple[int, int] | str:
     return (st.st_dev, st.st_ino)
 
 
-def log_files(paths: Sequence[Path]) -> list[Path]:
+def _log_files(paths: Sequence[Path]) -> list[Path]:
     """The files to read: directories and glob patterns expanded (:func:`_expand`), each file once (one file named
     twice, through another path or a link, is read once, where it first appears).
 
@@ -175,7 +172,7 @@ def _labels(paths: Sequence[Path]) -> list[str]:
 
 
 def _checked_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """The log files ``paths`` name (expanded by :func:`log_files`), each checked to be a regular file."""
+    """The log files ``paths`` name (expanded by :func:`_log_files`), each checked to be a regular file."""
     if isinstance(paths, (str, os.PathLike)) or not isinstance(paths, Iterable):
         example = os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else "memory_rank0.jsonl"
         raise ValueError(
@@ -190,7 +187,7 @@ def _checked_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         )
     for index, p in enumerate(paths):
         check_path(f"paths[{index}]", p, allow_none=False)
-    files = log_files([Path(p) for p in paths])
+    files = _log_files([Path(p) for p in paths])
     for file in files:
         check_log_path(file)
     return files

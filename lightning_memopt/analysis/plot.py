@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_memopt.analysis.ranks import node_key, rank_where
 from lightning_memopt.analysis.records import MICRO_BATCH_EVENT, MemoryLogError
 from lightning_memopt.analysis.summary import LogSummarizer, add_checked
 from lightning_memopt.analysis.timeline import DEVICE_SERIES, HOST_SERIES, TimelinePanel
@@ -119,10 +120,10 @@ def draw(summarizer: LogSummarizer, labels: Iterable[str], path: Path, fmt: str)
         raise MemoryLogError("no memory records to plot")
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False, sharex=True)
     try:
-        several_nodes = len({(panel.node_rank, panel.host) for *_, panel in panels}) > 1
+        several_nodes = len({node_key(panel.node_rank, panel.host) for *_, panel in panels}) > 1
         for ax, (run, rank, t0, panel) in zip(axes[:, 0], panels):
-            node = f" (node {panel.node_rank}, {panel.host})" if several_nodes else ""
-            _draw_panel(ax, run, f"rank {rank}{node}", t0, panel, summarizer.several_runs)
+            title = rank_where(rank, panel.node_rank, panel.host) if several_nodes else f"rank {rank}"
+            _draw_panel(ax, run, title, t0, panel, summarizer.several_runs)
         axes[-1, 0].set_xlabel("seconds since the first record" + (" of each run" if summarizer.several_runs else ""))
         fig.suptitle("Memory timeline: " + ", ".join(labels), fontsize=11)
         fig.tight_layout()

@@ -15,7 +15,39 @@ from typing import Any
 
 from lightning_memopt.analysis.summary import PhaseSummary
 
-__all__ = ["IMBALANCE_RATIO", "RankComparison", "RankPeak", "RankSources", "compare_ranks", "rank_ranges"]
+__all__ = [
+    "IMBALANCE_RATIO",
+    "RankComparison",
+    "RankPeak",
+    "RankSources",
+    "compare_ranks",
+    "node_key",
+    "rank_ranges",
+    "rank_where",
+]
+
+
+def node_key(node_rank: int | None, host: str | None) -> tuple[int, str]:
+    """A node, to group and sort ranks by: its node rank, then its host (-1 and "" for what a log does not say).
+
+    Examples:
+        >>> sorted([node_key(1, "b"), node_key(None, None), node_key(0, "a")])
+        [(-1, ''), (0, 'a'), (1, 'b')]
+    """
+    return (-1 if node_rank is None else node_rank, host or "")
+
+
+def rank_where(rank: int, node_rank: int | None, host: str | None) -> str:
+    """``rank 3 (node 1, gpu-b)``, or ``rank 3`` when the log does not say where it ran.
+
+    Examples:
+        >>> rank_where(3, 1, "gpu-b"), rank_where(3, None, None)
+        ('rank 3 (node 1, gpu-b)', 'rank 3')
+    """
+    node = [] if node_rank is None else [f"node {node_rank}"]
+    node += [] if host is None else [host]
+    return f"rank {rank}" + (f" ({', '.join(node)})" if node else "")
+
 
 #: A phase is called imbalanced when its highest rank's peak is at least this many times its lowest rank's.
 IMBALANCE_RATIO = 1.1
@@ -33,15 +65,8 @@ class RankPeak:
     bytes: int
 
     def where(self) -> str:
-        """``rank 3 (node 1, gpu-b)``, or ``rank 3`` when the log does not say where it ran.
-
-        Examples:
-            >>> RankPeak(3, 1, "gpu-b", 10).where(), RankPeak(3, None, None, 10).where()
-            ('rank 3 (node 1, gpu-b)', 'rank 3')
-        """
-        node = [] if self.node_rank is None else [f"node {self.node_rank}"]
-        node += [] if self.host is None else [self.host]
-        return f"rank {self.rank}" + (f" ({', '.join(node)})" if node else "")
+        """:func:`rank_where` of this rank."""
+        return rank_where(self.rank, self.node_rank, self.host)
 
 
 @dataclass(frozen=True)
@@ -87,7 +112,7 @@ def _node_peaks(peaks: Sequence[RankPeak]) -> tuple[RankPeak, ...]:
     for p in peaks:
         if p.node_rank is None and p.host is None:
             return ()  # a log that does not say where its rank ran: no per-node view
-        key = (-1 if p.node_rank is None else p.node_rank, p.host or "")
+        key = node_key(p.node_rank, p.host)
         if key not in best or p.bytes > best[key].bytes:
             best[key] = p
     return tuple(best[k] for k in sorted(best)) if len(best) > 1 else ()

@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 
 from lightning_memopt.analysis.findings import MemoryFinding
-from lightning_memopt.analysis.ranks import RankComparison, compare_ranks, rank_ranges
+from lightning_memopt.analysis.ranks import RankComparison, compare_ranks, node_key, rank_ranges
 from lightning_memopt.analysis.summary import PhaseSummary
 from lightning_memopt.utilities.formatting import format_bytes, printable, wrap_to_width
 
@@ -157,7 +157,7 @@ def _nodes(summaries: Sequence[PhaseSummary]) -> dict[tuple[int, str], list[int]
     """The ranks of each node, keyed by (node rank, host) (-1 and "" for what a log does not say), in node order."""
     nodes: dict[tuple[int, str], list[int]] = {}
     for s in summaries:
-        ranks = nodes.setdefault((-1 if s.node_rank is None else s.node_rank, s.host or ""), [])
+        ranks = nodes.setdefault(node_key(s.node_rank, s.host), [])
         if s.rank not in ranks:
             ranks.append(s.rank)
     return dict(sorted(nodes.items()))
