@@ -407,7 +407,7 @@ class ShardedModel(Model):
         return nn.functional.mse_loss(self(x), y)
 
     def on_train_end(self):  # before AutoMicroBatch gives the Trainer's loop back
-        agreement = getattr(self.trainer.fit_loop.epoch_loop.automatic_optimization, "fsdp_agreement", None)
+        agreement = getattr(self.trainer.fit_loop.epoch_loop.automatic_optimization, "agreement", None)
         if agreement is not None:
             self.points_per_step = agreement.points / max(1, self.trainer.global_step)
 

@@ -180,17 +180,22 @@ class MicroBatchOptimization:
         self._first_size: int | None = None  # the micro-batch of the fit's first batch (the final error names it)
         self._buffers = BufferKeeper()
         self._parts: ModuleParts | None = None  # found after the fit's first batch that went through
-        #: under FSDP2: the sharded modules and the agreement their collectives run (set by :meth:`use_fsdp`)
+        #: what the ranks agree with, made once per fit: by :meth:`use_fsdp`, else at the first batch
+        self.agreement: Agreement | None = None
+        #: under FSDP2: the sharded modules (set by :meth:`use_fsdp`)
         self.fsdp_modules: list[torch.nn.Module] = []
-        self.fsdp_agreement: Agreement | None = None
 
     def use_fsdp(self, modules: list[torch.nn.Module]) -> None:
         """Run under FSDP2: the collectives of ``modules`` agree first, an abandoned attempt resets their state."""
+        self.agreement = self._new_agreement()
+        install_agreement(modules, self.agreement)
+        self.fsdp_modules = modules
+
+    def _new_agreement(self, no_sync: Callable[[], Any] | None = None) -> Agreement:
+        """The agreement of this fit's ranks (inactive on one process); ``no_sync`` holds DDP's reducer back."""
         trainer = self.trainer
         active = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.fsdp_agreement = Agreement(active, trainer.strategy.root_device)
-        install_agreement(modules, self.fsdp_agreement)
-        self.fsdp_modules = modules
+        return Agreement(active, trainer.strategy.root_device, no_sync)
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
         zero_grad_fn = self._make_zero_grad_fn(batch_idx, optimizer)  # type: ignore[attr-defined]  # Lightning's
@@ -209,7 +214,9 @@ class MicroBatchOptimization:
         size = self._micro_batch_size(kwargs["batch"], n)
         batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn)
         params = [p for p in pl_module.parameters() if p.requires_grad]
-        comm = self.fsdp_agreement or self._ddp_agreement()
+        if self.agreement is None:  # one device, or DDP: its reducer held back during micro-batches
+            self.agreement = self._new_agreement(getattr(trainer.strategy, "block_backward_sync", None))
+        comm = self.agreement
         # the gradients to go back to after an out-of-memory error: those accumulated by the window's earlier batches
         saved = (
             snapshot_grads(params)
@@ -257,13 +264,6 @@ class MicroBatchOptimization:
         finally:
             if results is not None and whole is not None:
                 results.batch, results.batch_size = whole
-
-    def _ddp_agreement(self) -> Agreement:
-        """The agreement of one batch on one device or under DDP (its reducer held back during micro-batches)."""
-        trainer = self.trainer
-        active = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-        no_sync = getattr(trainer.strategy, "block_backward_sync", None)  # DDP's
-        return Agreement(active, trainer.strategy.root_device, no_sync)
 
     def _micro_batch_size(self, batch: Any, n: int) -> int:
         """The micro-batch this batch starts with; on the fit's first batch, check that the batch can be split."""
