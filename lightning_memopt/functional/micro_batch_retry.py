@@ -223,14 +223,17 @@ class Agreement:
         self.in_step = False
         #: agreement points passed inside micro-batches (for the cost measurement)
         self.points = 0
+        self._flag: Tensor | None = None  # the one-element buffer every agreement reduces (before each collective)
 
     def max(self, value: int) -> int:
         """The largest ``value`` over the ranks."""
         if not self.active:
             return value
-        flag = torch.tensor([value], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item())
+        if self._flag is None:
+            self._flag = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._flag.fill_(value)
+        torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX)
+        return int(self._flag.item())
 
     def no_sync(self) -> AbstractContextManager[Any]:
         """Backward without the DDP reducer's sync (only when active)."""
