@@ -31,7 +31,7 @@ from lightning_memopt.functional.planning import (
 )
 from lightning_memopt.functional.planning.sharding import (
     OFFLOADED_LABELS,
-    Sharding,
+    PlannedSharding,
     child_roots,
     collective_labels,
     default_shard_blocks,
@@ -127,7 +127,7 @@ class MemoryEstimate(StepCount):
     steps: int = 2
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     world_size: int = 1
-    sharding: Sharding | None = None
+    sharding: PlannedSharding | None = None
 
     @property
     def unsharded_parameter_bytes(self) -> int:
@@ -439,7 +439,7 @@ class _ShardedRun:
         self.shard_modules = tuple(shard_modules) if shard_modules is not None else None
         self.lightning = lightning
         self.mesh: Any = None
-        self.sharding: Sharding | None = None
+        self.sharding: PlannedSharding | None = None
         on = world_size > 1
         self.labels = collective_labels if on else None
         self.apart = OFFLOADED_LABELS if on and cpu_offload else ()

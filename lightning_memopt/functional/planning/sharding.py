@@ -25,7 +25,7 @@ from lightning_memopt.functional.footprint.sharding import fsdp2_units
 
 __all__ = [
     "OFFLOADED_LABELS",
-    "Sharding",
+    "PlannedSharding",
     "collective_labels",
     "child_roots",
     "default_shard_blocks",
@@ -162,8 +162,9 @@ def set_reshard_after_forward(model: nn.Module, reshard_after_forward: bool) -> 
 
 
 @dataclass(frozen=True)
-class Sharding:
-    """How an estimated model is sharded: FSDP2 units over ``world_size`` ranks.
+class PlannedSharding:
+    """How the planner sharded the model it estimated: FSDP2 units over ``world_size`` ranks (what a rank of a real
+    run observes is :class:`~lightning_memopt.functional.footprint.sharding.Sharding`).
 
     Attributes:
         world_size: ranks the parameters are sharded over.
@@ -200,11 +201,11 @@ class Sharding:
 
 def describe_sharding(
     model: nn.Module, world_size: int, source: str, reshard_after_forward: bool | None, cpu_offload: bool
-) -> Sharding:
-    """What :class:`Sharding` says of a sharded ``model``; the unsharded bytes come from the parameters' global shapes
-    (a ``DTensor``'s ``numel`` is the global one)."""
-    params = {id(p): p for p in model.parameters()}.values()
-    return Sharding(
+) -> PlannedSharding:
+    """What :class:`PlannedSharding` says of a sharded ``model``; the unsharded bytes come from the parameters'
+    global shapes (a ``DTensor``'s ``numel`` is the global one; ``parameters()`` gives a tied one once)."""
+    params = list(model.parameters())
+    return PlannedSharding(
         world_size=world_size,
         # inner units before the units around them, the order fully_shard is applied in
         units=tuple(sorted(fsdp2_units(model), key=lambda name: -len(name.split(".")) if name else 0)),
