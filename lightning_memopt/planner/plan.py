@@ -360,12 +360,18 @@ class _Gpus(NamedTuple):
     needed: int = 0
 
 
+def _split(estimate: MemoryEstimate, world: int) -> tuple[int, int, int]:
+    """``(needed, states, rest)``: the bytes a rank needs, of them the model states' (parameters, buffers, gradients,
+    optimizer states), and the rest (activations, temporaries, the batch)."""
+    needed = needed_bytes(estimate, world)
+    states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
+    return needed, states, needed - states
+
+
 def _lower_bound(estimate: MemoryEstimate, usable: int, world: int) -> int | None:
     """The fewest ranks whose shares of the model states fit beside one sample's activations and temporaries
     (``None``: those alone exceed ``usable``); ``estimate`` holds one rank's bytes of a ``world_size``-way sharding."""
-    needed = needed_bytes(estimate, world)
-    states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
-    rest = needed - states
+    _, states, rest = _split(estimate, world)
     if usable <= rest:
         return None
     return max(2, math.ceil(states * estimate.world_size / (usable - rest)))
@@ -376,9 +382,7 @@ def _advice(
 ) -> str:
     """What would fit when the smallest micro-batch (``micro``, 1 unless the step cannot accumulate) does not
     (``estimate``): 8-bit optimizer states, FSDP2 over ``gpus``, or nothing but shorter samples or a larger device."""
-    needed = needed_bytes(estimate, world)
-    states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
-    rest = needed - states
+    needed, states, rest = _split(estimate, world)
     how = " and activation checkpointing" if checkpointing else ""
     if world > 1:
         how += f", {_label(estimate, world)}"
