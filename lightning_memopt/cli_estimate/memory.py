@@ -63,14 +63,14 @@ def preset_checkpointing(preset: Any) -> Any:
 
 def _strategy_keys(plan: Any) -> dict[str, Any]:
     """The preset's strategy fields of a plan over several ranks (none on one device)."""
+    keys: dict[str, Any] = {"strategy": plan.preset_strategy} if plan.preset_strategy else {}
     if plan.sharded:
-        keys: dict[str, Any] = {"strategy": "fsdp2", "reshard_after_forward": bool(plan.reshard_after_forward)}
+        keys["reshard_after_forward"] = bool(plan.reshard_after_forward)
         if plan.cpu_offload:
             keys["cpu_offload"] = True
         if plan.shard_blocks is not None:
             keys.update(shard_blocks=list(plan.shard_blocks), shard_roots=list(plan.shard_roots))
-        return keys
-    return {"strategy": "ddp"} if plan.strategy == "ddp" else {}
+    return keys
 
 
 def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:

@@ -119,6 +119,14 @@ class MemoryPlan:
         return self.strategy.startswith("fsdp2")
 
     @property
+    def preset_strategy(self) -> str | None:
+        """``MemoryPreset.strategy`` for this plan: ``"fsdp2"`` (with or without CPU offload), ``"ddp"``, or ``None``
+        on a single device."""
+        if self.sharded:
+            return "fsdp2"
+        return "ddp" if self.strategy == "ddp" else None
+
+    @property
     def batch_size(self) -> int | None:
         """The DataLoader's batch size per device (the micro-batch)."""
         return self.micro_batch_size

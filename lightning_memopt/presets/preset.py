@@ -640,10 +640,9 @@ def _check_sharding(preset: MemoryPreset) -> None:
 def _planned_fields(plan: MemoryPlan) -> dict[str, Any]:
     """The preset's fields a plan decides (:data:`PLANNED`)."""
     fields = {n: getattr(plan, n) for n in PLANNED if n not in ("strategy", "reshard_after_forward")}
+    fields["strategy"] = plan.preset_strategy
     if plan.sharded:
-        fields.update(strategy="fsdp2", reshard_after_forward=bool(plan.reshard_after_forward))
-    else:
-        fields["strategy"] = "ddp" if plan.strategy == "ddp" else None
+        fields["reshard_after_forward"] = bool(plan.reshard_after_forward)
     return fields
 
 
