@@ -10,6 +10,8 @@ When a key is missing or bad:
   ``None``, a size not found yet, is valid and keeps the configured start);
 * ``AutoMicroBatch.retries``, ``CacheCleaner.calls``/``seconds``, ``GarbageCollector.calls``/``seconds``/
   ``collected``: fresh at 0 (statistics);
+* ``AutoMicroBatch.validate_micro_batch_size`` (``test_``, ``predict_``): fresh at ``None`` (the whole batch; an
+  evaluation micro-batch is found again at the cost of one out-of-memory error);
 * ``MemoryMonitor.last_logged_train_step``: fresh at -1 (a resumed run still skips the steps its log holds);
 * ``OOMReporter.reported_steps``/``num_reports``: fresh, empty and 0 (at worst one failure is reported twice).
 """
@@ -39,6 +41,10 @@ SCHEMAS: dict[str, dict[str, StateField]] = {
     "AutoMicroBatch": {
         "micro_batch_size": StateField(as_optional(as_int(1)), "a positive int or None", harmless=False),
         "retries": _COUNT,
+        **{
+            f"{stage}_micro_batch_size": StateField(as_optional(as_int(1)), "a positive int or None")
+            for stage in ("validate", "test", "predict")
+        },
     },
     "CacheCleaner": {"calls": _COUNT, "seconds": _SECONDS},
     "GarbageCollector": {"calls": _COUNT, "seconds": _SECONDS, "collected": _COUNT},

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -22,6 +21,13 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_memopt.callbacks._micro_batch_eval import EVALUATION_STEPS, EvaluationSplitter, evaluation_agreement
+from lightning_memopt.callbacks._micro_batch_state import (
+    MicroBatchSettings,
+    MicroBatchState,
+    halving_line,
+    report_halving,
+)
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.functional.ddp_sync import (
@@ -37,6 +43,7 @@ from lightning_memopt.functional.fsdp_sync import (
 )
 from lightning_memopt.functional.memory import empty_device_cache
 from lightning_memopt.functional.micro_batch import check_first_batch, count_samples, loader_batch_size, micro_batch_of
+from lightning_memopt.functional.micro_batch_outputs import combine_outputs
 from lightning_memopt.functional.micro_batch_retry import (
     BUCKET_BYTES,
     Agreement,
@@ -51,9 +58,9 @@ from lightning_memopt.functional.micro_batch_retry import (
     snapshot_grads,
 )
 from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
+from lightning_memopt.utilities import _lightning_private as private
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
-from lightning_memopt.utilities.formatting import wrap_to_width
-from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_info
+from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -61,43 +68,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult, _AutomaticOptimization
 
-__all__ = ["AutoMicroBatch"]
-
-
-@dataclasses.dataclass
-class MicroBatchState:
-    """What the micro-batch loop learns; :class:`AutoMicroBatch` reads it for its logs and checkpoints it.
-
-    Attributes:
-        micro_batch_size: the micro-batch in use; ``None`` until the first batch when starting with the whole batch.
-        retries: how many times the micro-batch was halved.
-    """
-
-    micro_batch_size: int | None = None
-    retries: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatchSettings:
-    """How the micro-batch loop splits batches and what a retry puts back (``AutoMicroBatch``'s arguments)."""
-
-    min_micro_batch_size: int = 1
-    split_batch_fn: Callable[[Any, int, int], Any] | None = None
-    batch_size_fn: Callable[[Any], int] | None = None
-    restore_rng: bool = True
-    restore_metrics: bool = True
-    restore_buffers: bool = True
-
-
-def halving_line(size: int, new: int, reason: str, samples: int, global_step: int) -> str:
-    """What rank zero prints when the micro-batch is halved, wrapped to 100 columns.
-
-    Examples:
-        >>> halving_line(16, 8, "out of memory", 16, 0)
-        'AutoMicroBatch: micro-batch 16 -> 8 (out of memory; batch of 16, global step 0).'
-    """
-    line = f"AutoMicroBatch: micro-batch {size} -> {new} ({reason}; batch of {samples}, global step {global_step})."
-    return wrap_to_width(line)
+__all__ = ["AutoMicroBatch", "MicroBatchSettings", "MicroBatchState", "halving_line"]
 
 
 # ----------------------------------------------------------------------------------------------- the loop
@@ -117,16 +88,12 @@ class _MicroBatchClosure:
 @functools.cache
 def optimization_class(namespace: str) -> type:
     """:class:`MicroBatchOptimization` on the automatic-optimization loop of ``namespace`` (the Trainer's own)."""
-    automatic = importlib.import_module(f"{namespace}.loops.optimization.automatic")
+    automatic = private.automatic_optimization(namespace)
     closure = type("_MicroBatchClosure", (_MicroBatchClosure, automatic.Closure), {})
     return type(
         "_MicroBatchOptimization",
         (MicroBatchOptimization, automatic._AutomaticOptimization),
-        {
-            "_closure_class": closure,
-            "_result_class": automatic.ClosureResult,
-            "_call": importlib.import_module(f"{namespace}.trainer.call"),
-        },
+        {"_closure_class": closure, "_result_class": automatic.ClosureResult},
     )
 
 
@@ -159,7 +126,6 @@ class MicroBatchOptimization:
 
     _closure_class: type
     _result_class: type[ClosureResult]
-    _call: Any
     trainer: pl.Trainer  # set by Lightning's loop
 
     def __init__(
@@ -226,22 +192,19 @@ class MicroBatchOptimization:
         # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end (FSDP2
         # reduce-scatters every micro-batch's gradients itself, as under Lightning's accumulation)
         sync_at_end = (
-            comm.active
-            and not self.fsdp_modules
-            and backward_fn is not None
-            and not trainer.fit_loop._should_accumulate()
+            comm.active and not self.fsdp_modules and backward_fn is not None and not private.should_accumulate(trainer)
         )
-        results = trainer._results
+        results = private.logged_results(trainer)
         snapshot = self._keep(pl_module, results, size)  # before the first attempt: what a retry puts back
 
-        def restore() -> None:
+        def restore(_start: int) -> None:  # the batch runs again from its first sample
             if self.fsdp_modules:  # unsharded parameters and FSDP2's trackers of the abandoned attempt
                 reset_fsdp_state(self.fsdp_modules)
             restore_grads(params, saved, batch.zeroed)
             self._restore(snapshot)
 
         # logs after the closure (on_before_optimizer_step, on_train_batch_end) are weighted by the whole batch again
-        whole = (results.batch, results.batch_size) if results is not None else None
+        whole = private.results_batch(results)
         try:
             parts, _ = run_micro_batches(
                 n,
@@ -258,12 +221,10 @@ class MicroBatchOptimization:
             if sync_at_end:  # through the DDP communication hook the user registered, if any (on DDP's own buckets)
                 bucket_bytes = getattr(trainer.strategy.model, "bucket_bytes_cap", BUCKET_BYTES)  # DDP's bucket_cap_mb
                 comm.average_gradients(params, gradient_reduction(trainer.strategy.model), bucket_bytes)
-            return self._result_class(
-                combine_losses(parts, n, batch.accumulate), extra=parts[-1].extra if parts else {}
-            )
+            extra = combine_outputs([(part.samples, part.extra) for part in parts]) if parts else {}
+            return self._result_class(combine_losses(parts, n, batch.accumulate), extra=extra)
         finally:
-            if results is not None and whole is not None:
-                results.batch, results.batch_size = whole
+            private.point_results(results, *whole)
 
     def _micro_batch_size(self, batch: Any, n: int) -> int:
         """The micro-batch this batch starts with; on the fit's first batch, check that the batch can be split."""
@@ -285,13 +246,11 @@ class MicroBatchOptimization:
         micro_kwargs["batch"] = micro_batch_of(
             batch.kwargs["batch"], start, stop, batch.samples, self.settings.split_batch_fn
         )
-        results = trainer._results
-        if results is not None:  # epoch means weighted by micro-batch size (what Lightning infers)
-            results.batch = micro_kwargs["batch"]
-            results.batch_size = stop - start
-        fx_name = pl_module._current_fx_name
+        # epoch means weighted by micro-batch size (what Lightning infers)
+        private.point_results(private.logged_results(trainer), micro_kwargs["batch"], stop - start)
+        fx_name = private.current_fx_name(pl_module)
         try:
-            output = self._call._call_strategy_hook(trainer, "training_step", *micro_kwargs.values())
+            output = private.call_strategy_hook(trainer, "training_step", *micro_kwargs.values())
             trainer.strategy.post_training_step()
             result = self._result_class.from_training_step_output(output, 1)
             del output
@@ -304,7 +263,7 @@ class MicroBatchOptimization:
                 )
             return MicroBatchPart(stop - start, result.loss, result.extra)
         finally:  # a hook that raised leaves its own name behind (trainer/call.py)
-            pl_module._current_fx_name = fx_name
+            private.set_current_fx_name(pl_module, fx_name)
 
     # ------------------------------------------------------------------------------------------- what a retry needs
 
@@ -345,25 +304,10 @@ class MicroBatchOptimization:
         mark_micro_batch(err, samples, size)  # the OOM report reads the whole batch here, its frames hold the slice
 
     def _halved(self, size: int, new: int, samples: int, here: bool, batch_idx: int | None) -> None:
-        """Take the halved micro-batch (the batch runs again with it); say why (rank zero, one line of at most 100
-        columns), log it, and record it in every rank's memory log."""
-        trainer, state = self.trainer, self.state
-        state.micro_batch_size, state.retries = new, state.retries + 1
-        reason = "out of memory" if here else "out of memory on another process"
-        if trainer.is_global_zero:
-            rank_zero_info(halving_line(size, new, reason, samples, trainer.global_step))
-        log_to_loggers(trainer, {"memory/micro_batch_size": float(new)}, self._warn, "AutoMicroBatch")
-        for monitor in self._monitors:  # each rank writes its own log; no collective
-            monitor.record_event(
-                trainer,
-                "micro_batch",
-                batch_idx,
-                micro_batch_size=new,
-                previous_micro_batch_size=size,
-                batch_size=samples,
-                retries=state.retries,
-                reason=reason,
-            )
+        """Take the halved micro-batch (the batch runs again with it) and say why."""
+        report_halving(
+            self.trainer, self.state, (size, new, samples, here), batch_idx, "fit", self._warn, self._monitors
+        )
 
 
 # ----------------------------------------------------------------------------------------------- the callback
@@ -377,12 +321,24 @@ def _tensor_parallel_size(strategy: Any) -> int:
 
 
 class AutoMicroBatch(Callback):
-    """Runs each training batch as micro-batches and halves the micro-batch when one runs out of memory.
+    """Runs each batch as micro-batches and halves the micro-batch when one runs out of memory: in training, and in
+    validation, test and predict.
 
-    ``training_step`` is unchanged and is called once per micro-batch with a slice of the batch. Each micro-batch's loss
-    is weighted by its share of the batch, so the gradients, the optimizer step count, clipping, LR schedulers and
-    ``accumulate_grad_batches`` are those of the whole batch. On ``torch.OutOfMemoryError`` in forward or backward the
-    gradients go back to the batch's start, the micro-batch is halved and the batch runs again from its first sample.
+    Training: ``training_step`` is unchanged and is called once per micro-batch with a slice of the batch. Each
+    micro-batch's loss is weighted by its share of the batch's samples, so the optimizer step count, clipping, LR
+    schedulers and ``accumulate_grad_batches`` are those of the whole batch, and so are the gradients of a loss that is
+    a mean over samples. On ``torch.OutOfMemoryError`` in forward or backward the gradients go back to the batch's
+    start, the micro-batch is halved and the batch runs again from its first sample. The extra outputs of
+    ``training_step`` reach ``on_train_batch_end`` put back together for the whole batch
+    (:mod:`~lightning_memopt.functional.micro_batch_outputs`).
+
+    Evaluation: ``validation_step``, ``test_step`` and ``predict_step`` run with the whole loader batch until one runs
+    out of memory; then what that micro-batch logged or updated is put back, the micro-batch is halved and the batch
+    goes on from the micro-batch that failed, in ``fit`` and in ``validate``/``test``/``predict``. Each stage keeps its
+    own micro-batch (the smaller size stays for the stage's later batches and runs). ``self.log`` values are weighted
+    by each micro-batch's samples; the ``on_*_batch_end`` hooks, the predictions ``trainer.predict`` returns and
+    prediction writers get one output per loader batch, put back together. The logged epoch values, metric results
+    and predictions are those of evaluating with a loader batch of the micro-batch size.
 
     Args:
         micro_batch_size: The micro-batch size to start with; ``"auto"`` (default) starts with the whole batch.
@@ -398,6 +354,8 @@ class AutoMicroBatch(Callback):
             ``self.log`` results back before a retry (default ``True``).
         restore_buffers: Put the module's buffers (BatchNorm running statistics) back before a retry (default
             ``True``); each batch copies the buffers that batches change (all of them before the first batch).
+        train: Split training batches (default ``True``; needs automatic optimization).
+        evaluate: Split validation, test and predict batches on out-of-memory (default ``True``).
 
     A retry cannot undo what ``training_step`` does outside these: Python attributes it sets, prints, logger calls.
 
@@ -408,10 +366,16 @@ class AutoMicroBatch(Callback):
     also gives the cost). An out-of-memory error raised inside a collective itself ends the run. FSDP1
     (``FSDPStrategy``), DeepSpeed and tensor parallelism are refused in ``setup``.
 
+    Under several processes a step may call collectives through the strategy (``self.log(..., sync_dist=True)``,
+    ``self.all_gather``): each is preceded by an agreement point while a micro-batch runs, so a rank that ran out of
+    memory before it never leaves the others waiting in it.
+
     Logs (rank zero, to the Trainer's loggers): ``memory/micro_batch_size`` (samples) at each change and at the end of
-    fit, ``memory/micro_batch_retries`` (count) at the end of fit. Each change is also printed by rank zero and, with a
-    ``MemoryMonitor`` among the callbacks, written to every rank's memory log as an ``event: "micro_batch"`` record.
-    A fit without an out-of-memory error prints nothing. The checkpoint holds the micro-batch size and the retry count.
+    fit, ``memory/micro_batch_retries`` (count) at the end of fit; ``memory/<stage>/micro_batch_size`` at each change
+    of an evaluation stage's micro-batch (``validate``, ``test``, ``predict``). Each change is also printed by rank
+    zero and, with a ``MemoryMonitor`` among the callbacks, written to every rank's memory log as an
+    ``event: "micro_batch"`` record (``phase``: the stage). A fit without an out-of-memory error prints nothing. The
+    checkpoint holds the micro-batch size, the retry count and each evaluation stage's micro-batch size.
 
     Examples:
         >>> from lightning.pytorch import Trainer
@@ -431,6 +395,8 @@ class AutoMicroBatch(Callback):
         restore_rng: bool = True,
         restore_metrics: bool = True,
         restore_buffers: bool = True,
+        train: bool = True,
+        evaluate: bool = True,
     ) -> None:
         if micro_batch_size != "auto":
             hint = 'Use a positive int, or "auto" to start with the whole batch.'
@@ -445,8 +411,9 @@ class AutoMicroBatch(Callback):
             if fn is not None and not callable(fn):
                 raise ValueError(f"`{name}` must be a function or None, got {fn!r} ({type(fn).__name__}).")
         flags = {"restore_rng": restore_rng, "restore_metrics": restore_metrics, "restore_buffers": restore_buffers}
-        for name, flag in flags.items():
+        for name, flag in {**flags, "train": train, "evaluate": evaluate}.items():
             check_bool(name, flag)
+        self.train, self.evaluate = train, evaluate
         self.restore_rng, self.restore_metrics, self.restore_buffers = restore_rng, restore_metrics, restore_buffers
         self.start_micro_batch_size = micro_batch_size
         self.min_micro_batch_size = min_micro_batch_size
@@ -456,6 +423,8 @@ class AutoMicroBatch(Callback):
         self._restored = False
         self._fsdp2 = False
         self._warn = WarnOnce()
+        self._eval_states = {stage: MicroBatchState() for stage in EVALUATION_STEPS}
+        self._splitter: EvaluationSplitter | None = None
 
     def _fresh_state(self) -> MicroBatchState:
         start = self.start_micro_batch_size
@@ -471,6 +440,12 @@ class AutoMicroBatch(Callback):
         """How many times the micro-batch was halved (in this fit, or since the checkpoint's run started)."""
         return self._state.retries
 
+    @property
+    def eval_micro_batch_sizes(self) -> dict[str, int | None]:
+        """Each evaluation stage's micro-batch (``"validate"``, ``"test"``, ``"predict"``); ``None``: the whole batch
+        (no out-of-memory error in that stage yet)."""
+        return {stage: state.micro_batch_size for stage, state in self._eval_states.items()}
+
     @cached_property
     def state_key(self) -> str:
         return self._generate_state_key(min_micro_batch_size=self.min_micro_batch_size)
@@ -479,21 +454,17 @@ class AutoMicroBatch(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if not pl_module.automatic_optimization:
-            raise ValueError(
-                "AutoMicroBatch needs automatic optimization: `training_step` calls `manual_backward` itself when"
-                " `self.automatic_optimization = False`, so there is no backward to split. Remove the callback or use"
-                " automatic optimization."
-            )
+        namespace = namespace_of(trainer).__name__
+        private.check_private_api(namespace)
         strategy = trainer.strategy
         is_ddp = is_instance(strategy, "strategies.DDPStrategy")
         self._fsdp2 = is_instance(strategy, "strategies.ModelParallelStrategy") and _tensor_parallel_size(strategy) == 1
         check_strategy_for_micro_batches(type(strategy).__name__, trainer.world_size, is_ddp, self._fsdp2)
-        if not self._restored:
-            self._state = self._fresh_state()
-        settings = MicroBatchSettings(
+        if stage == "fit" and self.train:
+            self._install_training(trainer, pl_module, namespace)
+
+    def _settings(self) -> MicroBatchSettings:
+        return MicroBatchSettings(
             self.min_micro_batch_size,
             self.split_batch_fn,
             self.batch_size_fn,
@@ -501,17 +472,77 @@ class AutoMicroBatch(Callback):
             self.restore_metrics,
             self.restore_buffers,
         )
+
+    def _monitors(self, trainer: pl.Trainer) -> list[MemoryMonitor]:
         callbacks: list[Any] = getattr(trainer, "callbacks", [])
-        monitors = [c for c in callbacks if isinstance(c, MemoryMonitor)]
+        return [c for c in callbacks if isinstance(c, MemoryMonitor)]
+
+    def _install_training(self, trainer: pl.Trainer, pl_module: pl.LightningModule, namespace: str) -> None:
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "AutoMicroBatch needs automatic optimization to split training batches: `training_step` calls"
+                " `manual_backward` itself when `self.automatic_optimization = False`, so there is no backward to"
+                " split. Use `AutoMicroBatch(train=False)` to split only evaluation batches, or use automatic"
+                " optimization."
+            )
+        if not self._restored:
+            self._state = self._fresh_state()
         epoch_loop = trainer.fit_loop.epoch_loop
         original = epoch_loop.automatic_optimization
         if isinstance(original, MicroBatchOptimization):  # left by a fit that never reached teardown
             original = original.original
-        loop_class = optimization_class(namespace_of(trainer).__name__)
-        epoch_loop.automatic_optimization = loop_class(trainer, original, settings, self._state, self._warn, monitors)
+        loop_class = optimization_class(namespace)
+        epoch_loop.automatic_optimization = loop_class(
+            trainer, original, self._settings(), self._state, self._warn, self._monitors(trainer)
+        )
+
+    # ------------------------------------------------------------------------------------------- evaluation
+
+    def _start_evaluation(self, trainer: pl.Trainer, stage: str) -> None:
+        self._stop_evaluation()
+        if not self.evaluate:
+            return
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        training = loop.agreement if isinstance(loop, MicroBatchOptimization) and loop.fsdp_modules else None
+        agreement = evaluation_agreement(trainer, training)
+        state = self._eval_states[stage]
+        self._splitter = EvaluationSplitter(
+            trainer, stage, self._settings(), state, agreement, self._warn, self._monitors(trainer)
+        )
+
+    def _stop_evaluation(self) -> None:
+        if self._splitter is not None:
+            self._splitter.remove()
+            self._splitter = None
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_evaluation(trainer, "validate")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_evaluation()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_evaluation(trainer, "test")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_evaluation()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_evaluation(trainer, "predict")
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_evaluation()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.train:
+            return
         check_ddp_for_micro_batches(trainer.strategy.model)  # DDP wraps the model after setup, before this hook
         if not self._fsdp2:
             return
@@ -521,6 +552,7 @@ class AutoMicroBatch(Callback):
             loop.use_fsdp(fsdp_modules(pl_module))
 
     def _give_back(self, trainer: pl.Trainer) -> None:
+        self._stop_evaluation()
         epoch_loop = trainer.fit_loop.epoch_loop
         if isinstance(epoch_loop.automatic_optimization, MicroBatchOptimization):
             epoch_loop.automatic_optimization = epoch_loop.automatic_optimization.original
@@ -537,8 +569,7 @@ class AutoMicroBatch(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._give_back(trainer)
+        self._give_back(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -548,7 +579,8 @@ class AutoMicroBatch(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_batch_size": self.micro_batch_size, "retries": self.retries}
+        evaluation = {f"{stage}_micro_batch_size": size for stage, size in self.eval_micro_batch_sizes.items()}
+        return {"micro_batch_size": self.micro_batch_size, "retries": self.retries, **evaluation}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -557,3 +589,5 @@ class AutoMicroBatch(Callback):
         if state["micro_batch_size"] is not None:
             self._state.micro_batch_size = state["micro_batch_size"]
         self._state.retries, self._restored = state["retries"], True
+        for stage, eval_state in self._eval_states.items():
+            eval_state.micro_batch_size = state[f"{stage}_micro_batch_size"]

@@ -187,11 +187,13 @@ class MemoryMonitor(RankLogCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_logged_train_step = restore_state("MemoryMonitor", state_dict)["last_logged_train_step"]
 
-    def record_event(self, trainer: pl.Trainer, event: str, batch_idx: int | None = None, **fields: Any) -> None:
+    def record_event(
+        self, trainer: pl.Trainer, event: str, batch_idx: int | None = None, phase: str = "train", **fields: Any
+    ) -> None:
         """Write a record of another callback's event (``AutoMicroBatch``'s ``micro_batch``) to this rank's log.
 
-        The record holds a memory reading taken now, where in training it happened and ``fields``. Runs on the
-        calling rank only and never communicates; never raises (a failure warns once and training goes on).
+        The record holds a memory reading taken now, where in the run (``phase``) it happened and ``fields``. Runs on
+        the calling rank only and never communicates; never raises (a failure warns once and training goes on).
         Does nothing before ``setup`` or after ``teardown``.
         """
         if self._writer is None or self._writer.stopped:
@@ -199,7 +201,7 @@ class MemoryMonitor(RankLogCallback):
         try:
             reading = self._reader.read()
             if reading is not None:
-                self._write([self._record(trainer, reading, "train", event, batch_idx, **fields)])
+                self._write([self._record(trainer, reading, phase, event, batch_idx, **fields)])
         except Exception as err:
             self._warn.warn("event", f"MemoryMonitor: writing a {event!r} record failed ({err!r}); training goes on.")
 

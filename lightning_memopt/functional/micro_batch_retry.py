@@ -24,9 +24,11 @@ from torch import Tensor
 
 __all__ = [
     "BUCKET_BYTES",
+    "STRATEGY_COLLECTIVES",
     "Agreement",
     "MicroBatchPart",
     "PeerOutOfMemoryError",
+    "agree_before_collectives",
     "combine_losses",
     "extend_message",
     "give_up_note",
@@ -47,11 +49,12 @@ BUCKET_BYTES = 25 * 2**20
 
 
 class MicroBatchPart(NamedTuple):
-    """What one micro-batch gave: its number of samples, its loss (or ``None``) and the step's extra outputs."""
+    """What one micro-batch gave: its number of samples, its loss (or ``None``) and the step's other outputs (the
+    extra keys of ``training_step``'s dict, or an evaluation step's whole output)."""
 
     samples: int
     loss: Tensor | None
-    extra: dict[str, Any]
+    extra: Any
 
 
 def micro_batch_weight(samples: int, batch_size: int, accumulate: int = 1) -> float:
@@ -74,10 +77,18 @@ def next_micro_batch_size(size: int, min_size: int) -> int | None:
     return None if size <= min_size else max(min_size, size // 2)
 
 
-def give_up_note(size: int, batch_size: int, min_size: int, first_size: int | None, retries: int) -> str:
-    """The text appended to the final out-of-memory error: what was tried."""
+def give_up_note(
+    size: int, batch_size: int, min_size: int, first_size: int | None, retries: int, stage: str = "fit"
+) -> str:
+    """The text appended to the final out-of-memory error: what was tried (``stage``: where, when not training).
+
+    Examples:
+        >>> give_up_note(1, 8, 1, 8, 3, "validate")[:70]
+        ' [AutoMicroBatch, validate: a micro-batch of 1 sample(s) of a batch of'
+    """
+    where = "AutoMicroBatch" if stage == "fit" else f"AutoMicroBatch, {stage}"
     return (
-        f" [AutoMicroBatch: a micro-batch of {size} sample(s) of a batch of {batch_size} still ran out of memory and"
+        f" [{where}: a micro-batch of {size} sample(s) of a batch of {batch_size} still ran out of memory and"
         f" the smallest allowed is min_micro_batch_size={min_size}; tried micro-batches down from"
         f" {first_size or size} after {retries} earlier halving(s).]"
     )
@@ -302,6 +313,62 @@ class Agreement:
                 del flat
 
 
+#: The methods of a Lightning strategy that run a collective when a step calls them (``self.log(..., sync_dist=True)``
+#: calls ``reduce``, ``self.all_gather`` calls ``all_gather``).
+STRATEGY_COLLECTIVES = ("reduce", "all_gather", "broadcast", "barrier")
+
+
+def agree_before_collectives(
+    owner: Any, agreement: Agreement, names: Sequence[str] = STRATEGY_COLLECTIVES
+) -> Callable[[], None]:
+    """Make the methods ``names`` of ``owner`` pass an agreement point (:meth:`Agreement.before_collective`) before
+    their collective while a micro-batch runs; returns the function that gives the methods back.
+
+    A step that syncs a logged value (``self.log(..., sync_dist=True)``) runs a collective that a rank which ran out of
+    memory earlier in the same micro-batch never reaches: with the agreement point first, every rank learns of the
+    failure there and abandons the micro-batch instead of waiting in the collective. Outside a micro-batch (epoch-end
+    syncs, Lightning's own barriers) the methods run as they are.
+
+    Examples:
+        >>> class Strategy:
+        ...     def reduce(self, value):
+        ...         return value
+        >>> strategy = Strategy()
+        >>> give_back = agree_before_collectives(strategy, Agreement(), ["reduce"])
+        >>> strategy.reduce(3), "reduce" in vars(strategy)
+        (3, True)
+        >>> give_back()
+        >>> "reduce" in vars(strategy)
+        False
+    """
+    missing = object()
+    previous: dict[str, Any] = {}
+    for name in names:
+        method = getattr(owner, name, None)
+        if method is None:
+            continue
+        previous[name] = vars(owner).get(name, missing)
+        setattr(owner, name, _agreeing(method, agreement))
+
+    def give_back() -> None:
+        for name, value in previous.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+    return give_back
+
+
+def _agreeing(method: Callable[..., Any], agreement: Agreement) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def agreeing(*args: Any, **kwargs: Any) -> Any:
+        agreement.before_collective()
+        return method(*args, **kwargs)
+
+    return agreeing
+
+
 def _buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[Tensor]]:
     """``tensors`` in order, grouped into runs of at most ``bucket_bytes`` (a larger tensor alone)."""
     buckets: list[list[Tensor]] = []
@@ -323,23 +390,28 @@ def run_micro_batches(
     step: Callable[[int, int], MicroBatchPart],
     *,
     agreement: Agreement | None = None,
-    restore: Callable[[], None] = lambda: None,
+    restore: Callable[[int], None] = lambda start: None,
     release: Callable[[], object] = lambda: None,
     on_halve: Callable[[int, int, bool], None] = lambda size, new, here: None,
     give_up: Callable[[BaseException, int], None] = lambda err, size: None,
+    resume: bool = False,
 ) -> tuple[list[MicroBatchPart], int]:
     """Run ``step(start, stop)`` over the samples ``[0, batch_size)`` in micro-batches; halve on out-of-memory.
 
     After a ``torch.OutOfMemoryError`` in a step (and once out of the ``except`` block, so that the failed attempt's
-    activations are unreachable): ``restore()`` puts the gradients back, ``gc.collect()`` and ``release()`` free
-    memory, ``on_halve(size, new_size, here)`` is told (``here``: this process ran out of memory, not only another
-    rank) and the batch runs again from its first sample. At ``min_micro_batch_size``, ``give_up(err, size)`` may
-    extend the error before the original error is raised (on another rank's give-up, a new one saying so). Other
-    errors pass through; one raised after the batch's first out-of-memory error (while recovering, or in a retry) has
-    that error as its ``__cause__`` (its frames cleared, so that it holds no tensor of the failed attempt).
+    activations are unreachable): ``restore(start)`` puts back what the failed attempt changed, ``gc.collect()`` and
+    ``release()`` free memory, ``on_halve(size, new_size, here)`` is told (``here``: this process ran out of memory, not
+    only another rank) and the batch runs again from ``start``: its first sample (training: the gradients of the whole
+    batch go back), or with ``resume=True`` the first sample of the micro-batch round that failed, keeping the parts
+    before it (evaluation: nothing of the parts that went through is undone; this rank's part of the failed round, if
+    it went through here, is dropped and ``restore(start)`` undoes it). At ``min_micro_batch_size``,
+    ``give_up(err, size)`` may extend the error before the original error is raised (on another rank's give-up, a new
+    one saying so). Other errors pass through; one raised after the batch's first out-of-memory error (while
+    recovering, or in a retry) has that error as its ``__cause__`` (its frames cleared, so that it holds no tensor of
+    the failed attempt).
 
     Returns:
-        The parts of the run that went through, and the micro-batch size it used.
+        The parts of the run that went through, and the micro-batch size it ended with.
 
     Examples:
         >>> def step(start, stop):
@@ -349,22 +421,27 @@ def run_micro_batches(
         >>> parts, size = run_micro_batches(8, 8, 1, step)
         >>> size, [p.samples for p in parts]
         (2, [2, 2, 2, 2])
+        >>> parts, size = run_micro_batches(8, 3, 1, step, resume=True)  # 3 fails at once, then 1 + 1 from sample 0
+        >>> size, [p.samples for p in parts]
+        (1, [1, 1, 1, 1, 1, 1, 1, 1])
     """
     comm = agreement or Agreement()
-    size = micro_batch_size
+    size, begin, done = micro_batch_size, 0, []
     first_oom: BaseException | None = None  # what an error raised while recovering is chained to
     while True:
         try:
-            parts, retry = _attempt(batch_size, size, min_micro_batch_size, step, comm, give_up)
+            parts, retry = _attempt(_Run(batch_size, begin, size, min_micro_batch_size), step, comm, give_up)
             if retry is None:
-                return parts, size
-            here, err = retry
+                return done + parts, size
+            here, err, failed_at = retry
             if first_oom is None and err is not None:
                 traceback.clear_frames(err.__traceback__)  # keeps its message and lines, not the attempt's tensors
                 first_oom = err
+            if resume:
+                done, begin = done + parts, failed_at
             del retry, err, parts
             # out of the except block: the failed attempt's activations are unreachable now
-            restore()
+            restore(begin)
             gc.collect()
             release()
             new = next_micro_batch_size(size, min_micro_batch_size) or min_micro_batch_size  # a retry: size > min
@@ -376,15 +453,24 @@ def run_micro_batches(
             raise
 
 
+class _Run(NamedTuple):
+    """One attempt over a batch: its samples, the first sample to run, the micro-batch size and the smallest one."""
+
+    batch_size: int
+    begin: int
+    size: int
+    min_size: int
+
+
 def _attempt(
-    batch_size: int,
-    size: int,
-    min_size: int,
+    run: _Run,
     step: Callable[[int, int], MicroBatchPart],
     comm: Agreement,
     give_up: Callable[[BaseException, int], None],
-) -> tuple[list[MicroBatchPart], tuple[bool, BaseException | None] | None]:
-    """One run over the batch at ``size``: its parts, and ``None`` or ``(here, error)`` when it must run again."""
+) -> tuple[list[MicroBatchPart], tuple[bool, BaseException | None, int] | None]:
+    """One run over the batch from ``run.begin`` at ``run.size``: the parts of the rounds that went through on every
+    rank, and ``None`` or ``(here, error, first sample of the round that failed)`` when it must run again."""
+    size, min_size = run.size, run.min_size
 
     def on_oom(err: torch.OutOfMemoryError) -> int:
         if next_micro_batch_size(size, min_size) is not None:
@@ -395,16 +481,17 @@ def _attempt(
         return GIVE_UP
 
     parts: list[MicroBatchPart] = []
-    flag, error = OK, None
+    flag, error, start = OK, None, run.begin
     # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
-    for k in range(comm.max(math.ceil(batch_size / size))):
-        start, stop = k * size, min(batch_size, (k + 1) * size)
-        agreed = False
-        if start < batch_size:
+    for k in range(comm.max(math.ceil(max(run.batch_size - run.begin, 0) / size))):
+        start, stop = run.begin + k * size, min(run.batch_size, run.begin + (k + 1) * size)
+        agreed, kept = False, len(parts)
+        if start < run.batch_size:
             flag, error, agreed = _round(functools.partial(step, start, stop), comm, parts, on_oom)
         if not agreed:
             flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
         if flag != OK:
+            del parts[kept:]  # this rank's part of the failed round, if it went through here, runs again
             break
     if flag == GIVE_UP:
         if error is not None:
@@ -413,7 +500,7 @@ def _attempt(
             f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
             f" smallest allowed (min_micro_batch_size={min_size}); every process stops."
         )
-    return parts, None if flag == OK else (error is not None, error)
+    return parts, None if flag == OK else (error is not None, error, start)
 
 
 def _round(

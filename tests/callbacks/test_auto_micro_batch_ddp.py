@@ -56,9 +56,12 @@ def test_a_two_process_checkpoint_in_an_older_format_resumes_in_one_process(ddp_
     monkeypatch.chdir(tmp_path)
     micro, monitor = AutoMicroBatch(), MemoryMonitor(dirpath="forward", log_every_n_steps=1)
     saved = checkpoint["callbacks"]
-    assert saved[micro.state_key] == {"micro_batch_size": 2, "retries": 2}  # halved twice on rank 1, both ranks
+    evaluation = {"validate_micro_batch_size": None, "test_micro_batch_size": None, "predict_micro_batch_size": None}
+    # halved twice on rank 1, both ranks; no evaluation ran
+    assert saved[micro.state_key] == {"micro_batch_size": 2, "retries": 2, **evaluation}
     assert saved[monitor.state_key] == {"last_logged_train_step": 3}
-    del saved[micro.state_key]["retries"]  # as a version that saved only the size would
+    for key in ["retries", *evaluation]:  # as a version that saved only the size would
+        del saved[micro.state_key][key]
     torch.save(checkpoint, path)
 
     model = Net(optimizer="adamw", batch_size=8, forward_budget=2)

@@ -27,11 +27,23 @@ VALID = {
     MemoryMonitor: ({"last_logged_train_step": 8}, set()),
     OOMReporter: ({"reported_steps": ["fit/train/0/3/3"], "num_reports": 1}, set()),
     MemoryAudit: ({"leak_samples": [[10, 100], [20, 200]], "leak_reported": True}, set()),
-    AutoMicroBatch: ({"micro_batch_size": 4, "retries": 2}, {"micro_batch_size"}),
+    AutoMicroBatch: (
+        {
+            "micro_batch_size": 4,
+            "retries": 2,
+            "validate_micro_batch_size": 8,
+            "test_micro_batch_size": None,
+            "predict_micro_batch_size": 2,
+        },
+        {"micro_batch_size"},
+    ),
 }
 #: Values a key legitimately holds although they look mangled (a size not found yet, empty histories).
 ALSO_VALID = {
     (AutoMicroBatch, "micro_batch_size"): [None],
+    (AutoMicroBatch, "validate_micro_batch_size"): [None],
+    (AutoMicroBatch, "test_micro_batch_size"): [None],
+    (AutoMicroBatch, "predict_micro_batch_size"): [None],
     (MemoryAudit, "leak_samples"): [[]],
     (OOMReporter, "reported_steps"): [[]],
     (MemoryAudit, "leak_reported"): [True],
@@ -114,11 +126,15 @@ def test_numpy_numbers_from_a_converted_checkpoint_load_as_python_numbers():
 
 def test_an_auto_micro_batch_state_without_a_size_keeps_the_configured_one_and_an_older_one_restores_it():
     callback = AutoMicroBatch(micro_batch_size=8)
-    assert _load(callback, {"micro_batch_size": None, "retries": 0}) == []
+    evaluation = {"validate_micro_batch_size": 4, "test_micro_batch_size": None, "predict_micro_batch_size": None}
+    assert _load(callback, {"micro_batch_size": None, "retries": 0, **evaluation}) == []
     assert callback.micro_batch_size == 8
-    said = _load(callback, {"micro_batch_size": 4})  # as a version that saved only the size would
+    assert callback.eval_micro_batch_sizes == {"validate": 4, "test": None, "predict": None}
+    said = _load(callback, {"micro_batch_size": 4})  # as a version that saved only the size would (0.1)
     assert callback.micro_batch_size == 4 and callback.retries == 0
+    assert callback.eval_micro_batch_sizes == {"validate": None, "test": None, "predict": None}
     assert len(said) == 1 and "AutoMicroBatch" in said[0] and "'retries'" in said[0]
+    assert "'validate_micro_batch_size'" in said[0]
 
 
 def test_a_huge_bad_value_is_shortened_in_the_message():

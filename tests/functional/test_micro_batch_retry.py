@@ -45,7 +45,7 @@ def test_halves_until_it_fits_then_runs_every_sample_once_from_the_start():
         10,
         1,
         step,
-        restore=lambda: events.append("restore"),
+        restore=lambda start: events.append("restore"),
         release=lambda: events.append("release"),
         on_halve=lambda old, new, here: events.append((old, new, here)),
     )
@@ -163,7 +163,7 @@ def test_an_error_raised_in_a_retry_has_the_out_of_memory_error_as_its_cause_wit
 
 
 def test_an_error_raised_while_putting_things_back_has_the_out_of_memory_error_as_its_cause():
-    def restore():
+    def restore(start):
         raise RuntimeError("restore failed")
 
     with pytest.raises(RuntimeError, match="restore failed") as caught:
