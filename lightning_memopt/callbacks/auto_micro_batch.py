@@ -48,6 +48,7 @@ from lightning_memopt.functional.micro_batch_retry import (
     BUCKET_BYTES,
     Agreement,
     MicroBatchPart,
+    agree_before_collectives,
     combine_losses,
     extend_message,
     give_up_note,
@@ -150,6 +151,7 @@ class MicroBatchOptimization:
         self.agreement: Agreement | None = None
         #: under FSDP2: the sharded modules (set by :meth:`use_fsdp`)
         self.fsdp_modules: list[torch.nn.Module] = []
+        self._give_back_collectives: Callable[[], None] = lambda: None
 
     def use_fsdp(self, modules: list[torch.nn.Module]) -> None:
         """Run under FSDP2: the collectives of ``modules`` agree first, an abandoned attempt resets their state."""
@@ -158,10 +160,19 @@ class MicroBatchOptimization:
         self.fsdp_modules = modules
 
     def _new_agreement(self, no_sync: Callable[[], Any] | None = None) -> Agreement:
-        """The agreement of this fit's ranks (inactive on one process); ``no_sync`` holds DDP's reducer back."""
+        """The agreement of this fit's ranks (inactive on one process); ``no_sync`` holds DDP's reducer back. The
+        strategy's collectives (a step's ``self.log(..., sync_dist=True)``) agree first until :meth:`release`."""
         trainer = self.trainer
         active = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-        return Agreement(active, trainer.strategy.root_device, no_sync)
+        agreement = Agreement(active, trainer.strategy.root_device, no_sync)
+        if active:
+            self._give_back_collectives = agree_before_collectives(trainer.strategy, agreement)
+        return agreement
+
+    def release(self) -> None:
+        """Give the strategy its own collectives back (at the end of the fit)."""
+        self._give_back_collectives()
+        self._give_back_collectives = lambda: None
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
         zero_grad_fn = self._make_zero_grad_fn(batch_idx, optimizer)  # type: ignore[attr-defined]  # Lightning's
@@ -555,6 +566,7 @@ class AutoMicroBatch(Callback):
         self._stop_evaluation()
         epoch_loop = trainer.fit_loop.epoch_loop
         if isinstance(epoch_loop.automatic_optimization, MicroBatchOptimization):
+            epoch_loop.automatic_optimization.release()
             epoch_loop.automatic_optimization = epoch_loop.automatic_optimization.original
         self._restored = False
 

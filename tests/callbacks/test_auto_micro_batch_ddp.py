@@ -16,6 +16,7 @@ from lightning_memopt import MemoryMonitor
 from lightning_memopt.analysis.memory_log import load_memory_log
 from lightning_memopt.callbacks import AutoMicroBatch
 from tests.helpers.amb import Net, fit
+from tests.helpers.amb_eval import EvalNet
 from tests.helpers.subprocess_run import run_script_once
 from tests.helpers.trainer import make_trainer
 
@@ -75,3 +76,31 @@ def test_a_two_process_checkpoint_in_an_older_format_resumes_in_one_process(ddp_
     assert micro.micro_batch_size == 2 and max(model.seen_sizes) == 2  # the size found by two processes held
     steps = [r["global_step"] for r in load_memory_log(monitor.path) if r["phase"] == "train" and r["event"] == "step"]
     assert steps == [1, 2, 3, 4, 5]  # each step written once, the resumed ones added to the run's own log
+
+
+@pytest.mark.slow
+def test_a_synced_step_log_that_the_rank_out_of_memory_never_reaches_leaves_no_rank_waiting(ddp_run, tmp_path):
+    # training: rank 0 logs with sync_dist=True while rank 1 ran out of memory in forward; both halve together
+    ranks = [torch.load(ddp_run / f"sync_log_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["micro"] == ranks[1]["micro"] == 2
+    reference = Net(optimizer="adamw", batch_size=16)
+    fit(tmp_path / "ref", reference, max_steps=3)
+    for name, value in ranks[0]["weights"].items():
+        assert torch.equal(value, ranks[1]["weights"][name]), name
+        assert torch.allclose(value, reference.state_dict()[name], atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_a_validation_with_synced_step_logs_out_of_memory_on_one_rank_equals_one_process_at_the_batch_that_fits(
+    ddp_run, tmp_path
+):
+    ranks = [torch.load(ddp_run / f"validate_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:  # rank 0 had memory to spare and followed rank 1: 16 -> 8 -> 4, then 4 for the second batch
+        assert r["micro"]["validate"] == 4
+        assert r["sizes"] == [16, 8, 4, 4, 4, 4, 4, 4, 4, 4]
+    assert ranks[0]["results"] == ranks[1]["results"]
+    reference = EvalNet(eval_batch_size=4)  # one process, every sample, the batch that fits
+    (expected,) = make_trainer(tmp_path, limit_val_batches=None).validate(reference)
+    (got,) = ranks[0]["results"]
+    for key in ("val_loss", "val_mse"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-6), key

@@ -177,3 +177,24 @@ def test_training_step_outputs_reach_on_train_batch_end_put_back_together(tmp_pa
     _trainer(tmp_path, [AutoMicroBatch()], max_steps=2, limit_val_batches=0).fit(model)
     assert [out["idx"].tolist() for out in model.train_ends] == [list(range(16)), list(range(16, 32))]
     assert [out["count"] for out in model.train_ends] == [16, 16]
+
+
+def test_a_batch_goes_on_from_the_micro_batch_that_failed(tmp_path):
+    class Heavy(EvalNet):
+        # samples from 40 on are heavier: more than 4 of them run out of memory
+        def _over_budget(self, n):
+            pass
+
+        def validation_step(self, batch, batch_idx):
+            out = super().validation_step(batch, batch_idx)
+            if batch[2].max() >= 40 and batch[2].shape[0] > 4:
+                raise torch.OutOfMemoryError("simulated: heavy samples")
+            return out
+
+    model = Heavy()
+    _, results = _run("validate", tmp_path / "split", model, [AutoMicroBatch()])
+    # batch 2 (samples 32-47): 16 fails, 8 goes through, 8 (40-47) fails, then 4 + 4 from sample 40; batch 3 at 4
+    assert model.step_sizes == [16, 16, 16, 8, 8, 4, 4, 4, 4, 4, 4]
+    _, whole = _run("validate", tmp_path / "whole", EvalNet(eval_batch_size=N_SAMPLES))
+    assert results[0]["val_mse"] == pytest.approx(whole[0]["val_mse"], rel=1e-6)
+    assert results[0]["val_loss"] == pytest.approx(whole[0]["val_loss"], rel=1e-6)
