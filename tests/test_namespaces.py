@@ -40,6 +40,7 @@ OLDEST = REPO_ROOT / ".venv" / "lightning-oldest"
 #: ``lightning.pytorch`` (the main run) under another name; its Trainer takes the plugin and the preset in this file.
 OLDEST_TESTS = [
     "tests/callbacks/test_contract.py",  # every callback, AutoMicroBatch's loop included, fits in a Trainer
+    "tests/callbacks/test_auto_micro_batch_eval.py",  # evaluation split through the private names of 2.1
     "tests/plugins/test_precision.py",
     "tests/plugins/test_precision_classes.py",  # the Lightning plugin class is the namespace's own
     "tests/plugins/test_presets.py",

@@ -426,7 +426,8 @@ def run_micro_batches(
         (1, [1, 1, 1, 1, 1, 1, 1, 1])
     """
     comm = agreement or Agreement()
-    size, begin, done = micro_batch_size, 0, []
+    size, begin = micro_batch_size, 0
+    done: list[MicroBatchPart] = []  # with `resume`: the parts before the round that failed
     first_oom: BaseException | None = None  # what an error raised while recovering is chained to
     while True:
         try:

@@ -45,9 +45,9 @@ def test_an_evaluation_that_runs_out_of_memory_equals_evaluating_at_the_batch_th
 ):
     callback = AutoMicroBatch()
     model = EvalNet(eval_budget=budget, eval_batch_size=batch)
-    trainer, results = _run(stage, tmp_path / "split", model, [callback])
+    _, results = _run(stage, tmp_path / "split", model, [callback])
     reference = EvalNet(eval_batch_size=fits)
-    ref_trainer, ref_results = _run(stage, tmp_path / "ref", reference)
+    _, ref_results = _run(stage, tmp_path / "ref", reference)
 
     prefix = "val" if stage == "validate" else "test"
     assert results == ref_results  # the epoch values, each micro-batch weighted by its own samples
@@ -164,7 +164,7 @@ def test_training_step_outputs_reach_on_train_batch_end_put_back_together(tmp_pa
             self.train_ends = []
 
         def training_step(self, batch, batch_idx):
-            x, y, idx = batch
+            x, _, idx = batch
             if x.shape[0] > 4:
                 raise torch.OutOfMemoryError("simulated: training forward")
             loss = super().training_step(batch, batch_idx)
