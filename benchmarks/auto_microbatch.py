@@ -32,6 +32,13 @@ the same micro-batch (in rotating order), then one recovery (rank 1 alone out of
 middle block).
 
     python benchmarks/auto_microbatch.py --fsdp2 --out benchmarks/results/auto_microbatch_fsdp2_cpu.json
+
+An evaluation section (``--eval``) measures what splitting evaluation costs when nothing runs out of memory:
+``trainer.validate`` of the MLP with a logged loss and a torchmetrics metric, with ``AutoMicroBatch()`` and without,
+alternating in one process; the ratio of total process CPU time and of wall time is printed (target: <= 1.02). Then
+one validation under a memory budget of ``--micro`` samples, against plain validation at ``--micro``.
+
+    python benchmarks/auto_microbatch.py --eval --out benchmarks/results/auto_microbatch_eval_cpu.json
 """
 
 from __future__ import annotations
@@ -522,6 +529,102 @@ def fsdp2_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------- evaluation
+
+
+class EvalModel(Model):
+    """The MLP evaluated: a logged loss and a torchmetrics metric per batch; out of memory above ``budget`` samples."""
+
+    def __init__(self, width: int, batch: int, n: int, budget: int | None = None) -> None:
+        super().__init__(width, batch, n, budget)
+        from torchmetrics import MeanSquaredError
+
+        self.mse = MeanSquaredError()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        loss = nn.functional.mse_loss(out, y)
+        self.log("val_loss", loss)
+        self.mse.update(out, y)
+        self.log("val_mse", self.mse)
+        if self.budget is not None and x.shape[0] > self.budget:
+            raise torch.OutOfMemoryError(f"simulated: {x.shape[0]} samples over a budget of {self.budget}")
+        return loss
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch, shuffle=False)
+
+
+def validate(model: EvalModel, root: Path, callbacks: list | None = None) -> tuple[float, float, dict]:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        callbacks=callbacks or [],
+    )
+    wall, cpu = time.perf_counter(), time.process_time()
+    (results,) = trainer.validate(model, verbose=False)
+    return time.perf_counter() - wall, time.process_time() - cpu, results
+
+
+def eval_main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.width, args.batch, args.micro, args.steps, args.repeats = 64, 32, 8, 8, 2
+    torch.set_num_threads(1)
+    root = Path("/tmp/auto_microbatch_bench")
+    n = args.batch * args.steps
+    totals = {"ours": [0.0, 0.0], "plain": [0.0, 0.0]}
+    runs: list[dict] = []
+    for callbacks in ([], [AutoMicroBatch()]):  # warm-up of both: imports, first-call costs
+        validate(EvalModel(args.width, args.batch, n), root, callbacks)
+    for r in range(args.repeats):
+        for name in ("ours", "plain") if r % 2 == 0 else ("plain", "ours"):
+            callbacks = [AutoMicroBatch()] if name == "ours" else []
+            wall, cpu, _ = validate(EvalModel(args.width, args.batch, n), root, callbacks)
+            totals[name][0] += wall
+            totals[name][1] += cpu
+            runs.append({"config": name, "wall_seconds": wall, "cpu_seconds": cpu})
+    wall_ratio = totals["ours"][0] / totals["plain"][0]
+    cpu_ratio = totals["ours"][1] / totals["plain"][1]
+    print(
+        f"validation with AutoMicroBatch / without, no out-of-memory error, {args.repeats} x {args.steps} batches of"
+        f" {args.batch}: wall {wall_ratio:.3f}x, CPU {cpu_ratio:.3f}x"
+        f" -> {'PASS' if cpu_ratio <= 1.02 else 'FAIL'} (target <= 1.02, CPU)"
+    )
+    callback = AutoMicroBatch()
+    split_wall, split_cpu, split = validate(EvalModel(args.width, args.batch, n, budget=args.micro), root, [callback])
+    fit_wall, fit_cpu, fitting = validate(EvalModel(args.width, args.micro, n), root)
+    print(
+        f"one validation under a budget of {args.micro} samples (batch {args.batch} -> micro-batch"
+        f" {callback.eval_micro_batch_sizes['validate']}): {split_cpu:.3f} s CPU, against {fit_cpu:.3f} s at a"
+        f" loader batch of {args.micro}; logged values equal: {split == fitting}"
+    )
+    result = {
+        "command": "python benchmarks/auto_microbatch.py --eval" + (" --quick" if args.quick else ""),
+        "machine": machine_info("cpu"),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "ratio_wall": wall_ratio,
+        "ratio_cpu": cpu_ratio,
+        "target_cpu": 1.02,
+        "runs": runs,
+        "recovery": {
+            "cpu_seconds": split_cpu,
+            "wall_seconds": split_wall,
+            "cpu_seconds_at_fitting_batch": fit_cpu,
+            "wall_seconds_at_fitting_batch": fit_wall,
+            "equal_logged_values": split == fitting,
+        },
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
@@ -540,11 +643,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--fsdp2", action="store_true", help="the FSDP2 agreement's cost on 2 CPU processes (gloo)")
     parser.add_argument("--blocks", type=int, default=8, help="FSDP2 units (blocks) for --fsdp2")
+    parser.add_argument("--eval", action="store_true", help="evaluation splitting's cost without out-of-memory")
     return parser
 
 
 def main() -> int:
     args = _parser().parse_args()
+    if args.eval:
+        return eval_main(args)
     if args.fsdp2:
         return fsdp2_main(args)
     if args.ddp or args.ddp_model_only:

@@ -274,3 +274,25 @@ def test_benchmark_quick_mode_runs(tmp_path):
     assert result["recovery"]["micro_batch_size"] == 8 and result["ratio_wall"] > 0
     big = next(row for row in result["snapshot"] if "64 MiB" in row["module"])
     assert big["first_batch_bytes"] > 64 * 2**20 > 100 * big["later_batch_bytes"]  # the constant buffer: copied once
+
+
+@pytest.mark.slow
+def test_benchmark_eval_quick_mode_runs(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "auto_microbatch.py"), "--eval", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["ratio_cpu"] > 0 and len(result["runs"]) == 4  # the ratio is the benchmark's; CI only runs it
+    assert result["recovery"]["equal_logged_values"] is True
