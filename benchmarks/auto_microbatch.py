@@ -193,20 +193,60 @@ class Model(pl.LightningModule):
 
 
 def trainer_for(steps: int, root: Path, callbacks: list | None = None, **kwargs: Any) -> pl.Trainer:
-    """A quiet CPU Trainer for ``steps`` optimizer steps: no validation, checkpoints, logger or progress bar."""
-    return pl.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        callbacks=callbacks or [],
-        **kwargs,
-    )
+    """A quiet CPU Trainer for ``steps`` optimizer steps: no validation (unless ``kwargs`` say so), checkpoints,
+    logger or progress bar."""
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "max_steps": steps,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "enable_checkpointing": False,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(root),
+        "callbacks": callbacks or [],
+    }
+    return pl.Trainer(**{**settings, **kwargs})
+
+
+def alternate(repeats: int, measure: dict[str, Any]) -> tuple[tuple[float, float], list[dict]]:
+    """Run each configuration of ``measure`` (name -> a function returning ``(wall, cpu)`` seconds) once per repeat,
+    in alternating order (A B, B A, ...); the ratios (wall, CPU) of the first configuration's totals to the second's,
+    and the runs."""
+    names = list(measure)
+    totals = {name: [0.0, 0.0] for name in names}
+    runs: list[dict] = []
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            wall, cpu = measure[name]()
+            totals[name][0] += wall
+            totals[name][1] += cpu
+            runs.append({"config": name, "wall_seconds": wall, "cpu_seconds": cpu})
+            print(f"  {name:9s}: {wall:.3f} s wall, {cpu:.3f} s CPU", flush=True)
+    first, second = names[0], names[1]
+    return (totals[first][0] / totals[second][0], totals[first][1] / totals[second][1]), runs
+
+
+def write_result(args: argparse.Namespace, result: dict) -> None:
+    """Write ``result`` as JSON to ``--out``, if given."""
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+def ratio_result(args: argparse.Namespace, flag: str, ratios: tuple[float, float], runs: list[dict]) -> dict:
+    """The fields every side-by-side result starts with: the command, the machine, the settings, the two ratios
+    (wall, CPU) and the runs."""
+    quick = " --quick" if args.quick else ""
+    return {
+        "command": f"python benchmarks/auto_microbatch.py{flag}{quick}",
+        "machine": machine_info("cpu"),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "ratio_wall": ratios[0],
+        "ratio_cpu": ratios[1],
+        "runs": runs,
+    }
 
 
 def fit(model: Model, steps: int, root: Path, accumulate: int = 1, callbacks: list | None = None) -> tuple:
@@ -371,9 +411,7 @@ def ddp_main(args: argparse.Namespace) -> int:
         result["command"] = "python " + " ".join(sys.argv)
         if torch.distributed.get_rank() != 0:
             return 0
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_result(args, result)
     return 0
 
 
@@ -523,9 +561,7 @@ def fsdp2_main(args: argparse.Namespace) -> int:
         f" from rank 1's first error to the end of that step; a normal step {result['normal_step_s']:.3f} s"
     )
     out = {"fsdp2": result, "machine": machine_info("cpu"), "command": "python " + " ".join(sys.argv)}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_result(args, out)
     return 0
 
 
@@ -557,15 +593,7 @@ class EvalModel(Model):
 
 
 def validate(model: EvalModel, root: Path, callbacks: list | None = None) -> tuple[float, float, dict]:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        callbacks=callbacks or [],
-    )
+    trainer = trainer_for(1, root, callbacks, devices=1, limit_val_batches=None)
     wall, cpu = time.perf_counter(), time.process_time()
     (results,) = trainer.validate(model, verbose=False)
     return time.perf_counter() - wall, time.process_time() - cpu, results
@@ -577,19 +605,15 @@ def eval_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     root = Path("/tmp/auto_microbatch_bench")
     n = args.batch * args.steps
-    totals = {"ours": [0.0, 0.0], "plain": [0.0, 0.0]}
-    runs: list[dict] = []
     for callbacks in ([], [AutoMicroBatch()]):  # warm-up of both: imports, first-call costs
         validate(EvalModel(args.width, args.batch, n), root, callbacks)
-    for r in range(args.repeats):
-        for name in ("ours", "plain") if r % 2 == 0 else ("plain", "ours"):
-            callbacks = [AutoMicroBatch()] if name == "ours" else []
-            wall, cpu, _ = validate(EvalModel(args.width, args.batch, n), root, callbacks)
-            totals[name][0] += wall
-            totals[name][1] += cpu
-            runs.append({"config": name, "wall_seconds": wall, "cpu_seconds": cpu})
-    wall_ratio = totals["ours"][0] / totals["plain"][0]
-    cpu_ratio = totals["ours"][1] / totals["plain"][1]
+    (wall_ratio, cpu_ratio), runs = alternate(
+        args.repeats,
+        {
+            "ours": lambda: validate(EvalModel(args.width, args.batch, n), root, [AutoMicroBatch()])[:2],
+            "plain": lambda: validate(EvalModel(args.width, args.batch, n), root)[:2],
+        },
+    )
     print(
         f"validation with AutoMicroBatch / without, no out-of-memory error, {args.repeats} x {args.steps} batches of"
         f" {args.batch}: wall {wall_ratio:.3f}x, CPU {cpu_ratio:.3f}x"
@@ -604,13 +628,8 @@ def eval_main(args: argparse.Namespace) -> int:
         f" loader batch of {args.micro}; logged values equal: {split == fitting}"
     )
     result = {
-        "command": "python benchmarks/auto_microbatch.py --eval" + (" --quick" if args.quick else ""),
-        "machine": machine_info("cpu"),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "ratio_wall": wall_ratio,
-        "ratio_cpu": cpu_ratio,
+        **ratio_result(args, " --eval", (wall_ratio, cpu_ratio), runs),
         "target_cpu": 1.02,
-        "runs": runs,
         "recovery": {
             "cpu_seconds": split_cpu,
             "wall_seconds": split_wall,
@@ -619,9 +638,7 @@ def eval_main(args: argparse.Namespace) -> int:
             "equal_logged_values": split == fitting,
         },
     }
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_result(args, result)
     return 0
 
 
@@ -666,27 +683,19 @@ def main() -> int:
     root = Path("/tmp/auto_microbatch_bench")
     n = args.batch * args.steps
     accumulate = args.batch // args.micro
-    totals = {"ours": [0.0, 0.0], "lightning": [0.0, 0.0]}
-    runs: list[dict] = []
     fit(Model(args.width, args.micro, n), 2, root, accumulate)  # warm-up: imports, first-call costs
-    for r in range(args.repeats):
-        order = ("ours", "lightning") if r % 2 == 0 else ("lightning", "ours")
-        for name in order:
-            if name == "ours":
-                wall, cpu = fit(
-                    Model(args.width, args.batch, n),
-                    args.steps,
-                    root,
-                    callbacks=[AutoMicroBatch(micro_batch_size=args.micro)],
-                )
-            else:
-                wall, cpu = fit(Model(args.width, args.micro, n), args.steps, root, accumulate)
-            totals[name][0] += wall
-            totals[name][1] += cpu
-            runs.append({"config": name, "wall_seconds": wall, "cpu_seconds": cpu})
-            print(f"  {name:9s}: {wall:.3f} s wall, {cpu:.3f} s CPU", flush=True)
-    wall_ratio = totals["ours"][0] / totals["lightning"][0]
-    cpu_ratio = totals["ours"][1] / totals["lightning"][1]
+    (wall_ratio, cpu_ratio), runs = alternate(
+        args.repeats,
+        {
+            "ours": lambda: fit(
+                Model(args.width, args.batch, n),
+                args.steps,
+                root,
+                callbacks=[AutoMicroBatch(micro_batch_size=args.micro)],
+            ),
+            "lightning": lambda: fit(Model(args.width, args.micro, n), args.steps, root, accumulate),
+        },
+    )
     print(
         f"AutoMicroBatch / Lightning accumulation, {args.repeats} x {args.steps} steps of {args.batch} samples in"
         f" micro-batches of {args.micro}: wall {wall_ratio:.3f}x, CPU {cpu_ratio:.3f}x"
@@ -707,13 +716,8 @@ def main() -> int:
     )
     ddp_rows = ddp_model_rows()
     result = {
-        "command": "python benchmarks/auto_microbatch.py" + (" --quick" if args.quick else ""),
-        "machine": machine_info("cpu"),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "ratio_wall": wall_ratio,
-        "ratio_cpu": cpu_ratio,
+        **ratio_result(args, "", (wall_ratio, cpu_ratio), runs),
         "target": 1.03,
-        "runs": runs,
         "recovery": {
             "seconds_from_first_oom_to_step_end": recovery,
             "normal_step_seconds": normal,
@@ -723,9 +727,7 @@ def main() -> int:
         "snapshot": snapshots,
         "ddp_sync_model": ddp_rows,
     }
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_result(args, result)
     return 0
 
 

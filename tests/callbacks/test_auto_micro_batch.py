@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,25 +256,24 @@ def test_strategies_with_collectives_inside_forward_are_refused():
         AutoMicroBatch().setup(trainer, module, "fit")
 
 
-@pytest.mark.slow
-def test_benchmark_quick_mode_runs(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def run_benchmark(tmp_path, *args):
+    """``benchmarks/auto_microbatch.py *args --out FILE`` in ``tmp_path``; its JSON result."""
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "auto_microbatch.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(root / "benchmarks" / "auto_microbatch.py"), *args, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import json
+    return json.loads(out.read_text())
 
-    result = json.loads(out.read_text())
+
+@pytest.mark.slow
+def test_benchmark_quick_mode_runs(tmp_path):
+    result = run_benchmark(tmp_path, "--quick")
     assert result["recovery"]["micro_batch_size"] == 8 and result["ratio_wall"] > 0
     big = next(row for row in result["snapshot"] if "64 MiB" in row["module"])
     assert big["first_batch_bytes"] > 64 * 2**20 > 100 * big["later_batch_bytes"]  # the constant buffer: copied once
@@ -278,21 +281,6 @@ def test_benchmark_quick_mode_runs(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_eval_quick_mode_runs(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "auto_microbatch.py"), "--eval", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = run_benchmark(tmp_path, "--eval", "--quick")
     assert result["ratio_cpu"] > 0 and len(result["runs"]) == 4  # the ratio is the benchmark's; CI only runs it
     assert result["recovery"]["equal_logged_values"] is True
