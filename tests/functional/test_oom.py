@@ -519,3 +519,24 @@ def test_parameters_and_gradients_dominate_sharding_saves_all_but_one_share():
     assert two["saves_bytes"] == 3 * GiB
     alone = [t for t in suggest_fixes(**common) if "parameters" in t["action"].lower()]
     assert [t["saves_bytes"] for t in alone if t["action"].startswith("Train fewer parameters")] == [None]
+
+
+def test_under_auto_micro_batch_the_tip_lowers_its_smallest_micro_batch_and_keeps_the_real_effective_batch():
+    # AutoMicroBatch gave up at micro-batches of 2 of a batch of 16 (no accumulation): effective 16, not 2
+    common = {
+        "stage": "train",
+        "allocated_bytes": 10_000,
+        "reserved_bytes": 10_500,
+        "bytes_by_category": {"parameters": 500, "gradients": 500, "optimizer_states": 1000, "buffers": 0},
+        "unexplained_bytes": 8000,
+        "micro_batch_size": 2,
+        "accumulate_grad_batches": 1,
+        "precision": "bf16-mixed",
+        "activation_checkpointing": True,
+    }
+    split = [t["action"] for t in suggest_fixes(**common, effective_batch_size=16)]
+    tip = next(a for a in split if "micro" in a)
+    assert "`min_micro_batch_size` 2 -> 1" in tip and tip.endswith("the effective batch stays 16")
+    assert not any("double `accumulate_grad_batches`" in a for a in split)
+    plain = [t["action"] for t in suggest_fixes(**common, effective_batch_size=2)]
+    assert any(a.startswith("Halve the micro-batch and double `accumulate_grad_batches`") for a in plain)

@@ -265,6 +265,7 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
         micro_batch_size=config.get("micro_batch_size"),
         accumulate_grad_batches=config.get("accumulate_grad_batches"),
         world_size=int(data_parallel or report["when"].get("world_size") or 1),
+        effective_batch_size=config.get("effective_batch_size"),
         precision=config.get("precision"),
         allocator_conf=allocator.get("PYTORCH_ALLOC_CONF") or allocator.get("PYTORCH_CUDA_ALLOC_CONF"),
         device_type=device_type,

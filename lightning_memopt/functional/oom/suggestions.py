@@ -47,6 +47,7 @@ class Facts:
     micro_batch_size: int | None
     accumulate: int
     world_size: int
+    effective_batch_size: int | None
     precision: str | None
     allocator_conf: str
     device_type: str
@@ -152,9 +153,18 @@ def smaller_micro_batch(f: Facts) -> Iterator[Tip]:
     if not (f.training and f.activations_dominate):
         return
     micro = f.micro_batch_size
-    if micro and micro >= 2:
+    ranks = max(f.world_size, 1)
+    if micro and micro >= 2 and (f.effective_batch_size or 0) > micro * f.accumulate * ranks:
+        yield Tip(  # AutoMicroBatch split each batch and gave up at its smallest micro-batch
+            _share_of_activations(f, 0.5),
+            3,
+            f"Allow AutoMicroBatch smaller micro-batches: `min_micro_batch_size` {micro} -> {micro // 2} (it split"
+            f" each batch into micro-batches and gave up at {micro}); the effective batch stays"
+            f" {f.effective_batch_size}",
+            _activations_why_after_checkpointing(f) + " Activation memory grows linearly with the micro-batch.",
+        )
+    elif micro and micro >= 2:
         half = micro // 2
-        ranks = max(f.world_size, 1)
         effective = micro * f.accumulate * ranks
         halved = half * 2 * f.accumulate * ranks
         keeps = f"stays {effective}" if halved == effective else f"goes from {effective} to {halved}"
@@ -390,6 +400,7 @@ def suggest_fixes(
     micro_batch_size: int | None = None,
     accumulate_grad_batches: int | None = None,
     world_size: int = 1,
+    effective_batch_size: int | None = None,
     precision: str | None = None,
     allocator_conf: str | None = None,
     device_type: str = "cuda",
@@ -418,6 +429,9 @@ def suggest_fixes(
         micro_batch_size: Samples per batch on this rank.
         accumulate_grad_batches: The trainer's gradient accumulation.
         world_size: Data-parallel ranks.
+        effective_batch_size: Samples per optimizer step over the ranks; larger than ``micro_batch_size *
+            accumulate_grad_batches * world_size`` when ``AutoMicroBatch`` split each batch (the tip then lowers its
+            ``min_micro_batch_size``: the accumulation is its own).
         precision: The trainer's precision string (``"32-true"``, ``"bf16-mixed"``, ...).
         allocator_conf: The allocator settings in effect (``PYTORCH_ALLOC_CONF`` or the CUDA form).
         device_type: ``"cuda"``, ``"mps"``, ``"cpu"``, ...
@@ -456,6 +470,7 @@ def suggest_fixes(
         micro_batch_size=micro_batch_size,
         accumulate=accumulate_grad_batches or 1,
         world_size=world_size,
+        effective_batch_size=effective_batch_size,
         precision=precision,
         allocator_conf=allocator_conf or "",
         device_type=device_type,
