@@ -41,6 +41,7 @@ class MicroBatchSettings:
     restore_rng: bool = True
     restore_metrics: bool = True
     restore_buffers: bool = True
+    weight_fn: Callable[[Any], Any] | None = None
 
 
 def halving_line(size: int, new: int, reason: str, samples: int, global_step: int, stage: str = "fit") -> str:

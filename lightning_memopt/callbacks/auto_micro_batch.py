@@ -52,6 +52,7 @@ from lightning_memopt.functional.micro_batch_retry import (
     combine_losses,
     extend_message,
     give_up_note,
+    loss_weight,
     mark_micro_batch,
     micro_batch_weight,
     restore_grads,
@@ -107,6 +108,7 @@ class _Batch:
     accumulate: int
     zero_grad_fn: Callable[[], None] | None
     backward_fn: Callable[[Tensor], None] | None
+    weight: float  # what the batch's loss is a mean over: its samples, or ``weight_fn(batch)``
     zeroed: bool = False  # whether this batch zeroed the gradients (the window starts with it)
 
 
@@ -189,7 +191,8 @@ class MicroBatchOptimization:
         pl_module = trainer.lightning_module
         n = count_samples(kwargs["batch"], settings.batch_size_fn)
         size = self._micro_batch_size(kwargs["batch"], n)
-        batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn)
+        weight = float(n) if settings.weight_fn is None else loss_weight(settings.weight_fn(kwargs["batch"]), "a batch")
+        batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn, weight)
         params = [p for p in pl_module.parameters() if p.requires_grad]
         if self.agreement is None:  # one device, or DDP: its reducer held back during micro-batches
             self.agreement = self._new_agreement(getattr(trainer.strategy, "block_backward_sync", None))
@@ -233,7 +236,7 @@ class MicroBatchOptimization:
                 bucket_bytes = getattr(trainer.strategy.model, "bucket_bytes_cap", BUCKET_BYTES)  # DDP's bucket_cap_mb
                 comm.average_gradients(params, gradient_reduction(trainer.strategy.model), bucket_bytes)
             extra = combine_outputs([(part.samples, part.extra) for part in parts]) if parts else {}
-            return self._result_class(combine_losses(parts, n, batch.accumulate), extra=extra)
+            return self._result_class(combine_losses(parts, batch.weight, batch.accumulate), extra=extra)
         finally:
             private.point_results(results, *whole)
 
@@ -268,13 +271,18 @@ class MicroBatchOptimization:
             if batch.zero_grad_fn is not None and not batch.zeroed:
                 batch.zero_grad_fn()
                 batch.zeroed = True
-            if batch.backward_fn is not None and result.closure_loss is not None:
-                batch.backward_fn(
-                    result.closure_loss * micro_batch_weight(stop - start, batch.samples, batch.accumulate)
-                )
-            return MicroBatchPart(stop - start, result.loss, result.extra)
+            weight = self._weight(micro_kwargs["batch"], stop - start)
+            if batch.backward_fn is not None and result.closure_loss is not None and weight > 0:
+                batch.backward_fn(result.closure_loss * micro_batch_weight(weight, batch.weight, batch.accumulate))
+            return MicroBatchPart(stop - start, result.loss, result.extra, weight)
         finally:  # a hook that raised leaves its own name behind (trainer/call.py)
             private.set_current_fx_name(pl_module, fx_name)
+
+    def _weight(self, micro: Any, samples: int) -> float:
+        """A micro-batch's weight in the batch's loss: its samples, or ``weight_fn(micro)`` (a weight of 0, a
+        micro-batch with nothing the loss counts, runs no backward: its mean is undefined)."""
+        weight_fn = self.settings.weight_fn
+        return float(samples) if weight_fn is None else loss_weight(weight_fn(micro), "a micro-batch")
 
     # ------------------------------------------------------------------------------------------- what a retry needs
 
@@ -365,6 +373,11 @@ class AutoMicroBatch(Callback):
             ``self.log`` results back before a retry (default ``True``).
         restore_buffers: Put the module's buffers (BatchNorm running statistics) back before a retry (default
             ``True``); each batch copies the buffers that batches change (all of them before the first batch).
+        weight_fn: ``fn(batch)`` returning what the training loss is a mean over, for a batch and for each
+            micro-batch (a number or a 1-element tensor); ``None`` (default): the number of samples. A loss that is a
+            mean over tokens (the Hugging Face default: non-padded label tokens) needs
+            ``weight_fn=lambda batch: (batch["labels"] != -100).sum()``: each micro-batch's loss is then weighted by
+            its share of the batch's tokens, and the update equals the whole batch's.
         train: Split training batches (default ``True``; needs automatic optimization).
         evaluate: Split validation, test and predict batches on out-of-memory (default ``True``).
 
@@ -406,6 +419,7 @@ class AutoMicroBatch(Callback):
         restore_rng: bool = True,
         restore_metrics: bool = True,
         restore_buffers: bool = True,
+        weight_fn: Callable[[Any], Any] | None = None,
         train: bool = True,
         evaluate: bool = True,
     ) -> None:
@@ -418,7 +432,11 @@ class AutoMicroBatch(Callback):
                 f"`micro_batch_size` ({micro_batch_size}) must be >= `min_micro_batch_size` ({min_micro_batch_size})."
                 " Lower `min_micro_batch_size` or start with a larger micro-batch."
             )
-        for name, fn in (("split_batch_fn", split_batch_fn), ("batch_size_fn", batch_size_fn)):
+        for name, fn in (
+            ("split_batch_fn", split_batch_fn),
+            ("batch_size_fn", batch_size_fn),
+            ("weight_fn", weight_fn),
+        ):
             if fn is not None and not callable(fn):
                 raise ValueError(f"`{name}` must be a function or None, got {fn!r} ({type(fn).__name__}).")
         flags = {"restore_rng": restore_rng, "restore_metrics": restore_metrics, "restore_buffers": restore_buffers}
@@ -430,6 +448,7 @@ class AutoMicroBatch(Callback):
         self.min_micro_batch_size = min_micro_batch_size
         self.split_batch_fn = split_batch_fn
         self.batch_size_fn = batch_size_fn
+        self.weight_fn = weight_fn
         self._state = self._fresh_state()
         self._restored = False
         self._fsdp2 = False
@@ -482,6 +501,7 @@ class AutoMicroBatch(Callback):
             self.restore_rng,
             self.restore_metrics,
             self.restore_buffers,
+            self.weight_fn,
         )
 
     def _monitors(self, trainer: pl.Trainer) -> list[MemoryMonitor]:

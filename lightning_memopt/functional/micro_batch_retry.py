@@ -33,6 +33,7 @@ __all__ = [
     "extend_message",
     "give_up_note",
     "is_unrecoverable",
+    "loss_weight",
     "mark_micro_batch",
     "mark_unrecoverable",
     "micro_batch_facts",
@@ -49,22 +50,48 @@ BUCKET_BYTES = 25 * 2**20
 
 
 class MicroBatchPart(NamedTuple):
-    """What one micro-batch gave: its number of samples, its loss (or ``None``) and the step's other outputs (the
-    extra keys of ``training_step``'s dict, or an evaluation step's whole output)."""
+    """What one micro-batch gave: its number of samples, its loss (or ``None``), the step's other outputs (the
+    extra keys of ``training_step``'s dict, or an evaluation step's whole output) and its weight in the batch's loss
+    (``None``: its number of samples)."""
 
     samples: int
     loss: Tensor | None
     extra: Any
+    weight: float | None = None
 
 
-def micro_batch_weight(samples: int, batch_size: int, accumulate: int = 1) -> float:
+def micro_batch_weight(samples: float, batch_size: float, accumulate: int = 1) -> float:
     """The factor on a micro-batch's loss so that the micro-batches add up to the batch's mean over the window.
+
+    ``samples`` and ``batch_size`` are the micro-batch's and the batch's weights: numbers of samples, or of whatever
+    the loss is a mean over (tokens, with ``AutoMicroBatch(weight_fn=...)``).
 
     Examples:
         >>> micro_batch_weight(4, 16, accumulate=2)  # 4 of 16 samples, in a window of 2 batches
         0.125
+        >>> micro_batch_weight(30.0, 120.0)  # 30 of the batch's 120 tokens
+        0.25
     """
     return samples / (batch_size * accumulate)
+
+
+def loss_weight(value: Any, where: str) -> float:
+    """A weight returned by ``weight_fn`` as a float: a non-negative, finite number or 0-dim tensor.
+
+    Raises:
+        ValueError: naming ``where`` (the batch or a micro-batch), the value and what is allowed.
+
+    Examples:
+        >>> loss_weight(torch.tensor(12), "the batch"), loss_weight(3, "a micro-batch")
+        (12.0, 3.0)
+    """
+    number = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number < 0:
+        raise ValueError(
+            f"AutoMicroBatch: `weight_fn` must return a non-negative, finite number (or a 1-element tensor) for"
+            f" {where}, got {value!r}: the count the loss is a mean over, such as the batch's non-padded tokens."
+        )
+    return float(number)
 
 
 def next_micro_batch_size(size: int, min_size: int) -> int | None:
@@ -172,15 +199,16 @@ def restore_grads(params: Sequence[torch.nn.Parameter], saved: Sequence[Tensor |
             p.grad = None
 
 
-def combine_losses(parts: Sequence[MicroBatchPart], batch_size: int, accumulate: int = 1) -> Tensor | None:
-    """The batch's loss as Lightning reports it (the sample-weighted mean over the window), detached.
+def combine_losses(parts: Sequence[MicroBatchPart], batch_size: float, accumulate: int = 1) -> Tensor | None:
+    """The batch's loss as Lightning reports it (the mean over the window, each part weighted by its weight, or its
+    samples, of ``batch_size``, the batch's), detached.
 
     Examples:
         >>> parts = [MicroBatchPart(3, torch.tensor(1.0), {}), MicroBatchPart(1, torch.tensor(5.0), {})]
         >>> combine_losses(parts, 4).item()
         2.0
     """
-    losses = [(p.samples, p.loss) for p in parts if p.loss is not None]
+    losses = [(p.samples if p.weight is None else p.weight, p.loss) for p in parts if p.loss is not None]
     if not losses:
         return None
     total = sum((loss.detach().double() * (m / batch_size) for m, loss in losses), torch.zeros((), dtype=torch.double))
