@@ -29,7 +29,7 @@ from lightning_memopt.callbacks._micro_batch_state import MicroBatchSettings, Mi
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
 from lightning_memopt.functional.fsdp_sync import fsdp_modules, install_agreement, reset_fsdp_state
 from lightning_memopt.functional.memory import empty_device_cache
-from lightning_memopt.functional.micro_batch import count_samples, micro_batch_of
+from lightning_memopt.functional.micro_batch import count_samples, micro_batch_of, sample_elements
 from lightning_memopt.functional.micro_batch_outputs import combine_outputs
 from lightning_memopt.functional.micro_batch_retry import (
     Agreement,
@@ -82,6 +82,7 @@ class EvaluationSplitter:
         self._warn = warn if warn is not None else WarnOnce()
         self._monitors = list(monitors)
         self._parts: ModuleParts | None = None  # the module's metrics, found once per run
+        self._size = 0  # the micro-batch of the running attempt
         self._fsdp = fsdp_modules(trainer.lightning_module) if agreement.active else []
         #: what the latest micro-batch may change, kept before it ran, with its first sample
         self._kept: tuple[int, RetrySnapshot | None] | None = None
@@ -106,7 +107,9 @@ class EvaluationSplitter:
         batch, rest = args[0], args[1:]
         settings = self.settings
         samples = count_samples(batch, settings.batch_size_fn)
-        size = min(self.state.micro_batch_size or samples, samples)
+        per_sample = sample_elements(batch, samples)
+        size = self.agreement.min(self.state.size_for(samples, per_sample, settings.min_micro_batch_size))
+        self._size = size
         batch_idx = rest[0] if rest and isinstance(rest[0], int) else None
         results = private.logged_results(self.trainer)
         whole = private.results_batch(results)
@@ -126,7 +129,7 @@ class EvaluationSplitter:
                 agreement=self.agreement,
                 restore=self._restore,
                 release=lambda: empty_device_cache(self.trainer.lightning_module.device),
-                on_halve=lambda old, new, here: self._halved((old, new, samples, here), batch_idx),
+                on_halve=lambda old, new, here: self._halved((old, new, samples, here, per_sample), batch_idx),
                 give_up=lambda err, at: self._give_up(err, samples, at),
                 resume=True,
             )
@@ -138,8 +141,7 @@ class EvaluationSplitter:
     def _keep(self, results: Any) -> RetrySnapshot | None:
         """What a micro-batch may change, kept before it runs; ``None`` when no retry can follow."""
         settings = self.settings
-        size = self.state.micro_batch_size
-        if size is not None and size <= settings.min_micro_batch_size:  # an out-of-memory error now ends the run
+        if self._size <= settings.min_micro_batch_size:  # an out-of-memory error now ends the run
             return None
         if self._parts is None:
             self._parts = find_parts(self.trainer.lightning_module)
@@ -160,7 +162,8 @@ class EvaluationSplitter:
             self._kept[1].restore()
         self._kept = None
 
-    def _halved(self, halving: tuple[int, int, int, bool], batch_idx: int | None) -> None:
+    def _halved(self, halving: tuple[int, int, int, bool, int], batch_idx: int | None) -> None:
+        self._size = halving[1]
         report_halving(self.trainer, self.state, halving, batch_idx, self.stage, self._warn, self._monitors)
 
     def _give_up(self, err: BaseException, samples: int, size: int) -> None:

@@ -22,13 +22,47 @@ __all__ = ["MicroBatchSettings", "MicroBatchState", "halving_line", "report_halv
 class MicroBatchState:
     """What a micro-batch loop learns; :class:`AutoMicroBatch` reads it for its logs and checkpoints it.
 
+    The size that fits is learned in elements (tensor elements per micro-batch, :func:`~lightning_memopt.functional.
+    micro_batch.sample_elements` per sample), so that it carries over to batches of other shapes: a batch of longer
+    sequences gets fewer samples per micro-batch, a shorter one more, and a batch that never ran out of memory (a
+    small first batch) pins nothing.
+
     Attributes:
-        micro_batch_size: the micro-batch in use; ``None`` until the first batch when starting with the whole batch.
+        micro_batch_size: the micro-batch of the latest batch; ``None`` before the first.
         retries: how many times the micro-batch was halved.
+        elements: tensor elements per micro-batch at the latest halving; ``None`` before the first (see
+            :meth:`size_for`).
+        start: samples per micro-batch before the first halving (the configured start, or an older checkpoint's
+            size); ``None``: the whole batch.
     """
 
     micro_batch_size: int | None = None
     retries: int = 0
+    elements: int | None = None
+    start: int | None = None
+
+    def size_for(self, samples: int, per_sample: int, min_size: int) -> int:
+        """The micro-batch a batch of ``samples`` with ``per_sample`` elements each starts with.
+
+        Examples:
+            >>> state = MicroBatchState(elements=4 * 128)  # 4 samples of 128 elements fitted
+            >>> state.size_for(16, 128, 1), state.size_for(16, 512, 1), state.size_for(16, 64, 1)
+            (4, 1, 8)
+            >>> MicroBatchState().size_for(16, 128, 1), MicroBatchState(start=6).size_for(4, 128, 1)
+            (16, 4)
+        """
+        if self.elements is not None:
+            size = max(min_size, self.elements // max(per_sample, 1))
+        elif self.start is not None:
+            size = self.start
+        else:
+            size = samples
+        return max(1, min(size, samples))
+
+    def halved(self, new: int, per_sample: int) -> None:
+        """The micro-batch was halved to ``new`` samples of ``per_sample`` elements each."""
+        self.micro_batch_size, self.retries = new, self.retries + 1
+        self.elements = new * max(per_sample, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +95,7 @@ def halving_line(size: int, new: int, reason: str, samples: int, global_step: in
 def report_halving(
     trainer: pl.Trainer,
     state: MicroBatchState,
-    halving: tuple[int, int, int, bool],
+    halving: tuple[int, int, int, bool, int],
     batch_idx: int | None,
     stage: str = "fit",
     warn: WarnOnce | None = None,
@@ -71,10 +105,11 @@ def report_halving(
     ``memory/micro_batch_size`` (training) or ``memory/<stage>/micro_batch_size``; every rank's memory log gets an
     ``event: "micro_batch"`` record (no collective).
 
-    ``halving`` is ``(size, new size, samples of the batch, whether this process ran out of memory)``.
+    ``halving`` is ``(size, new size, samples of the batch, whether this process ran out of memory, elements per
+    sample)``.
     """
-    size, new, samples, here = halving
-    state.micro_batch_size, state.retries = new, state.retries + 1
+    size, new, samples, here, per_sample = halving
+    state.halved(new, per_sample)
     reason = "out of memory" if here else "out of memory on another process"
     if trainer.is_global_zero:
         rank_zero_info(halving_line(size, new, reason, samples, trainer.global_step, stage))

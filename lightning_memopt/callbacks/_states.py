@@ -10,8 +10,9 @@ When a key is missing or bad:
   ``None``, a size not found yet, is valid and keeps the configured start);
 * ``AutoMicroBatch.retries``, ``CacheCleaner.calls``/``seconds``, ``GarbageCollector.calls``/``seconds``/
   ``collected``: fresh at 0 (statistics);
-* ``AutoMicroBatch.validate_micro_batch_size`` (``test_``, ``predict_``): fresh at ``None`` (the whole batch; an
-  evaluation micro-batch is found again at the cost of one out-of-memory error);
+* ``AutoMicroBatch.micro_batch_elements``, ``validate_micro_batch_size`` / ``_elements`` (``test_``, ``predict_``):
+  fresh at ``None`` (the whole batch, or the saved size; what fits is found again at the cost of one out-of-memory
+  error);
 * ``MemoryMonitor.last_logged_train_step``: fresh at -1 (a resumed run still skips the steps its log holds);
 * ``OOMReporter.reported_steps``/``num_reports``: fresh, empty and 0 (at worst one failure is reported twice).
 """
@@ -41,9 +42,11 @@ SCHEMAS: dict[str, dict[str, StateField]] = {
     "AutoMicroBatch": {
         "micro_batch_size": StateField(as_optional(as_int(1)), "a positive int or None", harmless=False),
         "retries": _COUNT,
+        "micro_batch_elements": StateField(as_optional(as_int(1)), "a positive int or None"),
         **{
-            f"{stage}_micro_batch_size": StateField(as_optional(as_int(1)), "a positive int or None")
+            f"{stage}_{what}": StateField(as_optional(as_int(1)), "a positive int or None")
             for stage in ("validate", "test", "predict")
+            for what in ("micro_batch_size", "micro_batch_elements")
         },
     },
     "CacheCleaner": {"calls": _COUNT, "seconds": _SECONDS},

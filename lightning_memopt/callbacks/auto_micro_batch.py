@@ -42,7 +42,13 @@ from lightning_memopt.functional.fsdp_sync import (
     reset_fsdp_state,
 )
 from lightning_memopt.functional.memory import empty_device_cache
-from lightning_memopt.functional.micro_batch import check_first_batch, count_samples, loader_batch_size, micro_batch_of
+from lightning_memopt.functional.micro_batch import (
+    check_first_batch,
+    count_samples,
+    loader_batch_size,
+    micro_batch_of,
+    sample_elements,
+)
 from lightning_memopt.functional.micro_batch_outputs import combine_outputs
 from lightning_memopt.functional.micro_batch_retry import (
     BUCKET_BYTES,
@@ -189,14 +195,14 @@ class MicroBatchOptimization:
     ) -> ClosureResult:
         trainer, settings = self.trainer, self.settings
         pl_module = trainer.lightning_module
-        n = count_samples(kwargs["batch"], settings.batch_size_fn)
-        size = self._micro_batch_size(kwargs["batch"], n)
-        weight = float(n) if settings.weight_fn is None else loss_weight(settings.weight_fn(kwargs["batch"]), "a batch")
-        batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn, weight)
-        params = [p for p in pl_module.parameters() if p.requires_grad]
         if self.agreement is None:  # one device, or DDP: its reducer held back during micro-batches
             self.agreement = self._new_agreement(getattr(trainer.strategy, "block_backward_sync", None))
         comm = self.agreement
+        n = count_samples(kwargs["batch"], settings.batch_size_fn)
+        size, per_sample = self._micro_batch_size(kwargs["batch"], n)
+        weight = float(n) if settings.weight_fn is None else loss_weight(settings.weight_fn(kwargs["batch"]), "a batch")
+        batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn, weight)
+        params = [p for p in pl_module.parameters() if p.requires_grad]
         # the gradients to go back to after an out-of-memory error: those accumulated by the window's earlier batches
         saved = (
             snapshot_grads(params)
@@ -228,7 +234,7 @@ class MicroBatchOptimization:
                 agreement=comm,
                 restore=restore,
                 release=lambda: empty_device_cache(pl_module.device),
-                on_halve=lambda old, new, here: self._halved(old, new, n, here, kwargs.get("batch_idx")),
+                on_halve=lambda old, new, here: self._halved((old, new, n, here, per_sample), kwargs.get("batch_idx")),
                 give_up=lambda err, at: self._give_up(err, n, at),
             )
             self._went_through(snapshot, pl_module)
@@ -240,9 +246,13 @@ class MicroBatchOptimization:
         finally:
             private.point_results(results, *whole)
 
-    def _micro_batch_size(self, batch: Any, n: int) -> int:
-        """The micro-batch this batch starts with; on the fit's first batch, check that the batch can be split."""
-        size = self.state.micro_batch_size if self.state.micro_batch_size is not None else n
+    def _micro_batch_size(self, batch: Any, n: int) -> tuple[int, int]:
+        """The micro-batch this batch starts with (the smallest over the ranks) and its elements per sample; on the
+        fit's first batch, check that the batch can be split."""
+        per_sample = sample_elements(batch, n)
+        size = self.state.size_for(n, per_sample, self.settings.min_micro_batch_size)
+        if self.agreement is not None:
+            size = self.agreement.min(size)
         self.state.micro_batch_size = size
         if self._first_size is None:
             expected = loader_batch_size(self.trainer.train_dataloader)
@@ -251,7 +261,7 @@ class MicroBatchOptimization:
             if warning is not None:
                 self._warn.warn("split-dim", warning)
             self._first_size = size
-        return size
+        return size, per_sample
 
     def _step(self, batch: _Batch, start: int, stop: int) -> MicroBatchPart:
         """``training_step`` and backward on the samples ``[start, stop)``, the loss weighted by their share."""
@@ -322,11 +332,9 @@ class MicroBatchOptimization:
         extend_message(err, give_up_note(size, samples, min_size, self._first_size, retries))
         mark_micro_batch(err, samples, size)  # the OOM report reads the whole batch here, its frames hold the slice
 
-    def _halved(self, size: int, new: int, samples: int, here: bool, batch_idx: int | None) -> None:
+    def _halved(self, halving: tuple[int, int, int, bool, int], batch_idx: int | None) -> None:
         """Take the halved micro-batch (the batch runs again with it) and say why."""
-        report_halving(
-            self.trainer, self.state, (size, new, samples, here), batch_idx, "fit", self._warn, self._monitors
-        )
+        report_halving(self.trainer, self.state, halving, batch_idx, "fit", self._warn, self._monitors)
 
 
 # ----------------------------------------------------------------------------------------------- the callback
@@ -458,12 +466,13 @@ class AutoMicroBatch(Callback):
 
     def _fresh_state(self) -> MicroBatchState:
         start = self.start_micro_batch_size
-        return MicroBatchState(None if start == "auto" else int(start))
+        return MicroBatchState(start=None if start == "auto" else int(start))
 
     @property
     def micro_batch_size(self) -> int | None:
-        """The micro-batch size in use (``None`` until the first batch with ``"auto"``)."""
-        return self._state.micro_batch_size
+        """The micro-batch of the latest batch (before the first: the configured start; ``None`` with ``"auto"``)."""
+        state = self._state
+        return state.micro_batch_size if state.micro_batch_size is not None else state.start
 
     @property
     def retries(self) -> int:
@@ -611,15 +620,24 @@ class AutoMicroBatch(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        evaluation = {f"{stage}_micro_batch_size": size for stage, size in self.eval_micro_batch_sizes.items()}
-        return {"micro_batch_size": self.micro_batch_size, "retries": self.retries, **evaluation}
+        state: dict[str, Any] = {
+            "micro_batch_size": self.micro_batch_size,
+            "retries": self.retries,
+            "micro_batch_elements": self._state.elements,
+        }
+        for stage, eval_state in self._eval_states.items():
+            state[f"{stage}_micro_batch_size"] = eval_state.micro_batch_size
+            state[f"{stage}_micro_batch_elements"] = eval_state.elements
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the size; a bad or missing one raises (see ``callbacks/_states.py``), a bad ``retries`` warns."""
         state = restore_state("AutoMicroBatch", state_dict)
-        if state["micro_batch_size"] is not None:
-            self._state.micro_batch_size = state["micro_batch_size"]
+        if state["micro_batch_size"] is not None:  # the start until the next halving (an older checkpoint's only size)
+            self._state.micro_batch_size = self._state.start = state["micro_batch_size"]
         self._state.retries, self._restored = state["retries"], True
+        self._state.elements = state["micro_batch_elements"]
         for stage, eval_state in self._eval_states.items():
-            eval_state.micro_batch_size = state[f"{stage}_micro_batch_size"]
+            eval_state.micro_batch_size = eval_state.start = state[f"{stage}_micro_batch_size"]
+            eval_state.elements = state[f"{stage}_micro_batch_elements"]

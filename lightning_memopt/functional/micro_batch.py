@@ -15,7 +15,15 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["batch_size_of", "check_first_batch", "count_samples", "loader_batch_size", "micro_batch_of", "slice_batch"]
+__all__ = [
+    "batch_size_of",
+    "check_first_batch",
+    "count_samples",
+    "loader_batch_size",
+    "micro_batch_of",
+    "sample_elements",
+    "slice_batch",
+]
 
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 _OVERRIDE = (
@@ -69,6 +77,36 @@ def batch_size_of(batch: Any) -> int:
             " with a first dim." + _OVERRIDE
         )
     return found[0]
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    """The tensors in ``batch`` (depth first through mappings, dataclasses, lists and tuples)."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        values: Any = batch.values()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, (list, tuple)):
+        values = batch
+    else:
+        return []
+    return [t for value in values for t in _tensors(value)]
+
+
+def sample_elements(batch: Any, samples: int) -> int:
+    """Tensor elements per sample of ``batch``: over the tensors whose first dim is ``samples``, their elements
+    divided by ``samples`` (a padded sequence length counts in full); 1 when there is none.
+
+    What a micro-batch's memory grows with, to carry a micro-batch size that fits from one batch shape to another.
+
+    Examples:
+        >>> import torch
+        >>> sample_elements({"input_ids": torch.zeros(8, 128), "mask": torch.zeros(8, 128), "y": torch.zeros(8)}, 8)
+        257
+    """
+    total = sum(t.numel() for t in _tensors(batch) if t.dim() > 0 and t.shape[0] == samples)
+    return max(1, total // samples) if total else 1
 
 
 def _slice_tensor(batch: Tensor, start: int, stop: int, size: int, path: str) -> Tensor:

@@ -274,6 +274,10 @@ class Agreement:
         torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX)
         return int(self._flag.item())
 
+    def min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks."""
+        return -self.max(-value)
+
     def no_sync(self) -> AbstractContextManager[Any]:
         """Backward without the DDP reducer's sync (only when active)."""
         return self._no_sync() if self.active and self._no_sync is not None else contextlib.nullcontext()

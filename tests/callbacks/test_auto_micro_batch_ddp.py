@@ -57,11 +57,15 @@ def test_a_two_process_checkpoint_in_an_older_format_resumes_in_one_process(ddp_
     monkeypatch.chdir(tmp_path)
     micro, monitor = AutoMicroBatch(), MemoryMonitor(dirpath="forward", log_every_n_steps=1)
     saved = checkpoint["callbacks"]
-    evaluation = {"validate_micro_batch_size": None, "test_micro_batch_size": None, "predict_micro_batch_size": None}
-    # halved twice on rank 1, both ranks; no evaluation ran
-    assert saved[micro.state_key] == {"micro_batch_size": 2, "retries": 2, **evaluation}
+    evaluation = {
+        f"{stage}_micro_batch_{what}": None
+        for stage in ("validate", "test", "predict")
+        for what in ("size", "elements")
+    }
+    # halved twice on rank 1, both ranks (2 samples of 6 elements); no evaluation ran
+    assert saved[micro.state_key] == {"micro_batch_size": 2, "retries": 2, "micro_batch_elements": 12, **evaluation}
     assert saved[monitor.state_key] == {"last_logged_train_step": 3}
-    for key in ["retries", *evaluation]:  # as a version that saved only the size would
+    for key in ["retries", "micro_batch_elements", *evaluation]:  # as a version that saved only the size would
         del saved[micro.state_key][key]
     torch.save(checkpoint, path)
 

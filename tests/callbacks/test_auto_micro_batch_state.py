@@ -40,7 +40,8 @@ def test_the_loop_runs_without_the_callback_and_writes_only_its_state(tmp_path):
     loop = optimization_class(pl.__name__)(trainer, original, MicroBatchSettings(min_micro_batch_size=2), state)
     epoch_loop.automatic_optimization = loop
     trainer.fit(model)
-    assert state == MicroBatchState(micro_batch_size=4, retries=2)
+    # learned in elements: 4 samples of 6 (x: 4, y: 1, the index: 1)
+    assert state == MicroBatchState(micro_batch_size=4, retries=2, elements=24)
     assert model.seen_sizes == [16, 8] + [4] * 8 and trainer.global_step == 2
     assert loop.original is original and loop.optim_progress is original.optim_progress
 

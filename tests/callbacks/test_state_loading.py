@@ -31,9 +31,13 @@ VALID = {
         {
             "micro_batch_size": 4,
             "retries": 2,
+            "micro_batch_elements": 24,
             "validate_micro_batch_size": 8,
+            "validate_micro_batch_elements": 64,
             "test_micro_batch_size": None,
+            "test_micro_batch_elements": None,
             "predict_micro_batch_size": 2,
+            "predict_micro_batch_elements": 16,
         },
         {"micro_batch_size"},
     ),
@@ -41,9 +45,11 @@ VALID = {
 #: Values a key legitimately holds although they look mangled (a size not found yet, empty histories).
 ALSO_VALID = {
     (AutoMicroBatch, "micro_batch_size"): [None],
-    (AutoMicroBatch, "validate_micro_batch_size"): [None],
-    (AutoMicroBatch, "test_micro_batch_size"): [None],
-    (AutoMicroBatch, "predict_micro_batch_size"): [None],
+    **{
+        (AutoMicroBatch, f"{stage}micro_batch_{what}"): [None]
+        for stage in ("", "validate_", "test_", "predict_")
+        for what in ("size", "elements")
+    },
     (MemoryAudit, "leak_samples"): [[]],
     (OOMReporter, "reported_steps"): [[]],
     (MemoryAudit, "leak_reported"): [True],
@@ -126,8 +132,13 @@ def test_numpy_numbers_from_a_converted_checkpoint_load_as_python_numbers():
 
 def test_an_auto_micro_batch_state_without_a_size_keeps_the_configured_one_and_an_older_one_restores_it():
     callback = AutoMicroBatch(micro_batch_size=8)
-    evaluation = {"validate_micro_batch_size": 4, "test_micro_batch_size": None, "predict_micro_batch_size": None}
-    assert _load(callback, {"micro_batch_size": None, "retries": 0, **evaluation}) == []
+    evaluation = {
+        f"{stage}_micro_batch_{what}": None
+        for stage in ("validate", "test", "predict")
+        for what in ("size", "elements")
+    }
+    evaluation["validate_micro_batch_size"] = 4
+    assert _load(callback, {"micro_batch_size": None, "retries": 0, "micro_batch_elements": None, **evaluation}) == []
     assert callback.micro_batch_size == 8
     assert callback.eval_micro_batch_sizes == {"validate": 4, "test": None, "predict": None}
     said = _load(callback, {"micro_batch_size": 4})  # as a version that saved only the size would (0.1)
