@@ -76,6 +76,66 @@ def _cnn(big_buffer_mib: int = 0) -> nn.Module:
     return model
 
 
+class _Queue(nn.Module):
+    """A MoCo-style module: a 200 MiB queue of keys changed in place by every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 64)
+        self.register_buffer("queue", torch.zeros(QUEUE_MIB * 2**20 // 4))
+        self.ptr = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = self.net(x).detach().flatten()
+        with torch.no_grad():
+            self.queue[self.ptr : self.ptr + keys.numel()] = keys
+        self.ptr = (self.ptr + keys.numel()) % (self.queue.numel() - keys.numel())
+        return keys
+
+
+QUEUE_MIB = 200
+
+
+def queue_copy_cost(repeats: int) -> dict:
+    """What keeping a 200 MiB queue changed in place costs per batch: AutoMicroBatch's reused host copy against a new
+    clone per batch (what version 0.1 did, on the buffer's device); CPU medians of ``repeats``, bytes allocated."""
+    module, keeper = _Queue(), BufferKeeper()
+    x = torch.randn(8, 64)
+    kept: list[float] = []
+    places: list[int] = []  # where the queue's copy lies after each batch from the second on
+    for batch in range(repeats + 2):  # the first batch learns which buffers change
+        start = time.process_time()
+        snapshot = RetrySnapshot(module, None, buffers=keeper)
+        kept.append(time.process_time() - start)
+        if batch >= 1:
+            places.append(keeper._copies["queue"].data_ptr())
+        module(x)
+        snapshot.succeeded()
+    moved = sum(a != b for a, b in itertools.pairwise(places))  # a new allocation each time the copy moved
+    clones: list[float] = []
+    for _ in range(repeats):
+        start = time.process_time()
+        copy = module.queue.clone()
+        clones.append(time.process_time() - start)
+        del copy
+    row = {
+        "queue_mib": QUEUE_MIB,
+        "reused_copy_cpu_seconds_median": sorted(kept[2:])[len(kept[2:]) // 2],
+        "new_clone_cpu_seconds_median": sorted(clones)[len(clones) // 2],
+        "reused_copy_new_bytes_per_batch": moved * module.queue.nbytes / max(len(places) - 1, 1),
+        "new_clone_new_bytes_per_batch": module.queue.nbytes,
+        "held_bytes": keeper.copied_bytes(),
+    }
+    reused, clone = row["reused_copy_cpu_seconds_median"] * 1e3, row["new_clone_cpu_seconds_median"] * 1e3
+    print(
+        f"  {QUEUE_MIB} MiB queue changed in place: a reused host copy {reused:.1f} ms CPU per batch,"
+        f" {row['reused_copy_new_bytes_per_batch']:.0f} B allocated; a new clone {clone:.1f} ms,"
+        f" {QUEUE_MIB} MiB allocated per batch (on the buffer's device)",
+        flush=True,
+    )
+    return row
+
+
 class _WithMetrics(nn.Module):
     def __init__(self, results: dict) -> None:
         import torchmetrics
@@ -678,6 +738,7 @@ def main() -> int:
         args.width, args.batch, args.micro, args.steps, args.repeats = 64, 32, 8, 4, 1
     torch.set_num_threads(1)
     snapshots = snapshot_cost(5 if args.quick else 50)
+    queue = queue_copy_cost(3 if args.quick else 10)
     if args.snapshot_only:
         return 0
     root = Path("/tmp/auto_microbatch_bench")
@@ -725,6 +786,7 @@ def main() -> int:
             "micro_batch_size": callback.micro_batch_size,
         },
         "snapshot": snapshots,
+        "queue_copy": queue,
         "ddp_sync_model": ddp_rows,
     }
     write_result(args, result)

@@ -118,6 +118,10 @@ class _Batch:
     zeroed: bool = False  # whether this batch zeroed the gradients (the window starts with it)
 
 
+#: Copies of in-place-changing buffers per batch from which ``AutoMicroBatch`` says what they cost (once).
+LARGE_BUFFER_COPIES = 64 * 2**20
+
+
 class MicroBatchOptimization:
     """Lightning's automatic optimization with the closure replaced; its progress counters are the original's.
 
@@ -301,7 +305,7 @@ class MicroBatchOptimization:
         settings = self.settings
         if size <= settings.min_micro_batch_size:  # an out-of-memory error at this size ends the run
             return None
-        return RetrySnapshot(
+        snapshot = RetrySnapshot(
             pl_module,
             results if settings.restore_metrics else None,
             rng=settings.restore_rng,
@@ -309,6 +313,15 @@ class MicroBatchOptimization:
             buffers=self._buffers if settings.restore_buffers else None,
             parts=self._parts,
         )
+        held = self._buffers.copied_bytes()
+        if held >= LARGE_BUFFER_COPIES:
+            self._warn.warn(
+                "buffer-copies",
+                f"AutoMicroBatch copies {held / 2**20:.0f} MiB of buffers that change in place (such as a queue) before"
+                " each batch, to put them back after an out-of-memory error (in host memory for large ones, one copy"
+                " reused all fit). `AutoMicroBatch(restore_buffers=False)` skips the copies.",
+            )
+        return snapshot
 
     def _went_through(self, snapshot: RetrySnapshot | None, pl_module: pl.LightningModule) -> None:
         """A batch went through: learn the buffers it changed; find the module's parts once, after the first."""

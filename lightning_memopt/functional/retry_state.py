@@ -174,12 +174,41 @@ class _Buffer(NamedTuple):
     copy: Tensor | None
 
 
+#: Buffers of at least this many bytes that change in place are kept in host memory, not on their device.
+HOST_COPY_BYTES = 2**20
+
+
 class BufferKeeper:
-    """Keeps a module's buffers before a batch, learning which buffers batches change (see the module docstring)."""
+    """Keeps a module's buffers before a batch, learning which buffers batches change (see the module docstring).
+
+    The copies are made into tensors kept for the whole fit (one per buffer, reused by every batch): after the first
+    batch, keeping costs a copy of the changing buffers and no allocation. A buffer of :data:`HOST_COPY_BYTES` or more
+    (a MoCo-style queue) is kept in host memory (pinned under CUDA, copied without waiting), so that keeping it never
+    adds its size to the device's peak; smaller ones (BatchNorm statistics) on their device.
+    """
 
     def __init__(self) -> None:
         #: Buffers seen changing in place; ``None`` until a batch went through (every buffer is copied).
         self.changing: set[str] | None = None
+        self._copies: dict[str, Tensor] = {}  # the reused copy of each buffer, by dotted name
+
+    def _copy(self, key: str, tensor: Tensor) -> Tensor:
+        """``tensor``'s values in the reused copy for ``key`` (made again when the buffer's shape, dtype or device
+        changed)."""
+        copy = self._copies.get(key)
+        host = tensor.numel() * tensor.element_size() >= HOST_COPY_BYTES or tensor.device.type == "cpu"
+        device = torch.device("cpu") if host else tensor.device
+        if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype or copy.device != device:
+            pin = host and tensor.device.type == "cuda"
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
+            self._copies[key] = copy
+        with torch.no_grad():
+            copy.copy_(tensor.detach(), non_blocking=copy.is_pinned())
+        return copy
+
+    def copied_bytes(self) -> int:
+        """Bytes of the copies kept for the fit (what keeping the buffers holds, in host memory and on devices)."""
+        return sum(copy.numel() * copy.element_size() for copy in self._copies.values())
 
     def keep(self, places: Iterable[tuple[nn.Module, str, str]]) -> list[_Buffer]:
         """The buffers at ``places`` (:attr:`ModuleParts.buffers`) now, with a copy of those that may change."""
@@ -192,7 +221,7 @@ class BufferKeeper:
             if self.changing is None:  # every buffer, once: in host memory, off the device that may be full
                 copy: Tensor | None = tensor.detach().to("cpu", copy=True)
             elif version is None or key in self.changing:
-                copy = tensor.detach().clone()
+                copy = self._copy(key, tensor)
             else:
                 copy = None
             kept.append(_Buffer(owner, name, key, tensor, version, copy))

@@ -277,6 +277,8 @@ def test_benchmark_quick_mode_runs(tmp_path):
     assert result["recovery"]["micro_batch_size"] == 8 and result["ratio_wall"] > 0
     big = next(row for row in result["snapshot"] if "64 MiB" in row["module"])
     assert big["first_batch_bytes"] > 64 * 2**20 > 100 * big["later_batch_bytes"]  # the constant buffer: copied once
+    queue = result["queue_copy"]  # a 200 MiB queue changed in place: one host copy reused, nothing allocated per batch
+    assert queue["reused_copy_new_bytes_per_batch"] == 0 and queue["held_bytes"] == 200 * 2**20
 
 
 @pytest.mark.slow

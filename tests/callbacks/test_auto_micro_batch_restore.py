@@ -135,3 +135,25 @@ def test_the_oom_report_of_a_run_that_gave_up_gives_the_whole_batch_and_the_micr
     assert config["micro_batch_size"] == 2  # the micro-batch that ran out of memory
     assert config["effective_batch_size"] == 16 * 2  # the batch of 16, accumulated over 2 batches
     assert report["batch"]["micro_batch_size"] == 2  # the failing frame's slice, as the batch section describes it
+
+
+def test_large_buffer_copies_are_reported_once(tmp_path, monkeypatch):
+    import warnings
+
+    from lightning_memopt.callbacks import auto_micro_batch
+
+    class Queued(Net):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.register_buffer("queue", torch.zeros(1024))
+
+        def training_step(self, batch, batch_idx):
+            self.queue.add_(1.0)  # a queue changed in place every batch
+            return super().training_step(batch, batch_idx)
+
+    monkeypatch.setattr(auto_micro_batch, "LARGE_BUFFER_COPIES", 4096)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, Queued(batch_size=16), [AutoMicroBatch()], max_steps=4)
+    said = [str(w.message) for w in caught if "buffers that change in place" in str(w.message)]
+    assert len(said) == 1 and "restore_buffers=False" in said[0]

@@ -176,3 +176,31 @@ def test_buffers_of_a_lazy_module_not_materialised_yet_are_left_alone():
     model(torch.randn(4, 3))
     assert snapshot.restore() == []
     assert int(model.num_batches_tracked) == 0  # the counter was a tensor from the start: put back
+
+
+def test_a_large_buffer_changed_in_place_is_kept_in_one_reused_host_copy_and_put_back():
+    from lightning_memopt.functional import retry_state
+
+    class Queue(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("queue", torch.zeros(retry_state.HOST_COPY_BYTES // 4 * 2))  # 2 MiB of float32
+            self.register_buffer("small", torch.zeros(4))
+
+        def forward(self, step):
+            self.queue.add_(step)  # in place, every batch
+            self.small.add_(step)
+
+    module, keeper = Queue(), BufferKeeper()
+    for step in range(3):  # batch 0 learns which buffers change; batches 1 and 2 copy only those
+        snapshot = RetrySnapshot(module, None, buffers=keeper)
+        module(1.0)
+        snapshot.succeeded()
+    copies = dict(keeper._copies)
+    assert set(copies) == {"queue", "small"} and all(c.device.type == "cpu" for c in copies.values())
+    snapshot = RetrySnapshot(module, None, buffers=keeper)
+    assert all(keeper._copies[k] is copies[k] for k in copies)  # reused: no new allocation per batch
+    module(5.0)  # a failed attempt
+    assert snapshot.restore() == []
+    assert module.queue.eq(3.0).all() and module.small.eq(3.0).all()
+    assert keeper.copied_bytes() == module.queue.nbytes + module.small.nbytes
