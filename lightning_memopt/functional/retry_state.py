@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 from torchmetrics import Metric
 
@@ -30,6 +31,7 @@ from lightning_memopt.utilities._torch_private import tensor_version
 
 __all__ = [
     "BufferKeeper",
+    "LazyInits",
     "MetricStates",
     "ModuleParts",
     "RetrySnapshot",
@@ -143,6 +145,7 @@ class ModuleParts(NamedTuple):
 
     metrics: list[Metric]
     buffers: list[tuple[nn.Module, str, str]]  # (owner, attribute name, dotted name)
+    lazy: list[nn.Module]  # lazy modules not materialised yet
 
 
 def find_parts(module: nn.Module) -> ModuleParts:
@@ -153,16 +156,64 @@ def find_parts(module: nn.Module) -> ModuleParts:
 
     Examples:
         >>> parts = find_parts(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
-        >>> parts.metrics, [key for _, _, key in parts.buffers]
-        ([], ['1.running_mean', '1.running_var', '1.num_batches_tracked'])
+        >>> parts.metrics, [key for _, _, key in parts.buffers], parts.lazy
+        ([], ['1.running_mean', '1.running_var', '1.num_batches_tracked'], [])
     """
-    metrics, places = [], []
+    metrics, places, lazy = [], [], []
     for prefix, owner in module.named_modules():
         if isinstance(owner, Metric):
             metrics.append(owner)
+        if _is_lazy_module(owner):
+            lazy.append(owner)
         for name, _ in owner.named_buffers(recurse=False):
             places.append((owner, name, f"{prefix}.{name}" if prefix else name))
-    return ModuleParts(metrics, places)
+    return ModuleParts(metrics, places, lazy)
+
+
+def _is_lazy_module(module: nn.Module) -> bool:
+    """A lazy module (``nn.LazyLinear``, ...) not materialised yet (once materialised it is of another class)."""
+    return isinstance(module, LazyModuleMixin) and any(
+        is_lazy(t) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    )
+
+
+def _tracks_running_stats(module: nn.Module) -> bool:
+    """A normalisation layer that keeps running statistics (BatchNorm, SyncBatchNorm, InstanceNorm with tracking): its
+    kernels change them without moving their version counters, so its buffers are always copied."""
+    return bool(getattr(module, "track_running_stats", False)) and hasattr(module, "running_mean")
+
+
+class LazyInits:
+    """Lazy modules (``nn.LazyLinear``, ...) not materialised before a batch, initialised again where a retry reaches
+    them.
+
+    A failed attempt that materialises a lazy module draws its initial values from the random state at that point of
+    the attempt; the retry starts from the batch's random state with the module already materialised, so it would draw
+    nothing there and every later random number (dropout) would shift. :meth:`arm` gives each module materialised
+    since a one-shot forward pre-hook that runs its ``reset_parameters()`` (what its materialisation ran): the retry
+    draws its initial values at the point a run at the retry's micro-batch does.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._modules = [m for m in modules if _is_lazy_module(m)]
+        self._handles: dict[int, Any] = {}
+
+    def arm(self) -> None:
+        """After a failed attempt: each module it materialised initialises again at its next forward."""
+        for module in self._modules:
+            if not _is_lazy_module(module) and id(module) not in self._handles:
+                self._handles[id(module)] = module.register_forward_pre_hook(self._initialise)
+
+    def _initialise(self, module: nn.Module, args: Any) -> None:
+        self._handles.pop(id(module)).remove()
+        with torch.no_grad():
+            module.reset_parameters()  # type: ignore[operator]  # what materialising it ran
+
+    def disarm(self) -> None:
+        """The batch went through: no module initialises again."""
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
 
 
 class _Buffer(NamedTuple):
@@ -220,7 +271,7 @@ class BufferKeeper:
             version = tensor_version(tensor)
             if self.changing is None:  # every buffer, once: in host memory, off the device that may be full
                 copy: Tensor | None = tensor.detach().to("cpu", copy=True)
-            elif version is None or key in self.changing:
+            elif version is None or key in self.changing or _tracks_running_stats(owner):
                 copy = self._copy(key, tensor)
             else:
                 copy = None
@@ -296,8 +347,9 @@ class RetrySnapshot:
         self._results = results
         self._keys: dict[str, Any] | None = None
         self._metrics: MetricStates | None = None
-        if (metrics or buffers is not None) and parts is None:
+        if (metrics or rng or buffers is not None) and parts is None:
             parts = find_parts(module)
+        self._lazy = LazyInits(parts.lazy if rng and parts is not None else [])
         if metrics and parts is not None:
             found = list(parts.metrics)
             if results is not None:
@@ -311,6 +363,7 @@ class RetrySnapshot:
         """Put everything back; returns the buffers that could not be (see :meth:`BufferKeeper.restore`)."""
         if self._rng is not None:
             set_rng_states(self._rng)
+            self._lazy.arm()
         if self._keys is not None and self._results is not None:
             for key in [k for k in self._results if k not in self._keys]:
                 del self._results[key]
@@ -335,5 +388,6 @@ class RetrySnapshot:
 
     def succeeded(self) -> None:
         """The batch went through: learn which buffers it changed, for the next batches."""
+        self._lazy.disarm()
         if self._keeper is not None:
             self._keeper.learn(self._buffers)

@@ -192,7 +192,7 @@ def test_a_large_buffer_changed_in_place_is_kept_in_one_reused_host_copy_and_put
             self.small.add_(step)
 
     module, keeper = Queue(), BufferKeeper()
-    for step in range(3):  # batch 0 learns which buffers change; batches 1 and 2 copy only those
+    for _ in range(3):  # batch 0 learns which buffers change; batches 1 and 2 copy only those
         snapshot = RetrySnapshot(module, None, buffers=keeper)
         module(1.0)
         snapshot.succeeded()
@@ -204,3 +204,18 @@ def test_a_large_buffer_changed_in_place_is_kept_in_one_reused_host_copy_and_put
     assert snapshot.restore() == []
     assert module.queue.eq(3.0).all() and module.small.eq(3.0).all()
     assert keeper.copied_bytes() == module.queue.nbytes + module.small.nbytes
+
+
+def test_a_batchnorm_first_used_by_a_retried_batch_gets_its_statistics_back():
+    # batch 0 does not use the BatchNorm (nothing learned about it); batch 1's failed attempt is its first use: its
+    # kernels change the running statistics without moving their version counters
+    model = nn.ModuleDict({"linear": nn.Linear(3, 3), "bn": nn.BatchNorm1d(3)})
+    keeper = BufferKeeper()
+    snapshot = RetrySnapshot(model, None, buffers=keeper)
+    model["linear"](torch.randn(4, 3))
+    snapshot.succeeded()
+    snapshot = RetrySnapshot(model, None, buffers=keeper)
+    model["bn"](torch.randn(8, 3) * 5 + 2)  # the failed attempt
+    assert snapshot.restore() == []  # nothing lost, no warning naming only num_batches_tracked
+    assert model["bn"].running_mean.eq(0).all() and model["bn"].running_var.eq(1).all()
+    assert int(model["bn"].num_batches_tracked) == 0
