@@ -347,3 +347,15 @@ def test_hsdp_s_two_dimensional_mesh_is_refused(fake_two_rank_mesh):
     with pytest.raises(ValueError, match="one-dimensional data-parallel mesh"):
         check_fsdp_for_micro_batches(model)
     check_fsdp_for_micro_batches(fully_shard(nn.Linear(4, 4), mesh=fake_two_rank_mesh))  # FSDP: accepted
+
+
+@pytest.mark.slow
+def test_an_evaluation_out_of_memory_on_one_rank_under_fsdp2_halves_both_ranks_in_fit_and_alone(fsdp2_run):
+    runs = [torch.load(fsdp2_run / f"eval_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    # the same run without the callback, validated at 2 per batch (the synced epoch mean: equal up to rounding)
+    reference = torch.load(fsdp2_run / "eval_reference_rank0.pt", weights_only=False)
+    for run in runs:  # rank 0 had memory to spare and followed rank 1 at the same all-gathers: 8 -> 4 -> 2
+        assert run["micro"] == 2
+        assert run["sizes"] == [8, 4, 2, 2, 2, 2, 2, 2, 2, 2]  # the validate after fit, learning again from 8
+        assert run["in_fit"] == pytest.approx(reference["in_fit"], rel=1e-6)
+        assert run["alone"] == pytest.approx(reference["alone"], rel=1e-6)

@@ -8,7 +8,9 @@ block before, rank 1 above 2 in the backward); a fourth is the reference, Lightn
 that fits. Then, with ``accumulate_grad_batches=2``, rank 1 runs out of memory in the backward of the second batch of
 the first window (sharded gradients of the first batch to keep, partial ones to drop), next to its reference. In a last
 fit rank 1 runs out of memory inside FSDP's reduce-scatter itself (not recoverable): each rank writes the error it
-ended with and how long it took.
+ended with and how long it took. Before it, evaluation: rank 1 runs out of memory above 2 samples in a middle block's
+forward during validation (with a synced step log in ``validation_step``), inside a fit and in a ``validate`` after
+it, next to the same run without the callback, validated at the micro-batch that fits.
 """
 
 import time
@@ -39,18 +41,21 @@ class Block(nn.Module):
 
 
 class Sharded(pl.LightningModule):
-    def __init__(self, where=None, batch_size=BATCH):
+    def __init__(self, where=None, batch_size=BATCH, val_batch_size=BATCH):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(4, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
         self.head = nn.Linear(WIDTH, 1)
-        self.where, self.batch_size = where, batch_size
+        self.where, self.batch_size, self.val_batch_size = where, batch_size, val_batch_size
         self.seen_sizes: list[int] = []
 
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard
 
+        if getattr(self, "_sharded", False):  # a validate after fit: sharded already
+            return
+        self._sharded = True
         mesh = self.device_mesh["data_parallel"]
         if self.global_rank == 1 and self.where in ("forward", "backward"):
             setattr(self.blocks[2], f"{self.where}_budget", BUDGET)  # a middle block, rank 1 only
@@ -77,6 +82,26 @@ class Sharded(pl.LightningModule):
         x, y = batch
         self.seen_sizes.append(x.shape[0])
         return nn.functional.mse_loss(self(x), y)
+
+    def on_validation_start(self):
+        if self.where == "eval" and self.global_rank == 1:  # rank 1 short of memory in validation only
+            self.blocks[2].forward_budget = BUDGET
+
+    def on_validation_end(self):
+        self.blocks[2].forward_budget = None
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen_sizes.append(x.shape[0])
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("val_step_loss", loss, on_step=True, on_epoch=False, sync_dist=True)  # a collective in the step
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def val_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, generator=g))
+        return DataLoader(data, batch_size=self.val_batch_size, sampler=DistributedSampler(data, shuffle=False))
 
     def configure_optimizers(self):
         if self.where is not None and self.where.startswith("window"):  # plain SGD: the first batch at 8 (not 4 x 2)
@@ -121,6 +146,33 @@ def recoverable() -> None:
         )
 
 
+def evaluation() -> None:
+    for where in ("eval", "eval_reference"):
+        if where == "eval":
+            model, callbacks = Sharded(where), [AutoMicroBatch(train=False)]
+        else:  # the same run without the callback, validated at the micro-batch that fits
+            model, callbacks = Sharded(where, val_batch_size=BUDGET), []
+        trainer = fsdp2_trainer(callbacks, limit_val_batches=None, max_steps=1, limit_train_batches=1)
+        trainer.fit(model)
+        in_fit = float(trainer.callback_metrics["val_loss"])
+        model.seen_sizes.clear()
+        if callbacks:  # the validate after fit learns its micro-batch again: its own agreement in FSDP2's collectives
+            saved = callbacks[0].state_dict()
+            callbacks[0].load_state_dict(
+                {**saved, "validate_micro_batch_size": None, "validate_micro_batch_elements": None}
+            )
+        (alone,) = trainer.validate(model, verbose=False)
+        torch.save(
+            {
+                "in_fit": in_fit,
+                "alone": alone["val_loss"],
+                "micro": callbacks[0].eval_micro_batch_sizes["validate"] if callbacks else None,
+                "sizes": model.seen_sizes,
+            },
+            f"{where}_rank{trainer.global_rank}.pt",
+        )
+
+
 def collective() -> None:
     rank, start = None, time.perf_counter()
     try:
@@ -146,6 +198,7 @@ def collective() -> None:
 
 if __name__ == "__main__":
     recoverable()
+    evaluation()
     collective()  # last: it leaves the process group unusable
     # Lightning keeps the process group; one left to interpreter exit sometimes aborts there (gloo's threads)
     if torch.distributed.is_initialized():
