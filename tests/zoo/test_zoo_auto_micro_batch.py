@@ -113,3 +113,32 @@ def test_on_manual_optimization_the_callback_says_it_does_not_apply_before_any_s
     with pytest.raises(ValueError, match="AutoMicroBatch needs automatic optimization.*manual_backward"):
         fit(tmp_path, module, callbacks=[AutoMicroBatch()])
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+#: The layer whose output runs out of memory in evaluation: the training one, the discriminator for the manual entry.
+EVAL_LAYER = {**LAST_LAYER, "manual": "discriminator"}
+
+
+def with_eval_budget(module, entry: ZooModel):
+    """``module`` whose layer :data:`EVAL_LAYER` runs out of memory on more than ``BUDGET`` samples in evaluation."""
+
+    def hook(layer, args, output):
+        if not layer.training and output.shape[0] > BUDGET:
+            raise torch.OutOfMemoryError(f"simulated: evaluation of {output.shape[0]} samples, budget {BUDGET}")
+        return output
+
+    module.get_submodule(EVAL_LAYER[entry.name]).register_forward_hook(hook)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", zoo_params())
+def test_an_evaluation_that_recovered_equals_validating_at_the_size_that_fits(entry: ZooModel, tmp_path):
+    """Every entry, the manual-optimization one included (only evaluation is split): the logged values bitwise."""
+    callback = AutoMicroBatch(train=entry.automatic_optimization)
+    ours = with_eval_budget(entry.build(batch_size=16), entry)
+    (got,) = make_trainer(tmp_path / "ours", callbacks=[callback], limit_val_batches=None).validate(ours)
+    reference = entry.build(batch_size=BUDGET)
+    (expected,) = make_trainer(tmp_path / "ref", limit_val_batches=None).validate(reference)
+    assert got == expected
+    assert callback.eval_micro_batch_sizes["validate"] == BUDGET
