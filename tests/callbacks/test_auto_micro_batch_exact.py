@@ -353,6 +353,17 @@ def test_lightning_cli_builds_the_callback_from_a_yaml_config(tmp_path, init_arg
     assert (built.start_micro_batch_size, built.micro_batch_size, built.min_micro_batch_size, *functions) == expected
 
 
+def test_lightning_cli_takes_the_train_evaluate_and_weight_fn_switches(tmp_path):
+    import yaml
+
+    init_args = {"train": False, "evaluate": False, "weight_fn": f"{FUNCTIONS}.batch_size_of"}
+    callback = {"class_path": "lightning_memopt.AutoMicroBatch", "init_args": init_args}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
+    built = _the_callback(_cli(tmp_path, [f"--config={path}"]))
+    assert (built.train, built.evaluate, built.weight_fn.__qualname__) == (False, False, "batch_size_of")
+
+
 def test_lightning_cli_reports_the_callback_s_own_argument_check(tmp_path):
     with pytest.raises(ValueError, match=r"`micro_batch_size` must be a positive int, got 0"):
         _cli(
