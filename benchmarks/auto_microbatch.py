@@ -446,9 +446,36 @@ def measure_ddp(width: int, batch: int, steps: int, repeats: int, root: Path) ->
             f"DDP on 2 CPU processes (gloo), {grads.numel() * 4 / 2**20:.0f} MiB of gradients, batch {batch}: median"
             f" step {reducer:.4f} s with DDP's reducer, {explicit:.4f} s with AutoMicroBatch's explicit sync ->"
             f" {explicit / reducer:.3f}x (all-reduce of the gradients alone {result['all_reduce_s']:.4f} s; of a"
-            f" 1-element flag {result['flag_all_reduce_s']:.5f} s, 3 per step here)"
+            f" 1-element flag {result['flag_all_reduce_s']:.5f} s, 2 per step here)"
         )
     return result
+
+
+def measure_ddp_eval(width: int, batch: int, batches: int, repeats: int, root: Path) -> dict:
+    """Seconds per validation on 2 processes with a synced step log, with AutoMicroBatch (its agreement: the smallest
+    micro-batch, the rounds, a flag per round, a point before each synced log) and without, alternating."""
+    import torch.distributed as dist
+
+    n = batch * 2 * batches
+
+    def validate_ddp(callbacks: list) -> tuple[float, float]:
+        trainer = trainer_for(1, root, callbacks, devices=2, strategy="ddp", limit_val_batches=None)
+        wall, cpu = time.perf_counter(), time.process_time()
+        trainer.validate(EvalModel(width, batch, n, sync=True), verbose=False)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    for callbacks in ([], [AutoMicroBatch()]):  # warm-up of both
+        validate_ddp(callbacks)
+    (wall_ratio, cpu_ratio), runs = alternate(
+        repeats, {"ours": lambda: validate_ddp([AutoMicroBatch()]), "plain": lambda: validate_ddp([])}
+    )
+    if dist.get_rank() == 0:
+        print(
+            f"DDP validation on 2 CPU processes (gloo), {batches} batches of {batch} per rank with a synced step log:"
+            f" with AutoMicroBatch / without: wall {wall_ratio:.3f}x, CPU {cpu_ratio:.3f}x (2 two-element all-reduces"
+            " per batch: the round's flag, the point before the synced log)"
+        )
+    return {"ratio_wall": wall_ratio, "ratio_cpu": cpu_ratio, "runs": runs, "batches": batches, "batch": batch}
 
 
 def ddp_main(args: argparse.Namespace) -> int:
@@ -466,7 +493,9 @@ def ddp_main(args: argparse.Namespace) -> int:
     if args.ddp:
         torch.set_num_threads(1)
         width, batch, steps, repeats = (512, 32, 6, 1) if args.quick else (args.width, args.batch, args.steps, 4)
-        result["ddp_measured"] = measure_ddp(width, batch, steps, repeats, Path("/tmp/auto_microbatch_bench"))
+        root = Path("/tmp/auto_microbatch_bench")
+        result["ddp_measured"] = measure_ddp(width, batch, steps, repeats, root)
+        result["ddp_eval_measured"] = measure_ddp_eval(width, batch, 2 if args.quick else 40, 2 * repeats, root)
         result["machine"] = machine_info("cpu")
         result["command"] = "python " + " ".join(sys.argv)
         if torch.distributed.get_rank() != 0:
@@ -631,17 +660,20 @@ def fsdp2_main(args: argparse.Namespace) -> int:
 class EvalModel(Model):
     """The MLP evaluated: a logged loss and a torchmetrics metric per batch; out of memory above ``budget`` samples."""
 
-    def __init__(self, width: int, batch: int, n: int, budget: int | None = None) -> None:
+    def __init__(self, width: int, batch: int, n: int, budget: int | None = None, sync: bool = False) -> None:
         super().__init__(width, batch, n, budget)
         from torchmetrics import MeanSquaredError
 
         self.mse = MeanSquaredError()
+        self.sync = sync  # a synced step log: a collective inside the step (under DDP)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
         out = self.net(x)
         loss = nn.functional.mse_loss(out, y)
         self.log("val_loss", loss)
+        if self.sync:
+            self.log("val_step_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
         self.mse.update(out, y)
         self.log("val_mse", self.mse)
         if self.budget is not None and x.shape[0] > self.budget:

@@ -11,7 +11,7 @@ combine_outputs`), so the loop, its ``on_*_batch_end`` hooks, collected predicti
 output per loader batch. Each micro-batch's ``self.log`` values are weighted by its own number of samples, as
 Lightning weights a loader batch of that size.
 
-Under several processes the ranks agree: the same number of micro-batch rounds per batch, a one-element all-reduce
+Under several processes the ranks agree: the same number of micro-batch rounds per batch, a two-element all-reduce
 after each round, and an agreement point before each collective a step runs through the strategy (``self.log(...,
 sync_dist=True)``, ``self.all_gather``) or through FSDP2's all-gathers, so that a rank that ran out of memory never
 leaves another waiting in a collective; every rank halves together.
@@ -108,7 +108,9 @@ class EvaluationSplitter:
         settings = self.settings
         samples = count_samples(batch, settings.batch_size_fn)
         per_sample = sample_elements(batch, samples)
-        size = self.agreement.min(self.state.size_for(samples, per_sample, settings.min_micro_batch_size))
+        size = self.state.size_for(samples, per_sample, settings.min_micro_batch_size)
+        if self.state.elements is not None:  # learned from each rank's own shapes: the ranks take the smallest
+            size = self.agreement.min(size)
         self._size = size
         batch_idx = rest[0] if rest and isinstance(rest[0], int) else None
         results = private.logged_results(self.trainer)

@@ -255,7 +255,7 @@ class MicroBatchOptimization:
         fit's first batch, check that the batch can be split."""
         per_sample = sample_elements(batch, n)
         size = self.state.size_for(n, per_sample, self.settings.min_micro_batch_size)
-        if self.agreement is not None:
+        if self.agreement is not None and self.state.elements is not None:  # learned from each rank's own shapes
             size = self.agreement.min(size)
         self.state.micro_batch_size = size
         if self._first_size is None:
@@ -406,7 +406,7 @@ class AutoMicroBatch(Callback):
 
     Strategies: one device, DDP, and FSDP2 through ``ModelParallelStrategy(tensor_parallel_size=1)`` with
     ``fully_shard`` per block and on the root in ``configure_model``. When any rank runs out of memory, every rank
-    halves together. Under FSDP2 each all-gather and reduce-scatter of a micro-batch is preceded by a 1-element
+    halves together. Under FSDP2 each all-gather and reduce-scatter of a micro-batch is preceded by a small
     all-reduce, so that all ranks stop at the same collective (:mod:`~lightning_memopt.functional.fsdp_sync`, which
     also gives the cost). An out-of-memory error raised inside a collective itself ends the run. FSDP1
     (``FSDPStrategy``), DeepSpeed and tensor parallelism are refused in ``setup``.

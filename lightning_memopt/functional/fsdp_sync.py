@@ -3,7 +3,7 @@
 FSDP2 all-gathers each unit's parameters before its forward and its backward and reduce-scatters its gradients after
 its backward. A rank that runs out of memory inside unit k leaves the others in unit k+1's all-gather, waiting for a
 rank that is unwinding an exception. Here every collective FSDP2 runs while a micro-batch runs is preceded by an
-agreement point (:meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.before_collective`: a one-element
+agreement point (:meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.before_collective`: a two-element
 MAX all-reduce of an "out of memory seen" flag). A rank that ran out of memory sends its flag at its next agreement
 point (the end of the micro-batch round); every other rank reaches an agreement point before its next collective,
 learns the flag there and raises :class:`~lightning_memopt.functional.micro_batch_retry.PeerOutOfMemoryError`, so
@@ -24,7 +24,7 @@ backend's error is its cause), so its ``OOMReporter`` writes a report too. Where
 process (it is rank 0, which hosts it), they end with the backend's error and a note that another process stopped
 inside the collective.
 
-Cost: one extra one-element all-reduce per all-gather (forward; backward for units resharded after forward) and per
+Cost: one extra two-element all-reduce per all-gather (forward; backward for units resharded after forward) and per
 reduce-scatter (backward) of each FSDP unit while a micro-batch runs, each waited for before the collective (on a GPU,
 a host synchronisation). Measured on 2 CPU processes (gloo, a shared 2-core machine; ``benchmarks/auto_microbatch.py
 --fsdp2``): 8 blocks of width 256, 4 micro-batches per step, 104 agreement points per step, 104 us each alone but

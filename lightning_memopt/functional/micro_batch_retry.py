@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import math
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -262,17 +263,29 @@ class Agreement:
         self.in_step = False
         #: agreement points passed inside micro-batches (for the cost measurement)
         self.points = 0
-        self._flag: Tensor | None = None  # the one-element buffer every agreement reduces (before each collective)
+        #: the two-element buffer every agreement reduces (every agreement has this one shape, so that any two of them
+        #: that meet on different ranks pair up)
+        self._flag: Tensor | None = None
+
+    def agree(self, value: int, more: int = 0) -> tuple[int, int]:
+        """The largest ``value`` and the largest ``more`` over the ranks, in one all-reduce.
+
+        Examples:
+            >>> Agreement().agree(1, 0)  # one process: nothing to agree with
+            (1, 0)
+        """
+        if not self.active:
+            return value, more
+        if self._flag is None:
+            self._flag = torch.empty(2, dtype=torch.int64, device=self.device)
+        self._flag.copy_(torch.tensor([value, more], dtype=torch.int64))
+        torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX)
+        agreed, anyone_more = self._flag.tolist()
+        return int(agreed), int(anyone_more)
 
     def max(self, value: int) -> int:
         """The largest ``value`` over the ranks."""
-        if not self.active:
-            return value
-        if self._flag is None:
-            self._flag = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._flag.fill_(value)
-        torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX)
-        return int(self._flag.item())
+        return self.agree(value)[0]
 
     def min(self, value: int) -> int:
         """The smallest ``value`` over the ranks."""
@@ -515,16 +528,19 @@ def _attempt(
 
     parts: list[MicroBatchPart] = []
     flag, error, start = OK, None, run.begin
-    # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest)
-    for k in range(comm.max(math.ceil(max(run.batch_size - run.begin, 0) / size))):
+    # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest): each
+    # round ends with one agreement on whether any rank ran out of memory and whether any has samples left
+    for k in itertools.count():
         start, stop = run.begin + k * size, min(run.batch_size, run.begin + (k + 1) * size)
-        agreed, kept = False, len(parts)
+        agreed, kept, more = False, len(parts), 0
         if start < run.batch_size:
             flag, error, agreed = _round(functools.partial(step, start, stop), comm, parts, on_oom)
         if not agreed:
-            flag = comm.max(flag)  # every rank learns whether any rank ran out of memory in this round
+            flag, more = comm.agree(flag, int(stop < run.batch_size))
         if flag != OK:
             del parts[kept:]  # this rank's part of the failed round, if it went through here, runs again
+            break
+        if not more:
             break
     if flag == GIVE_UP:
         if error is not None:

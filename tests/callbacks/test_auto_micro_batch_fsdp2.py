@@ -42,15 +42,16 @@ OK, RETRY, GIVE_UP = 0, 1, 2
 
 
 class Scripted(Agreement):
-    """An active agreement whose all-reduces answer from a script (what the other ranks sent) and are counted."""
+    """An active agreement whose all-reduces answer from a script (the flag the other ranks sent; whether they have
+    samples left is this rank's) and are counted: ``sent`` holds ``(flag, samples left)`` of each."""
 
     def __init__(self, answers=()):
         super().__init__(active=True)
         self.answers, self.sent = list(answers), []
 
-    def max(self, value):
-        self.sent.append(value)
-        return max(value, self.answers.pop(0)) if self.answers else value
+    def agree(self, value, more=0):
+        self.sent.append((value, more))
+        return (max(value, self.answers.pop(0)) if self.answers else value), more
 
 
 # ----------------------------------------------------------------------------------------------- the agreement
@@ -64,13 +65,13 @@ def test_an_agreement_point_agrees_only_while_a_micro_batch_runs_and_raises_the_
         comm.before_collective()
         comm.before_collective()  # another rank sent RETRY here
     assert caught.value.flag == RETRY and isinstance(caught.value, torch.OutOfMemoryError)
-    assert comm.sent == [OK, OK] and comm.points == 2 and not comm.in_step
+    assert comm.sent == [(OK, 0), (OK, 0)] and comm.points == 2 and not comm.in_step
 
 
 def test_a_peer_s_flag_learned_inside_a_step_is_that_round_s_agreement():
     """Rank 0's view: rank 1 ran out of memory; rank 0 learns it at a collective, sends no end-of-round flag, and
     retries at half size with everyone."""
-    comm = Scripted(answers=[OK, RETRY])  # the round count, then the first agreement point inside the step
+    comm = Scripted(answers=[RETRY])  # the first agreement point inside the step
     calls = []
 
     def step(start, stop):
@@ -81,12 +82,12 @@ def test_a_peer_s_flag_learned_inside_a_step_is_that_round_s_agreement():
     halvings = []
     parts, size = run_micro_batches(8, 8, 1, step, agreement=comm, on_halve=lambda *a: halvings.append(a))
     assert halvings == [(8, 4, False)] and size == 4 and [p.samples for p in parts] == [4, 4]
-    # round count, point (peer's RETRY: no end-of-round flag), then at 4: count, point, end, point, end
-    assert comm.sent == [1, OK, 2, OK, OK, OK, OK]
+    # point (peer's RETRY: no end-of-round flag), then at 4: point, end (samples left), point, end (none left)
+    assert comm.sent == [(OK, 0), (OK, 0), (OK, 1), (OK, 0), (OK, 0)]
 
 
 def test_a_peer_giving_up_at_the_smallest_micro_batch_ends_this_rank_too():
-    comm = Scripted(answers=[OK, GIVE_UP])
+    comm = Scripted(answers=[GIVE_UP])
 
     def step(start, stop):
         comm.before_collective()
@@ -94,7 +95,7 @@ def test_a_peer_giving_up_at_the_smallest_micro_batch_ends_this_rank_too():
 
     with pytest.raises(torch.OutOfMemoryError, match="another process ran out of memory at a micro-batch of 1"):
         run_micro_batches(1, 1, 1, step, agreement=comm)
-    assert comm.sent == [1, OK]
+    assert comm.sent == [(OK, 0)]
 
 
 def test_an_out_of_memory_error_inside_a_collective_ends_the_run_without_agreeing():
@@ -107,7 +108,7 @@ def test_an_out_of_memory_error_inside_a_collective_ends_the_run_without_agreein
     with pytest.raises(torch.OutOfMemoryError, match="inside FSDP's all-gather itself") as caught:
         run_micro_batches(8, 8, 1, lambda start, stop: collective._run(fails), agreement=comm)
     assert is_unrecoverable(caught.value)
-    assert comm.sent == [1, OK]  # the round count and the agreement point before the collective: no end-of-round
+    assert comm.sent == [(OK, 0)]  # the agreement point before the collective: no end-of-round
 
 
 def test_fsdp1_deepspeed_and_tensor_parallel_are_refused_fsdp2_is_accepted():
