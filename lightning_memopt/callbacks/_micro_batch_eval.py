@@ -92,8 +92,16 @@ class EvaluationSplitter:
         self._give_back: list[Callable[[], None]] = []
         if agreement.active:
             self._give_back.append(agree_before_collectives(strategy, agreement))
+        had = vars(strategy).get(name)  # a step set on the strategy object itself (another wrapper) comes back too
+
+        def give_back_step() -> None:
+            if had is None:
+                delattr(strategy, name)
+            else:
+                setattr(strategy, name, had)
+
         setattr(strategy, name, functools.partial(self.step, original))
-        self._give_back.append(lambda: delattr(strategy, name))
+        self._give_back.append(give_back_step)
 
     def remove(self) -> None:
         """Give the strategy its own step (and collectives) back."""

@@ -527,11 +527,33 @@ def _attempt(
         return GIVE_UP
 
     parts: list[MicroBatchPart] = []
+    flag, error, start = _rounds(run, step, comm, on_oom, parts)
+    if flag == GIVE_UP:
+        if error is not None:
+            raise error
+        raise torch.OutOfMemoryError(
+            f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
+            f" smallest allowed (min_micro_batch_size={min_size}); every process stops."
+        )
+    return parts, None if flag == OK else (error is not None, error, start)
+
+
+def _rounds(
+    run: _Run,
+    step: Callable[[int, int], MicroBatchPart],
+    comm: Agreement,
+    on_oom: Callable[[torch.OutOfMemoryError], int],
+    parts: list[MicroBatchPart],
+) -> tuple[int, BaseException | None, int]:
+    """The micro-batch rounds of one attempt, each part appended to ``parts``: ``(flag, this rank's error, first
+    sample of the last round)``.
+
+    Every rank runs the same number of rounds (a rank with fewer samples idles through the rest): each round ends with
+    one agreement on whether any rank ran out of memory and whether any has samples left.
+    """
     flag, error, start = OK, None, run.begin
-    # every rank runs the same number of micro-batch rounds (a rank with fewer samples idles through the rest): each
-    # round ends with one agreement on whether any rank ran out of memory and whether any has samples left
     for k in itertools.count():
-        start, stop = run.begin + k * size, min(run.batch_size, run.begin + (k + 1) * size)
+        start, stop = run.begin + k * run.size, min(run.batch_size, run.begin + (k + 1) * run.size)
         agreed, kept, more = False, len(parts), 0
         if start < run.batch_size:
             flag, error, agreed = _round(functools.partial(step, start, stop), comm, parts, on_oom)
@@ -542,14 +564,7 @@ def _attempt(
             break
         if not more:
             break
-    if flag == GIVE_UP:
-        if error is not None:
-            raise error
-        raise torch.OutOfMemoryError(
-            f"AutoMicroBatch: another process ran out of memory at a micro-batch of {size} sample(s), the"
-            f" smallest allowed (min_micro_batch_size={min_size}); every process stops."
-        )
-    return parts, None if flag == OK else (error is not None, error, start)
+    return flag, error, start
 
 
 def _round(

@@ -198,3 +198,11 @@ def test_a_batch_goes_on_from_the_micro_batch_that_failed(tmp_path):
     _, whole = _run("validate", tmp_path / "whole", EvalNet(eval_batch_size=N_SAMPLES))
     assert results[0]["val_mse"] == pytest.approx(whole[0]["val_mse"], rel=1e-6)
     assert results[0]["val_loss"] == pytest.approx(whole[0]["val_loss"], rel=1e-6)
+
+
+def test_a_step_set_on_the_strategy_object_by_someone_else_comes_back(tmp_path):
+    trainer = _trainer(tmp_path, [AutoMicroBatch()])
+    own = trainer.strategy.validation_step  # the bound method, set on the object as another wrapper would
+    trainer.strategy.validation_step = own
+    trainer.validate(EvalNet(eval_budget=4))
+    assert vars(trainer.strategy)["validation_step"] is own

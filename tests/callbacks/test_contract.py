@@ -198,10 +198,20 @@ def _process_state():
     import os
 
     return {
-        "gc": (gc.isenabled(), gc.get_threshold(), gc.get_freeze_count()),
+        "gc": (gc.isenabled(), gc.get_threshold()),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("PYTORCH_", "CUDA_"))},
         "matmul": torch.get_float32_matmul_precision(),
     }
+
+
+def _assert_freeze_kept(before: int) -> None:
+    """The suite's freeze is as it was: a frozen object the fit drops is freed and the count goes down (hundreds when
+    a test runs alone, the process's first fit); a freeze left behind adds every object the fit made, an unfreeze
+    left behind takes them all."""
+    import gc
+
+    count = gc.get_freeze_count()
+    assert count <= before and (before == 0 or count > before // 2), (before, count)
 
 
 def _fit_recording(callback, tmp_path, model):
@@ -225,7 +235,9 @@ def _fit_recording(callback, tmp_path, model):
 
 @pytest.mark.parametrize("cls", CONTRACT, ids=lambda c: c.__name__)
 def test_a_crash_then_a_clean_second_fit_behaves_like_a_fresh_callback(cls, tmp_path):
-    before = _process_state()
+    import gc
+
+    before, frozen = _process_state(), gc.get_freeze_count()
     model = BlockModel(crash_at=1)
     forward = model.block.forward
     callback = _make(cls)
@@ -234,6 +246,7 @@ def test_a_crash_then_a_clean_second_fit_behaves_like_a_fresh_callback(cls, tmp_
         trainer.fit(model)
     # everything borrowed is given back: the process state and the user's modules
     assert _process_state() == before
+    _assert_freeze_kept(frozen)
     assert model.block.forward == forward and "forward" not in vars(model.block)
     # the same instance, a second fit: what a fresh instance does (no warning a fresh one would not give; a
     # warn-once message given in the first fit is not repeated)
@@ -242,3 +255,4 @@ def test_a_crash_then_a_clean_second_fit_behaves_like_a_fresh_callback(cls, tmp_
     assert again_warned <= fresh_warned, again_warned - fresh_warned
     assert again_patched == fresh_patched == [cls.__name__ == "GradientCheckpointing"] * 3
     assert _process_state() == before
+    _assert_freeze_kept(frozen)
