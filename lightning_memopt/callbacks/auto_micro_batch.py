@@ -30,6 +30,7 @@ from lightning_memopt.callbacks._micro_batch_state import (
 )
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
+from lightning_memopt.functional.ddp_overlap import OverlappedReduction
 from lightning_memopt.functional.ddp_sync import (
     check_ddp_for_micro_batches,
     check_strategy_for_micro_batches,
@@ -116,6 +117,7 @@ class _Batch:
     backward_fn: Callable[[Tensor], None] | None
     weight: float  # what the batch's loss is a mean over: its samples, or ``weight_fn(batch)``
     zeroed: bool = False  # whether this batch zeroed the gradients (the window starts with it)
+    overlap: OverlappedReduction | None = None  # under DDP: averages the gradients during a whole-batch backward
 
 
 #: Copies of in-place-changing buffers per batch from which ``AutoMicroBatch`` says what they cost (once).
@@ -164,6 +166,9 @@ class MicroBatchOptimization:
         #: under FSDP2: the sharded modules (set by :meth:`use_fsdp`)
         self.fsdp_modules: list[torch.nn.Module] = []
         self._give_back_collectives: Callable[[], None] = lambda: None
+        #: under DDP: the reduction overlapped with backward (made at the first stepping batch, again when the
+        #: parameters that need a gradient change)
+        self.overlap: OverlappedReduction | None = None
 
     def use_fsdp(self, modules: list[torch.nn.Module]) -> None:
         """Run under FSDP2: the collectives of ``modules`` agree first, an abandoned attempt resets their state."""
@@ -185,6 +190,9 @@ class MicroBatchOptimization:
         """Give the strategy its own collectives back (at the end of the fit)."""
         self._give_back_collectives()
         self._give_back_collectives = lambda: None
+        if self.overlap is not None:
+            self.overlap.remove()
+            self.overlap = None
 
     def _make_closure(self, kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
         zero_grad_fn = self._make_zero_grad_fn(batch_idx, optimizer)  # type: ignore[attr-defined]  # Lightning's
@@ -218,6 +226,8 @@ class MicroBatchOptimization:
         sync_at_end = (
             comm.active and not self.fsdp_modules and backward_fn is not None and not private.should_accumulate(trainer)
         )
+        reduce = gradient_reduction(trainer.strategy.model) if sync_at_end else None  # DDP's hook, if any
+        batch.overlap = self._overlap(params) if sync_at_end and reduce is None else None
         results = private.logged_results(trainer)
         snapshot = self._keep(pl_module, results, size)  # before the first attempt: what a retry puts back
 
@@ -229,6 +239,7 @@ class MicroBatchOptimization:
 
         # logs after the closure (on_before_optimizer_step, on_train_batch_end) are weighted by the whole batch again
         whole = private.results_batch(results)
+        give_back_backward = _wrap_backward(pl_module, batch.overlap)
         try:
             parts, _ = run_micro_batches(
                 n,
@@ -242,13 +253,27 @@ class MicroBatchOptimization:
                 give_up=lambda err, at: self._give_up(err, n, at),
             )
             self._went_through(snapshot, pl_module)
-            if sync_at_end:  # through the DDP communication hook the user registered, if any (on DDP's own buckets)
-                bucket_bytes = getattr(trainer.strategy.model, "bucket_bytes_cap", BUCKET_BYTES)  # DDP's bucket_cap_mb
-                comm.average_gradients(params, gradient_reduction(trainer.strategy.model), bucket_bytes)
+            if sync_at_end and not (batch.overlap is not None and batch.overlap.reduced):
+                # after the batch: through the DDP communication hook the user registered, if any (on DDP's own
+                # buckets), else one bucket at a time
+                comm.average_gradients(params, reduce, self._bucket_bytes())
             extra = combine_outputs([(part.samples, part.extra) for part in parts]) if parts else {}
             return self._result_class(combine_losses(parts, batch.weight, batch.accumulate), extra=extra)
         finally:
+            give_back_backward()
             private.point_results(results, *whole)
+
+    def _bucket_bytes(self) -> int:
+        return int(getattr(self.trainer.strategy.model, "bucket_bytes_cap", BUCKET_BYTES))  # DDP's bucket_cap_mb
+
+    def _overlap(self, params: list[torch.nn.Parameter]) -> OverlappedReduction:
+        """The reduction overlapped with backward for ``params`` (made again when they changed)."""
+        assert self.agreement is not None
+        if self.overlap is None or not self.overlap.matches(params):
+            if self.overlap is not None:
+                self.overlap.remove()
+            self.overlap = OverlappedReduction(params, self.agreement, self._bucket_bytes())
+        return self.overlap
 
     def _micro_batch_size(self, batch: Any, n: int) -> tuple[int, int]:
         """The micro-batch this batch starts with (the smallest over the ranks) and its elements per sample; on the
@@ -277,6 +302,8 @@ class MicroBatchOptimization:
         # epoch means weighted by micro-batch size (what Lightning infers)
         private.point_results(private.logged_results(trainer), micro_kwargs["batch"], stop - start)
         fx_name = private.current_fx_name(pl_module)
+        if batch.overlap is not None and start == 0:  # the attempt's first micro-batch: its backward may all-reduce
+            batch.overlap.arm(more=stop < batch.samples)
         try:
             output = private.call_strategy_hook(trainer, "training_step", *micro_kwargs.values())
             trainer.strategy.post_training_step()
@@ -288,6 +315,8 @@ class MicroBatchOptimization:
             weight = self._weight(micro_kwargs["batch"], stop - start)
             if batch.backward_fn is not None and result.closure_loss is not None and weight > 0:
                 batch.backward_fn(result.closure_loss * micro_batch_weight(weight, batch.weight, batch.accumulate))
+            if batch.overlap is not None:
+                batch.overlap.finish_step()  # no backward ran: its window all the same, as on the other ranks
             return MicroBatchPart(stop - start, result.loss, result.extra, weight)
         finally:  # a hook that raised leaves its own name behind (trainer/call.py)
             private.set_current_fx_name(pl_module, fx_name)
@@ -348,6 +377,24 @@ class MicroBatchOptimization:
     def _halved(self, halving: tuple[int, int, int, bool, int], batch_idx: int | None) -> None:
         """Take the halved micro-batch (the batch runs again with it) and say why."""
         report_halving(self.trainer, self.state, halving, batch_idx, "fit", self._warn, self._monitors)
+
+
+def _wrap_backward(pl_module: pl.LightningModule, overlap: OverlappedReduction | None) -> Callable[[], None]:
+    """Run ``pl_module.backward`` (what Lightning's precision plugin calls) inside the overlap's windows; returns the
+    function that gives the method back."""
+    if overlap is None:
+        return lambda: None
+    had_own = "backward" in vars(pl_module)
+    own = vars(pl_module).get("backward")
+    pl_module.backward = overlap.wrap_backward(pl_module.backward)  # type: ignore[method-assign]
+
+    def give_back() -> None:
+        if had_own:
+            setattr(pl_module, "backward", own)  # noqa: B010  (an instance attribute the user set)
+        else:
+            del pl_module.backward
+
+    return give_back
 
 
 # ----------------------------------------------------------------------------------------------- the callback

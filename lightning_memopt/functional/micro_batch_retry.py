@@ -29,6 +29,7 @@ __all__ = [
     "Agreement",
     "MicroBatchPart",
     "PeerOutOfMemoryError",
+    "PendingPoint",
     "agree_before_collectives",
     "combine_losses",
     "extend_message",
@@ -231,6 +232,19 @@ class PeerOutOfMemoryError(torch.OutOfMemoryError):
         self.flag = flag
 
 
+class PendingPoint(NamedTuple):
+    """An agreement started without waiting (:meth:`Agreement.start_point`); :meth:`wait` gives what it agreed."""
+
+    work: Any
+    flag: Tensor
+
+    def wait(self) -> tuple[int, int]:
+        if self.work is not None:
+            self.work.wait()
+        agreed, more = self.flag.tolist()
+        return int(agreed), int(more)
+
+
 class Agreement:
     """The few collectives every rank runs in the same order, whatever happened locally (no-ops when inactive).
 
@@ -266,6 +280,9 @@ class Agreement:
         #: the two-element buffer every agreement reduces (every agreement has this one shape, so that any two of them
         #: that meet on different ranks pair up)
         self._flag: Tensor | None = None
+        #: while a window of :class:`~lightning_memopt.functional.ddp_overlap.OverlappedReduction` is open: what an
+        #: agreement on this rank does first (the all-reduces the other ranks run in that window)
+        self.before_agreeing: Callable[[], None] | None = None
 
     def agree(self, value: int, more: int = 0) -> tuple[int, int]:
         """The largest ``value`` and the largest ``more`` over the ranks, in one all-reduce.
@@ -276,12 +293,27 @@ class Agreement:
         """
         if not self.active:
             return value, more
+        if self.before_agreeing is not None:
+            complete, self.before_agreeing = self.before_agreeing, None
+            complete()
         if self._flag is None:
             self._flag = torch.empty(2, dtype=torch.int64, device=self.device)
         self._flag.copy_(torch.tensor([value, more], dtype=torch.int64))
         torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX)
         agreed, anyone_more = self._flag.tolist()
         return int(agreed), int(anyone_more)
+
+    def start_point(self, value: int, more: int = 0) -> PendingPoint:
+        """An agreement like :meth:`agree`, started without waiting for it (its buffer is its own).
+
+        Examples:
+            >>> Agreement().start_point(0, 1).wait()  # one process: nothing to agree with
+            (0, 1)
+        """
+        if not self.active:
+            return PendingPoint(None, torch.tensor([value, more]))
+        flag = torch.tensor([value, more], dtype=torch.int64, device=self.device)
+        return PendingPoint(torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True), flag)
 
     def max(self, value: int) -> int:
         """The largest ``value`` over the ranks."""
@@ -310,7 +342,7 @@ class Agreement:
         Raises:
             PeerOutOfMemoryError: another rank ran out of memory; the agreed flag is on the error.
         """
-        if not self.in_step:
+        if not self.in_step or self.before_agreeing is not None:  # inside a window every rank runs the collective
             return
         self.points += 1
         flag = self.max(OK)

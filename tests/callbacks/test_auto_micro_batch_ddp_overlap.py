@@ -1,0 +1,71 @@
+"""AutoMicroBatch under DDP keeps the all-reduces inside the backward of a batch that runs whole, and a rank that runs
+out of memory there leaves no rank waiting. All tests read one run of ``tests/scripts/amb_ddp_overlap.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.amb import fit
+from tests.helpers.subprocess_run import run_script_once
+from tests.scripts.amb_ddp_overlap import Reentrant
+
+
+@pytest.fixture(scope="module")
+def overlap_run(tmp_path_factory):
+    return run_script_once(tmp_path_factory, "amb_ddp_overlap.py")
+
+
+def _ranks(directory, name):
+    return [torch.load(directory / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def _assert_same_weights(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        if exact:
+            assert torch.equal(value, b[name]), name
+        else:
+            assert torch.allclose(value, b[name], atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_without_out_of_memory_the_buckets_all_reduce_inside_backward_and_equal_ddps_reducer_bitwise(overlap_run):
+    reducer, overlap = _ranks(overlap_run, "reducer"), _ranks(overlap_run, "overlap")
+    for rank in (0, 1):
+        _assert_same_weights(overlap[rank]["weights"], reducer[rank]["weights"])
+        # a parameter no rank uses keeps no gradient, one that only rank 0 uses gets the average, as with the reducer
+        assert overlap[rank]["has_grad"] == reducer[rank]["has_grad"]
+        assert overlap[rank]["sizes"] == [8, 8, 8]
+    assert reducer[0]["has_grad"][0] == [True, False, True, True, True, True, True]  # probe, unused, rank0_only, ...
+    # 6 buckets, last parameter first: the head, the layer's bias, its weight, rank0_only, unused, the probe. A bucket
+    # starts from backward once its gradients and the buckets before it are in: 4 a step on rank 0 (the unused one
+    # and the one after it wait for the end of backward), 3 on rank 1 (which never uses rank0_only)
+    assert (overlap[0]["launched"], overlap[1]["launched"]) == (3 * 4, 3 * 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["backward", "forward"])
+def test_a_rank_out_of_memory_inside_or_before_the_overlapped_backward_leaves_no_rank_waiting(overlap_run, phase):
+    reducer, ranks = _ranks(overlap_run, "reducer"), _ranks(overlap_run, phase)
+    for rank in ranks:  # both halved together and made their three steps (8 -> 4, then two micro-batches a batch)
+        assert rank["micro"] == 4 and rank["step"] == 3
+        assert rank["sizes"] == [8, 4, 4, 4, 4, 4, 4]
+    _assert_same_weights(ranks[0]["weights"], ranks[1]["weights"])
+    _assert_same_weights(ranks[0]["weights"], reducer[0]["weights"], exact=False)  # the whole batch's mean
+    if phase == "backward":  # rank 1 had started buckets from its backward before it ran out of memory
+        assert (ranks[0]["launched"], ranks[1]["launched"]) == (4, 1)  # rank 1: the head's bucket
+    else:  # rank 0 learned of it at its window's point and started none
+        assert ranks[0]["launched"] == ranks[1]["launched"] == 0
+
+
+@pytest.mark.slow
+def test_a_gradient_that_comes_in_after_its_bucket_started_is_averaged_too(overlap_run, tmp_path):
+    ranks = _ranks(overlap_run, "reentrant")
+    for rank in ranks:
+        assert rank["late"] == 3  # every step: the shared layer's second gradient came after its all-reduce started
+        assert rank["launched"] == 3 * 6
+    _assert_same_weights(ranks[0]["weights"], ranks[1]["weights"])
+    reference = Reentrant(batch_size=16)  # one process, the global batch
+    fit(tmp_path, reference, max_steps=3)
+    _assert_same_weights(ranks[0]["weights"], reference.state_dict(), exact=False)
