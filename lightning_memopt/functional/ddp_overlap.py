@@ -15,9 +15,10 @@ from leaving the others waiting is one protocol, carried out on every rank in th
 2. *Buckets* (parameters in reverse order, DDP's ``bucket_cap_mb``, a small first bucket) start their all-reduce in
    bucket order as their gradients come in; the gradient moves into the bucket (``param.grad = None``), so the
    copies cost no memory beyond the gradients. After backward the rest follow.
-3. *The tail*: one small all-reduce of which parameters have a gradient on some rank and which buckets got a
-   gradient after their all-reduce had started (a parameter used again by a reentrant checkpoint). Those buckets get
-   a second all-reduce of what came late; the result is the average of the whole gradients (to rounding).
+3. *The last bucket* (the first parameters, whose gradients come last) starts after backward and also carries which
+   parameters have a gradient on some rank and which buckets got a gradient after their all-reduce had started (a
+   parameter used again by a reentrant checkpoint). Those buckets get a second all-reduce of what came late; the
+   result is the average of the whole gradients (to rounding).
 4. *The window closes*: each gradient is a view into its averaged bucket (as with DDP's ``gradient_as_bucket_view``).
 
 A rank that runs out of memory inside its window completes the protocol with stand-in buckets before its agreement
@@ -113,6 +114,9 @@ class OverlappedReduction:
             for indices in gradient_buckets(self.params, bucket_bytes)
         ]
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.indices}
+        #: the last bucket also carries, after its gradients, which parameters have one and which buckets got one
+        #: late (each a count over the ranks: > 0 means some rank did); it starts after backward, never from a hook
+        self._facts = len(self.params) + len(self._buckets)
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, i))
             for i, p in enumerate(self.params)
@@ -123,6 +127,7 @@ class OverlappedReduction:
         self._point: PendingPoint | None = None
         self._decided: tuple[int, int] | None = None
         self._next = 0  # the first bucket whose all-reduce has not started
+        self._averaged: set[int] = set()  # buckets whose late gradients were all-reduced in this window
         self.reduced = False
         self.launched_in_backward = 0
         self.late_windows = 0
@@ -164,6 +169,7 @@ class OverlappedReduction:
 
     def _window(self, body: Callable[[], Any]) -> Any:
         self.armed, self._open, self._next, self.reduced = False, True, 0, False
+        self._averaged = set()
         for bucket in self._buckets:
             bucket.pending, bucket.flat, bucket.work, bucket.late = len(bucket.indices), None, None, False
         self._point, self._decided = self.agreement.start_point(OK, int(self._more)), None
@@ -200,14 +206,22 @@ class OverlappedReduction:
             bucket.late = True
             return
         bucket.pending -= 1
-        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0 and self._overlapping():
+        last = len(self._buckets) - 1
+        while self._next < last and self._buckets[self._next].pending == 0 and self._overlapping():
             self._launch(self._buckets[self._next])
             self.launched_in_backward += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
-        """Move the bucket's gradients into one flat tensor and start its all-reduce."""
+    def _flat(self, bucket: _Bucket, facts: Sequence[bool] = ()) -> Tensor:
+        """An uninitialised flat tensor for ``bucket``'s gradients, followed by ``facts`` (as 0 and 1)."""
         first = self.params[bucket.indices[0]]
-        flat = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
+        flat = torch.empty(bucket.numel + len(facts), dtype=first.dtype, device=first.device)
+        if facts:
+            flat[bucket.numel :].copy_(torch.tensor(facts, dtype=flat.dtype))
+        return flat
+
+    def _launch(self, bucket: _Bucket, facts: Sequence[bool] = ()) -> None:
+        """Move the bucket's gradients (and ``facts``) into one flat tensor and start its all-reduce."""
+        flat = self._flat(bucket, facts)
         offset = 0
         for i in bucket.indices:
             p = self.params[i]
@@ -222,7 +236,7 @@ class OverlappedReduction:
         bucket.work = torch.distributed.all_reduce(flat, async_op=True)
 
     def _close(self) -> None:
-        """After a backward that went through: the rest of the buckets, the tail, the gradients back."""
+        """After a backward that went through: the rest of the buckets, the last with the facts, the gradients back."""
         flag, more = self._decision()
         if flag != OK:
             self._reset()
@@ -234,31 +248,34 @@ class OverlappedReduction:
         for bucket in self._buckets[: self._next]:  # all-reduced from backward: each of its parameters had one
             for i in bucket.indices:
                 has[i] = True
-        for bucket in self._buckets[self._next :]:
+        *rest, last = self._buckets[self._next :]
+        for bucket in rest:
             self._launch(bucket)
+        self._launch(last, has + [b.late for b in self._buckets])
         for bucket in self._buckets:
             bucket.work.wait()
-        has_any, late = self._tail(has, [b.late for b in self._buckets])
+        has_any, late = self._facts_of(last)
         world = torch.distributed.get_world_size()
         for b, bucket in enumerate(self._buckets):
             assert bucket.flat is not None
             bucket.flat.div_(world)
-            self._give_back(bucket, has_any, late[b], world)
+            self._give_back(b, has_any, late[b], world)
         self.late_windows += any(late)
         self.reduced = True
         self._reset()
 
-    def _tail(self, has: list[bool], late: list[bool]) -> tuple[list[bool], list[bool]]:
-        """Which parameters have a gradient on some rank, and which buckets got a late gradient on some rank."""
-        tail = torch.tensor(has + late, dtype=torch.int64, device=self.agreement.device)
-        torch.distributed.all_reduce(tail, op=torch.distributed.ReduceOp.MAX)
-        values = [bool(v) for v in tail.tolist()]
+    def _facts_of(self, last: _Bucket) -> tuple[list[bool], list[bool]]:
+        """From the last bucket's all-reduced flat: which parameters have a gradient on some rank, and which buckets
+        got a late gradient on some rank (a sum of 0s and 1s is positive exactly when one was 1, in any dtype)."""
+        assert last.flat is not None
+        values = [v > 0 for v in last.flat[last.numel :].tolist()]
         return values[: len(self.params)], values[len(self.params) :]
 
-    def _give_back(self, bucket: _Bucket, has_any: list[bool], late: bool, world: int) -> None:
-        """Each gradient of ``bucket`` becomes its averaged part (plus the average of the late parts when ``late``)."""
+    def _give_back(self, b: int, has_any: list[bool], late: bool, world: int) -> None:
+        """Each gradient of bucket ``b`` becomes its averaged part (plus the average of the late parts if ``late``)."""
+        bucket = self._buckets[b]
         assert bucket.flat is not None
-        extra = self._late_average(bucket, world) if late else None
+        extra = self._late_average(b, world) if late else None
         offset = 0
         for i in bucket.indices:
             p = self.params[i]
@@ -269,8 +286,9 @@ class OverlappedReduction:
             if has_any[i]:
                 p.grad = part if p.is_contiguous() else torch.empty_like(p).copy_(part)
 
-    def _late_average(self, bucket: _Bucket, world: int) -> Tensor:
-        """The average over the ranks of what came in after the bucket's all-reduce started (zeros where nothing)."""
+    def _late_average(self, b: int, world: int) -> Tensor:
+        """The average over the ranks of what came in after bucket ``b``'s all-reduce started (zeros where nothing)."""
+        bucket = self._buckets[b]
         first = self.params[bucket.indices[0]]
         flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
         offset = 0
@@ -280,29 +298,37 @@ class OverlappedReduction:
                 flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             offset += p.numel()
         torch.distributed.all_reduce(flat)
+        self._averaged.add(b)
         return flat.div_(world)
 
     def complete(self) -> None:
         """Complete an open window after an out-of-memory error here (called by the round's agreement): the buckets
-        the other ranks all-reduce, with stand-ins, then the tail; nothing of this attempt is kept."""
+        the other ranks all-reduce, with stand-ins (and what came late on them); nothing of this attempt is kept."""
         if not self._open:
             return
         if self._overlapping():
+            last = self._buckets[-1]
             for bucket in self._buckets:
                 if bucket.work is not None:
                     bucket.work.wait()
-                    bucket.flat = None  # released before the next stand-in is made
-            for bucket in self._buckets[self._next :]:
+                    if bucket is not last:
+                        bucket.flat = None  # released before the next stand-in is made
+            for bucket in self._buckets[self._next : len(self._buckets) - 1]:
                 self._stand_in(bucket)
-            _, late = self._tail([False] * len(self.params), [False] * len(self._buckets))
-            for bucket, was_late in zip(self._buckets, late):
-                if was_late:  # another rank all-reduces what came late there
+            if last.work is None:
+                last.flat = self._stand_in(last, [False] * self._facts)
+            _, late = self._facts_of(last)
+            for b, bucket in enumerate(self._buckets):
+                if late[b] and b not in self._averaged:  # another rank all-reduces what came late there
                     self._stand_in(bucket)
         self._reset()
 
-    def _stand_in(self, bucket: _Bucket) -> None:
-        first = self.params[bucket.indices[0]]
-        torch.distributed.all_reduce(torch.empty(bucket.numel, dtype=first.dtype, device=first.device))
+    def _stand_in(self, bucket: _Bucket, facts: Sequence[bool] = ()) -> Tensor:
+        """An all-reduce of the size another rank runs for ``bucket``, of zeros (and ``facts``)."""
+        flat = self._flat(bucket, facts)
+        flat[: bucket.numel].zero_()
+        torch.distributed.all_reduce(flat)
+        return flat
 
     def _reset(self) -> None:
         self._open, self.armed, self._point = False, False, None
