@@ -334,7 +334,7 @@ DDP_MODELS = [("124M params", 124e6, 8 * 1024), ("1.3B params", 1.3e9, 8 * 2048)
 #: The throughput a backward reaches (an H100 at about 30 % of its dense bf16 peak): backward = 4 * params * tokens.
 DDP_FLOPS = 300e12
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
-#: One small all-reduce within a node on NCCL (an order of magnitude, not measured here): the overlapped reduction's tail.
+#: One small all-reduce within a node on NCCL (an order of magnitude, not measured here): the round's agreement.
 SMALL_ALL_REDUCE_S = 30e-6
 
 
@@ -354,8 +354,8 @@ def ddp_sync_model(
     over ``backward_s``; buckets of ``bucket_bytes``, one all-reduce at a time), so communication hides behind the
     backward of earlier layers: it ends near ``max(backward, all-reduce)`` plus the last bucket's all-reduce. The
     explicit sync (AutoMicroBatch once a batch runs as several micro-batches) all-reduces after backward: ``backward +
-    all-reduce``. The overlapped reduction all-reduces its buckets as DDP does; it adds the tail (one small all-reduce,
-    ``small_all_reduce_s``) after the last bucket; its window point runs while the first gradients are computed. A
+    all-reduce``. The overlapped reduction all-reduces its buckets as DDP does; it adds one small all-reduce (
+    ``small_all_reduce_s``: the round's agreement); its window point runs while the first gradients are computed. A
     ring all-reduce of ``b`` bytes over ``world_size`` ranks takes ``latency_s + 2 (w - 1) / w * b / bus``.
 
     Example:

@@ -458,6 +458,10 @@ class AutoMicroBatch(Callback):
     also gives the cost). An out-of-memory error raised inside a collective itself ends the run. FSDP1
     (``FSDPStrategy``), DeepSpeed and tensor parallelism are refused in ``setup``.
 
+    Under DDP the gradients of a batch that every rank runs as one micro-batch (no out-of-memory error yet) are
+    all-reduced bucket by bucket during its backward, as DDP's reducer does; once batches run as several micro-batches
+    they are averaged after the last one (:mod:`~lightning_memopt.functional.ddp_overlap`).
+
     Under several processes a step may call collectives through the strategy (``self.log(..., sync_dist=True)``,
     ``self.all_gather``): each is preceded by an agreement point while a micro-batch runs, so a rank that ran out of
     memory before it never leaves the others waiting in it.

@@ -1,10 +1,12 @@
 """AutoMicroBatch's gradient reduction under DDP: the communication hook the user registered, run on DDP's own buckets.
 
 AutoMicroBatch runs every micro-batch without DDP's reducer and reduces the accumulated gradients itself, once per
-optimizer step, after the last micro-batch: a rank that runs out of memory inside a backward that the reducer syncs
-leaves the other ranks inside bucket all-reduces it never joins (gloo aborts the process with a collective mismatch,
-NCCL waits for its time-out), and no rank can know before a backward that it will fit. Without a hook the reduction is
-a plain average (:meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.average_gradients`). With a hook
+optimizer step: a rank that runs out of memory inside a backward that the reducer syncs leaves the other ranks inside
+bucket all-reduces it never joins (gloo aborts the process with a collective mismatch, NCCL waits for its time-out),
+and no rank can know before a backward that it will fit. Without a hook the gradients of a batch that every rank runs
+as one micro-batch are averaged during its backward
+(:class:`~lightning_memopt.functional.ddp_overlap.OverlappedReduction`), others after the last micro-batch (a plain
+average: :meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.average_gradients`). With a hook
 (fp16 compression, PowerSGD, post-local SGD, one of the user's), :func:`reduce_with_comm_hook` fills DDP's buckets with
 the accumulated gradients and hands each one to the hook through the reducer, in the reducer's order, as DDP does at
 the end of a synced backward and as its join mode does for a rank that ran out of data: the hook and its state see
