@@ -69,3 +69,16 @@ def test_a_gradient_that_comes_in_after_its_bucket_started_is_averaged_too(overl
     reference = Reentrant(batch_size=16)  # one process, the global batch
     fit(tmp_path, reference, max_steps=3)
     _assert_same_weights(ranks[0]["weights"], reference.state_dict(), exact=False)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_step_returns_none_still_takes_part_in_the_reduction(overlap_run):
+    ranks = _ranks(overlap_run, "skip")
+    for rank in ranks:  # no out-of-memory error: three whole batches
+        assert rank["step"] == 3 and rank["micro"] == 8
+    _assert_same_weights(ranks[0]["weights"], ranks[1]["weights"])
+    # the first step's gradients: rank 0's halved (rank 1 had none), so the weights differ from the reducer run's
+    reducer = _ranks(overlap_run, "reducer")
+    assert not torch.equal(ranks[0]["weights"]["layer.weight"], reducer[0]["weights"]["layer.weight"])
+    # rank 1 all-reduced its (absent) gradients after its step; rank 0 from backward, as in every later step
+    assert (ranks[0]["launched"], ranks[1]["launched"]) == (3 * 4, 2 * 3)

@@ -10,6 +10,7 @@ from backward, micro-batch sizes):
 * ``backward``: rank 1 alone runs out of memory in the first batch's backward, after the gradients of the last layers
   came in (their buckets' all-reduces started); a synced log in ``on_after_backward``;
 * ``forward``: rank 1 alone runs out of memory in the first batch's forward, after rank 0 reached its backward;
+* ``skip``: rank 1's ``training_step`` returns ``None`` in the first batch (no backward there), rank 0's does not;
 * ``reentrant``: a layer whose gradient comes in twice per backward (two reentrant checkpoints), nothing out of memory.
 """
 
@@ -48,6 +49,8 @@ class Overlapped(Net):
         x, y, idx = batch
         self.seen_sizes.append(x.shape[0])
         hit = self.phase is not None and self.global_rank == 1 and batch_idx == 0 and x.shape[0] > BATCH // 2
+        if hit and self.phase == "skip":
+            return None  # no backward on rank 1: its window opens and closes all the same
         if hit and self.phase == "forward":
             raise torch.OutOfMemoryError(f"simulated: forward of {x.shape[0]} samples on rank 1")
         h = BackwardBudget.apply(self.layer(x), BATCH // 2 if hit else None)
@@ -58,6 +61,8 @@ class Overlapped(Net):
         return loss
 
     def on_after_backward(self):
+        if self.phase == "skip":  # rank 1 runs no backward in the first batch: a synced log there would wait for it
+            return
         self.log("after_backward", torch.tensor(1.0), on_step=True, on_epoch=False, sync_dist=True)
 
     def on_before_optimizer_step(self, optimizer):
@@ -121,7 +126,7 @@ def run(name: str, model: Overlapped | Reentrant, callbacks: list) -> None:
 if __name__ == "__main__":
     run("reducer", Overlapped(), [])
     run("overlap", Overlapped(), [AutoMicroBatch()])
-    for phase in ("backward", "forward"):
+    for phase in ("backward", "forward", "skip"):
         run(phase, Overlapped(phase), [AutoMicroBatch()])
     run("reentrant", Reentrant(), [AutoMicroBatch()])
     if torch.distributed.is_initialized():
