@@ -68,3 +68,17 @@ def _restore_global_state():
     if torch.get_float32_matmul_precision() != matmul:
         torch.set_float32_matmul_precision(matmul)
         pytest.fail("test left float32 matmul precision changed")
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of one process, destroyed afterwards (skipped where one is already initialized)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

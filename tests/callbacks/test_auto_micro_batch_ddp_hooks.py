@@ -27,19 +27,6 @@ from lightning_memopt.functional.micro_batch_retry import Agreement
 from tests.helpers.subprocess_run import SCRIPTS, run_file
 
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    """A gloo process group of one process, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))

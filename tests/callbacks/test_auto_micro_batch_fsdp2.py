@@ -147,17 +147,11 @@ def test_a_model_not_sharded_by_fully_shard_is_refused_naming_the_fix():
 
 
 @pytest.fixture
-def one_process_mesh(tmp_path):
-    """A one-process gloo group and its mesh, destroyed afterwards."""
+def one_process_mesh(one_process_group):
+    """The mesh of a one-process gloo group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def _collective_failing_with(error):

@@ -6,22 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_memopt.functional.ddp_overlap import OverlappedReduction, gradient_buckets
 from lightning_memopt.functional.micro_batch_retry import Agreement, PeerOutOfMemoryError
-
-
-@pytest.fixture
-def group(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _Model(nn.Module):
@@ -65,7 +53,7 @@ def test_buckets_go_last_parameter_first_within_the_cap_one_dtype_each():
 
 
 @pytest.mark.parametrize("reuse", [False, True])
-def test_a_window_averages_every_gradient_as_a_plain_backward_gives_it(group, reuse):
+def test_a_window_averages_every_gradient_as_a_plain_backward_gives_it(one_process_group, reuse):
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     model = _model()
     reduction = _reduction(model)
@@ -79,7 +67,7 @@ def test_a_window_averages_every_gradient_as_a_plain_backward_gives_it(group, re
     reduction.remove()
 
 
-def test_a_backward_outside_a_window_is_left_alone(group):
+def test_a_backward_outside_a_window_is_left_alone(one_process_group):
     model = _model()
     reduction = _reduction(model)
     grads_before = reduction.launched_in_backward
@@ -88,7 +76,7 @@ def test_a_backward_outside_a_window_is_left_alone(group):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_a_rank_with_more_micro_batches_makes_every_rank_leave_the_reduction_to_after_the_batch(group):
+def test_a_rank_with_more_micro_batches_makes_every_rank_leave_the_reduction_to_after_the_batch(one_process_group):
     model = _model()
     reduction = _reduction(model)
     reduction.arm(more=True)
@@ -96,7 +84,7 @@ def test_a_rank_with_more_micro_batches_makes_every_rank_leave_the_reduction_to_
     assert not reduction.reduced and reduction.launched_in_backward == 0
 
 
-def test_a_first_round_without_backward_still_runs_its_window_and_keeps_missing_gradients_missing(group):
+def test_a_first_round_without_backward_still_runs_its_window_and_keeps_missing_gradients_missing(one_process_group):
     model = _model()
     model.last.weight.grad = torch.full_like(model.last.weight, 2.0)  # from an earlier batch of the window
     reduction = _reduction(model)
@@ -107,7 +95,7 @@ def test_a_first_round_without_backward_still_runs_its_window_and_keeps_missing_
     assert [p.grad is None for p in model.parameters()] == [True, True, True, False, True]  # mix, first, last
 
 
-def test_out_of_memory_inside_the_window_leaves_it_to_the_agreement_which_completes_it_first(group):
+def test_out_of_memory_inside_the_window_leaves_it_to_the_agreement_which_completes_it_first(one_process_group):
     model = _model()
     agreement = Agreement(True, "cpu")
     reduction = OverlappedReduction(list(model.parameters()), agreement, bucket_bytes=40)
@@ -127,7 +115,7 @@ def test_out_of_memory_inside_the_window_leaves_it_to_the_agreement_which_comple
     assert agreement.before_agreeing is None and not reduction.reduced
 
 
-def test_the_window_point_tells_a_rank_that_another_one_ran_out_of_memory(group, monkeypatch):
+def test_the_window_point_tells_a_rank_that_another_one_ran_out_of_memory(one_process_group, monkeypatch):
     model = _model()
     agreement = Agreement(True, "cpu")
     reduction = OverlappedReduction(list(model.parameters()), agreement, bucket_bytes=40)
@@ -140,7 +128,7 @@ def test_the_window_point_tells_a_rank_that_another_one_ran_out_of_memory(group,
     assert all(p.grad is not None for p in model.parameters())  # the local backward's, put back by the retry
 
 
-def test_a_new_set_of_trainable_parameters_needs_a_new_reduction(group):
+def test_a_new_set_of_trainable_parameters_needs_a_new_reduction(one_process_group):
     model = _model()
     reduction = _reduction(model)
     params = list(model.parameters())
