@@ -22,6 +22,7 @@ LAYERS = {
     "analysis": 1,
     "callbacks": 2,
     "metrics": 2,
+    "data": 2,
     "plugins": 2,
     "presets": 3,
     "planner": 3,
