@@ -22,10 +22,20 @@ if TYPE_CHECKING:
         MemoryMonitor,
         OOMReporter,
     )
+    from lightning_memopt.data import TokenBudgetBatchSampler
     from lightning_memopt.functional.conversion import to_device_and_dtype
     from lightning_memopt.functional.memory import MemoryReading, read_memory
     from lightning_memopt.metrics import StreamingRetrievalMetric
-    from lightning_memopt.planner import MemoryEstimate, MemoryEstimateError, MemoryPlan, estimate_memory, plan_memory
+    from lightning_memopt.planner import (
+        MemoryEstimate,
+        MemoryEstimateError,
+        MemoryPlan,
+        TokenBudgetPlan,
+        estimate_memory,
+        longest_input,
+        plan_memory,
+        plan_token_budget,
+    )
     from lightning_memopt.plugins import MemoryPrecision
     from lightning_memopt.presets import MemoryPreset, MemoryPresetCLI
     from lightning_memopt.utilities.oom import is_out_of_memory_error
@@ -53,6 +63,10 @@ _EXPORTS = {
     "MemoryPlan": "lightning_memopt.planner",
     "estimate_memory": "lightning_memopt.planner",
     "plan_memory": "lightning_memopt.planner",
+    "plan_token_budget": "lightning_memopt.planner",
+    "longest_input": "lightning_memopt.planner",
+    "TokenBudgetPlan": "lightning_memopt.planner",
+    "TokenBudgetBatchSampler": "lightning_memopt.data",
 }
 
 __all__ = [
@@ -72,10 +86,14 @@ __all__ = [
     "MemoryReading",
     "OOMReporter",
     "StreamingRetrievalMetric",
+    "TokenBudgetBatchSampler",
+    "TokenBudgetPlan",
     "__version__",
     "estimate_memory",
     "is_out_of_memory_error",
+    "longest_input",
     "plan_memory",
+    "plan_token_budget",
     "read_memory",
     "to_device_and_dtype",
 ]

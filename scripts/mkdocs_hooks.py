@@ -36,6 +36,10 @@ API_PAGES = {
         "Planner",
         ["estimate_memory", "MemoryEstimate", "plan_memory", "MemoryPlan", "MemoryEstimateError"],
     ),
+    "api/batching.md": (
+        "Batching by memory",
+        ["TokenBudgetBatchSampler", "plan_token_budget", "TokenBudgetPlan", "longest_input"],
+    ),
     "api/metrics.md": ("Retrieval metric", ["StreamingRetrievalMetric"]),
     "api/utilities.md": (
         "Memory readings and errors",

@@ -22,8 +22,12 @@ from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimat
 from lightning_memopt.planner.model_step import MemoryEstimateError
 from lightning_memopt.planner.plan import MemoryPlan, plan_memory
 from lightning_memopt.planner.search import PlanTrial
+from lightning_memopt.planner.token_budget import TokenBudgetPlan, longest_input, plan_token_budget
 
 __all__ = [
+    "TokenBudgetPlan",
+    "longest_input",
+    "plan_token_budget",
     "CUDA_CONTEXT_BYTES",
     "ESTIMATE_PRECISIONS",
     "GPU_COMPUTE_CAPABILITY",

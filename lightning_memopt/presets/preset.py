@@ -148,10 +148,12 @@ class MemoryPreset:
             passes ``ModelParallelStrategy(data_parallel_size=devices x num_nodes, tensor_parallel_size=1)`` (and
             a precision string, as that strategy needs): paste :attr:`configure_model_recipe` into the
             LightningModule. :meth:`from_plan` sets it from the plan.
-        reshard_after_forward / cpu_offload: FSDP2's options in the recipe (``"fsdp2"`` only).
-        shard_blocks / shard_roots: the qualified names the recipe applies ``fully_shard`` to, blocks first, then
-            the roots (``""``: the module); ``None``: the LightningModule's own ``configure_model`` shards
-            (``"fsdp2"`` only).
+        reshard_after_forward: FSDP2's option in the recipe (``"fsdp2"`` only).
+        cpu_offload: FSDP2's CPU offload in the recipe (``"fsdp2"`` only).
+        shard_blocks: the qualified names of the blocks the recipe applies ``fully_shard`` to, before the roots;
+            ``None``: the LightningModule's own ``configure_model`` shards (``"fsdp2"`` only).
+        shard_roots: the qualified names the recipe applies ``fully_shard`` to after the blocks (``""``: the
+            module); ``None``: as ``shard_blocks`` (``"fsdp2"`` only).
 
     Examples:
         >>> preset = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=16)
