@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.functional.oom.schema import BatchSection, BatchTensor
+from lightning_memopt.functional.oom.schema import BatchLengths, BatchSection, BatchTensor
 
-__all__ = ["describe_batch"]
+__all__ = ["batch_lengths", "describe_batch"]
 
 _MAX_BATCH_TENSORS = 32
+#: Per-sample lengths listed in a report, and the largest mask read (elements) for them.
+_MAX_LENGTHS, _MAX_MASK_ELEMENTS = 64, 1 << 24
 _MAX_DEPTH = 6
 #: What a tensor subclass that cannot describe itself raises; such a tensor is left out (or counted as 0 bytes).
 _DESCRIBE_ERRORS = (RuntimeError, TypeError, ValueError, AttributeError)
@@ -53,7 +55,8 @@ def describe_batch(batch: Any, name: str = "batch") -> BatchSection:
     """Shapes, dtypes, devices and sizes of the tensors in ``batch`` (tensors, mappings, sequences, dataclasses).
 
     At most 32 tensors are listed; ``num_tensors`` counts all of them. ``micro_batch_size`` is the first
-    dimension of the first tensor with one (``None`` when no tensor has a dimension). The keys are those of
+    dimension of the first tensor with one (``None`` when no tensor has a dimension). ``lengths`` (only where the
+    batch has padding masks) is :func:`batch_lengths`. The keys are those of
     :class:`~lightning_memopt.functional.oom.schema.BatchSection` (without ``found_in``).
 
     Examples:
@@ -80,7 +83,7 @@ def describe_batch(batch: Any, name: str = "batch") -> BatchSection:
         except _DESCRIBE_ERRORS:  # a tensor subclass that cannot describe itself
             continue
     micro = next((t["shape"][0] for t in tensors if t["shape"]), None)
-    return {
+    section: BatchSection = {
         "type": type(batch).__name__,
         "tensors": tensors,
         "num_tensors": total,
@@ -88,3 +91,56 @@ def describe_batch(batch: Any, name: str = "batch") -> BatchSection:
         "bytes": sum(t["bytes"] for t in tensors),
         "micro_batch_size": micro,
     }
+    lengths = batch_lengths(found)
+    if lengths:  # only where the batch has padding masks
+        section["lengths"] = lengths
+    return section
+
+
+def _sample_lengths(path: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """Per-sample lengths from a 2-D padding mask (a name ending in ``mask``: ones where a token is) or labels padded
+    with -100 (a name holding ``labels``); ``None`` for any other tensor. Read on the host: nothing is allocated on
+    the device that ran out of memory."""
+    name = path.rstrip("]'\"").lower()
+    if tensor.dim() != 2 or tensor.numel() > _MAX_MASK_ELEMENTS or tensor.is_floating_point():
+        return None
+    if name.endswith("mask"):
+        return (tensor.detach().to("cpu") != 0).sum(1)
+    if "labels" in name:
+        return (tensor.detach().to("cpu") != -100).sum(1)
+    return None
+
+
+def batch_lengths(tensors: list[tuple[str, torch.Tensor]]) -> list[BatchLengths]:
+    """What the padding masks among ``tensors`` say of the samples' lengths: how long the batch is padded, its longest
+    and median sample, the share of padding. Counts only, no data values.
+
+    Examples:
+        >>> mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+        >>> found = batch_lengths([("batch['attention_mask']", mask)])[0]
+        >>> found["padded_to"], found["longest"], found["padding_share"], found["lengths"]
+        (4, 3, 0.375, [2, 3])
+    """
+    out: list[BatchLengths] = []
+    for path, tensor in tensors:
+        try:
+            lengths = _sample_lengths(path, tensor)
+        except _DESCRIBE_ERRORS:
+            continue
+        if lengths is None or lengths.numel() == 0:
+            continue
+        padded_to = int(tensor.shape[1])
+        values = sorted(int(v) for v in lengths.tolist())
+        out.append(
+            {
+                "path": path,
+                "samples": len(values),
+                "padded_to": padded_to,
+                "longest": values[-1],
+                "shortest": values[0],
+                "median": values[len(values) // 2],
+                "padding_share": 1 - sum(values) / (len(values) * padded_to) if padded_to else 0.0,
+                "lengths": [int(v) for v in lengths.tolist()[:_MAX_LENGTHS]],
+            }
+        )
+    return out

@@ -186,7 +186,29 @@ def _batch(batch: Mapping[str, Any], shape: _Shape) -> Lines:
         )
     if batch.get("truncated"):
         lines += [f"({batch.get('num_tensors')} tensors in all; the first {len(tensors)} are listed.)", ""]
+    lengths = shape.items(shape.get(batch, "lengths", list, "batch."), "batch.lengths")
+    if lengths:
+        lines += ["Sample lengths (from the padding masks):", ""]
+        lines += _table(
+            ["from", "samples", "padded to", "longest", "median", "shortest", "padding"],
+            [
+                (
+                    found.get("path"),
+                    found.get("samples"),
+                    found.get("padded_to"),
+                    found.get("longest"),
+                    found.get("median"),
+                    found.get("shortest"),
+                    _percent(found.get("padding_share")),
+                )
+                for found in lengths
+            ],
+        )
     return lines
+
+
+def _percent(share: Any) -> str:
+    return f"{100 * share:.0f} %" if isinstance(share, (int, float)) and not isinstance(share, bool) else "n/a"
 
 
 def _memory(memory: Mapping[str, Any]) -> Lines:

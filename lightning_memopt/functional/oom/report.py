@@ -271,6 +271,7 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
         device_type=device_type,
         activation_checkpointing=None if checkpointing is None else checkpointing.get("on"),
         sharding=report.get("sharding"),
+        lengths=report.get("batch", {}).get("lengths"),
     )
 
 

@@ -12,6 +12,7 @@ from typing_extensions import Required, TypedDict
 
 __all__ = [
     "REPORT_FORMAT",
+    "BatchLengths",
     "BatchSection",
     "BatchTensor",
     "CheckpointingState",
@@ -68,6 +69,19 @@ class BatchTensor(TypedDict):
     bytes: int
 
 
+class BatchLengths(TypedDict):
+    """One entry of ``batch.lengths``: the per-sample lengths a padding mask (or labels padded with -100) gives."""
+
+    path: str  # the tensor they were read from
+    samples: int
+    padded_to: int  # the tensor's second dimension
+    longest: int
+    shortest: int
+    median: int
+    padding_share: float  # padded positions / all positions
+    lengths: list[int]  # per sample, the first 64
+
+
 class BatchSection(TypedDict, total=False):
     """``batch``: the failing batch. Empty if it could not be described; without a local ``batch``, only
     ``found_in`` (``None``), ``tensors`` (empty), ``num_tensors`` (0) and ``micro_batch_size`` (``None``)."""
@@ -78,6 +92,7 @@ class BatchSection(TypedDict, total=False):
     truncated: bool
     bytes: int  # bytes of the listed tensors
     micro_batch_size: int | None  # first dimension of the first tensor that has one
+    lengths: list[BatchLengths]  # only where the batch has padding masks (or labels padded with -100)
     found_in: str | None  # "function (file:line)" of the frame whose local `batch` was read
 
 

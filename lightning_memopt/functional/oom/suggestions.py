@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ class Facts:
     device_type: str
     activation_checkpointing: bool | None
     sharding: Mapping[str, Any] = field(default_factory=dict)  # the report's `sharding` part; empty: not sharded
+    lengths: tuple[Mapping[str, Any], ...] = ()  # the failing batch's `lengths` (from its padding masks)
 
     @property
     def training(self) -> bool:
@@ -371,9 +372,40 @@ def other_users(f: Facts) -> Iterator[Tip]:
         )
 
 
+def padding(f: Facts) -> Iterator[Tip]:
+    """A failing batch padded beyond its longest sample, or mostly padding: the input, not a setting, to change."""
+    if not f.lengths:
+        return
+    found = max(f.lengths, key=lambda lengths: float(lengths.get("padding_share") or 0))
+    padded_to, longest, given = found.get("padded_to"), found.get("longest"), found.get("padding_share")
+    if not (isinstance(padded_to, int) and isinstance(longest, int) and isinstance(given, float) and padded_to):
+        return
+    share = given
+    where = f"`{found.get('path')}`: {found.get('samples')} samples padded to {padded_to}"
+    if longest < padded_to:
+        yield Tip(
+            _share_of_activations(f, 1 - longest / padded_to),
+            1,
+            'Pad each batch to its longest sample, not to `max_length` (`padding="longest"`, or a collate that pads'
+            " to the batch's longest)",
+            f"{where}, the longest has {longest}: {100 * (1 - longest / padded_to):.0f} % of the length is padding"
+            " in every sample, and activations grow at least linearly with it.",
+        )
+    elif share >= 0.2:
+        yield Tip(
+            _share_of_activations(f, share),
+            2,
+            "Batch samples of similar length: `TokenBudgetBatchSampler` (a budget per length bucket, planned by"
+            " `plan_token_budget`) or Hugging Face's `group_by_length`",
+            f"{where}, from {found.get('shortest')} to {longest} long (median {found.get('median')}):"
+            f" {100 * share:.0f} % of the batch's positions are padding.",
+        )
+
+
 #: The rules, in the order their tips are collected (ties in the ranking keep this order).
 RULES: tuple[Rule, ...] = (
     huge_allocation,
+    padding,
     units_per_block,
     reshard_after_forward,
     activation_checkpointing,
@@ -406,6 +438,7 @@ def suggest_fixes(
     device_type: str = "cuda",
     activation_checkpointing: bool | None = None,
     sharding: Mapping[str, Any] | None = None,
+    lengths: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Suggestion]:
     """Ranked suggestions for getting the failed step to fit, derived from the numbers at the failure.
 
@@ -440,6 +473,8 @@ def suggest_fixes(
         sharding: The report's ``sharding`` part (``None``: not sharded). Under sharding the tips say so: no
             "shard it" that is done already; more data-parallel ranks, CPU offload, ``reshard_after_forward=True``
             and checkpointing before ``fully_shard`` instead.
+        lengths: The failing batch's ``lengths`` (per padding mask: ``padded_to``, ``longest``, ``padding_share``,
+            ...): a batch padded beyond its longest sample, or mostly padding, gets a tip about the input.
 
     Examples:
         >>> tips = suggest_fixes(stage="train", allocated_bytes=10_000, reserved_bytes=10_500,
@@ -476,6 +511,7 @@ def suggest_fixes(
         device_type=device_type,
         activation_checkpointing=activation_checkpointing,
         sharding=dict(sharding or {}),
+        lengths=tuple(lengths or ()),
     )
     tips = [tip for rule in RULES for tip in rule(facts)]
     saves = [None if tip.saves is None else max(int(tip.saves), 0) for tip in tips]
