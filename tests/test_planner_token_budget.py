@@ -118,3 +118,22 @@ def test_the_longest_input_that_fits_at_a_batch():
     longest = longest_input(model, batch, 4, 4096, budget=2**20, margin=0.0, device="cpu", optimizer=ADAMW)
     need = functools.partial(estimate_memory, model, optimizer=ADAMW, device="cpu")
     assert need(batch(4, longest)).peak_bytes <= 2**20 < need(batch(4, longest + 1)).peak_bytes
+
+
+def test_a_table_for_one_rank_of_a_model_sharded_with_fsdp2():
+    model = nn.Sequential(nn.Embedding(VOCAB, 64), nn.Linear(64, 64), nn.Linear(64, VOCAB))
+
+    def batch(n, length):
+        return torch.zeros(n, length, dtype=torch.long)
+
+    kwargs = {"buckets": [64], "budget": 4 * 2**20, "margin": 0.0, "device": "cpu", "optimizer": ADAMW}
+    kwargs["loss_fn"] = lambda m, b: m(b).float().mean()
+    whole = plan_token_budget(model, batch, **kwargs)
+    sharded = plan_token_budget(model, batch, world_size=2, **kwargs)
+    row = sharded.rows[0]
+    per_rank = estimate_memory(model, batch(row.batch_size, 64), optimizer=ADAMW, device="cpu",
+                               loss_fn=kwargs["loss_fn"], world_size=2)  # fmt: skip
+    assert per_rank.world_size == 2 and per_rank.peak_bytes == row.needed_bytes <= 4 * 2**20
+    assert sharded.table[64] >= whole.table[64]  # a rank holds half the weights and states: room for more samples
+    with pytest.raises(ValueError, match=r"`devices=2` \(DDP\) and `world_size=2` \(FSDP2\) both given"):
+        plan_token_budget(model, batch, devices=2, world_size=2, **kwargs)

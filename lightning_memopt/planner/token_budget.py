@@ -174,6 +174,7 @@ def plan_token_budget(
     device: str = "cuda",
     gpu: str | tuple[int, int] | None = None,
     devices: int = 1,
+    world_size: int = 1,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
     max_batch_size: int = 4096,
@@ -200,6 +201,8 @@ def plan_token_budget(
         device: ``"cuda"`` (modelled) or ``"cpu"``.
         gpu: the target GPU, as for :func:`~lightning_memopt.estimate_memory`.
         devices: data-parallel processes (over 1: DDP's gradient buckets are counted, as the planner does).
+        world_size: ranks the model is sharded over with FSDP2 (each bucket's batch is then one rank's, its bytes
+            one rank's), as for :func:`~lightning_memopt.estimate_memory`.
         optimizer: ``optimizer(params) -> Optimizer``, as for :func:`~lightning_memopt.estimate_memory`.
         loss_fn: ``loss_fn(model, batch) -> loss``, as for :func:`~lightning_memopt.estimate_memory`.
         max_batch_size: the largest batch tried.
@@ -218,6 +221,12 @@ def plan_token_budget(
     started = time.perf_counter()
     check_positive_int("max_batch_size", max_batch_size)
     check_positive_int("devices", devices)
+    check_positive_int("world_size", world_size)
+    if devices > 1 and world_size > 1:
+        raise ValueError(
+            f"`devices={devices}` (DDP) and `world_size={world_size}` (FSDP2) both given: pass `world_size` for a model"
+            " sharded with FSDP2, `devices` for DDP."
+        )
     keys = _bucket_keys(lengths, buckets)
     resolved = _resolve_budget(budget, gpu, device, margin, precision)
 
@@ -225,9 +234,9 @@ def plan_token_budget(
         batch = batch_fn(n, key[0] if len(key) == 1 else key)
         est = estimate_memory(
             module, batch, precision=resolved.precision, optimizer=optimizer, device=device, loss_fn=loss_fn,
-            gpu=resolved.gpu,
+            gpu=resolved.gpu, world_size=world_size,
         )  # fmt: skip
-        return needed_bytes(est, devices)
+        return needed_bytes(est, max(devices, world_size))
 
     needs = _Needs(estimate)
     rows: list[BucketRow] = []
