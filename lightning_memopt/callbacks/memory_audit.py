@@ -68,7 +68,8 @@ class MemoryAudit(RankLogCallback):
         collect_garbage: Whether to run one full ``gc.collect()`` before each of the two audits.
         leak_max_overhead: Fraction of training time the CPU leak samples' object walks may take; ``None``: sample
             every ``leak_every_n_train_steps`` whatever it costs.
-        audit_dataloaders: Whether to report the DataLoaders' host memory and wasteful settings.
+        audit_dataloaders: Whether to report the DataLoaders' host memory and wasteful settings, and how much of the
+            first training and validation batch is padding (from its padding masks).
         verbose: Whether to print the footprint table at fit start and after the first step, and each DataLoader's
             host memory; otherwise they go to the ``lightning_memopt`` logger at INFO (its records, in the log file,
             are written either way).

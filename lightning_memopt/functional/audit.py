@@ -45,6 +45,7 @@ from lightning_memopt.functional.leaks import (
 )
 from lightning_memopt.functional.loaders import LoaderMemory, batch_bytes, loader_memory
 from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.functional.oom.batch import batch_padding
 from lightning_memopt.functional.precision import double_cast
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.state import StateField, as_bool, as_int, as_list, load_state
@@ -405,9 +406,14 @@ class AuditSession:
     def measure_loader(self, name: str, batch: Any, emit: Emit) -> LoaderMemory | None:
         """Report loader ``name`` with the bytes of its first ``batch``; ``None`` once measured (or not a loader)."""
         loader = self.unmeasured.pop(name, None)
-        return None if loader is None else self._report_loader(name, loader, batch_bytes(batch), emit)
+        if loader is None:
+            return None
+        padding = [dict(found) for found in batch_padding(batch)]
+        return self._report_loader(name, loader, batch_bytes(batch), emit, padding)
 
-    def _report_loader(self, name: str, loader: Any, nbytes: int | None, emit: Emit) -> LoaderMemory | None:
+    def _report_loader(
+        self, name: str, loader: Any, nbytes: int | None, emit: Emit, padding: list[dict[str, Any]] | None = None
+    ) -> LoaderMemory | None:
         """Audit one loader: emit its ``dataloaders`` record once measured; on rank zero warn (and emit) each
         finding once per fit."""
         info = loader_memory(
@@ -417,6 +423,7 @@ class AuditSession:
             host_total_bytes=self.host_total_bytes,
             evaluation=name.startswith("val"),
             batch_bytes=nbytes,
+            padding=padding,
         )
         if info is None:
             return None

@@ -59,6 +59,8 @@ class LoaderMemory:
     host_bytes: int | None
     pinned_bytes: int | None
     findings: list[str] = field(default_factory=list)
+    #: What the padding masks of the measured batch say of its samples' lengths (``batch.lengths`` of the OOM report).
+    padding: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -99,13 +101,15 @@ def loader_memory(
     host_total_bytes: int | None = None,
     evaluation: bool = False,
     batch_bytes: int | None = None,
+    padding: list[dict[str, Any]] | None = None,
 ) -> LoaderMemory | None:
     """What ``loader`` (a ``torch.utils.data.DataLoader``) holds in host memory and what in its settings wastes it.
 
     ``device_type`` is where training runs (pinning helps only CUDA copies); ``evaluation`` marks a validation
     loader (persistent workers there stay alive, with their batches, through training); ``batch_bytes`` is the size
-    of a batch the loader yielded (see :func:`batch_bytes`); without it the bytes stay unknown. The dataset is never
-    read here: a sample read in the main process could leave a file handle open that forked workers then share.
+    of a batch the loader yielded (see :func:`batch_bytes`); without it the bytes stay unknown; ``padding`` is what
+    that batch's padding masks say of its samples' lengths (a batch mostly padding gets a finding). The dataset is
+    never read here: a sample read in the main process could leave a file handle open that forked workers then share.
     Returns ``None`` for objects that are not DataLoaders.
 
     Examples:
@@ -161,6 +165,7 @@ def loader_memory(
                 " copies the pages it touches (reference counts), so host memory grows by up to one copy per"
                 " worker. Store it as a NumPy array or a tensor (or load samples lazily)."
             )
+    findings += _padding_findings(name, padding or [])
     return LoaderMemory(
         name=name,
         batch_size=None if batch_size is None else int(batch_size),
@@ -173,7 +178,39 @@ def loader_memory(
         host_bytes=host,
         pinned_bytes=pinned,
         findings=findings,
+        padding=list(padding or []),
     )
+
+
+#: A measured batch whose positions are at least this share padding gets a finding.
+PADDING_SHARE = 0.25
+
+
+def _padding_findings(name: str, padding: list[dict[str, Any]]) -> list[str]:
+    """One finding for the most padded mask of a measured batch, when at least :data:`PADDING_SHARE` is padding.
+
+    Examples:
+        >>> found = {"path": "m", "samples": 8, "padded_to": 512, "longest": 40, "median": 12, "padding_share": 0.97}
+        >>> _padding_findings("train", [found])[0][:61]
+        'train: 97 % of the first batch is padding (`m`: 8 samples pad'
+    """
+    if not padding:
+        return []
+    worst = max(padding, key=lambda found: float(found.get("padding_share") or 0))
+    share, padded_to, longest = worst.get("padding_share") or 0, worst.get("padded_to"), worst.get("longest")
+    if share < PADDING_SHARE:
+        return []
+    beyond = isinstance(padded_to, int) and isinstance(longest, int) and longest < padded_to
+    fix = (
+        "Pad each batch to its longest sample, not to `max_length`, and batch samples of similar length"
+        if beyond
+        else "Batch samples of similar length"
+    )
+    return [
+        f"{name}: {100 * share:.0f} % of the first batch is padding (`{worst.get('path')}`: {worst.get('samples')}"
+        f" samples padded to {padded_to}, the longest {longest}, the median {worst.get('median')}): memory and"
+        f" compute go to padding. {fix} (`TokenBudgetBatchSampler`, docs/batching.md)."
+    ]
 
 
 def named_loaders(name: str, loaders: Any) -> list[tuple[str, Any]]:

@@ -197,3 +197,38 @@ def test_the_audit_measures_batches_without_reading_the_dataset(tmp_path):
     assert _READ_IN_MAIN == []  # every sample was read by the worker
     [train] = [r["loader"] for r in records if r["event"] == "dataloaders" and r["loader"]["name"] == "train"]
     assert train["batch_bytes"] == 4 * 32 * 4 and train["in_flight"] == 2  # 1 worker x prefetch_factor 2
+
+
+class PaddedModel(TinyModel):
+    """Batches of token ids padded to 128 with an attention mask: the samples are 3 to 24 tokens long."""
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch["input_ids"].float()[:, :32]).pow(2).mean()
+
+    def train_dataloader(self):
+        samples = []
+        for i in range(16):
+            mask = torch.zeros(128, dtype=torch.long)
+            mask[: 3 + i * 21 // 15] = 1
+            samples.append({"input_ids": torch.ones(128, dtype=torch.long), "attention_mask": mask})
+        return DataLoader(samples, batch_size=8)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(4, 32)), batch_size=4)
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+
+def test_a_first_batch_mostly_padding_gets_a_finding_with_its_lengths(tmp_path):
+    audit, warned, records = _fit(tmp_path, PaddedModel())
+    [finding] = [w for w in warned if "padding" in w]
+    assert (
+        "train: " in finding
+        and "of the first batch is padding (`batch['attention_mask']`: 8 samples padded to 128" in finding
+    )
+    assert "Pad each batch to its longest sample" in finding and "TokenBudgetBatchSampler" in finding
+    [train] = [r["loader"] for r in records if r["event"] == "dataloaders" and r["loader"]["name"] == "train"]
+    [padding] = train["padding"]
+    assert padding["padded_to"] == 128 and padding["longest"] == 3 + 7 * 21 // 15 and padding["padding_share"] > 0.9
+    assert "input_ids" not in json.dumps(padding)  # lengths only: no token ids

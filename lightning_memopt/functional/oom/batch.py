@@ -10,7 +10,7 @@ import torch
 
 from lightning_memopt.functional.oom.schema import BatchLengths, BatchSection, BatchTensor
 
-__all__ = ["batch_lengths", "describe_batch"]
+__all__ = ["batch_lengths", "batch_padding", "describe_batch"]
 
 _MAX_BATCH_TENSORS = 32
 #: Per-sample lengths listed in a report, and the largest mask read (elements) for them.
@@ -144,3 +144,15 @@ def batch_lengths(tensors: list[tuple[str, torch.Tensor]]) -> list[BatchLengths]
             }
         )
     return out
+
+
+def batch_padding(batch: Any) -> list[BatchLengths]:
+    """:func:`batch_lengths` of the tensors in ``batch`` (any nesting, as :func:`describe_batch` walks it).
+
+    Examples:
+        >>> batch_padding({"attention_mask": torch.tensor([[1, 0], [1, 1]])})[0]["padding_share"]
+        0.25
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    _walk(batch, "batch", 0, found, set())
+    return batch_lengths(found)
