@@ -221,7 +221,7 @@ class PaddedModel(TinyModel):
 
 
 def test_a_first_batch_mostly_padding_gets_a_finding_with_its_lengths(tmp_path):
-    audit, warned, records = _fit(tmp_path, PaddedModel())
+    _, warned, records = _fit(tmp_path, PaddedModel())
     [finding] = [w for w in warned if "padding" in w]
     assert (
         "train: " in finding
