@@ -17,6 +17,7 @@ from lightning_memopt.functional.batching import (
     longest_first,
     rank_share,
     sort_by_length,
+    sort_in_groups,
     table_budget,
     token_budget,
 )
@@ -71,8 +72,9 @@ class _EpochRelay:
 class TokenBudgetBatchSampler(BatchSampler):
     """Batches of samples of similar length, each as large as the budget allows at its padded lengths.
 
-    Samples are sorted by length (ties in an order drawn per epoch) and cut greedily into batches: a batch takes the
-    next sample while it still fits once padded to its longest sample on every axis. The batch order is shuffled per
+    Samples are sorted by length (ties in an order drawn per epoch; with several axes, by the first and then, in
+    runs of about ``group_size`` batches, by the others) and cut greedily into batches: a batch takes the next sample
+    while it still fits once padded to its longest sample on every axis. The batch order is shuffled per
     epoch (``set_epoch``, which Lightning calls). Under several processes every rank builds the same batch list (same
     lengths, seed and epoch) and takes every ``world_size``-th batch, the list first filled up from its start (or cut,
     with ``drop_last``) so that every rank gets as many batches and the last all-reduce of an epoch never waits.
@@ -100,6 +102,9 @@ class TokenBudgetBatchSampler(BatchSampler):
         drop_last: cut the batch list to a multiple of the world size instead of filling it up (default ``False``).
         longest_first: put the costliest batches first (one per rank), so that a budget too large for the device
             fails at the first step rather than hours in (default ``False``).
+        group_size: with several length axes, the samples sorted by the first axis are cut into runs of about this
+            many batches, each run sorted by the other axes, so that batches pad little on every axis (default 8;
+            ``None``: sorted by the first axis alone, the least padding there and the other axes unsorted).
         num_replicas: the number of processes; ``None``: from ``sampler``, else the process group, else 1.
         rank: this process's rank; ``None``: as ``num_replicas``.
 
@@ -126,6 +131,7 @@ class TokenBudgetBatchSampler(BatchSampler):
         seed: int = 0,
         drop_last: bool = False,
         longest_first: bool = False,
+        group_size: int | None = 8,
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
@@ -135,6 +141,8 @@ class TokenBudgetBatchSampler(BatchSampler):
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("longest_first", longest_first)):
             check_bool(name, flag)
         check_non_negative_int("seed", seed)
+        check_positive_int("group_size", group_size, allow_none=True)
+        self.group_size = group_size
         check_positive_int("num_replicas", num_replicas, allow_none=True)
         check_non_negative_int("rank", 0 if rank is None else rank)
         self.max_tokens, self.budget = max_tokens, budget
@@ -170,7 +178,11 @@ class TokenBudgetBatchSampler(BatchSampler):
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         seed = self.seed + epoch if self.shuffle else None
-        batches = group_batches(self.lengths, sort_by_length(self.lengths, seed), self._largest)
+        order = sort_by_length(self.lengths, seed)
+        batches = group_batches(self.lengths, order, self._largest)
+        if self.group_size is not None and len(self.lengths[0]) > 1:  # sort runs of about group_size batches by the
+            run = max(1, round(self.group_size * len(self.lengths) / len(batches)))  # other axes too
+            batches = group_batches(self.lengths, sort_in_groups(self.lengths, order, run), self._largest)
         if seed is not None:
             random.Random(seed).shuffle(batches)
         if self.longest_first:

@@ -24,6 +24,7 @@ __all__ = [
     "padded_tokens",
     "rank_share",
     "sort_by_length",
+    "sort_in_groups",
     "table_budget",
     "token_budget",
 ]
@@ -124,6 +125,20 @@ def sort_by_length(lengths: Sequence[Lengths], seed: int | None) -> list[int]:
     if seed is not None:
         random.Random(seed).shuffle(order)
     return sorted(order, key=lambda i: lengths[i])  # stable: ties keep the drawn order
+
+
+def sort_in_groups(lengths: Sequence[Lengths], order: Sequence[int], group: int) -> list[int]:
+    """``order`` (by the first axis) cut into runs of ``group`` samples, each run sorted by the other axes: batches
+    then pad little on every axis, where a sort by the first axis alone leaves the others in random order.
+
+    Examples:
+        >>> sort_in_groups([(1, 9), (2, 1), (3, 5), (4, 2)], [0, 1, 2, 3], 2)
+        [1, 0, 3, 2]
+    """
+    out: list[int] = []
+    for start in range(0, len(order), group):
+        out += sorted(order[start : start + group], key=lambda i: (lengths[i][1:], lengths[i][0]))
+    return out
 
 
 def group_batches(lengths: Sequence[Lengths], order: Sequence[int], largest: LargestBatch) -> list[list[int]]:

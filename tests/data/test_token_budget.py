@@ -198,3 +198,18 @@ def test_a_lightning_fit_takes_its_batches_and_sets_its_epoch(tmp_path):
     assert len(model.shapes) == 2 * per_epoch
     assert all(n * longest <= 64 for n, longest in model.shapes)
     assert model.sampler.epoch == 1  # Lightning called set_epoch
+
+
+def test_several_axes_are_sorted_in_runs_so_every_axis_pads_little():
+    lengths = _seq2seq_lengths(2000)  # targets drawn independently of the sources
+
+    def padding(batches, axes):
+        real = sum(lengths[i][k] for b in batches for i in b for k in axes)
+        return 1 - real / sum(len(b) * max(lengths[i][k] for i in b) for b in batches for k in axes)
+
+    grouped = list(TokenBudgetBatchSampler(lengths, max_tokens=(4096, 768)))
+    first = list(TokenBudgetBatchSampler(lengths, max_tokens=(4096, 768), group_size=None))
+    _assert_every_sample_once(grouped, len(lengths))
+    assert len(grouped) < 0.9 * len(first)  # fewer, fuller batches
+    assert padding(grouped, (0, 1)) < 0.7 * padding(first, (0, 1))  # less padding in all
+    assert padding(first, (0,)) < padding(grouped, (0,)) < 0.08  # the first axis alone pads least sorted alone
