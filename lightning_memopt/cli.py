@@ -11,7 +11,9 @@ Subcommands:
   (:func:`~lightning_memopt.planner.estimate_memory`, its breakdown table) and, with a budget, the plan
   (:func:`~lightning_memopt.planner.plan_memory`: micro-batch, accumulation, precision, checkpointing), with a
   progress line per estimate on stderr. The model and datamodule are given the LightningCLI way (class paths, init
-  args, a YAML config, ``--model.NAME VALUE`` overrides); exit code 1 when nothing fits the budget.
+  args, a YAML config, ``--model.NAME VALUE`` overrides); exit code 1 when nothing fits the budget. With
+  ``--lengths FILE [--length-buckets N]``: the largest batch per length bucket
+  (:func:`~lightning_memopt.planner.plan_token_budget`), ``L`` in ``--batch-shape`` standing for the lengths.
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that registers its parser and sets
 ``func``; ``main`` returns the process exit code (0 success, 2 bad input; ``estimate``: 1 when nothing fits). Bad
@@ -238,6 +240,12 @@ the trials and the verdict; --precision auto picks bf16-mixed where the GPU comp
 --device-memory size), else 16-mixed (32-true for --device cpu). Usable memory: the budget less the CUDA context
 (512 MiB) and --margin. A progress line per estimate goes to stderr.
 
+lengths: with --lengths FILE (the dataset's lengths, one sample per line: 512, or 512,96 for a source and a target)
+and a budget, the table of the largest batch per length bucket instead (plan_token_budget): L (or L0, L1, ... per
+axis) in --batch-shape is where the lengths go (--batch-shape ids=B,L0:int64 --batch-shape labels=B,L1:int64);
+--length-buckets N places about N buckets at the lengths' quantiles (default 16), or names them (128x32,512x96).
+Printed: the table and the TokenBudgetBatchSampler line that batches by it; exit code 1 when no bucket fits.
+
 exit codes: 0 an estimate, or a plan that fits; 1 nothing fits the budget (the advice says what would: 8-bit
 optimizer states or sharding); 2 bad input (one line on stderr naming the argument).
 
@@ -295,6 +303,20 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="one batch tensor, [name=]DIMS[:dtype] with B for the micro-batch, e.g. B,128,64:float32;"
         " repeat per tensor (instead of --data)",
+    )
+    what.add_argument(
+        "--lengths",
+        metavar="FILE",
+        default=None,
+        help="the dataset's lengths, one sample per line (512, or 512,96 for two axes): plan the largest batch per"
+        " length bucket instead (L, L0, L1 in --batch-shape are the lengths; needs --gpu or --device-memory)",
+    )
+    what.add_argument(
+        "--length-buckets",
+        metavar="N|LENGTHS",
+        default=None,
+        help="with --lengths: about N buckets at the lengths' quantiles (default 16), or the buckets: 128,512"
+        " (one axis) or 128x32,512x96 (two)",
     )
     what.add_argument(
         "--batch-size",

@@ -11,7 +11,15 @@ from typing import Any, cast
 from lightning_memopt.cli_estimate.classes import build
 from lightning_memopt.cli_estimate.common import INT64_MAX, NAME, EstimateInputError, squash
 
-__all__ = ["batch_bytes", "batch_source", "describe_batch", "dtype_name", "loader_batch_fn", "parse_batch_shape"]
+__all__ = [
+    "batch_bytes",
+    "batch_source",
+    "describe_batch",
+    "dtype_name",
+    "loader_batch_fn",
+    "parse_batch_shape",
+    "parse_length_batch_shape",
+]
 
 
 def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
@@ -32,6 +40,11 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
     specs = list(specs)
     parsed = [_parse_spec(spec) for spec in specs]
     names = _check_specs(parsed)
+    if any(d is not None and d < 0 for _, dims, _ in parsed for d in dims):
+        raise EstimateInputError(
+            "--batch-shape: a length dimension (L, L0, ...) needs --lengths FILE (the dataset's lengths) and a budget"
+            " (--gpu or --device-memory): the table of the largest batch per length bucket."
+        )
 
     def make(b: int) -> Any:
         tensors = []
@@ -82,15 +95,57 @@ def _parse_dtype(text: str, where: str) -> Any:
 
 
 def _parse_dim(dim: str, where: str) -> int | None:
-    """``B`` (the micro-batch) -> ``None``; a positive int -> itself."""
+    """``B`` (the micro-batch) -> ``None``; a positive int -> itself; ``L`` or ``L0`` ... ``L9`` (a length axis of
+    ``--lengths``) -> ``-1`` ... ``-10``."""
     if dim in ("B", "b"):
         return None
     if dim.isdigit() and int(dim) > 0:
         return int(dim)
+    if dim in ("L", "l") or (len(dim) == 2 and dim[0] in "Ll" and dim[1].isdigit()):
+        return -1 - (int(dim[1]) if len(dim) == 2 else 0)
     raise EstimateInputError(
-        f"{where}: dimension {dim!r} is neither B (the micro-batch) nor a positive int."
-        " Example: --batch-shape B,128,64:float32"
+        f"{where}: dimension {dim!r} is neither B (the micro-batch), L0..L9 (a length axis of --lengths) nor a"
+        " positive int. Example: --batch-shape B,128,64:float32"
     )
+
+
+def parse_length_batch_shape(specs: list[str], axes: int) -> Callable[[int, Any], Any]:
+    """``batch_fn(B, lengths)`` for ``--batch-shape`` specs whose dimensions may be ``L`` / ``L0`` ... (the length of
+    axis k of ``--lengths``, each sample's ``axes`` lengths), as :func:`parse_batch_shape` makes them.
+
+    Examples:
+        >>> fn = parse_length_batch_shape(["ids=B,L0:int64", "labels=B,L1:int64"], 2)
+        >>> {k: tuple(v.shape) for k, v in fn(4, (128, 32)).items()}
+        {'ids': (4, 128), 'labels': (4, 32)}
+    """
+    parsed = [_parse_spec(spec) for spec in specs]
+    used = {-1 - d for _, dims, _ in parsed for d in dims if d is not None and d < 0}
+    if not used:
+        raise EstimateInputError(
+            "--lengths: no --batch-shape dimension is a length; write L (or L0, L1, ... per length axis) where the"
+            " sequence goes, e.g. --batch-shape ids=B,L:int64."
+        )
+    if max(used) >= axes:
+        raise EstimateInputError(
+            f"--batch-shape: L{max(used)} but --lengths has {axes} length(s) per sample (L0 to L{axes - 1})."
+        )
+
+    def make(b: int, lengths: Any) -> Any:
+        values = (lengths,) if isinstance(lengths, int) else tuple(lengths)
+        resolved = [_with_lengths(spec, dims, values) for spec, (_, dims, _) in zip(specs, parsed)]
+        return parse_batch_shape(resolved)(b)
+
+    return make
+
+
+def _with_lengths(spec: str, dims: list[int | None], lengths: tuple[int, ...]) -> str:
+    """``spec`` with its length dimensions replaced by ``lengths``."""
+    name, sep, rest = spec.partition("=")
+    head = f"{name}=" if sep else ""
+    body = rest if sep else spec
+    _, colon, dtype = body.partition(":")
+    text = ",".join("B" if d is None else str(lengths[-1 - d] if d < 0 else d) for d in dims)
+    return f"{head}{text}{colon}{dtype}"
 
 
 def _check_specs(parsed: list[_Spec]) -> list[str]:

@@ -33,7 +33,7 @@ from lightning_memopt.cli_estimate.settings import (
 )
 from lightning_memopt.utilities.formatting import wrap_to_width
 
-__all__ = ["progress", "run_estimate", "say"]
+__all__ = ["guarded", "progress", "run_estimate", "say"]
 
 
 def say(line: str) -> None:
@@ -231,6 +231,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     settings = _settings(args, trainer, memory)
     model = _build_model(model_spec)
+    if args.lengths is not None:
+        return _token_budget(args, settings, model, optimizer_setting(specs), model_spec)
     batch_fn, own_batch_size, source = batch_source(args, specs, model)
     params = list(model.parameters())
     out = [
@@ -240,6 +242,22 @@ def _run(args: argparse.Namespace) -> int:
     run = _Run(args, settings, model, optimizer_setting(specs), batch_fn, source, out)
     batch_size = args.batch_size or settings.preset_batch or own_batch_size
     return run.plan(batch_size) if settings.planning else run.estimate(batch_size)
+
+
+def _token_budget(args: argparse.Namespace, settings: _Settings, model: Any, optimizer: Any, spec: dict) -> int:
+    """``--lengths``: the table of the largest batch per length bucket (needs a budget and ``--batch-shape``)."""
+    from lightning_memopt.cli_estimate.lengths import token_budget_lines
+
+    if settings.budget is None or not args.batch_shape:
+        raise EstimateInputError(
+            "--lengths: the table of the largest batch per length bucket needs a budget (--gpu NAME or"
+            " --device-memory SIZE) and the batch's shapes with the lengths in them (--batch-shape ids=B,L:int64)."
+        )
+    out = [f"Model: {spec['class_path']} ({sum(p.numel() for p in model.parameters()):,} parameters)"]
+    run = _Run(args, settings, model, optimizer, lambda b: None, "--batch-shape", out)
+    lines, fits = token_budget_lines(args, run, settings.budget, settings.budget_flag)
+    print(wrap_to_width("\n".join(lines)))
+    return 0 if fits else 1
 
 
 def _build_model(model_spec: dict[str, Any]) -> Any:
@@ -278,7 +296,7 @@ class _Run:
         if self.args.device == "cuda":
             _check_fits_a_gpu(batch, batch_size, self.source)
         settings = self.settings
-        estimate = _guarded(
+        estimate = guarded(
             lambda: estimate_memory(
                 self.model,
                 batch,
@@ -338,7 +356,7 @@ class _Run:
             " one line per estimate"
         )
         started = time.perf_counter()
-        plan = _guarded(
+        plan = guarded(
             lambda: plan_memory(
                 self.model,
                 self.batch_fn,
@@ -463,7 +481,7 @@ def _build_on_meta(model_spec: dict[str, Any]) -> Any:
     return model
 
 
-def _guarded(call: Callable[[], Any], model: Any, source: str, budget_flag: str | None) -> Any:
+def guarded(call: Callable[[], Any], model: Any, source: str, budget_flag: str | None) -> Any:
     """Run the estimate or the plan; what goes wrong in them becomes one line."""
     from lightning_memopt.planner import MemoryEstimateError
 

@@ -92,6 +92,8 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if args.gpu is not None and args.device == "cpu":
         raise EstimateInputError("--gpu with --device cpu: a GPU budget models CUDA; pass --device-memory for a CPU.")
+    if getattr(args, "length_buckets", None) is not None and getattr(args, "lengths", None) is None:
+        raise EstimateInputError("--length-buckets: needs --lengths FILE (the dataset's lengths, one sample per line).")
     if args.batch_shape and args.data is not None:
         raise EstimateInputError("--batch-shape and --data: give one batch source (shapes, or a datamodule).")
     if math.isnan(args.margin) or not 0 <= args.margin < 1:
