@@ -63,21 +63,26 @@ def test_two_axes_and_buckets_from_the_quantiles(tmp_path, capsys):
     assert "budget = {(" in out  # tuple keys: one length per axis
 
 
+BUDGET = ["--device-memory", "4MB"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--batch-shape", "B,L:int64", "--device-memory", "4MB"], "needs --lengths FILE"),
-        (["--batch-shape", "B,16:int64", "--lengths", "FILE", "--device-memory", "4MB"], "no --batch-shape dimension is a length"),
+        (["--batch-shape", "B,L:int64", *BUDGET], "needs --lengths FILE"),
+        (["--batch-shape", "B,16:int64", "--lengths", "FILE", *BUDGET], "no --batch-shape dimension is a length"),
         (["--batch-shape", "B,L:int64", "--lengths", "FILE"], "needs a budget"),
-        (["--batch-shape", "B,L1:int64", "--lengths", "FILE", "--device-memory", "4MB"], "L1 but --lengths has 1"),
-        (["--batch-shape", "B,L:int64", "--length-buckets", "4", "--batch-size", "2"], "--length-buckets: needs --lengths"),
-        (["--batch-shape", "B,L:int64", "--lengths", "FILE", "--length-buckets", "a,b", "--device-memory", "4MB"],
-         "--length-buckets: 'a,b' is neither a count"),
+        (["--batch-shape", "B,L1:int64", "--lengths", "FILE", *BUDGET], "L1 but --lengths has 1"),
+        (["--batch-shape", "B,L:int64", "--length-buckets", "4", "--batch-size", "2"], "needs --lengths FILE"),
+        (
+            ["--batch-shape", "B,L:int64", "--lengths", "FILE", "--length-buckets", "a,b", *BUDGET],
+            "--length-buckets: 'a,b' is neither a count",
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_flag_misused_is_named_in_one_line(tmp_path, capsys, argv, message):
     path = _lengths(tmp_path, ["12", "30"])
-    code, out, err = _run(capsys, *[path if a == "FILE" else a for a in argv])
+    code, _, err = _run(capsys, *[path if a == "FILE" else a for a in argv])
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
