@@ -60,7 +60,9 @@ def test_two_axes_and_buckets_from_the_quantiles(tmp_path, capsys):
         "--length-buckets", "4", "--device-memory", "4MB",
     )  # fmt: skip
     assert code == 0, err
-    assert "budget = {(" in out  # tuple keys: one length per axis
+    [line] = [line for line in out.splitlines() if line.startswith("budget = ")]
+    table = eval(line.removeprefix("budget = "))  # the line pastes as Python: tuple keys, one length per axis
+    assert len(table) == 4 and all(len(key) == 2 and size > 0 for key, size in table.items())
 
 
 BUDGET = ["--device-memory", "4MB"]

@@ -1,16 +1,12 @@
-"""``lightning-memopt estimate --lengths FILE``: the largest batch per length bucket that fits the budget."""
+"""What ``lightning-memopt estimate --lengths FILE --length-buckets N`` reads: the dataset's lengths and the buckets."""
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
-from typing import Any
 
-from lightning_memopt.cli_estimate.batches import parse_length_batch_shape
 from lightning_memopt.cli_estimate.common import EstimateInputError
 
-__all__ = ["parse_buckets", "read_lengths", "token_budget_lines"]
+__all__ = ["parse_buckets", "read_lengths"]
 
 #: The most samples read from a ``--lengths`` file.
 MAX_SAMPLES = 10_000_000
@@ -70,47 +66,3 @@ def parse_buckets(text: str | None) -> int | list[tuple[int, ...]]:
             " two axes)."
         )
     return buckets
-
-
-def token_budget_lines(args: argparse.Namespace, run: Any, budget: str, budget_flag: str | None) -> tuple[list, bool]:
-    """Plan the table for ``run`` (the model and settings of the command) and the lines to print; whether any bucket
-    holds a batch."""
-    from lightning_memopt.cli_estimate.run import guarded, progress, say
-    from lightning_memopt.planner import plan_token_budget
-
-    lengths = read_lengths(args.lengths)
-    buckets = parse_buckets(args.length_buckets)
-    if not isinstance(buckets, int) and len(buckets[0]) != len(lengths[0]):
-        raise EstimateInputError(
-            f"--length-buckets: buckets of {len(buckets[0])} length(s) but --lengths has {len(lengths[0])} per sample."
-        )
-    batch_fn = parse_length_batch_shape(args.batch_shape or [], len(lengths[0]))
-    settings = run.settings
-    say(f"planning the largest batch per length bucket of {len(lengths):,} samples for {budget}: one line per bucket")
-    started = time.perf_counter()
-    plan = guarded(
-        lambda: plan_token_budget(
-            run.model,
-            batch_fn,
-            lengths,
-            buckets=buckets,
-            budget=budget,
-            margin=args.margin,
-            precision=settings.precision,
-            device=args.device,
-            devices=1 if settings.strategy == "fsdp2" else settings.world,
-            world_size=settings.world if settings.strategy == "fsdp2" else 1,
-            optimizer=run.optimizer,
-            progress=progress,
-        ),
-        run.model,
-        "--batch-shape",
-        budget_flag,
-    )
-    say(f"{plan.estimates} estimates in {time.perf_counter() - started:.1f} s")
-    lines = [*run.out, str(plan)]
-    if plan.table:
-        lines += ["", "# the table for TokenBudgetBatchSampler (lightning_memopt.data):"]
-        lines.append(f"budget = {plan.table!r}")
-        lines.append("sampler = TokenBudgetBatchSampler(lengths, budget=budget)")
-    return lines, bool(plan.table)

@@ -12,10 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memopt.cli_estimate.batches import batch_bytes, batch_source, describe_batch
+from lightning_memopt.cli_estimate.batches import (
+    batch_bytes,
+    batch_source,
+    describe_batch,
+    parse_length_batch_shape,
+)
 from lightning_memopt.cli_estimate.classes import InitError, build
 from lightning_memopt.cli_estimate.common import EstimateInputError, squash
 from lightning_memopt.cli_estimate.config import read_sections
+from lightning_memopt.cli_estimate.lengths import parse_buckets, read_lengths
 from lightning_memopt.cli_estimate.memory import (
     MEMORY_SECTION,
     is_preset_section,
@@ -246,18 +252,40 @@ def _run(args: argparse.Namespace) -> int:
 
 def _token_budget(args: argparse.Namespace, settings: _Settings, model: Any, optimizer: Any, spec: dict) -> int:
     """``--lengths``: the table of the largest batch per length bucket (needs a budget and ``--batch-shape``)."""
-    from lightning_memopt.cli_estimate.lengths import token_budget_lines
+    from lightning_memopt.planner import plan_token_budget
 
     if settings.budget is None or not args.batch_shape:
         raise EstimateInputError(
             "--lengths: the table of the largest batch per length bucket needs a budget (--gpu NAME or"
             " --device-memory SIZE) and the batch's shapes with the lengths in them (--batch-shape ids=B,L:int64)."
         )
-    out = [f"Model: {spec['class_path']} ({sum(p.numel() for p in model.parameters()):,} parameters)"]
-    run = _Run(args, settings, model, optimizer, lambda b: None, "--batch-shape", out)
-    lines, fits = token_budget_lines(args, run, settings.budget, settings.budget_flag)
+    lengths = read_lengths(args.lengths)
+    buckets = parse_buckets(args.length_buckets)
+    if not isinstance(buckets, int) and len(buckets[0]) != len(lengths[0]):
+        raise EstimateInputError(
+            f"--length-buckets: buckets of {len(buckets[0])} length(s) but --lengths has {len(lengths[0])} per sample."
+        )
+    batch_fn = parse_length_batch_shape(args.batch_shape, len(lengths[0]))
+    sharded = settings.strategy == "fsdp2"
+    say(f"planning the largest batch per length bucket of {len(lengths):,} samples for {settings.budget}")
+    started = time.perf_counter()
+    plan = guarded(
+        lambda: plan_token_budget(
+            model, batch_fn, lengths, buckets=buckets, budget=settings.budget, margin=args.margin,
+            precision=settings.precision, device=args.device, devices=1 if sharded else settings.world,
+            world_size=settings.world if sharded else 1, optimizer=optimizer, progress=progress,
+        ),
+        model,
+        "--batch-shape",
+        settings.budget_flag,
+    )  # fmt: skip
+    say(f"{plan.estimates} estimates in {time.perf_counter() - started:.1f} s")
+    lines = [f"Model: {spec['class_path']} ({sum(p.numel() for p in model.parameters()):,} parameters)", str(plan)]
     print(wrap_to_width("\n".join(lines)))
-    return 0 if fits else 1
+    if plan.table:  # code to paste: one line each, not wrapped
+        print("\n# the table for TokenBudgetBatchSampler (lightning_memopt.data):")
+        print(f"budget = {plan.table!r}\nsampler = TokenBudgetBatchSampler(lengths, budget=budget)")
+    return 0 if plan.table else 1
 
 
 def _build_model(model_spec: dict[str, Any]) -> Any:
