@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="pad each batch to its longest spectrum (--no-dynamic_padding: always to max_peaks_n)",
     )
+    g.add_argument(
+        "--peaks_budget",
+        type=int,
+        default=None,
+        help="batch the training set by peaks: at most N padded peak tokens a batch, spectra of similar peak counts"
+        " together (TokenBudgetBatchSampler); default: batches of --batch_size",
+    )
     g = p.add_argument_group("model")
     g.add_argument(
         "--model_preset",
@@ -162,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("batch_size", "effective_batch_size", "accumulate_grad_batches"):
+    for name in ("batch_size", "effective_batch_size", "accumulate_grad_batches", "peaks_budget"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"error: `--{name}` must be a positive int, got {value}.")

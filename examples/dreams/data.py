@@ -140,6 +140,12 @@ class SpectraDataset(Dataset):
             "properties": torch.as_tensor(np.asarray(cols["properties"][i], dtype=np.float32)),
         }
 
+    def token_counts(self) -> list[int]:
+        """Each spectrum's tokens once preprocessed (the precursor and up to ``max_peaks_n`` peaks with an m/z): the
+        lengths a ``TokenBudgetBatchSampler`` batches by. Reads the fold's spectra once."""
+        cols = self._rows(list(range(len(self))))
+        return [1 + min(self.max_peaks_n, int((np.asarray(spectrum)[0] > 0).sum())) for spectrum in cols["spectrum"]]
+
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= idx < len(self):
             raise IndexError(f"index {idx} is out of range for a fold of {len(self)} spectra")

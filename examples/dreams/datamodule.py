@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from examples.dreams.data import SpectraDataset, collate_spectra, generate_spectra_h5
+from lightning_memopt import TokenBudgetBatchSampler
 
 __all__ = ["SpectraDataModule"]
 
@@ -28,7 +29,10 @@ class SpectraDataModule(pl.LightningDataModule):
         num_workers_data: DataLoader workers.
         in_mem: Read each fold into RAM instead of reading lazily per worker.
         dynamic_padding: Pad each batch to its longest spectrum instead of ``max_peaks_n``.
-        seed: Seed of the generated data.
+        seed: Seed of the generated data (and of the training batches' order with ``peaks_budget``).
+        peaks_budget: Batch the training set by peaks instead of ``batch_size``: spectra of similar peak counts
+            together, each batch at most this many padded tokens (``TokenBudgetBatchSampler``), padded to its
+            longest spectrum. ``None``: batches of ``batch_size``.
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class SpectraDataModule(pl.LightningDataModule):
         in_mem: bool = False,
         dynamic_padding: bool = False,
         seed: int = 0,
+        peaks_budget: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -92,7 +97,19 @@ class SpectraDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        budget = self.hparams.peaks_budget
+        if budget is None:
+            return self._loader("train", shuffle=True)
+        # made in this hook: under DDP Lightning re-creates the sampler with its distributed sampler inside
+        dataset, workers = self._sets["train"], self.hparams.num_workers_data
+        sampler = TokenBudgetBatchSampler(dataset.token_counts(), max_tokens=budget, seed=self.hparams.seed)
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            collate_fn=partial(collate_spectra, dynamic_padding=True),
+        )
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -173,6 +173,7 @@ def _run(args: argparse.Namespace) -> pl.Trainer:
         in_mem=args.in_mem,
         dynamic_padding=args.dynamic_padding,
         seed=args.seed,
+        peaks_budget=args.peaks_budget,
     )
     model = SpectraFineTuner(
         model_preset=args.model_preset,

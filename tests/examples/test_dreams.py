@@ -493,3 +493,18 @@ def test_lightning_cli_auto_micro_batch_gives_the_datamodule_the_per_device_batc
     assert cli.datamodule.hparams.batch_size == 64 and cli.trainer.accumulate_grad_batches == 1
     (auto,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "AutoMicroBatch"]
     assert auto.start_micro_batch_size == 32  # data.batch_size: where the micro-batches start
+
+
+def test_a_peaks_budget_batches_spectra_of_similar_peak_counts_within_it(spectra_file):
+    from examples.dreams.datamodule import SpectraDataModule
+
+    dm = SpectraDataModule(data_path=str(spectra_file), max_peaks_n=100, peaks_budget=400, seed=3)
+    dm.setup("fit")
+    dataset = dm._sets["train"]
+    counts = dataset.token_counts()
+    items = [dataset[i] for i in range(5)]
+    assert counts[:5] == [int((it["peaks"][:, 0] > 0).sum()) for it in items]  # what the collate cuts to
+    batches = list(dm.train_dataloader())
+    assert all(b["peaks"].shape[0] * b["peaks"].shape[1] <= 400 for b in batches)
+    assert sum(b["peaks"].shape[0] for b in batches) == len(dataset)  # every spectrum once
+    assert len(batches) < len(dataset) // 4  # batches far larger than a few spectra where peaks are few
