@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,10 @@ class OOMReporter(ArtifactCallback):
         record_history: Record CUDA allocator history and write an allocator snapshot at the failure.
         max_entries: How many allocator events the history keeps (a ring buffer).
         max_listed: How many of the largest live tensors on the device to list (0 to skip the scan).
+        lengths_fn: ``lengths_fn(batch)`` returning the failing batch's padding mask (``[samples, padded length]``,
+            nonzero where a position is real), for a batch without an ``attention_mask`` of its own (spectra, video
+            frames): the report then gives its samples' lengths and padding (``batch.lengths``). Default: read from
+            the batch's tensors named ``*mask`` and its labels padded with -100.
 
     Examples:
         >>> reporter = OOMReporter(dirpath="oom_reports", max_listed=10)
@@ -84,12 +89,19 @@ class OOMReporter(ArtifactCallback):
         record_history: bool = False,
         max_entries: int = 100_000,
         max_listed: int = 20,
+        lengths_fn: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
         check_path("dirpath", dirpath)
         check_bool("record_history", record_history)
         check_positive_int("max_entries", max_entries, hint="It bounds how many allocator events are kept.")
         check_non_negative_int("max_listed", max_listed, hint="Use 0 to leave out the live-tensor list.")
+        if lengths_fn is not None and not callable(lengths_fn):
+            raise ValueError(
+                f"`lengths_fn` must be a function or None, got {lengths_fn!r} ({type(lengths_fn).__name__}): it takes"
+                ' the batch and returns its padding mask, e.g. `lambda batch: batch["peaks"][:, :, 0] > 0`.'
+            )
+        self.lengths_fn = lengths_fn
         self.dirpath = dirpath
         self.record_history = record_history
         self.max_entries = max_entries
@@ -226,6 +238,7 @@ class OOMReporter(ArtifactCallback):
                         recording=self._recording,
                         dump=_torch_private.dump_memory_snapshot,
                     ),
+                    lengths_fn=self.lengths_fn,
                 ),
                 message=_safe_str(exception),
                 max_listed=self.max_listed,

@@ -565,3 +565,26 @@ def test_console_summary_fits_100_columns(tmp_path, caplog):
     first, path = summary.splitlines()
     assert first == "OOMReporter: out-of-memory on rank 0; report written to"
     assert path.startswith(f"  {directory / 'oom_report_rank0-'}") and path.endswith(".md")  # alone on its line
+
+
+def test_a_lengths_fn_gives_the_lengths_of_a_batch_without_masks(tmp_path):
+    # TinyModel's batches are [4, 32] floats: read as "samples of 32 positions, the nonzero first ones real"
+    model = FailingModel("forward", at=1)
+    reporter = OOMReporter(dirpath=tmp_path / "reports", max_listed=0, lengths_fn=lambda batch: batch[:, :24] != 0)
+    _fit_and_fail(tmp_path, model, reporter, max_steps=5)
+    report = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())
+    [lengths] = report["batch"]["lengths"]
+    assert lengths["path"] == "lengths_fn(batch)" and lengths["padded_to"] == 24 and lengths["samples"] == 4
+    assert "Sample lengths" in (tmp_path / "reports" / "oom_report_rank0.md").read_text()
+    with pytest.raises(ValueError, match="`lengths_fn` must be a function or None"):
+        OOMReporter(lengths_fn="peaks")
+
+
+def test_a_lengths_fn_that_fails_costs_the_lengths_only(tmp_path):
+    model = FailingModel("forward", at=1)
+    reporter = OOMReporter(dirpath=tmp_path / "reports", max_listed=0, lengths_fn=lambda batch: batch["missing"])
+    _, err = _fit_and_fail(tmp_path, model, reporter, max_steps=5)
+    assert err is model.raised  # the user's error, unchanged
+    report = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())
+    assert "lengths" not in report["batch"] and report["batch"]["tensors"]
+    assert any("lengths_fn" in problem for problem in report["report_errors"])

@@ -10,7 +10,7 @@ import torch
 
 from lightning_memopt.functional.oom.schema import BatchLengths, BatchSection, BatchTensor
 
-__all__ = ["batch_lengths", "batch_padding", "describe_batch"]
+__all__ = ["batch_lengths", "batch_padding", "describe_batch", "mask_lengths"]
 
 _MAX_BATCH_TENSORS = 32
 #: Per-sample lengths listed in a report, and the largest mask read (elements) for them.
@@ -97,23 +97,37 @@ def describe_batch(batch: Any, name: str = "batch") -> BatchSection:
     return section
 
 
-def _sample_lengths(path: str, tensor: torch.Tensor) -> torch.Tensor | None:
+def mask_lengths(path: str, mask: Any) -> list[BatchLengths]:
+    """:func:`batch_lengths` of one padding mask (``[samples, padded length]``, nonzero where a position is real),
+    as ``OOMReporter(lengths_fn=...)`` returns it for a batch without masks of its own.
+
+    Examples:
+        >>> mask_lengths("lengths_fn(batch)", torch.tensor([[1, 1, 0], [1, 0, 0]]))[0]["lengths"]
+        [2, 1]
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise TypeError(f"a padding mask must be a 2-D tensor [samples, padded length], got {type(mask).__name__}")
+    return batch_lengths([(path, (mask.detach() != 0).to(torch.int8))], masks_only=False)
+
+
+def _sample_lengths(path: str, tensor: torch.Tensor, masks_only: bool = True) -> torch.Tensor | None:
     """Per-sample lengths from a 2-D padding mask (a name ending in ``mask``: ones where a token is) or labels padded
     with -100 (a name holding ``labels``); ``None`` for any other tensor. Read on the host: nothing is allocated on
     the device that ran out of memory."""
     name = path.rstrip("]'\"").lower()
     if tensor.dim() != 2 or tensor.numel() > _MAX_MASK_ELEMENTS or tensor.is_floating_point():
         return None
-    if name.endswith("mask"):
+    if name.endswith("mask") or not masks_only:
         return (tensor.detach().to("cpu") != 0).sum(1)
     if "labels" in name:
         return (tensor.detach().to("cpu") != -100).sum(1)
     return None
 
 
-def batch_lengths(tensors: list[tuple[str, torch.Tensor]]) -> list[BatchLengths]:
+def batch_lengths(tensors: list[tuple[str, torch.Tensor]], masks_only: bool = True) -> list[BatchLengths]:
     """What the padding masks among ``tensors`` say of the samples' lengths: how long the batch is padded, its longest
-    and median sample, the share of padding. Counts only, no data values.
+    and median sample, the share of padding. Counts only, no data values. ``masks_only=False`` reads every 2-D
+    integer or boolean tensor as a mask.
 
     Examples:
         >>> mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
@@ -124,7 +138,7 @@ def batch_lengths(tensors: list[tuple[str, torch.Tensor]]) -> list[BatchLengths]
     out: list[BatchLengths] = []
     for path, tensor in tensors:
         try:
-            lengths = _sample_lengths(path, tensor)
+            lengths = _sample_lengths(path, tensor, masks_only)
         except _DESCRIBE_ERRORS:
             continue
         if lengths is None or lengths.numel() == 0:

@@ -43,6 +43,7 @@ from lightning_memopt.functional.oom.sections import (
     describe_error,
     fill_holders,
     hparams_as_json,
+    lengths_from,
     memory_section,
     memory_summary,
 )
@@ -151,6 +152,8 @@ class ReportSources:
         versions: The versions of the stack.
         live_tensors: The live tensors on a device, largest first (``footprint.live_tensors``).
         sharding: How the model is sharded (``footprint.model_sharding``).
+        lengths_fn: The user's ``lengths_fn`` (``OOMReporter(lengths_fn=...)``): a padding mask of the failing
+            batch, read into ``batch.lengths`` in place of what its own masks say.
     """
 
     settings: Callable[[], TrainerSettings]
@@ -163,6 +166,8 @@ class ReportSources:
     versions: Callable[[], dict[str, str | None]] = collect_versions
     live_tensors: Callable[..., Sequence[LiveTensorLike]] = fp.live_tensors
     sharding: Callable[[nn.Module], fp.Sharding] = fp.model_sharding
+    #: ``lengths_fn(batch)`` -> a padding mask of the failing batch, for a batch without masks of its own
+    lengths_fn: Callable[[Any], Any] | None = None
 
 
 def _no_memory(err: Exception) -> MemorySection:
@@ -318,6 +323,15 @@ def build_oom_report(
             "memory": memory,
         },
     )
+    lengths_fn = sources.lengths_fn
+    if lengths_fn is not None:
+
+        def read_lengths() -> None:
+            lengths = lengths_from(exception.__traceback__, lengths_fn)
+            if lengths:
+                report["batch"]["lengths"] = lengths
+
+        guard("sample lengths (lengths_fn)", read_lengths, _nothing)
 
     def read_summary() -> None:
         memory["summary"] = sources.memory_summary(device)

@@ -13,8 +13,9 @@ from torch import nn
 
 from lightning_memopt.functional import footprint as fp
 from lightning_memopt.functional.memory import MemoryReading, supports_device_memory
-from lightning_memopt.functional.oom.batch import describe_batch
+from lightning_memopt.functional.oom.batch import describe_batch, mask_lengths
 from lightning_memopt.functional.oom.schema import (
+    BatchLengths,
     BatchSection,
     CheckpointingState,
     ErrorSection,
@@ -109,6 +110,13 @@ def batch_section(tb: TracebackType | None) -> BatchSection:
     batch = describe_batch(found.value)
     batch["found_in"] = f"{found.function} ({found.location})"
     return batch
+
+
+def lengths_from(tb: TracebackType | None, lengths_fn: Callable[[Any], Any]) -> list[BatchLengths]:
+    """``batch.lengths`` from ``lengths_fn(batch)`` (a padding mask) of the local ``batch`` the ``batch`` part read;
+    empty without one."""
+    found = find_in_traceback(tb, "batch")
+    return [] if found is None else mask_lengths("lengths_fn(batch)", lengths_fn(found.value))
 
 
 def memory_section(reading: MemoryReading) -> MemorySection:
