@@ -280,6 +280,19 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
     )
 
 
+def _read_lengths(
+    batch: BatchSection, exception: BaseException, lengths_fn: Callable[[Any], Any], guard: SectionGuard
+) -> None:
+    """``batch.lengths`` from the user's ``lengths_fn`` (what fails goes to ``report_errors``)."""
+
+    def read() -> None:
+        lengths = lengths_from(exception.__traceback__, lengths_fn)
+        if lengths:
+            batch["lengths"] = lengths
+
+    guard("sample lengths (lengths_fn)", read, _nothing)
+
+
 def build_oom_report(
     exception: BaseException,
     *,
@@ -323,15 +336,8 @@ def build_oom_report(
             "memory": memory,
         },
     )
-    lengths_fn = sources.lengths_fn
-    if lengths_fn is not None:
-
-        def read_lengths() -> None:
-            lengths = lengths_from(exception.__traceback__, lengths_fn)
-            if lengths:
-                report["batch"]["lengths"] = lengths
-
-        guard("sample lengths (lengths_fn)", read_lengths, _nothing)
+    if sources.lengths_fn is not None:
+        _read_lengths(report["batch"], exception, sources.lengths_fn, guard)
 
     def read_summary() -> None:
         memory["summary"] = sources.memory_summary(device)
