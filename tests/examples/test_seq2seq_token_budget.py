@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from examples.seq2seq_token_budget import main, synthetic_lengths
 
 
+@pytest.mark.slow  # a plan and a short fit: about 8 s
 def test_the_example_plans_batches_by_memory_and_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     summary = main(["--samples", "300", "--buckets", "4", "--max_steps", "3", "--budget", "128MB"])
