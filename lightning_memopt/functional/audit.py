@@ -43,7 +43,7 @@ from lightning_memopt.functional.leaks import (
     metric_states_requiring_grad,
     tensors_with_grad_fn,
 )
-from lightning_memopt.functional.loaders import LoaderMemory, batch_bytes, loader_memory
+from lightning_memopt.functional.loaders import LengthSample, LoaderMemory, batch_bytes, loader_memory
 from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.oom.batch import batch_padding
 from lightning_memopt.functional.precision import double_cast
@@ -315,6 +315,8 @@ class AuditSession:
         self.loaders: list[LoaderMemory] = []
         #: The loaders whose first batch is not measured yet, by name.
         self.unmeasured: dict[str, Any] = {}
+        #: the first training batches' lengths, for the max_length finding
+        self.length_sample = LengthSample()
         self.host_total_bytes = 0
         self.duplicate_fraction = duplicate_fraction
         self.max_listed = max_listed
@@ -350,6 +352,7 @@ class AuditSession:
         self.findings.reset()
         self.duplicates_seen = frozenset()
         self.loaders, self.unmeasured = [], {}
+        self.length_sample = LengthSample()
         if not resumed:
             self.sampler.samples.clear()
             self.leak_reported, self.leak = False, None
@@ -410,6 +413,19 @@ class AuditSession:
             return None
         padding = [dict(found) for found in batch_padding(batch)]
         return self._report_loader(name, loader, batch_bytes(batch), emit, padding)
+
+    def sample_lengths(self, batch: Any, emit: Emit) -> None:
+        """Add a training batch's lengths to :attr:`length_sample`; once it has enough, rank zero warns (and emits) the
+        ``max_length`` finding, if any."""
+        sample = self.length_sample
+        sample.add([dict(found) for found in batch_padding(batch)])
+        if not sample.done or self.rank != 0:
+            return
+        finding = sample.finding("train")
+        if finding is not None:
+            message = f"MemoryAudit: {finding}"
+            if self.findings.warn("loader-max-length", message):
+                emit(self.memory.read(), "warning", None, check="dataloaders", message=message, loader="train")
 
     def _report_loader(
         self, name: str, loader: Any, nbytes: int | None, emit: Emit, padding: list[dict[str, Any]] | None = None

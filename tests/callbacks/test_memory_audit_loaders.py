@@ -232,3 +232,27 @@ def test_a_first_batch_mostly_padding_gets_a_finding_with_its_lengths(tmp_path):
     [padding] = train["padding"]
     assert padding["padded_to"] == 128 and padding["longest"] == 3 + 7 * 21 // 15 and padding["padding_share"] > 0.9
     assert "input_ids" not in json.dumps(padding)  # lengths only: no token ids
+
+
+class MaxLengthModel(PaddedModel):
+    """Every batch padded to 128 (a fixed max_length) where 99 % of the samples are 3 to 24 tokens long."""
+
+    def train_dataloader(self):
+        samples = []
+        for i in range(160):
+            mask = torch.zeros(128, dtype=torch.long)
+            mask[: 3 + i % 22] = 1
+            samples.append({"input_ids": torch.ones(128, dtype=torch.long), "attention_mask": mask})
+        return DataLoader(samples, batch_size=8)
+
+
+def test_batches_all_padded_far_beyond_the_p99_length_are_told_to_cap_max_length(tmp_path):
+    audit = MemoryAudit(dirpath=tmp_path / "memory")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tmp_path, callbacks=[audit], max_steps=18, limit_val_batches=0, limit_train_batches=None)
+        trainer.fit(MaxLengthModel())
+    [finding] = [str(w.message) for w in caught if "Cap `max_length`" in str(w.message)]
+    assert "each of the first 16 batches is padded to 128 or more (`batch['attention_mask']`)" in finding
+    assert "99 % of their 128 samples are at most 24 long" in finding and "Cap `max_length` at 24" in finding
+    assert audit._session.length_sample.done  # sampled once, then left alone
