@@ -15,6 +15,7 @@ from lightning_memopt.callbacks._memory_log import ArtifactCallback
 from lightning_memopt.callbacks._states import MAX_REMEMBERED_REPORTS as _MAX_REMEMBERED
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.functional import oom
+from lightning_memopt.functional.batching import LengthSample
 from lightning_memopt.functional.checkpointing import is_checkpointed
 from lightning_memopt.functional.memory import read_memory
 from lightning_memopt.utilities import _torch_private
@@ -111,6 +112,7 @@ class OOMReporter(ArtifactCallback):
         self._history: Lease | None = None  # allocator history is the process's: shared with overlapping fits
         self._resolved_dir: Path | None = None
         self._checkpointing_at_start: oom.CheckpointingState | None = None
+        self._lengths = LengthSample()  # the first training batches' lengths
         self._warn = WarnOnce()
 
     @property
@@ -140,6 +142,32 @@ class OOMReporter(ArtifactCallback):
             self._checkpointing_at_start = oom.checkpointing_state(pl_module, is_checkpointed)
         except Exception:
             self._checkpointing_at_start = None
+        self._lengths = LengthSample()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """The first training batches' lengths (from their padding masks, or ``lengths_fn``): where 99 % of the data
+        fits, for the tip to cap ``max_length``. Host copies of the masks of 16 batches at most."""
+        if self._lengths.done:
+            return
+        try:
+            if self.lengths_fn is not None:
+                padding = oom.mask_lengths("lengths_fn(batch)", self.lengths_fn(batch))
+            else:
+                padding = oom.batch_padding(batch)
+            self._lengths.add([dict(found) for found in padding])
+        except Exception as err:  # a failing lengths_fn costs the tip, never the step
+            self._lengths.unmasked = self._lengths.without_masks
+            self._warn.warn("lengths", f"OOMReporter: the batch's lengths could not be read ({err!r}); carrying on.")
+
+    def _data_lengths(self) -> oom.DataLengths | None:
+        sample = self._lengths
+        p99 = sample.p99()
+        if p99 is None:
+            return None
+        return {"batches": sample.seen, "samples": len(sample.lengths), "p99": p99, "longest": max(sample.lengths)}
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -239,6 +267,7 @@ class OOMReporter(ArtifactCallback):
                         dump=_torch_private.dump_memory_snapshot,
                     ),
                     lengths_fn=self.lengths_fn,
+                    data_lengths=self._data_lengths,
                 ),
                 message=_safe_str(exception),
                 max_listed=self.max_listed,

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_memopt.functional.batching import LengthSample
 from lightning_memopt.functional.footprint import (
     Duplicates,
     Footprint,
@@ -43,7 +44,7 @@ from lightning_memopt.functional.leaks import (
     metric_states_requiring_grad,
     tensors_with_grad_fn,
 )
-from lightning_memopt.functional.loaders import LengthSample, LoaderMemory, batch_bytes, loader_memory
+from lightning_memopt.functional.loaders import LoaderMemory, batch_bytes, loader_memory
 from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.oom.batch import batch_padding
 from lightning_memopt.functional.precision import double_cast

@@ -14,9 +14,11 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "LargestBatch",
+    "LengthSample",
     "as_lengths",
     "check_every_sample_fits",
     "group_batches",
@@ -202,3 +204,63 @@ def rank_share(count: int, rank: int, world: int, drop_last: bool) -> list[int]:
     """
     total = (count // world) * world if drop_last else -(-count // world) * world
     return [k % count for k in range(rank, total, world)]
+
+
+class LengthSample:
+    """The samples' lengths of a loader's first batches (what their padding masks say), for one finding: every batch
+    padded beyond the length 99 % of the samples fit in, which a cap on ``max_length`` would cut.
+
+    Examples:
+        >>> sample = LengthSample(batches=2)
+        >>> for _ in range(2):
+        ...     sample.add([{"path": "m", "padded_to": 512, "lengths": [30, 40, 60, 80]}])
+        >>> sample.done, sample.finding("train")[:59]
+        (True, 'train: each of the first 2 batches is padded to 512 or more')
+    """
+
+    def __init__(self, batches: int = 16, without_masks: int = 3) -> None:
+        self.batches, self.without_masks = batches, without_masks
+        self.lengths: list[int] = []
+        self.padded_to: list[int] = []
+        self.path: str | None = None
+        self.seen = self.unmasked = 0
+
+    @property
+    def done(self) -> bool:
+        """Enough batches seen (or a few without masks: nothing to learn)."""
+        return self.seen >= self.batches or self.unmasked >= self.without_masks
+
+    def add(self, padding: list[dict[str, Any]]) -> None:
+        """One batch's ``padding`` (see :func:`~lightning_memopt.functional.oom.batch.batch_padding`); its first
+        mask counts."""
+        if not padding:
+            self.unmasked += 1
+            return
+        first = padding[0]
+        self.seen += 1
+        self.path = self.path or str(first.get("path"))
+        self.padded_to.append(int(first.get("padded_to") or 0))
+        self.lengths += [int(n) for n in first.get("lengths") or []]
+
+    def p99(self) -> int | None:
+        """The length 99 % of the samples seen fit in (``None``: none seen)."""
+        if not self.lengths:
+            return None
+        ordered = sorted(self.lengths)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+    def finding(self, name: str) -> str | None:
+        """The finding, or ``None`` when some batch is padded within the length 99 % of the samples fit in."""
+        p99 = self.p99()
+        if p99 is None or not self.padded_to:
+            return None
+        shortest_pad = min(self.padded_to)
+        if shortest_pad < 1.25 * p99:
+            return None
+        batches, share = len(self.padded_to), 1 - p99 / shortest_pad
+        return (
+            f"{name}: each of the first {batches} batches is padded to {shortest_pad} or more (`{self.path}`), while"
+            f" 99 % of their {len(self.lengths)} samples are at most {p99} long: {100 * share:.0f} % of every sample's"
+            f" length is padding. Cap `max_length` at {p99} (the 1 % longer are truncated), or pad each batch to its"
+            " longest sample and batch samples of similar length (docs/batching.md)."
+        )

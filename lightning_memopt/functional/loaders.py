@@ -18,7 +18,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["LengthSample", "LoaderMemory", "batch_bytes", "fit_loaders", "loader_memory", "named_loaders"]
+__all__ = ["LoaderMemory", "batch_bytes", "fit_loaders", "loader_memory", "named_loaders"]
 
 #: A Python list, tuple or dict with at least this many elements in a dataset is worth a finding under workers.
 PYTHON_OBJECTS_THRESHOLD = 100_000
@@ -238,57 +238,3 @@ def fit_loaders(train: Any, val: Any, limit_val_batches: Any = 1) -> list[tuple[
     if val is not None and limit_val_batches != 0:
         named += named_loaders("val", val)
     return named
-
-
-class LengthSample:
-    """The samples' lengths of a loader's first batches (what their padding masks say), for one finding: every batch
-    padded beyond the length 99 % of the samples fit in, which a cap on ``max_length`` would cut.
-
-    Examples:
-        >>> sample = LengthSample(batches=2)
-        >>> for _ in range(2):
-        ...     sample.add([{"path": "m", "padded_to": 512, "lengths": [30, 40, 60, 80]}])
-        >>> sample.done, sample.finding("train")[:59]
-        (True, 'train: each of the first 2 batches is padded to 512 or more')
-    """
-
-    def __init__(self, batches: int = 16, without_masks: int = 3) -> None:
-        self.batches, self.without_masks = batches, without_masks
-        self.lengths: list[int] = []
-        self.padded_to: list[int] = []
-        self.path: str | None = None
-        self.seen = self.unmasked = 0
-
-    @property
-    def done(self) -> bool:
-        """Enough batches seen (or a few without masks: nothing to learn)."""
-        return self.seen >= self.batches or self.unmasked >= self.without_masks
-
-    def add(self, padding: list[dict[str, Any]]) -> None:
-        """One batch's ``padding`` (see :func:`~lightning_memopt.functional.oom.batch.batch_padding`); its first
-        mask counts."""
-        if not padding:
-            self.unmasked += 1
-            return
-        first = padding[0]
-        self.seen += 1
-        self.path = self.path or str(first.get("path"))
-        self.padded_to.append(int(first.get("padded_to") or 0))
-        self.lengths += [int(n) for n in first.get("lengths") or []]
-
-    def finding(self, name: str) -> str | None:
-        """The finding, or ``None`` when some batch is padded within the length 99 % of the samples fit in."""
-        if not self.lengths or not self.padded_to:
-            return None
-        ordered = sorted(self.lengths)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-        shortest_pad = min(self.padded_to)
-        if shortest_pad < 1.25 * p99:
-            return None
-        batches, share = len(self.padded_to), 1 - p99 / shortest_pad
-        return (
-            f"{name}: each of the first {batches} batches is padded to {shortest_pad} or more (`{self.path}`), while"
-            f" 99 % of their {len(ordered)} samples are at most {p99} long: {100 * share:.0f} % of every sample's"
-            f" length is padding. Cap `max_length` at {p99} (the 1 % longer are truncated), or pad each batch to its"
-            " longest sample and batch samples of similar length (docs/batching.md)."
-        )

@@ -17,6 +17,7 @@ from lightning_memopt.functional import footprint
 from lightning_memopt.functional.oom import REDACTED, REPORT_FORMAT
 from lightning_memopt.functional.oom import sections as oom_sections
 from lightning_memopt.functional.oom import store as oom_store
+from tests.helpers.lightning import pl
 from tests.helpers.models import TinyModel
 from tests.helpers.oom_schema import check_against_schema
 from tests.helpers.trainer import make_trainer
@@ -588,3 +589,38 @@ def test_a_lengths_fn_that_fails_costs_the_lengths_only(tmp_path):
     report = json.loads((tmp_path / "reports" / "oom_report_rank0.json").read_text())
     assert "lengths" not in report["batch"] and report["batch"]["tensors"]
     assert any("lengths_fn" in problem for problem in report["report_errors"])
+
+
+class PaddedToMaxLength(pl.LightningModule):
+    """Batches padded to 128 where the samples are 3 to 24 tokens long; out of memory at the sixth batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(128, 1)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return self.layer(batch["attention_mask"].float()).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        samples = []
+        for i in range(64):
+            mask = torch.zeros(128, dtype=torch.long)
+            mask[: 3 + i % 22] = 1
+            samples.append({"attention_mask": mask})
+        return torch.utils.data.DataLoader(samples, batch_size=8)
+
+
+def test_batches_padded_far_beyond_where_99_percent_of_the_data_fits_get_the_tip_to_cap_max_length(tmp_path):
+    reporter = OOMReporter(dirpath=tmp_path / "r", max_listed=0)
+    _fit_and_fail(tmp_path, PaddedToMaxLength(), reporter, max_steps=20, limit_train_batches=None)
+    report = json.loads((tmp_path / "r" / "oom_report_rank0.json").read_text())
+    sampled = report["batch"]["data_lengths"]
+    assert sampled == {"batches": 6, "samples": 48, "p99": 24, "longest": 24}  # the failing batch counted too
+    actions = [s["action"] for s in report["suggestions"]]
+    assert any(a.startswith("Cap `max_length` at 24") for a in actions)
+    assert any(a.startswith("Pad each batch to its longest sample") for a in actions)

@@ -16,7 +16,7 @@ the moment of failure and hands it to these functions:
 * :mod:`.store`: every report kept under a name of its own, the documented names on the newest (:func:`save_report`).
 """
 
-from lightning_memopt.functional.oom.batch import describe_batch
+from lightning_memopt.functional.oom.batch import batch_padding, describe_batch, mask_lengths
 from lightning_memopt.functional.oom.environment import (
     ALLOCATOR_ENV_VARS,
     ENV_PREFIXES,
@@ -36,7 +36,13 @@ from lightning_memopt.functional.oom.report import (
     failure_memory,
     failure_position,
 )
-from lightning_memopt.functional.oom.schema import REPORT_FORMAT, CheckpointingState, MemorySection, OOMReport
+from lightning_memopt.functional.oom.schema import (
+    REPORT_FORMAT,
+    CheckpointingState,
+    DataLengths,
+    MemorySection,
+    OOMReport,
+)
 from lightning_memopt.functional.oom.sections import checkpointing_state, memory_section, take_snapshot
 from lightning_memopt.functional.oom.store import (
     ReportSlot,
@@ -50,6 +56,7 @@ from lightning_memopt.functional.oom.suggestions import suggest_fixes
 from lightning_memopt.utilities.redaction import REDACTED, is_secret_name  # kept importable here
 
 __all__ = [
+    "DataLengths",
     "ALLOCATOR_ENV_VARS",
     "ENV_PREFIXES",
     "REDACTED",
@@ -67,7 +74,9 @@ __all__ = [
     "checkpointing_state",
     "collect_environment",
     "collect_versions",
+    "batch_padding",
     "describe_batch",
+    "mask_lengths",
     "failure_memory",
     "failure_position",
     "is_secret_name",

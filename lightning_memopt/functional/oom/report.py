@@ -28,6 +28,7 @@ from lightning_memopt.functional.oom.schema import (
     BatchSection,
     CheckpointingState,
     ConfigSection,
+    DataLengths,
     HoldersSection,
     MemorySection,
     OOMReport,
@@ -154,6 +155,7 @@ class ReportSources:
         sharding: How the model is sharded (``footprint.model_sharding``).
         lengths_fn: The user's ``lengths_fn`` (``OOMReporter(lengths_fn=...)``): a padding mask of the failing
             batch, read into ``batch.lengths`` in place of what its own masks say.
+        data_lengths: The first training batches' lengths as sampled (``batch.data_lengths``).
     """
 
     settings: Callable[[], TrainerSettings]
@@ -168,6 +170,8 @@ class ReportSources:
     sharding: Callable[[nn.Module], fp.Sharding] = fp.model_sharding
     #: ``lengths_fn(batch)`` -> a padding mask of the failing batch, for a batch without masks of its own
     lengths_fn: Callable[[Any], Any] | None = None
+    #: the first training batches' lengths (``batch.data_lengths``); ``None``: none sampled
+    data_lengths: Callable[[], DataLengths | None] = lambda: None
 
 
 def _no_memory(err: Exception) -> MemorySection:
@@ -277,20 +281,26 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
         activation_checkpointing=None if checkpointing is None else checkpointing.get("on"),
         sharding=report.get("sharding"),
         lengths=report.get("batch", {}).get("lengths"),
+        data_lengths=report.get("batch", {}).get("data_lengths"),
     )
 
 
-def _read_lengths(
-    batch: BatchSection, exception: BaseException, lengths_fn: Callable[[Any], Any], guard: SectionGuard
-) -> None:
-    """``batch.lengths`` from the user's ``lengths_fn`` (what fails goes to ``report_errors``)."""
+def _read_lengths(batch: BatchSection, exception: BaseException, sources: ReportSources, guard: SectionGuard) -> None:
+    """``batch.lengths`` from the user's ``lengths_fn``, and ``batch.data_lengths`` as sampled (what fails goes to
+    ``report_errors``)."""
+    lengths_fn = sources.lengths_fn
 
     def read() -> None:
+        if lengths_fn is None:
+            return
         lengths = lengths_from(exception.__traceback__, lengths_fn)
         if lengths:
             batch["lengths"] = lengths
 
     guard("sample lengths (lengths_fn)", read, _nothing)
+    sampled = guard("sampled lengths", sources.data_lengths, _nothing)
+    if sampled:
+        batch["data_lengths"] = sampled
 
 
 def build_oom_report(
@@ -336,8 +346,7 @@ def build_oom_report(
             "memory": memory,
         },
     )
-    if sources.lengths_fn is not None:
-        _read_lengths(report["batch"], exception, sources.lengths_fn, guard)
+    _read_lengths(report["batch"], exception, sources, guard)
 
     def read_summary() -> None:
         memory["summary"] = sources.memory_summary(device)

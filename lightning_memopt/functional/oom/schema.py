@@ -14,6 +14,7 @@ __all__ = [
     "REPORT_FORMAT",
     "BatchLengths",
     "BatchSection",
+    "DataLengths",
     "BatchTensor",
     "CheckpointingState",
     "ConfigSection",
@@ -82,6 +83,15 @@ class BatchLengths(TypedDict):
     lengths: list[int]  # per sample, the first 64
 
 
+class DataLengths(TypedDict):
+    """``batch.data_lengths``: the samples' lengths of the first training batches, as ``OOMReporter`` sampled them."""
+
+    batches: int  # batches sampled
+    samples: int  # their samples
+    p99: int  # the length 99 % of them fit in
+    longest: int
+
+
 class BatchSection(TypedDict, total=False):
     """``batch``: the failing batch. Empty if it could not be described; without a local ``batch``, only
     ``found_in`` (``None``), ``tensors`` (empty), ``num_tensors`` (0) and ``micro_batch_size`` (``None``)."""
@@ -93,6 +103,7 @@ class BatchSection(TypedDict, total=False):
     bytes: int  # bytes of the listed tensors
     micro_batch_size: int | None  # first dimension of the first tensor that has one
     lengths: list[BatchLengths]  # only where the batch has padding masks (or labels padded with -100)
+    data_lengths: DataLengths  # only where OOMReporter sampled the first training batches' lengths
     found_in: str | None  # "function (file:line)" of the frame whose local `batch` was read
 
 

@@ -54,6 +54,7 @@ class Facts:
     activation_checkpointing: bool | None
     sharding: Mapping[str, Any] = field(default_factory=dict)  # the report's `sharding` part; empty: not sharded
     lengths: tuple[Mapping[str, Any], ...] = ()  # the failing batch's `lengths` (from its padding masks)
+    data_lengths: Mapping[str, Any] = field(default_factory=dict)  # the first training batches' lengths, sampled
 
     @property
     def training(self) -> bool:
@@ -402,10 +403,28 @@ def padding(f: Facts) -> Iterator[Tip]:
         )
 
 
+def cap_max_length(f: Facts) -> Iterator[Tip]:
+    """The failing batch padded far beyond the length 99 % of the data fits in (sampled from the first batches)."""
+    p99 = f.data_lengths.get("p99")
+    padded = [int(found["padded_to"]) for found in f.lengths if isinstance(found.get("padded_to"), int)]
+    if not isinstance(p99, int) or not padded or max(padded) < 1.25 * p99:
+        return
+    padded_to = max(padded)
+    yield Tip(
+        _share_of_activations(f, 1 - p99 / padded_to),
+        1,
+        f"Cap `max_length` at {p99}: 99 % of the samples fit in it (the 1 % longer are truncated)",
+        f"This batch is padded to {padded_to}; 99 % of the {f.data_lengths.get('samples')} samples of the first"
+        f" {f.data_lengths.get('batches')} training batches are at most {p99} long (the longest"
+        f" {f.data_lengths.get('longest')}).",
+    )
+
+
 #: The rules, in the order their tips are collected (ties in the ranking keep this order).
 RULES: tuple[Rule, ...] = (
     huge_allocation,
     padding,
+    cap_max_length,
     units_per_block,
     reshard_after_forward,
     activation_checkpointing,
@@ -439,6 +458,7 @@ def suggest_fixes(
     activation_checkpointing: bool | None = None,
     sharding: Mapping[str, Any] | None = None,
     lengths: Sequence[Mapping[str, Any]] | None = None,
+    data_lengths: Mapping[str, Any] | None = None,
 ) -> list[Suggestion]:
     """Ranked suggestions for getting the failed step to fit, derived from the numbers at the failure.
 
@@ -475,6 +495,8 @@ def suggest_fixes(
             and checkpointing before ``fully_shard`` instead.
         lengths: The failing batch's ``lengths`` (per padding mask: ``padded_to``, ``longest``, ``padding_share``,
             ...): a batch padded beyond its longest sample, or mostly padding, gets a tip about the input.
+        data_lengths: The first training batches' lengths (``batches``, ``samples``, ``p99``, ``longest``): a batch
+            padded to 1.25x their 99th percentile or more gets the tip to cap ``max_length`` there.
 
     Examples:
         >>> tips = suggest_fixes(stage="train", allocated_bytes=10_000, reserved_bytes=10_500,
@@ -512,6 +534,7 @@ def suggest_fixes(
         activation_checkpointing=activation_checkpointing,
         sharding=dict(sharding or {}),
         lengths=tuple(lengths or ()),
+        data_lengths=dict(data_lengths or {}),
     )
     tips = [tip for rule in RULES for tip in rule(facts)]
     saves = [None if tip.saves is None else max(int(tip.saves), 0) for tip in tips]
