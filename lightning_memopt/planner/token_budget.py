@@ -99,6 +99,28 @@ class TokenBudgetPlan:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class _StepBytes:
+    """What a training step of ``batch_fn(n, lengths)`` needs by the estimator (DDP's buckets counted over
+    ``devices``; one rank's bytes when sharded over ``world_size``)."""
+
+    module: nn.Module
+    batch_fn: Callable[[int, Any], Any]
+    resolved: Any  # the budget resolved (its precision and GPU)
+    device: str
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None
+    devices: int = 1
+    world_size: int = 1
+
+    def __call__(self, n: int, lengths: Any) -> int:
+        est = estimate_memory(
+            self.module, self.batch_fn(n, lengths), precision=self.resolved.precision, optimizer=self.optimizer,
+            device=self.device, loss_fn=self.loss_fn, gpu=self.resolved.gpu, world_size=self.world_size,
+        )  # fmt: skip
+        return needed_bytes(est, max(self.devices, self.world_size))
+
+
 class _Needs:
     """The bytes a step of ``n`` samples at ``lengths`` needs, each estimated once."""
 
@@ -230,15 +252,8 @@ def plan_token_budget(
     keys = _bucket_keys(lengths, buckets)
     resolved = _resolve_budget(budget, gpu, device, margin, precision)
 
-    def estimate(n: int, key: Lengths) -> int:
-        batch = batch_fn(n, key[0] if len(key) == 1 else key)
-        est = estimate_memory(
-            module, batch, precision=resolved.precision, optimizer=optimizer, device=device, loss_fn=loss_fn,
-            gpu=resolved.gpu, world_size=world_size,
-        )  # fmt: skip
-        return needed_bytes(est, max(devices, world_size))
-
-    needs = _Needs(estimate)
+    step = _StepBytes(module, batch_fn, resolved, device, optimizer, loss_fn, devices, world_size)
+    needs = _Needs(lambda n, key: step(n, key[0] if len(key) == 1 else key))
     rows: list[BucketRow] = []
     previous: tuple[int, int] | None = None  # (largest batch, padded tokens) of the bucket before
     intercept: float | None = None  # what a batch of 0 needs, by the bucket before's line (the model's fixed bytes)
@@ -308,15 +323,9 @@ def longest_input(
     check_positive_int("max_length", max_length)
     resolved = _resolve_budget(budget, gpu, device, margin, precision)
 
-    def fits(length: int) -> bool:
-        est = estimate_memory(
-            module, batch_fn(batch_size, length), precision=resolved.precision, optimizer=optimizer, device=device,
-            loss_fn=loss_fn, gpu=resolved.gpu,
-        )  # fmt: skip
-        return needed_bytes(est, devices) <= resolved.usable
-
+    step = _StepBytes(module, batch_fn, resolved, device, optimizer, loss_fn, devices)
     low, high = 0, max_length + 1
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
+        low, high = (mid, high) if step(batch_size, mid) <= resolved.usable else (low, mid)
     return low
