@@ -82,3 +82,14 @@ def test_a_rank_whose_step_returns_none_still_takes_part_in_the_reduction(overla
     assert not torch.equal(ranks[0]["weights"]["layer.weight"], reducer[0]["weights"]["layer.weight"])
     # rank 1 all-reduced its (absent) gradients after its step; rank 0 from backward, as in every later step
     assert (ranks[0]["launched"], ranks[1]["launched"]) == (3 * 4, 2 * 3)
+
+
+@pytest.mark.slow
+def test_with_lightnings_accumulation_the_stepping_batch_overlaps_and_equals_the_reducer_bitwise(overlap_run):
+    reducer, overlap = _ranks(overlap_run, "reducer_accumulate"), _ranks(overlap_run, "overlap_accumulate")
+    for rank in (0, 1):
+        _assert_same_weights(overlap[rank]["weights"], reducer[rank]["weights"])
+        assert overlap[rank]["has_grad"] == reducer[rank]["has_grad"]
+        assert overlap[rank]["step"] == 3 and overlap[rank]["sizes"] == [8] * 6  # 2 batches a step
+    # only the batch that steps reduces: 3 of 6 batches, 4 buckets from backward on rank 0, 3 on rank 1
+    assert (overlap[0]["launched"], overlap[1]["launched"]) == (3 * 4, 3 * 3)

@@ -10,6 +10,7 @@ from backward, micro-batch sizes):
 * ``backward``: rank 1 alone runs out of memory in the first batch's backward, after the gradients of the last layers
   came in (their buckets' all-reduces started); a synced log in ``on_after_backward``;
 * ``forward``: rank 1 alone runs out of memory in the first batch's forward, after rank 0 reached its backward;
+* ``reducer_accumulate`` / ``overlap_accumulate``: both with Lightning's ``accumulate_grad_batches=2``;
 * ``skip``: rank 1's ``training_step`` returns ``None`` in the first batch (no backward there), rank 0's does not;
 * ``reentrant``: a layer whose gradient comes in twice per backward (two reentrant checkpoints), nothing out of memory.
 """
@@ -104,11 +105,11 @@ class Reentrant(Net):
         return DataLoader(Data(), batch_size=self.batch_size, sampler=DistributedSampler(Data(), shuffle=False))
 
 
-def run(name: str, model: Overlapped | Reentrant, callbacks: list) -> None:
+def run(name: str, model: Overlapped | Reentrant, callbacks: list, accumulate: int = 1) -> None:
     strategy = pl.strategies.DDPStrategy(
         timeout=timedelta(seconds=60), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True
     )  # a hang ends as an error
-    trainer = ddp_trainer(callbacks, strategy=strategy)
+    trainer = ddp_trainer(callbacks, strategy=strategy, accumulate_grad_batches=accumulate)
     trainer.fit(model)
     callback = next(iter(callbacks), None)
     saved = {
@@ -129,6 +130,8 @@ if __name__ == "__main__":
     for phase in ("backward", "forward", "skip"):
         run(phase, Overlapped(phase), [AutoMicroBatch()])
     run("reentrant", Reentrant(), [AutoMicroBatch()])
+    run("reducer_accumulate", Overlapped(), [], accumulate=2)
+    run("overlap_accumulate", Overlapped(), [AutoMicroBatch()], accumulate=2)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
