@@ -13,7 +13,8 @@ from examples.seq2seq_token_budget import main, synthetic_lengths
 @pytest.mark.slow  # a plan and a short fit: about 8 s
 def test_the_example_plans_batches_by_memory_and_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    summary = main(["--samples", "300", "--buckets", "4", "--max_steps", "3", "--budget", "128MB"])
+    tiny = ["--d_model", "32", "--num_heads", "2", "--d_ff", "64", "--num_layers", "1"]  # the example's own flags
+    summary = main(["--samples", "300", "--buckets", "4", "--max_steps", "2", "--budget", "32MB", *tiny])
     table = summary["table"]
     assert len(table) == 4 and all(size > 8 for size in table.values())
     # a longer source or target at the same other length holds fewer samples
@@ -22,7 +23,7 @@ def test_the_example_plans_batches_by_memory_and_trains(tmp_path, monkeypatch):
             if other_source >= source and other_target >= target:
                 assert other <= size
     steps, padding = summary["steps_per_epoch"], summary["padding"]
-    assert steps["token budget"] < 0.5 * steps["fixed"]
+    assert steps["token budget"] <= 0.5 * steps["fixed"]
     assert padding["token budget"] < padding["fixed"]
     assert math.isfinite(summary["train_loss"]) and summary["train_loss"] < math.log(1000) + 1
 
