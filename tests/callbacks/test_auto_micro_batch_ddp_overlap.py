@@ -1,5 +1,7 @@
 """AutoMicroBatch under DDP keeps the all-reduces inside the backward of a batch that runs whole, and a rank that runs
-out of memory there leaves no rank waiting. All tests read one run of ``tests/scripts/amb_ddp_overlap.py``."""
+out of memory there leaves no rank waiting; with a TokenBudgetBatchSampler's batches (of different sizes on the two
+ranks) both ways Lightning can meet the sampler end without a hang. All tests read one run of
+``tests/scripts/amb_ddp_overlap.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from tests.helpers.amb import fit
 from tests.helpers.subprocess_run import run_script_once
-from tests.scripts.amb_ddp_overlap import Reentrant
+from tests.scripts.amb_ddp_overlap import LENGTHS, N, Reentrant
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +95,20 @@ def test_with_lightnings_accumulation_the_stepping_batch_overlaps_and_equals_the
         assert overlap[rank]["step"] == 3 and overlap[rank]["sizes"] == [8] * 6  # 2 batches a step
     # only the batch that steps reduces: 3 of 6 batches, 4 buckets from backward on rank 0, 3 on rank 1
     assert (overlap[0]["launched"], overlap[1]["launched"]) == (3 * 4, 3 * 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sampler_lightning", "sampler_own"])
+def test_a_token_budget_sampler_shares_every_epoch_in_equal_counts_within_the_budget(overlap_run, name):
+    ranks = _ranks(overlap_run, name)
+    # Lightning re-created the sampler made in its hook with its distributed sampler inside; the other kept its own
+    assert ranks[0]["inner"] == ("DistributedSampler" if name == "sampler_lightning" else "_EpochRelay")
+    for epoch in (0, 1):
+        shares = [rank["seen"][epoch] for rank in ranks]
+        assert len(shares[0]) == len(shares[1]) == ranks[0]["lengths"][epoch] == ranks[1]["lengths"][epoch]
+        assert {i for share in shares for batch in share for i in batch} == set(range(N))
+        extra = sum(len(batch) for share in shares for batch in share) - N
+        assert 0 <= extra <= max(len(batch) for share in shares for batch in share)  # one batch filled up at most
+        for share in shares:
+            assert all(len(batch) * max(LENGTHS[i] for i in batch) <= 120 for batch in share)
+    assert ranks[0]["seen"][0] != ranks[0]["seen"][1]  # the epoch reached the sampler: a new order

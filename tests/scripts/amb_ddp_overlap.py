@@ -11,6 +11,11 @@ from backward, micro-batch sizes):
   came in (their buckets' all-reduces started); a synced log in ``on_after_backward``;
 * ``forward``: rank 1 alone runs out of memory in the first batch's forward, after rank 0 reached its backward;
 * ``reducer_accumulate`` / ``overlap_accumulate``: both with Lightning's ``accumulate_grad_batches=2``;
+* ``sampler_lightning`` / ``sampler_own``: two epochs of batches from a ``TokenBudgetBatchSampler`` (ranks hold
+  batches of different sizes), with ``AutoMicroBatch()``: made in ``train_dataloader`` with Lightning's
+  ``use_distributed_sampler=True`` (Lightning re-creates it with its distributed sampler, whose rank and epoch it
+  takes) and made before the fit with ``use_distributed_sampler=False`` (rank from the process group); each writes
+  its batches' sample indices per epoch and the length it reported;
 * ``skip``: rank 1's ``training_step`` returns ``None`` in the first batch (no backward there), rank 0's does not;
 * ``reentrant``: a layer whose gradient comes in twice per backward (two reentrant checkpoints), nothing out of memory.
 """
@@ -18,14 +23,16 @@ from backward, micro-batch sizes):
 from __future__ import annotations
 
 import os
+import random
 import sys
 from datetime import timedelta
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
+from lightning_memopt.data import TokenBudgetBatchSampler
 from tests.helpers.amb import BackwardBudget, Data, Net, ddp_trainer
 from tests.helpers.lightning import pl
 
@@ -124,6 +131,76 @@ def run(name: str, model: Overlapped | Reentrant, callbacks: list, accumulate: i
     torch.save(saved, f"{name}_rank{trainer.global_rank}.pt")
 
 
+N = 101
+LENGTHS = [random.Random(i).randint(1, 40) for i in range(N)]
+
+
+class Tokens(Dataset):
+    """Samples of 1 to 40 tokens and their index."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return torch.ones(LENGTHS[i]), i
+
+
+def collate(samples):
+    tokens = torch.nn.utils.rnn.pad_sequence([t for t, _ in samples], batch_first=True)
+    return tokens, torch.tensor([i for _, i in samples])
+
+
+class SamplerModel(pl.LightningModule):
+    """Batches from a TokenBudgetBatchSampler: made in `train_dataloader` (`in_hook`) or before the fit."""
+
+    def __init__(self, in_hook: bool) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.in_hook = in_hook
+        self.sampler = None if in_hook else TokenBudgetBatchSampler(LENGTHS, max_tokens=120)
+        self.seen: dict[int, list[list[int]]] = {}
+        self.lengths: dict[int, int] = {}
+        self.inner = ""
+
+    def training_step(self, batch, batch_idx):
+        tokens, idx = batch
+        self.seen.setdefault(self.current_epoch, []).append(idx.tolist())
+        return self.layer(tokens.unsqueeze(-1)).mean()
+
+    def on_train_epoch_start(self):
+        self.lengths[self.current_epoch] = len(self.trainer.train_dataloader)
+        self.inner = type(self.trainer.train_dataloader.batch_sampler.sampler).__name__
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        sampler = TokenBudgetBatchSampler(LENGTHS, max_tokens=120) if self.in_hook else self.sampler
+        return DataLoader(Tokens(), batch_sampler=sampler, collate_fn=collate)
+
+
+def run_sampler(name: str, in_hook: bool) -> None:
+    model = SamplerModel(in_hook)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=pl.strategies.DDPStrategy(timeout=timedelta(seconds=60)),  # a hang ends as an error
+        max_epochs=2,
+        use_distributed_sampler=in_hook,
+        callbacks=[AutoMicroBatch()],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=".",
+    )
+    trainer.fit(model)
+    saved = {"seen": model.seen, "lengths": model.lengths, "inner": model.inner}
+    torch.save(saved, f"{name}_rank{trainer.global_rank}.pt")
+
+
 if __name__ == "__main__":
     run("reducer", Overlapped(), [])
     run("overlap", Overlapped(), [AutoMicroBatch()])
@@ -132,6 +209,8 @@ if __name__ == "__main__":
     run("reentrant", Reentrant(), [AutoMicroBatch()])
     run("reducer_accumulate", Overlapped(), [], accumulate=2)
     run("overlap_accumulate", Overlapped(), [AutoMicroBatch()], accumulate=2)
+    run_sampler("sampler_lightning", in_hook=True)
+    run_sampler("sampler_own", in_hook=False)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
