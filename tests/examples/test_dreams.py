@@ -504,7 +504,10 @@ def test_a_peaks_budget_batches_spectra_of_similar_peak_counts_within_it(spectra
     counts = dataset.token_counts()
     items = [dataset[i] for i in range(5)]
     assert counts[:5] == [int((it["peaks"][:, 0] > 0).sum()) for it in items]  # what the collate cuts to
-    batches = list(dm.train_dataloader())
-    assert all(b["peaks"].shape[0] * b["peaks"].shape[1] <= 400 for b in batches)
-    assert sum(b["peaks"].shape[0] for b in batches) == len(dataset)  # every spectrum once
+    loader = dm.train_dataloader()
+    batches = list(loader.batch_sampler)  # sample indices: nothing read
+    assert all(len(b) * max(counts[i] for i in b) <= 400 for b in batches)
+    assert sorted(i for b in batches for i in b) == list(range(len(dataset)))  # every spectrum once
     assert len(batches) < len(dataset) // 4  # batches far larger than a few spectra where peaks are few
+    first = next(iter(loader))  # read and collated: padded to its longest spectrum, within the budget
+    assert first["peaks"].shape[0] * first["peaks"].shape[1] <= 400
