@@ -181,20 +181,12 @@ class SamplerModel(pl.LightningModule):
 
 def run_sampler(name: str, in_hook: bool) -> None:
     model = SamplerModel(in_hook)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+    trainer = ddp_trainer(
+        [AutoMicroBatch()],
         strategy=pl.strategies.DDPStrategy(timeout=timedelta(seconds=60)),  # a hang ends as an error
         max_epochs=2,
+        max_steps=-1,
         use_distributed_sampler=in_hook,
-        callbacks=[AutoMicroBatch()],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        default_root_dir=".",
     )
     trainer.fit(model)
     saved = {"seen": model.seen, "lengths": model.lengths, "inner": model.inner}
