@@ -707,6 +707,71 @@ def test_a_training_step_that_cannot_run_on_fake_tensors_is_one_line(capsys):
     assert err.count("\n") == 1 and err.startswith(ERROR) and "cannot be estimated on fake tensors" in err
 
 
+class NeedsTheTrainersData(TinyModule):
+    def configure_optimizers(self):  # the stand-in Trainer of an estimate has no dataloaders
+        return torch.optim.AdamW(self.parameters(), lr=self.lr / len(self.trainer.train_dataloader))
+
+
+def test_a_configure_optimizers_that_fails_names_the_optimizer_flag(capsys):
+    code, out, err = _run(
+        capsys, "--model", "tests.test_cli_estimate.NeedsTheTrainersData", "--batch-shape", "B,16", "--batch-shape",
+        "B,16", "--batch-size", "2", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "no `train_dataloader`" in err
+    assert "Pass --optimizer (e.g. `--optimizer AdamW --optimizer.lr 1e-4`)" in err and "functools" not in err
+    assert "fake=False" not in err
+
+
+def test_a_step_that_needs_a_real_run_names_the_python_fallback(capsys):
+    code, _, err = _run(
+        capsys, "--model", "tests.test_cli_estimate.DataDependent", "--batch-shape", "B,4", "--batch-size", "2",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1
+    assert "test_cli_estimate.py:" in err and "in forward: `return y[y > 0].sum()" in err
+    assert "`estimate_memory(model, batch, fake=False, device='cpu')` in Python" in err
+
+
+def _yaml_alias_bomb(path, depth: int = 9) -> None:
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, depth)]
+    path.write_text("\n".join([f"model: {{class_path: {TINY}}}", *lines]) + "\n")
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_line_without_expanding_it(tmp_path, capsys):
+    """9 ** 9 values written out (the old reader never ended: 852 MB at 100 s); shared aliases stay shared."""
+    import time
+
+    from lightning_memopt.cli_estimate.config import load_config
+
+    bomb = tmp_path / "bomb.yaml"
+    _yaml_alias_bomb(bomb)
+    started = time.perf_counter()
+    code, out, err = _run(capsys, "--config", str(bomb), "--batch-shape", "B,16", "--batch-shape", "B,16")
+    assert time.perf_counter() - started < 60  # a hang guard far from the normal run (well under a second)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "bomb.yaml: its YAML aliases expand to more than 1,000,000 values" in err
+    small = tmp_path / "small.yaml"
+    _yaml_alias_bomb(small, depth=3)  # 9 ** 3 values written out: read, its aliases still one object
+    config = load_config(str(small))
+    assert config["l2"][0] is config["l2"][8] is config["l1"] and len(config["l1"]) == 9
+    loops = tmp_path / "loops.yaml"
+    loops.write_text("model: &m\n  class_path: x\n  init_args: {me: *m}\n")
+    code, _, err = _run(capsys, "--config", str(loops), "--batch-shape", "B,16")
+    assert code == 2 and "loops.yaml: its YAML aliases expand to more than" in err
+
+
+def test_numbers_are_read_once_per_aliased_value(tmp_path):
+    from lightning_memopt.cli_estimate.config import load_config
+
+    path = tmp_path / "lr.yaml"
+    path.write_text("model:\n  init_args: &args {lr: 1e-4, width: 8}\nshadow:\n  init_args: *args\n")
+    config = load_config(str(path))
+    assert config["model"]["init_args"] == {"lr": 1e-4, "width": 8}
+    assert config["shadow"]["init_args"] is config["model"]["init_args"]
+
+
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

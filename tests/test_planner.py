@@ -242,11 +242,18 @@ class NeedsTrainer(Lit):
         return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=steps)]
 
 
-def test_configure_optimizers_that_needs_a_trainer_asks_for_optimizer():
+class NeedsTheTrainersData(Lit):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3 / len(self.trainer.datamodule.train_dataloader()))
+
+
+def test_configure_optimizers_reads_a_stand_in_trainer_and_asks_for_optimizer_where_that_is_not_enough():
     batch = (torch.randn(2, 4, 32), torch.randn(2, 4))
-    with pytest.raises(MemoryEstimateError, match=r"configure_optimizers\(\)` failed outside a Trainer.*`optimizer="):
-        estimate_memory(NeedsTrainer(), batch, device="cpu")
-    assert estimate_memory(NeedsTrainer(), batch, device="cpu", optimizer=ADAMW).optimizer_state_bytes > 0
+    est = estimate_memory(NeedsTrainer(), batch, device="cpu")  # OneCycleLR over estimated_stepping_batches
+    assert est.peak_bytes == estimate_memory(NeedsTrainer(), batch, device="cpu", optimizer=ADAMW).peak_bytes
+    assert est.optimizer_state_bytes > 0
+    with pytest.raises(MemoryEstimateError, match=r"configure_optimizers\(\)` failed outside a Trainer.*`optimizer`"):
+        estimate_memory(NeedsTheTrainersData(), batch, device="cpu")
 
 
 @pytest.mark.parametrize(

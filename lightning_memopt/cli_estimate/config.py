@@ -32,15 +32,36 @@ def _yaml() -> Any:
     return yaml
 
 
-def _fix_numbers(value: Any) -> Any:
-    """``"1e-4"`` -> ``1e-4`` everywhere in a loaded config (PyYAML reads exponents without a dot as strings)."""
+#: The most values a config may hold with its YAML aliases written out (a file of a few lines can alias itself into
+#: billions: "billion laughs").
+MAX_CONFIG_VALUES = 1_000_000
+
+
+def _fix_numbers(value: Any, done: dict[int, Any] | None = None) -> Any:
+    """``"1e-4"`` -> ``1e-4`` everywhere in a loaded config (PyYAML reads exponents without a dot as strings); a list
+    or mapping that YAML aliases stays one object (``done``: what was fixed already, by id)."""
+    done = {} if done is None else done
     if isinstance(value, str) and _EXPONENT_FLOAT.match(value):
         return float(value)
-    if isinstance(value, dict):
-        return {k: _fix_numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fix_numbers(v) for v in value]
-    return value
+    if not isinstance(value, (dict, list)):
+        return value
+    if id(value) not in done:
+        if isinstance(value, dict):
+            done[id(value)] = {k: _fix_numbers(v, done) for k, v in value.items()}
+        else:
+            done[id(value)] = [_fix_numbers(v, done) for v in value]
+    return done[id(value)]
+
+
+def _values(value: Any, sizes: dict[int, int]) -> int:
+    """How many values ``value`` holds with its aliases written out (``sizes``: the lists and mappings counted)."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    if id(value) not in sizes:
+        sizes[id(value)] = MAX_CONFIG_VALUES + 1  # a list holding itself expands without end
+        items = value.values() if isinstance(value, dict) else value
+        sizes[id(value)] = 1 + sum(_values(v, sizes) for v in items)
+    return sizes[id(value)]
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -68,6 +89,11 @@ def load_config(path: str) -> dict[str, Any]:
         config = {}
     if not isinstance(config, dict):
         raise EstimateInputError(f"--config {path}: holds a {type(config).__name__}, not a mapping of sections. {hint}")
+    if _values(config, {}) > MAX_CONFIG_VALUES:
+        raise EstimateInputError(
+            f"--config {path}: its YAML aliases expand to more than {MAX_CONFIG_VALUES:,} values (an alias bomb?)."
+            " Write the values out, or alias fewer."
+        )
     if "model" not in config and isinstance(config.get("fit"), dict):
         config = config["fit"]  # a config written for `cli.py --config FILE fit`
     return _fix_numbers(config)

@@ -107,10 +107,18 @@ _PLANNER_NAMES = {
 }
 
 
+#: The planner's Python examples, as the command line says them.
+_PLANNER_EXAMPLES = {
+    "`functools.partial(torch.optim.AdamW, lr=1e-4)`": "`--optimizer AdamW --optimizer.lr 1e-4`",
+    "`estimate_memory(..., fake=False, device='cpu')` (it allocates the memory)": "`estimate_memory(model, batch,"
+    " fake=False, device='cpu')` in Python (it allocates the memory; the command line runs fake tensors only)",
+}
+
+
 def _one_line(err: BaseException, budget_flag: str | None = None) -> str:
     """The planner's message on one line, its argument names replaced by the flags that set them."""
     text = squash(err)
-    for name, flag in {**_PLANNER_NAMES, "`budget`": budget_flag or "the budget"}.items():
+    for name, flag in {**_PLANNER_NAMES, **_PLANNER_EXAMPLES, "`budget`": budget_flag or "the budget"}.items():
         text = text.replace(name, flag)
     return text
 

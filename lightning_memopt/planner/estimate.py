@@ -45,6 +45,7 @@ from lightning_memopt.planner.assumptions import assumptions, cublas_workspace
 from lightning_memopt.planner.budget import gpu_compute_capability
 from lightning_memopt.planner.model_step import (
     MemoryEstimateError,
+    StandInTrainer,
     checkpointing_prepare,
     is_lightning_module,
     is_manual_optimization,
@@ -368,7 +369,17 @@ def estimate_memory(
                 module,
                 batch,
                 manual_step_function() if manual else step_function(loss_fn, lightning),
-                make_optimizers(optimizer, lightning, schedulers),
+                make_optimizers(
+                    optimizer,
+                    lightning,
+                    schedulers,
+                    StandInTrainer(
+                        steps=steps,
+                        accumulate_grad_batches=accumulate_grad_batches,
+                        world_size=world_size,
+                        precision=precision,
+                    ),
+                ),
                 fake=fake,
                 steps=steps,
                 block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
@@ -385,10 +396,11 @@ def estimate_memory(
                 apart=sharded.apart,
             )
         except FakeStepError as err:
+            fix = err.hint or "Make that step shape-static there,"
             raise MemoryEstimateError(
-                f"{type(module).__name__}'s training step cannot be estimated on fake tensors: {err} Make that"
-                " step shape-static, or estimate with a real CPU step at a small batch: `estimate_memory(...,"
-                " fake=False, device='cpu')` (it allocates the memory)."
+                f"{type(module).__name__}'s training step cannot be estimated on fake tensors: {err} {fix} or"
+                " estimate with a real CPU step at a small batch: `estimate_memory(..., fake=False, device='cpu')`"
+                " (it allocates the memory)."
             ) from err
     seconds = time.perf_counter() - started
     counts = {f.name: getattr(counted, f.name) for f in dataclasses.fields(StepCount)}

@@ -13,6 +13,7 @@ from lightning_memopt.utilities.checks import check_bool
 
 __all__ = [
     "MemoryEstimateError",
+    "StandInTrainer",
     "checkpointing_prepare",
     "is_lightning_module",
     "is_manual_optimization",
@@ -105,15 +106,65 @@ def step_function(
     return lambda model, batch, batch_idx: _loss_of(_call_module(model, batch))
 
 
-def _lightning_optimizers(module: nn.Module, schedulers: list[Any] | None = None) -> list[torch.optim.Optimizer]:
-    """The optimizers of ``module.configure_optimizers()`` (any of Lightning's return forms), outside a Trainer; its
-    LR schedulers are appended to ``schedulers``."""
+class StandInTrainer:
+    """What ``configure_optimizers`` may ask its Trainer during an estimate, answered from the estimate's arguments.
+
+    A warmup schedule reads ``self.trainer.estimated_stepping_batches`` (Lightning's GLUE tutorial); the optimizer's
+    memory does not depend on the answer, only on the optimizer being built. The estimate runs ``steps`` optimizer
+    steps of one epoch on ``world_size`` devices of one node, as rank 0. Anything else a Trainer has is an
+    ``AttributeError`` that names the attribute.
+
+    Examples:
+        >>> trainer = StandInTrainer(steps=2, accumulate_grad_batches=4, world_size=8, precision="bf16-mixed")
+        >>> trainer.estimated_stepping_batches, trainer.num_training_batches, trainer.world_size, trainer.global_step
+        (2, 8, 8, 0)
+    """
+
+    def __init__(self, *, steps: int, accumulate_grad_batches: int, world_size: int, precision: str) -> None:
+        self.max_steps = self.estimated_stepping_batches = steps
+        self.num_training_batches = steps * accumulate_grad_batches
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.world_size = self.num_devices = world_size
+        self.precision = precision
+        self.max_epochs, self.num_nodes = 1, 1
+        self.current_epoch = self.global_step = self.global_rank = self.local_rank = self.node_rank = 0
+        self.is_global_zero, self.training = True, True
+        self.sanity_checking = self.fast_dev_run = False
+        self.logger, self.datamodule = None, None
+        self.loggers: list[Any] = []
+        self.callbacks: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"the stand-in Trainer of the estimate has no `{name}` (it answers estimated_stepping_batches, max_steps,"
+            " max_epochs, world_size, num_devices, accumulate_grad_batches, precision and the like)"
+        )
+
+
+def _configure_optimizers(module: nn.Module, trainer: StandInTrainer | None) -> Any:
+    """``module.configure_optimizers()``, with ``trainer`` as its Trainer while it runs (a module attached to a real
+    Trainer keeps it)."""
+    attached = getattr(module, "_trainer", None)
+    if trainer is None or attached is not None:
+        return cast(Any, module).configure_optimizers()
+    cast(Any, module).trainer = trainer
     try:
-        config = cast(Any, module).configure_optimizers()
-    except Exception as err:  # the user's hook, run without a Trainer: the documented answer is `optimizer=`
+        return cast(Any, module).configure_optimizers()
+    finally:
+        cast(Any, module).trainer = None
+
+
+def _lightning_optimizers(
+    module: nn.Module, schedulers: list[Any] | None = None, trainer: StandInTrainer | None = None
+) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``module.configure_optimizers()`` (any of Lightning's return forms), run against ``trainer``;
+    its LR schedulers are appended to ``schedulers``."""
+    try:
+        config = _configure_optimizers(module, trainer)
+    except Exception as err:  # the user's hook, run without a real Trainer: the documented answer is `optimizer=`
         raise MemoryEstimateError(
             f"`{type(module).__name__}.configure_optimizers()` failed outside a Trainer ({type(err).__name__}: {err})."
-            " Pass `optimizer=` (e.g. `functools.partial(torch.optim.AdamW, lr=1e-4)`)."
+            " Pass `optimizer` (e.g. `functools.partial(torch.optim.AdamW, lr=1e-4)`)."
         ) from err
     found: list[torch.optim.Optimizer] = []
 
@@ -133,16 +184,20 @@ def _lightning_optimizers(module: nn.Module, schedulers: list[Any] | None = None
     collect(config)
     if not found:
         raise MemoryEstimateError(
-            f"`{type(module).__name__}.configure_optimizers()` returned no optimizer ({config!r}). Pass `optimizer=`."
+            f"`{type(module).__name__}.configure_optimizers()` returned no optimizer ({config!r}). Pass `optimizer`."
         )
     return found
 
 
 def make_optimizers(
-    optimizer: Callable[[Any], torch.optim.Optimizer] | None, lightning: bool, schedulers: list[Any] | None = None
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None,
+    lightning: bool,
+    schedulers: list[Any] | None = None,
+    trainer: StandInTrainer | None = None,
 ) -> Callable[[nn.Module], list[torch.optim.Optimizer]]:
     """``make(model) -> optimizers``: ``optimizer(trainable parameters)``, else ``configure_optimizers()`` of a
-    LightningModule (its LR schedulers are appended to ``schedulers``), else ``AdamW`` over the trainable parameters.
+    LightningModule (run against ``trainer``; its LR schedulers are appended to ``schedulers``), else ``AdamW`` over
+    the trainable parameters.
 
     Examples:
         >>> [type(o).__name__ for o in make_optimizers(None, lightning=False)(nn.Linear(2, 2))]
@@ -152,7 +207,7 @@ def make_optimizers(
     def make(model: nn.Module) -> list[torch.optim.Optimizer]:
         if optimizer is None:
             if lightning:
-                return _lightning_optimizers(model, schedulers)
+                return _lightning_optimizers(model, schedulers, trainer)
             return [torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)]
         built = optimizer(p for p in model.parameters() if p.requires_grad)
         if not isinstance(built, torch.optim.Optimizer):

@@ -7,6 +7,7 @@ degrades to a warning, never a crash.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from lightning_memopt.utilities.warnings import WarnOnce
 __all__: list[str] = [
     "backward_outside_torch_function",
     "ddp_comm_hook_name",
+    "outside_fake_mode",
     "ddp_delays_all_reduce",
     "ddp_gradient_buckets",
     "ddp_replays_comm_hook",
@@ -173,6 +175,15 @@ def backward_outside_torch_function(loss: torch.Tensor) -> None:
     engine.run_backward(
         (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
+    """A context where torch operators run on real tensors although a fake tensor mode is active (its operators are
+    handed to the real kernels again when the context ends); nothing, where torch has no such switch."""
+    from torch._subclasses import fake_tensor  # the planner's import: callbacks never load fake tensors
+
+    unset = getattr(fake_tensor, "unset_fake_temporarily", None)
+    return unset() if unset is not None else contextlib.nullcontext()
 
 
 def ddp_comm_hook_name(module: Any) -> str | None:

@@ -126,6 +126,9 @@ class LiveBytes(TorchDispatchMode):
             has run (e.g. a collective's buffers).
         apart: labels counted apart from ``now`` and ``peak``, in ``apart_now`` and ``apart_peak`` (memory held
             elsewhere, e.g. on the host under CPU offload).
+        run: ``run(op, args, kwargs) -> out``: how each operator runs (default: as it is), e.g.
+            :meth:`~lightning_memopt.functional.planning.known_values.KnownValues.run`, which follows values beside
+            fake tensors; given here rather than as a mode of its own, whose dispatch would cost as much again.
 
     Outputs (attributes): ``now`` and ``peak`` (bytes), ``peak_phase``/``peak_step``/``peak_seq`` (when the peak
     happened), ``peak_totals`` (bytes by label at the peak), ``phase_peaks`` (the highest count in each phase),
@@ -147,8 +150,10 @@ class LiveBytes(TorchDispatchMode):
         outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
         labels: Callable[[Any, tuple, dict], Iterable[tuple[Tensor, str]]] | None = None,
         apart: Iterable[str] = (),
+        run: Callable[[Any, tuple, dict], Any] | None = None,
     ) -> None:
         super().__init__()
+        self.run = run
         self.block_bytes = block_bytes
         self.scratch = scratch
         self.outputs = outputs
@@ -264,7 +269,7 @@ class LiveBytes(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a DTensor runs its local operators, which are counted
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if self.run is None else self.run(func, args, kwargs)
         if self.outputs is not None:
             out = self.outputs(func, args, kwargs, out)
         for value in tree_flatten(out)[0]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,7 @@ from torch._subclasses import fake_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memopt.functional.planning.counter import LiveBytes, unique_storages
+from lightning_memopt.functional.planning.known_values import KnownValues
 from lightning_memopt.functional.planning.manual import CountedOptimizer, counted_backward
 from lightning_memopt.utilities._torch_private import backward_outside_torch_function
 
@@ -50,11 +53,37 @@ class FakeStepError(RuntimeError):
     Args:
         message: what failed, in words.
         op: the operator's name (e.g. ``"aten.nonzero.default"``), where one is to blame.
+        where: the line of the step that asked for it (``file:line in function``), outside torch and this package.
+        hint: the fix for a known case (torch's Transformer reading its mask), else ``None``; it ends in a comma, the
+            fallback follows it.
     """
 
-    def __init__(self, message: str, op: str | None = None) -> None:
+    def __init__(self, message: str, op: str | None = None, where: str | None = None, hint: str | None = None) -> None:
         super().__init__(message)
-        self.op = op
+        self.op, self.where, self.hint = op, where, hint
+
+
+#: Where torch and this package live: a failing frame outside them is the step's own (or its model library's).
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+#: torch's Transformer layers compare their mask with a causal one by its values.
+_CAUSAL_HINT = (
+    "torch's Transformer compares the mask with a causal one by its values, which are not known here (the mask comes"
+    " from the batch or the parameters): pass `is_causal=True` with a causal mask (`tgt_is_causal=True` /"
+    " `src_is_causal=True` for nn.Transformer), build the mask in the step from its shape"
+    " (`nn.Transformer.generate_square_subsequent_mask(L)`),"
+)
+
+
+def _where(err: BaseException) -> tuple[str | None, str | None]:
+    """The innermost frame of ``err`` outside torch and this package (``file:line in function: `code```), and the hint
+    for a known check."""
+    frames = traceback.extract_tb(err.__traceback__)
+    hint = _CAUSAL_HINT if any(f.name == "_detect_is_causal_mask" for f in frames) else None
+    for frame in reversed(frames):
+        if not frame.filename.startswith(_LIBRARY_DIRS):
+            code = f": `{frame.line.strip()}`" if frame.line else ""
+            return f"{frame.filename}:{frame.lineno} in {frame.name}{code}", hint
+    return None, hint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,11 +146,13 @@ def _optimizer_state_tensors(optimizers: list[torch.optim.Optimizer]) -> Iterato
 
 
 def _fake_step_error(err: Exception) -> FakeStepError:
+    where, hint = _where(err)
+    at = f" It is asked for at {where}." if where else ""
     for kind, why in _FAKE_FAILURES.items():
         if isinstance(err, kind):
             op = str(getattr(err, "func", "?"))
-            return FakeStepError(f"operator `{op}` cannot run on fake tensors: {why}.", op)
-    return FakeStepError(f"the step cannot run on fake tensors: {err}", None)
+            return FakeStepError(f"operator `{op}` cannot run on fake tensors: {why}.{at}", op, where, hint)
+    return FakeStepError(f"the step cannot run on fake tensors: {err}{at}", None, where, hint)
 
 
 def fake_tensor_of(tensor: Tensor, mode: Any) -> Tensor:
@@ -269,13 +300,18 @@ def count_training_steps(
         >>> count.peak_bytes == 4 * (2 * 64 * 64 + 2 * 32 * 64) + 4, count.peak_phase  # W, its grad, x, y, the loss
         (True, 'forward')
     """
-    counter = _StepBytes(block_bytes, scratch, outputs, labels, apart)
+    given = batch
     mode, batch = _fake_batch(batch, fake)
+    known = _known_values(mode, given, batch)
+    counter = _StepBytes(block_bytes, scratch, outputs, labels, apart, run=known.run if known else None)
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
     loop = _StepLoop(counter, step_fn, steps, accumulate_grad_batches, step_context, manual)
     handles: list[Any] = []
     try:
-        with mode if mode is not None else contextlib.nullcontext():
+        with (
+            mode if mode is not None else contextlib.nullcontext(),
+            known.library_checks() if known else contextlib.nullcontext(),
+        ):
             if prepare is not None:
                 prepare(model)
             if batch_fn is not None:
@@ -310,6 +346,18 @@ def _fake_batch(batch: Any, fake: bool) -> tuple[Any, Any]:
         return None, batch
     mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
     return mode, tree_map(lambda t: fake_tensor_of(t, mode) if isinstance(t, Tensor) else t, batch)
+
+
+def _known_values(mode: Any, given: Any, batch: Any) -> KnownValues | None:
+    """:class:`KnownValues` for a fake run (the batch's integer and boolean tensors known: ids, masks, lengths) that
+    the counter runs every operator through; ``None`` for a real run."""
+    if mode is None:
+        return None
+    known = KnownValues(mode)
+    for real, twin in zip(tree_flatten(given)[0], tree_flatten(batch)[0]):
+        if isinstance(real, Tensor) and real.device.type == "cpu" and not real.is_floating_point():
+            known.remember(twin, real)
+    return known
 
 
 def _track_inputs(counter: LiveBytes, model: nn.Module, batch: Any) -> dict[str, int]:

@@ -1,0 +1,247 @@
+"""Real values beside fake tensors that depend on no data, so a step's small checks on them get the real answer.
+
+A fake tensor has a shape and no data, so ``torch.equal(mask, causal)``, ``mask.any().item()`` or ``nonzero`` cannot
+run on one. Many such checks in torch and Hugging Face code read tensors the step built from shapes alone (a causal
+mask from ``torch.triu(torch.ones(L, L))``, positions from ``arange``) or from the batch's integer tensors (token ids,
+attention masks, lengths). :class:`KnownValues` computes those tensors for real beside their fake twins and answers
+the checks from them; a tensor that depends on parameters or on random numbers stays unknown, and a check on it still
+fails as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._subclasses import fake_tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_memopt.utilities._torch_private import outside_fake_mode
+
+__all__ = ["KNOWN_NUMEL_LIMIT", "KnownValues"]
+
+#: The most elements a known tensor may have (64 MiB of float32): a larger one is left unknown.
+KNOWN_NUMEL_LIMIT = 1 << 24
+
+aten = torch.ops.aten
+#: Operators whose output holds no values yet.
+_UNINITIALISED = frozenset(
+    {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_permuted}
+)
+#: In-place operators that overwrite the whole of their first argument, whatever it held.
+_OVERWRITES = frozenset({aten.fill_, aten.zero_, aten.copy_})
+#: What fake tensors raise for a check they cannot answer; a known tensor answers it.
+_NEEDS_VALUES = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException)
+
+
+@functools.cache
+def _computable(func: Any) -> bool:
+    """Whether ``func``'s output is a function of its arguments (not random, not uninitialised)."""
+    return func.overloadpacket not in _UNINITIALISED and torch.Tag.nondeterministic_seeded not in func.tags
+
+
+@functools.cache
+def _written(func: Any) -> tuple[int, ...]:
+    """The positions of the arguments ``func`` writes to (in-place and ``out=`` operators)."""
+    return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _answer_hf_fake_checks(still_fake: Callable[[Tensor], bool]) -> Callable[[], None]:
+    """Have Hugging Face's ``is_fake_tensor`` (asked by its ``is_tracing`` before a data-dependent check) answer
+    ``still_fake`` for fake tensors; returns the function that puts the original back. Nothing where transformers is
+    not imported or has no such function."""
+    module: Any = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if module is None or original is None:
+        return lambda: None
+
+    def is_fake_tensor(value: Any) -> bool:
+        return bool(original(value)) and still_fake(value)
+
+    module.is_fake_tensor = is_fake_tensor
+
+    def restore() -> None:
+        module.is_fake_tensor = original
+
+    return restore
+
+
+class KnownValues:
+    """Keep real values beside the fake tensors of ``mode`` that depend on no data.
+
+    :meth:`run` runs each operator of the step (a counter's ``run``, see
+    :class:`~lightning_memopt.functional.planning.LiveBytes`): an operator whose tensor arguments are all known (or
+    that has none and is neither random nor uninitialised) is computed for real too, up to ``numel_limit`` elements
+    per output. Values live per storage, so views of a known tensor are known and an in-place write by an unknown
+    value makes its storage unknown. A check fake tensors cannot answer (``aten._local_scalar_dense``,
+    ``aten.equal``, ``nonzero``) is answered from the real values when its arguments are known; otherwise its error
+    is raised as it was. While :meth:`library_checks` is entered, Hugging Face's fake-tensor test answers ``False``
+    for a known tensor, so its shortcuts (an all-ones attention mask dropped) are taken as in the real step.
+
+    Args:
+        mode: the fake tensor mode the step runs in.
+        numel_limit: the most elements of one known tensor.
+
+    Examples:
+        >>> from lightning_memopt.functional.planning.counter import LiveBytes
+        >>> mode = fake_tensor.FakeTensorMode()
+        >>> known = KnownValues(mode)
+        >>> with mode, LiveBytes(run=known.run):
+        ...     mask = torch.triu(torch.full((4, 4), float("-inf")), diagonal=1)
+        ...     torch.equal(mask, torch.triu(torch.full((4, 4), float("-inf")), diagonal=1)), int((mask == 0).sum())
+        (True, 10)
+    """
+
+    def __init__(self, mode: fake_tensor.FakeTensorMode, numel_limit: int = KNOWN_NUMEL_LIMIT) -> None:
+        self.mode = mode
+        self.numel_limit = numel_limit
+        self._values: dict[int, torch.UntypedStorage] = {}  # id(fake storage) -> real storage of the same layout
+
+    @contextlib.contextmanager
+    def library_checks(self) -> Iterator[None]:
+        """Hugging Face skips its checks (an all-ones attention mask dropped, a causal mask made implicit) for a
+        fake tensor: while entered, a known one is not fake to it, so the estimate takes the real step's path."""
+        restore = _answer_hf_fake_checks(lambda t: self.value(t) is None)
+        try:
+            yield
+        finally:
+            restore()
+
+    def remember(self, fake: Tensor, real: Tensor) -> None:
+        """Say that ``fake`` holds ``real``'s values (copied: ``real`` is never written to); too large: not kept."""
+        if real.device.type != "cpu" or real.numel() > self.numel_limit or fake.shape != real.shape:
+            return
+        with outside_fake_mode():
+            copy = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype).copy_(real)
+        storage = fake.untyped_storage()
+        if fake.storage_offset() == 0 and storage.nbytes() == copy.untyped_storage().nbytes():
+            self._keep(storage, copy.untyped_storage())
+
+    def value(self, fake: Tensor) -> Tensor | None:
+        """``fake``'s real values, or ``None`` where they are not known."""
+        if not isinstance(fake, fake_tensor.FakeTensor) or fake.fake_mode is not self.mode:
+            return None
+        storage = self._values.get(id(fake.untyped_storage()))
+        if storage is None:
+            return None
+        with outside_fake_mode():
+            return torch.empty(0, dtype=fake.dtype).set_(storage, fake.storage_offset(), fake.shape, fake.stride())
+
+    def _keep(self, storage: torch.UntypedStorage, real: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key not in self._values:
+            weakref.finalize(storage, self._values.pop, key, None)
+        self._values[key] = real
+
+    def _forget(self, value: Any) -> None:
+        if isinstance(value, Tensor):
+            self._values.pop(id(value.untyped_storage()), None)
+
+    def _real_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The arguments with every tensor replaced by its real values; ``None`` when one is not known."""
+        leaves, spec = tree_flatten((args, kwargs))
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, fake_tensor.FakeTensor):
+                leaves[i] = self.value(leaf)
+                if leaves[i] is None:
+                    return None
+            elif isinstance(leaf, Tensor) and is_traceable_wrapper_subclass_type(type(leaf)):
+                return None  # a DTensor; a plain real tensor (``torch.tensor([...])`` in the fake mode) is its value
+        real_args, real_kwargs = tree_unflatten(leaves, spec)
+        return real_args, real_kwargs
+
+    def _known(self, value: Any) -> bool:
+        """Whether every fake tensor in ``value`` (an argument: a tensor, a list of them, anything else) is known."""
+        if isinstance(value, fake_tensor.FakeTensor):
+            return value.fake_mode is self.mode and id(value.untyped_storage()) in self._values
+        if isinstance(value, (list, tuple)):
+            return all(self._known(v) for v in value)
+        return not (isinstance(value, Tensor) and is_traceable_wrapper_subclass_type(type(value)))
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)`` on the fake tensors, followed on the known values (see the class)."""
+        try:
+            out = func(*args, **kwargs)
+        except _NEEDS_VALUES:
+            answer = self._answer(func, args, kwargs)
+            if answer is None:
+                raise
+            return answer[0]
+        written = _written(func)
+        if written:
+            self._after_write(func, args, kwargs, written)
+        elif _computable(func) and self._all_known(args, kwargs):
+            self._compute(func, args, kwargs, out)
+        return out
+
+    def _all_known(self, args: tuple, kwargs: dict) -> bool:
+        if not self._values:  # nothing known (yet): only an operator without fake tensors makes something known
+            return not any(isinstance(a, fake_tensor.FakeTensor) for a in (*args, *kwargs.values()))
+        return all(map(self._known, args)) and all(map(self._known, kwargs.values()))
+
+    def _answer(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any] | None:
+        """A check fake tensors could not answer, computed on the real values (as a 1-tuple); ``None``: unknown."""
+        real = self._real_arguments(args, kwargs)
+        if real is None:
+            return None
+        with outside_fake_mode():
+            out = func(*real[0], **real[1])
+        # a data-sized output (nonzero, masked_select) becomes a fake tensor of its real shape, known itself
+        fake = tree_map(lambda t: self.mode.from_tensor(t) if isinstance(t, Tensor) else t, out)
+        for f, r in zip(tree_flatten(fake)[0], tree_flatten(out)[0]):
+            if isinstance(f, Tensor):
+                self.remember(f, r)
+        return (fake,)
+
+    def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Compute ``func`` (whose arguments are known) for real where its outputs are new and small enough."""
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        fresh = [t for t in outputs if id(t.untyped_storage()) not in self._values]  # views of known ones are known
+        if not fresh or any(t.numel() > self.numel_limit for t in fresh):
+            return
+        real = self._real_arguments(args, kwargs)
+        if real is None:
+            return
+        with outside_fake_mode():
+            real_out = func(*real[0], **real[1])
+        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real_out)[0]):
+            if isinstance(fake, Tensor) and isinstance(value, Tensor) and any(fake is f for f in fresh):
+                self.remember(fake, value)
+
+    def _after_write(self, func: Any, args: tuple, kwargs: dict, written: tuple[int, ...]) -> None:
+        """Follow an in-place write: computed on the real values when they are known, else its storage forgotten."""
+        targets = [args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name) for i in written]
+        rest_known = all(map(self._known, args[1:])) and all(map(self._known, kwargs.values()))
+        if rest_known and self._known(args[0] if args else None):
+            real = self._real_arguments(args, kwargs)
+            with outside_fake_mode():
+                func(*real[0], **real[1])  # type: ignore[index]  # the real views write into the known storages
+            return
+        first: Any = targets[0] if targets else None
+        overwrites = func.overloadpacket in _OVERWRITES and isinstance(first, Tensor)
+        if rest_known and overwrites and self._covers_storage(first):
+            rest = self._real_arguments(args[1:], kwargs)
+            with outside_fake_mode():
+                fresh = torch.empty_strided(first.shape, first.stride(), dtype=first.dtype)
+                func(fresh, *rest[0], **rest[1])  # type: ignore[index]
+            self.remember(first, fresh)
+            return
+        if self._values:  # an unknown value written: what it wrote to is no longer known
+            for target in targets:
+                for value in tree_flatten(target)[0]:
+                    self._forget(value)
+
+    def _covers_storage(self, tensor: Tensor) -> bool:
+        return (
+            tensor.storage_offset() == 0
+            and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+            and tensor.numel() <= self.numel_limit
+        )
