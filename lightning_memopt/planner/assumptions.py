@@ -37,8 +37,22 @@ def _sharding_assumptions(world_size: int, cpu_offload: bool, cuda: bool) -> lis
     return said
 
 
-def cublas_workspace(gpu: str | tuple[int, int] | None) -> tuple[int, str]:
-    """Bytes of the cuBLAS workspaces (one for forward's thread, one for backward's) and where the size comes from.
+def _stage_assumptions(stage: str, cuda: bool) -> list[str]:
+    if stage == "fit":
+        return []
+    said = [
+        f"trainer.{stage}: the model in eval mode without autograd (Lightning's inference mode), no gradients or"
+        " optimizer states; each step's output alive to the end of the step"
+    ]
+    if stage == "predict":
+        where = "moved to the host, not in the peak" if cuda else "kept on the CPU: those of every step run counted"
+        said.append(f"trainer.predict keeps every batch's predictions ({where})")
+    return said
+
+
+def cublas_workspace(gpu: str | tuple[int, int] | None, threads: int = 2) -> tuple[int, str]:
+    """Bytes of the cuBLAS workspaces (one per thread that runs matrix products: forward's and backward's in training,
+    ``threads=1`` for evaluation) and where the size comes from.
 
     Examples:
         >>> cublas_workspace((9, 0))[0] == 2 * 32 * 1024**2
@@ -53,7 +67,9 @@ def cublas_workspace(gpu: str | tuple[int, int] | None) -> tuple[int, str]:
         why = "torch's default for GPUs other than compute capability 9.0; `gpu='H100-80GB'` counts 32 MiB each"
     else:
         why = f"torch's default for {label}, compute capability {capability[0]}.{capability[1]}"
-    return 2 * one, f"cuBLAS workspaces 2 x {format_bytes(one)} ({why})"
+    if threads == 1:
+        return one, f"cuBLAS workspace {format_bytes(one)} ({why})"
+    return threads * one, f"cuBLAS workspaces {threads} x {format_bytes(one)} ({why})"
 
 
 def assumptions(
@@ -70,11 +86,13 @@ def assumptions(
     manual: bool,
     world_size: int = 1,
     cpu_offload: bool = False,
+    stage: str = "fit",
 ) -> tuple[str, ...]:
-    """The estimate's assumptions: FSDP2 sharding over ``world_size`` ranks (and ``cpu_offload``), accumulation, the
-    CUDA models (allocator, ``workspace``, ``attention``, ``foreach``), autocast, the fallback, the fake-kernel
-    ``corrections`` made and manual optimization."""
-    said = list(_sharding_assumptions(world_size, cpu_offload, cuda))
+    """The estimate's assumptions: the evaluation ``stage``, FSDP2 sharding over ``world_size`` ranks (and
+    ``cpu_offload``), accumulation, the CUDA models (allocator, ``workspace``, ``attention``, ``foreach``), autocast,
+    the fallback, the fake-kernel ``corrections`` made and manual optimization."""
+    said = _stage_assumptions(stage, cuda)
+    said.extend(_sharding_assumptions(world_size, cpu_offload, cuda))
     if accumulate > 1:
         said.append(
             f"gradient accumulation over {accumulate} micro-batches: the gradients stay alive through every"
@@ -90,7 +108,7 @@ def assumptions(
         said.append("not counted: CUDA context, reserved-but-unused memory, DDP gradient buckets, NCCL buffers")
     if mode == "mixed":
         lists = "CUDA's float32 list (layer_norm, softmax, sum, ...) in float32" if cuda else "the CPU's op lists"
-        said.append(f"autocast to {dtype} around the training step, {lists}")
+        said.append(f"autocast to {dtype} around the {'training' if stage == 'fit' else 'evaluation'} step, {lists}")
     if not fake:
         said.append("a real step on the CPU (fallback)")
     said.extend(corrections)

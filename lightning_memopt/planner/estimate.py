@@ -21,6 +21,7 @@ from lightning_memopt.functional.planning import (
     FakeStepError,
     StepCount,
     attention_assumption,
+    count_evaluation_steps,
     count_training_steps,
     cuda_attention,
     cuda_autocast,
@@ -47,6 +48,7 @@ from lightning_memopt.planner.model_step import (
     MemoryEstimateError,
     StandInTrainer,
     checkpointing_prepare,
+    evaluation_step_function,
     is_lightning_module,
     is_manual_optimization,
     make_optimizers,
@@ -57,8 +59,11 @@ from lightning_memopt.planner.model_step import (
 from lightning_memopt.utilities.checks import check_bool, check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 
-__all__ = ["ESTIMATE_PRECISIONS", "MemoryEstimate", "estimate_memory"]
+__all__ = ["ESTIMATE_PRECISIONS", "STAGES", "MemoryEstimate", "estimate_memory"]
 
+#: The stages :func:`estimate_memory` estimates a step of (Lightning's ``trainer.fit/validate/test/predict``).
+STAGES = ("fit", "validate", "test", "predict")
+_STEP_NAMES = {"fit": "training step", "validate": "validation step", "test": "test step", "predict": "prediction step"}
 #: Precisions :func:`estimate_memory` models (Lightning's strings).
 ESTIMATE_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 _DTYPES = {"16": torch.float16, "bf16": torch.bfloat16}
@@ -74,6 +79,7 @@ _PART_TEXT = {
     "unsharded_parameters": "unsharded parameters (all-gathered by FSDP2)",
     "communication": "all-gather / reduce-scatter buffers",
 }
+_EVALUATION_PART_TEXT = {"activations": "activations and outputs (forward)", "workspace": "cuBLAS workspace"}
 #: The logger fake tensors report a failing operator on (with its traceback) before the error is raised.
 _FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
@@ -113,6 +119,8 @@ class MemoryEstimate(StepCount):
         sharding: how the model is sharded (``None`` with ``world_size=1``): its FSDP2 units, options and the
             unsharded parameter bytes; ``str(sharding)`` describes it.
         apart_peak_bytes: with CPU offload, the most bytes on the host (:attr:`offloaded_bytes`).
+        stage: the step estimated: ``"fit"`` (training) or ``"validate"``, ``"test"``, ``"predict"`` (evaluation: no
+            gradients or optimizer states; ``peak_phase`` is ``"forward"``).
 
     Examples:
         >>> est = estimate_memory(nn.Linear(64, 64, bias=False), torch.randn(32, 64), device="cpu")
@@ -129,6 +137,7 @@ class MemoryEstimate(StepCount):
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     world_size: int = 1
     sharding: PlannedSharding | None = None
+    stage: str = "fit"
 
     @property
     def unsharded_parameter_bytes(self) -> int:
@@ -154,9 +163,10 @@ class MemoryEstimate(StepCount):
     def table(self) -> str:
         """The breakdown as a plain-text table."""
         rows = [("at the peak", "bytes", "")]
+        texts = _PART_TEXT if self.stage == "fit" else {**_PART_TEXT, **_EVALUATION_PART_TEXT}
         for part, nbytes in self.at_peak.items():
             if nbytes:
-                rows.append((_PART_TEXT.get(part, part), format_bytes(nbytes), f"{nbytes / self.peak_bytes:6.1%}"))
+                rows.append((texts.get(part, part), format_bytes(nbytes), f"{nbytes / self.peak_bytes:6.1%}"))
         where = f"{self.peak_phase}, step {self.peak_step}"
         if self.accumulate_grad_batches > 1 and self.peak_phase != "optimizer step":
             where += f", {'first' if self.peak_micro_batch == 0 else 'a later'} micro-batch"
@@ -180,7 +190,7 @@ class MemoryEstimate(StepCount):
         how = "fake tensors" if self.fake else "a real CPU step"
         per_rank = " per rank" if self.sharding is not None else ""
         head = (
-            f"Estimated peak memory{per_rank} of a training step on {self.device} at {self.precision}:"
+            f"Estimated peak memory{per_rank} of a {_STEP_NAMES[self.stage]} on {self.device} at {self.precision}:"
             f" {format_bytes(self.peak_bytes)} ({how}, {self.seconds:.1f} s)"
         )
         sharding = [f"sharding: {self.sharding}"] if self.sharding is not None else []
@@ -246,8 +256,9 @@ def estimate_memory(
     reshard_after_forward: bool | None = None,
     cpu_offload: bool = False,
     shard_modules: Sequence[type[nn.Module] | str] | None = None,
+    stage: str = "fit",
 ) -> MemoryEstimate:
-    """Predict the peak memory of a training step, without allocating it and without a GPU.
+    """Predict the peak memory of a training step (or an evaluation step), without allocating it and without a GPU.
 
     Runs ``steps`` training steps in Lightning's order (training step, ``zero_grad``, backward, optimizer step) on a
     fake twin of ``module``: fake CPU tensors have shapes and dtypes but no data, so a model that needs 16 GiB is
@@ -335,15 +346,21 @@ def estimate_memory(
         >>> sharded.parameter_bytes * 2 == sharded.unsharded_parameter_bytes == est.parameter_bytes
         True
     """
-    manual = loss_fn is None and is_manual_optimization(module)
+    manual = stage == "fit" and loss_fn is None and is_manual_optimization(module)
     _check_arguments(module, batch, precision, optimizer, device, steps, fake, accumulate_grad_batches, manual)
+    _check_stage(stage, optimizer, gradient_checkpointing, accumulate_grad_batches, world_size)
     lightning = is_lightning_module(module)
     sharded = _ShardedRun(world_size, reshard_after_forward, cpu_offload, shard_modules, lightning)
     cuda = device == "cuda"
-    workspace_bytes, workspace_text = cublas_workspace(gpu)  # checks `gpu` before the run
+    # checks `gpu` before the run; evaluation runs no backward, whose thread has a workspace of its own
+    workspace_bytes, workspace_text = cublas_workspace(gpu, threads=2 if stage == "fit" else 1)
     schedulers: list[Any] = []
     hooks = _StepHooks(
-        precision, cuda, checkpointing_prepare(gradient_checkpointing, checkpoint_modules), world_size > 1
+        precision,
+        cuda,
+        checkpointing_prepare(gradient_checkpointing, checkpoint_modules),
+        world_size > 1,
+        training=stage == "fit",
     )
     mode, dtype = hooks.mode, hooks.dtype
     corrections = fake_kernel_outputs("cuda" if cuda else "cpu")
@@ -351,6 +368,19 @@ def estimate_memory(
     attending: contextlib.AbstractContextManager[dict[str, int]] = (
         cuda_attention(capability) if cuda and fake else contextlib.nullcontext({})
     )
+    trainer = StandInTrainer(
+        steps=steps, accumulate_grad_batches=accumulate_grad_batches, world_size=world_size, precision=precision
+    )
+    common: dict[str, Any] = {
+        "fake": fake,
+        "steps": steps,
+        "block_bytes": CUDA_BLOCK_BYTES if cuda else 1,
+        "scratch": kernel_scratch,
+        "outputs": corrections,
+        "step_context": hooks.step_context,
+        "batch_fn": hooks.cast_batch,
+        "dtype": dtype if mode == "true" else None,
+    }
     started = time.perf_counter()
     # the CUDA models hold for the whole run: checkpointing recomputes the forward inside backward (under autocast
     # when the forward was); cuda_autocast acts only where autocast is on
@@ -365,40 +395,34 @@ def estimate_memory(
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*reference is not registered.*")
         try:
-            counted = count_training_steps(
-                module,
-                batch,
-                manual_step_function() if manual else step_function(loss_fn, lightning),
-                make_optimizers(
-                    optimizer,
-                    lightning,
-                    schedulers,
-                    StandInTrainer(
-                        steps=steps,
-                        accumulate_grad_batches=accumulate_grad_batches,
-                        world_size=world_size,
-                        precision=precision,
-                    ),
-                ),
-                fake=fake,
-                steps=steps,
-                block_bytes=CUDA_BLOCK_BYTES if cuda else 1,
-                scratch=kernel_scratch,
-                outputs=corrections,
-                prepare=sharded.prepare(hooks.prepare),
-                step_context=hooks.step_context,
-                prepare_optimizers=hooks.prepare_optimizers,
-                batch_fn=hooks.cast_batch,
-                dtype=dtype if mode == "true" else None,
-                accumulate_grad_batches=accumulate_grad_batches,
-                manual=manual_optimization(schedulers) if manual else None,
-                labels=sharded.labels,
-                apart=sharded.apart,
+            counted = (
+                count_training_steps(
+                    module,
+                    batch,
+                    manual_step_function() if manual else step_function(loss_fn, lightning),
+                    make_optimizers(optimizer, lightning, schedulers, trainer),
+                    prepare=sharded.prepare(hooks.prepare),
+                    prepare_optimizers=hooks.prepare_optimizers,
+                    accumulate_grad_batches=accumulate_grad_batches,
+                    manual=manual_optimization(schedulers) if manual else None,
+                    labels=sharded.labels,
+                    apart=sharded.apart,
+                    **common,
+                )
+                if stage == "fit"
+                else count_evaluation_steps(
+                    module,
+                    batch,
+                    evaluation_step_function(stage, loss_fn, module),
+                    prepare=hooks.prepare,
+                    keep_outputs=stage == "predict" and not cuda,  # trainer.predict moves them to the host
+                    **common,
+                )
             )
         except FakeStepError as err:
             fix = err.hint or "Make that step shape-static there,"
             raise MemoryEstimateError(
-                f"{type(module).__name__}'s training step cannot be estimated on fake tensors: {err} {fix} or"
+                f"{type(module).__name__}'s {_STEP_NAMES[stage]} cannot be estimated on fake tensors: {err} {fix} or"
                 " estimate with a real CPU step at a small batch: `estimate_memory(..., fake=False, device='cpu')`"
                 " (it allocates the memory)."
             ) from err
@@ -425,12 +449,30 @@ def estimate_memory(
             manual=manual,
             world_size=world_size,
             cpu_offload=cpu_offload,
+            stage=stage,
         ),
         seconds=seconds,
         steps=steps,
         world_size=world_size,
         sharding=sharded.sharding,
+        stage=stage,
     )
+
+
+def _check_stage(stage: Any, optimizer: Any, checkpointing: Any, accumulate: int, world_size: int) -> None:
+    check_choice("stage", stage, STAGES, hint="'fit' estimates a training step, the others Lightning's evaluation.")
+    if stage == "fit":
+        return
+    given = {
+        "optimizer": optimizer is not None,
+        "gradient_checkpointing": checkpointing is True,
+        "accumulate_grad_batches": accumulate != 1,
+        "world_size": world_size != 1,
+    }
+    for name, on in given.items():
+        if on:
+            why = "is not modelled for evaluation yet" if name == "world_size" else "applies to training only"
+            raise ValueError(f"`{name}` {why}, but `stage`={stage!r}. Drop `{name}`, or estimate `stage='fit'`.")
 
 
 class _ShardedRun:
@@ -551,15 +593,20 @@ class _StepHooks:
     batch's dtype, autocast around the step and (for CUDA) the ``foreach`` optimizers."""
 
     def __init__(
-        self, precision: str, cuda: bool, checkpoint: Callable[[nn.Module], None] | None, sharded: bool = False
+        self,
+        precision: str,
+        cuda: bool,
+        checkpoint: Callable[[nn.Module], None] | None,
+        sharded: bool = False,
+        training: bool = True,
     ) -> None:
         kind, _, self.mode = precision.partition("-")  # "bf16-mixed": autocast; "bf16-true": weights and inputs cast
         self.dtype = _DTYPES.get(kind)
-        self.cuda, self.checkpoint, self.sharded = cuda, checkpoint, sharded
+        self.cuda, self.checkpoint, self.sharded, self.training = cuda, checkpoint, sharded, training
         self.foreach_set: list[bool] = []
 
     def prepare(self, model: nn.Module) -> None:
-        model.train()
+        model.train(self.training)  # Lightning's evaluation loops run the model in eval mode
         if self.checkpoint is not None:
             self.checkpoint(model)
 

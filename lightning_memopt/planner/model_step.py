@@ -12,9 +12,11 @@ from torch import Tensor, nn
 from lightning_memopt.utilities.checks import check_bool
 
 __all__ = [
+    "EVALUATION_HOOKS",
     "MemoryEstimateError",
     "StandInTrainer",
     "checkpointing_prepare",
+    "evaluation_step_function",
     "is_lightning_module",
     "is_manual_optimization",
     "make_optimizers",
@@ -152,6 +154,47 @@ def _configure_optimizers(module: nn.Module, trainer: StandInTrainer | None) -> 
         return cast(Any, module).configure_optimizers()
     finally:
         cast(Any, module).trainer = None
+
+
+#: The LightningModule hook each evaluation stage runs (Lightning's ``trainer.validate/test/predict``).
+EVALUATION_HOOKS = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}
+
+
+def _overrides(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s class defines ``name`` itself, above Lightning's own LightningModule."""
+    for cls in type(module).__mro__:
+        if cls.__name__ == "LightningModule":
+            return False
+        if name in vars(cls):
+            return True
+    return False
+
+
+def evaluation_step_function(
+    stage: str, loss_fn: Callable[[nn.Module, Any], Any] | None, module: nn.Module
+) -> Callable[[nn.Module, Any, int], Any]:
+    """``step_fn(model, batch, batch_idx) -> output`` of an evaluation ``stage``: ``loss_fn``, else the
+    LightningModule's ``validation_step``/``test_step``/``predict_step``, else the model's call.
+
+    Raises:
+        ValueError: a LightningModule without the stage's step (Lightning would skip the stage or fail).
+
+    Examples:
+        >>> step = evaluation_step_function("validate", None, nn.Linear(3, 2))
+        >>> step(nn.Linear(3, 2), torch.ones(4, 3), 0).shape
+        torch.Size([4, 2])
+    """
+    if loss_fn is not None:
+        return lambda model, batch, batch_idx: loss_fn(model, batch)
+    if not is_lightning_module(module):
+        return lambda model, batch, batch_idx: _call_module(model, batch)
+    hook = EVALUATION_HOOKS[stage]
+    if stage != "predict" and not _overrides(module, hook):  # predict_step calls the module by default
+        raise ValueError(
+            f"`stage`={stage!r}, but {type(module).__name__} has no `{hook}`: Lightning would not run the stage."
+            f" Define `{hook}`, or pass `loss_fn=` (run under no_grad)."
+        )
+    return lambda model, batch, batch_idx: getattr(model, hook)(batch, batch_idx)
 
 
 def _lightning_optimizers(

@@ -21,6 +21,7 @@ __all__ = [
     "empty_cuda_allocator",
     "measured_peak",
     "memtracker_peak",
+    "trainer_evaluation_peak",
     "trainer_peak",
     "training_step_loss",
 ]
@@ -102,6 +103,27 @@ def trainer_peak(module: Any, tmp_path: Any, *, accumulate_grad_batches: int = 1
     )
     with counter:
         trainer.fit(module)
+    return counter.peak - sum(t.untyped_storage().nbytes() for t in dataset)
+
+
+def trainer_evaluation_peak(module: Any, tmp_path: Any, stage: str, *, batches: int = 2) -> int:
+    """The peak bytes of a real ``trainer.validate/test/predict`` of a zoo ``module`` on the CPU over ``batches`` of
+    its validation set, counted by the live-storage counter, less the evaluation set (built before, alive
+    throughout)."""
+    from tests.helpers.trainer import make_trainer
+
+    loader = module.val_dataloader()
+    counter = LiveBytes()
+    for t in [*module.parameters(), *module.buffers()]:
+        counter.track(t)
+    dataset = [t for t in tree_flatten(loader.dataset.batch)[0] if isinstance(t, Tensor)]
+    for t in dataset:
+        counter.track(t, "dataset")
+    limits = {f"limit_{name}_batches": batches for name in ("val", "test", "predict")}
+    trainer = make_trainer(tmp_path, **limits)
+    with counter, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        getattr(trainer, stage)(module, dataloaders=loader)
     return counter.peak - sum(t.untyped_storage().nbytes() for t in dataset)
 
 

@@ -2,8 +2,10 @@
 
 The engine behind :func:`lightning_memopt.estimate_memory`. A twin of the model is built on fake tensors
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and strides, no data), training steps run on it in
-Lightning's order (:func:`count_training_steps`, in ``steps.py``), and :class:`LiveBytes` (``counter.py``) adds a
-storage's bytes when it first appears and subtracts them when the storage is freed. On CPU this counts the same bytes
+Lightning's order (:func:`count_training_steps`, in ``steps.py``; evaluation steps: :func:`count_evaluation_steps`),
+and :class:`LiveBytes` (``counter.py``) adds a storage's bytes when it first appears and subtracts them when the
+storage is freed. Values that depend on no data are computed beside the fake ones (``known_values.py``), so checks
+on them get the real answer. On CPU this counts the same bytes
 a real step holds (the tests compare with the same counter over real tensors, and with torch's ``MemTracker``); the
 few kernels whose fake implementation returns fewer bytes than the real one (oneDNN's LSTM workspace, the float32
 statistics of mixed-precision normalizations) are corrected in ``corrections.py`` (:func:`fake_kernel_outputs`, with
@@ -34,6 +36,7 @@ from lightning_memopt.functional.planning.steps import (
     PEAK_PARTS,
     FakeStepError,
     StepCount,
+    count_evaluation_steps,
     count_training_steps,
     fake_tensor_of,
     fake_twin,
@@ -50,6 +53,7 @@ __all__ = [
     "StepCount",
     "attention_assumption",
     "attention_kernel",
+    "count_evaluation_steps",
     "count_training_steps",
     "cuda_attention",
     "cuda_autocast",

@@ -21,7 +21,15 @@ from lightning_memopt.functional.planning.known_values import KnownValues
 from lightning_memopt.functional.planning.manual import CountedOptimizer, counted_backward
 from lightning_memopt.utilities._torch_private import backward_outside_torch_function
 
-__all__ = ["PEAK_PARTS", "FakeStepError", "StepCount", "count_training_steps", "fake_tensor_of", "fake_twin"]
+__all__ = [
+    "PEAK_PARTS",
+    "FakeStepError",
+    "StepCount",
+    "count_evaluation_steps",
+    "count_training_steps",
+    "fake_tensor_of",
+    "fake_twin",
+]
 
 #: What the bytes alive at the peak are, in the order they are reported.
 PEAK_PARTS = ("parameters", "buffers", "batch", "gradients", "optimizer_states", "activations", "temporaries")
@@ -333,6 +341,76 @@ def count_training_steps(
     finally:
         for handle in handles:
             handle.remove()
+    return count
+
+
+def count_evaluation_steps(
+    module: nn.Module,
+    batch: Any,
+    step_fn: Callable[[nn.Module, Any, int], Any],
+    *,
+    fake: bool = True,
+    steps: int = 2,
+    block_bytes: int = 1,
+    scratch: Callable[[Any, tuple, dict], int] | None = None,
+    outputs: Callable[[Any, tuple, dict, Any], Any] | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    batch_fn: Callable[[Any], Any] | None = None,
+    dtype: torch.dtype | None = None,
+    keep_outputs: bool = False,
+) -> StepCount:
+    """Run ``steps`` evaluation steps as Lightning's evaluation loops do and count the bytes alive at every moment.
+
+    Each step is ``step_fn`` under ``torch.inference_mode()``, as Lightning's default ``Trainer(inference_mode=True)``
+    runs it (no graph, no gradients, no optimizer; some kernels hold less than under ``no_grad``: the CPU's LSTM);
+    its output lives to the end of the step, or with ``keep_outputs`` to the end of the run
+    (``trainer.predict`` keeps every batch's predictions, on the CPU). The arguments are
+    :func:`count_training_steps`'s; ``prepare`` puts the model in eval mode.
+
+    Returns:
+        a :class:`StepCount` with no gradients or optimizer states; ``peak_phase`` is ``"forward"``.
+
+    Raises:
+        FakeStepError: an operator of the step cannot run on fake tensors; the message names it.
+
+    Examples:
+        >>> model = nn.Linear(64, 64, bias=False)
+        >>> count = count_evaluation_steps(model, torch.randn(32, 64), lambda m, b, i: m(b))
+        >>> count.peak_bytes == 4 * (64 * 64 + 2 * 32 * 64), count.gradient_bytes  # W, x and y
+        (True, 0)
+    """
+    given = batch
+    mode, batch = _fake_batch(batch, fake)
+    known = _known_values(mode, given, batch)
+    counter = _StepBytes(block_bytes, scratch, outputs, run=known.run if known else None)
+    model = fake_twin(module, mode, dtype)
+    kept: list[Any] = []
+    context = step_context or contextlib.nullcontext
+    try:
+        with (
+            mode if mode is not None else contextlib.nullcontext(),
+            known.library_checks() if known else contextlib.nullcontext(),
+        ):
+            if prepare is not None:
+                prepare(model)
+            if batch_fn is not None:
+                batch = batch_fn(batch)
+            sizes = _track_inputs(counter, model, batch)
+            with counter, torch.inference_mode():
+                for step in range(steps):
+                    counter.step, counter.phase = step, "forward"
+                    with context():
+                        out = step_fn(model, batch, step)
+                    if keep_outputs:
+                        kept.append(out)
+                    del out
+                    counter.phase = "setup"
+            count = _step_count(counter, [], [], sizes, 1)
+    except _FAKE_EXCEPTIONS as err:
+        if not fake:
+            raise
+        raise _fake_step_error(err) from err
     return count
 
 
