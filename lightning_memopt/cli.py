@@ -390,6 +390,14 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         default="cuda",
         help="the target modelled (default cuda; the estimate itself runs on the CPU)",
     )
+    how.add_argument(
+        "--stage",
+        choices=("fit", "validate", "test", "predict"),
+        default="fit",
+        help="the step: fit (training, the default) or an evaluation stage of the Trainer. An estimate of"
+        " validate/test/predict estimates that step (no gradients, optimizer, accumulation or checkpointing);"
+        " a plan (--gpu / --device-memory) plans the training micro-batch and that stage's batch per device",
+    )
     parser.set_defaults(func=_run_estimate, takes_overrides=True)
 
 

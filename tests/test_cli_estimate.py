@@ -707,6 +707,39 @@ def test_a_training_step_that_cannot_run_on_fake_tensors_is_one_line(capsys):
     assert err.count("\n") == 1 and err.startswith(ERROR) and "cannot be estimated on fake tensors" in err
 
 
+class TinyWithValidation(TinyModule):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
+
+def test_an_evaluation_stage_is_estimated_and_planned_beside_the_training_micro_batch(capsys):
+    shapes = ["--batch-shape", "B,16", "--batch-shape", "B,16", "--device", "cpu"]
+    model = "tests.test_cli_estimate.TinyWithValidation"
+    code, out, err = _run(capsys, "--model", model, *shapes, "--batch-size", "4", "--stage", "validate")
+    assert code == 0, err
+    est = estimate_memory(
+        TinyWithValidation(), (torch.zeros(4, 16), torch.zeros(4, 16)), device="cpu", stage="validate"
+    )
+    assert f"Estimated peak memory of a validation step on cpu at 32-true: {format_bytes(est.peak_bytes)}" in out
+    budget = ["--effective-batch-size", "64", "--device-memory", "20KB"]
+    code, out, err = _run(capsys, "--model", model, *shapes, *budget, "--stage", "validate")
+    assert code == 0, err
+    plan = plan_memory(
+        TinyWithValidation(), lambda b: (torch.zeros(b, 16), torch.zeros(b, 16)), effective_batch_size=64,
+        budget="20KB", device="cpu", evaluation="validate", precision="32-true",
+    )  # fmt: skip
+    assert plan.eval_batch_size > plan.micro_batch_size
+    assert f"Evaluation (trainer.validate): batch {plan.eval_batch_size} per device" in out
+    assert f"eval_batch_size: {plan.eval_batch_size}" in out  # in the memory: section to paste
+    assert "validate batch" in err  # a progress line per evaluation estimate
+    code, out, err = _run(capsys, "--model", TINY, *shapes, "--batch-size", "4", "--stage", "test")
+    assert code == 2 and err.strip() == (
+        f"{ERROR}--stage='test', but TinyModule has no `test_step`: Lightning would not run the stage. Define"
+        " `test_step`."
+    )
+
+
 class NeedsTheTrainersData(TinyModule):
     def configure_optimizers(self):  # the stand-in Trainer of an estimate has no dataloaders
         return torch.optim.AdamW(self.parameters(), lr=self.lr / len(self.trainer.train_dataloader))

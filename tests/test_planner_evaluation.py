@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt.planner import estimate_memory
+from lightning_memopt.planner import MemoryEstimateError, estimate_memory
 from tests.helpers.lightning import pl
 from tests.helpers.measured_step import trainer_evaluation_peak
 from tests.helpers.zoo import ZOO, zoo_params
@@ -84,7 +84,77 @@ class OnlyForward(pl.LightningModule):
 
 
 def test_a_module_without_the_stage_s_step_is_refused_by_name_and_predict_calls_forward():
-    with pytest.raises(ValueError, match=r"OnlyForward has no `test_step`: Lightning would not run the stage"):
+    with pytest.raises(MemoryEstimateError, match=r"OnlyForward has no `test_step`: Lightning would not run the stage"):
         estimate_memory(OnlyForward(), torch.randn(2, 4), device="cpu", stage="test")
     est = estimate_memory(OnlyForward(), torch.randn(2, 4), device="cpu", stage="predict")  # Lightning's default
     assert est.peak_bytes == 4 * (4 * 4 + 4) + 3 * (4 * 2 * 4)  # the layer, x and the two steps' predictions
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
+
+
+def _real_evaluation_peak(model, size):
+    """A real CPU forward in eval and inference mode, as Lightning's validation loop runs it."""
+    from lightning_memopt.functional.planning import LiveBytes
+
+    model = model.eval()
+    x = torch.randn(size, 128, 512)
+    counter = LiveBytes()
+    for t in [*model.parameters(), x]:
+        counter.track(t)
+    with counter, torch.inference_mode():
+        model(x).sum()
+    return counter.peak
+
+
+def test_a_plan_gives_the_largest_evaluation_batch_that_fits_and_the_preset_carries_it():
+    from lightning_memopt import MemoryPreset, plan_memory
+
+    model = _mlp()
+    plan = plan_memory(
+        model, lambda b: torch.randn(b, 128, 512), effective_batch_size=64, budget="20MB", device="cpu",
+        evaluation="validate",
+    )  # fmt: skip
+    assert plan.micro_batch_size == 8 and plan.eval_stage == "validate"
+    size = plan.eval_batch_size
+    assert size > plan.micro_batch_size  # no gradients or optimizer states: a larger batch fits
+    assert _real_evaluation_peak(model, size) <= plan.usable_bytes < _real_evaluation_peak(model, 2 * size)
+    assert plan.eval_estimate.stage == "validate" and plan.eval_estimate.peak_bytes <= plan.usable_bytes
+    assert [t.strategy for t in plan.eval_trials] == ["validate"] * len(plan.eval_trials)
+    assert f"Evaluation (trainer.validate): batch {size} per device" in str(plan)
+    preset = MemoryPreset.from_plan(plan, monitor=False)
+    assert (preset.eval_batch_size, preset.evaluation_batch_size, preset.batch_size) == (size, size, 8)
+    assert "eval_batch_size" in preset.describe()
+    with pytest.raises(ValueError, match=r"`eval_batch_size` is decided by the plan"):
+        MemoryPreset.from_plan(plan, eval_batch_size=4)
+    without = plan_memory(model, lambda b: torch.randn(b, 128, 512), effective_batch_size=64, budget="20MB",
+                          device="cpu")  # fmt: skip
+    assert without.eval_stage is None and MemoryPreset.from_plan(without).evaluation_batch_size == 8
+
+
+def test_an_evaluation_batch_is_not_planned_without_a_training_setting_or_under_fsdp2():
+    from lightning_memopt import plan_memory
+    from lightning_memopt.planner.plan import _evaluation_fields
+
+    plan = plan_memory(_mlp(), lambda b: torch.randn(b, 128, 512), effective_batch_size=64, budget="2MB",
+                       device="cpu", evaluation="predict")  # fmt: skip
+    assert not plan.feasible and plan.eval_batch_size is None
+    assert "Evaluation (trainer.predict): not planned: no training setting fits." in str(plan)
+    fields = _evaluation_fields("test", {}, chosen=4, per_device=8, sharded=True)
+    assert fields["eval_note"] == "not planned: evaluation under FSDP2 is not modelled yet."
+
+
+@pytest.mark.parametrize("bad", ["fit", "val", 1])
+def test_a_bad_evaluation_stage_is_named(bad):
+    from lightning_memopt import MemoryPreset, plan_memory
+
+    with pytest.raises(ValueError, match=r"`evaluation` must be one of 'validate', 'test', 'predict'"):
+        plan_memory(_mlp(), lambda b: torch.randn(b, 512), effective_batch_size=8, budget="1GB", device="cpu",
+                    evaluation=bad)  # fmt: skip
+    with pytest.raises(ValueError, match=r"`eval_batch_size`"):
+        MemoryPreset(eval_batch_size=0)

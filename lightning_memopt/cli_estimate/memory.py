@@ -78,9 +78,9 @@ def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:
 
     Keeps the keys you wrote (the preset's name, its other knobs; not those left null) and sets
     ``effective_batch_size``, ``micro_batch_size``, ``precision`` and ``gradient_checkpointing`` (and
-    ``checkpoint_modules`` for blocks given by name) and, over several ranks, the strategy (``ddp``, or ``fsdp2``
-    with its options, blocks and roots) as planned; ``devices`` and ``num_nodes`` stay under
-    ``trainer:``, where MemoryPresetCLI reads them.
+    ``checkpoint_modules`` for blocks given by name), the planned ``eval_batch_size`` and, over several ranks, the
+    strategy (``ddp``, or ``fsdp2`` with its options, blocks and roots) as planned; ``devices`` and ``num_nodes``
+    stay under ``trainer:``, where MemoryPresetCLI reads them.
     """
     import yaml
 
@@ -94,6 +94,8 @@ def memory_snippet(section: Mapping[str, Any] | None, plan: Any) -> str:
     }
     if plan.gradient_checkpointing and plan.checkpoint_modules:
         memory["checkpoint_modules"] = [m if isinstance(m, str) else m.__name__ for m in plan.checkpoint_modules]
+    if getattr(plan, "eval_batch_size", None) is not None:
+        memory["eval_batch_size"] = plan.eval_batch_size
     memory.update(_strategy_keys(plan))
     # null is the preset's value, as if not written (a config LightningCLI saved lists every field)
     memory.update({k: v for k, v in yours.items() if k not in memory and k not in _WORLD and v is not None})

@@ -104,12 +104,14 @@ _PLANNER_NAMES = {
     "`gradient_checkpointing`": "--checkpointing",
     "`checkpoint_modules`": "--checkpointing",
     "`optimizer`": "--optimizer",
+    "`stage`": "--stage",
 }
 
 
 #: The planner's Python examples, as the command line says them.
 _PLANNER_EXAMPLES = {
     "`functools.partial(torch.optim.AdamW, lr=1e-4)`": "`--optimizer AdamW --optimizer.lr 1e-4`",
+    ", or pass `loss_fn=` (run in inference mode)": "",
     "`estimate_memory(..., fake=False, device='cpu')` (it allocates the memory)": "`estimate_memory(model, batch,"
     " fake=False, device='cpu')` in Python (it allocates the memory; the command line runs fake tensors only)",
 }
@@ -337,12 +339,8 @@ class _Run:
                 self.model,
                 batch,
                 precision="32-true" if settings.precision == "auto" else settings.precision,
-                optimizer=self.optimizer,
                 device=self.args.device,
-                gradient_checkpointing=settings.checkpointing is not None and settings.checkpointing is not False,
-                checkpoint_modules=_modules(settings.checkpointing),
-                accumulate_grad_batches=settings.accumulate,
-                **self._sharding(),
+                **(self._training() if self.args.stage == "fit" else {"stage": self.args.stage}),
             ),
             self.model,
             self.source,
@@ -352,6 +350,17 @@ class _Run:
         lines += [*self._world_line(), str(estimate)]
         print(wrap_to_width("\n".join(lines)))
         return 0
+
+    def _training(self) -> dict[str, Any]:
+        """``estimate_memory``'s training arguments from the flags and the config (an evaluation stage has none)."""
+        settings = self.settings
+        return {
+            "optimizer": self.optimizer,
+            "gradient_checkpointing": settings.checkpointing is not None and settings.checkpointing is not False,
+            "checkpoint_modules": _modules(settings.checkpointing),
+            "accumulate_grad_batches": settings.accumulate,
+            **self._sharding(),
+        }
 
     def _sharding(self) -> dict[str, Any]:
         """``estimate_memory``'s sharding arguments: FSDP2 over the world when the config shards (the preset's
@@ -408,6 +417,7 @@ class _Run:
                 device=args.device,
                 progress=progress,
                 strategy=settings.strategy,
+                evaluation=None if args.stage == "fit" else args.stage,
             ),
             self.model,
             self.source,

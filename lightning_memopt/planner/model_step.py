@@ -170,6 +170,10 @@ def _overrides(module: nn.Module, name: str) -> bool:
     return False
 
 
+#: The Python-only alternative an evaluation error offers (the command line has no loss function to pass).
+_LOSS_FN_INSTEAD = ", or pass `loss_fn=` (run in inference mode)"
+
+
 def evaluation_step_function(
     stage: str, loss_fn: Callable[[nn.Module, Any], Any] | None, module: nn.Module
 ) -> Callable[[nn.Module, Any, int], Any]:
@@ -177,7 +181,7 @@ def evaluation_step_function(
     LightningModule's ``validation_step``/``test_step``/``predict_step``, else the model's call.
 
     Raises:
-        ValueError: a LightningModule without the stage's step (Lightning would skip the stage or fail).
+        MemoryEstimateError: a LightningModule without the stage's step (Lightning would skip the stage or fail).
 
     Examples:
         >>> step = evaluation_step_function("validate", None, nn.Linear(3, 2))
@@ -190,9 +194,9 @@ def evaluation_step_function(
         return lambda model, batch, batch_idx: _call_module(model, batch)
     hook = EVALUATION_HOOKS[stage]
     if stage != "predict" and not _overrides(module, hook):  # predict_step calls the module by default
-        raise ValueError(
+        raise MemoryEstimateError(
             f"`stage`={stage!r}, but {type(module).__name__} has no `{hook}`: Lightning would not run the stage."
-            f" Define `{hook}`, or pass `loss_fn=` (run under no_grad)."
+            f" Define `{hook}`{_LOSS_FN_INSTEAD}."
         )
     return lambda model, batch, batch_idx: getattr(model, hook)(batch, batch_idx)
 

@@ -20,9 +20,9 @@ from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.functional.planning.sharding import child_roots, default_shard_blocks
 from lightning_memopt.functional.presets import normalize_checkpoint_modules, tier_for_memory
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
-from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate
+from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, STAGES, MemoryEstimate
 from lightning_memopt.planner.model_step import MemoryEstimateError, is_lightning_module, is_manual_optimization
-from lightning_memopt.planner.search import PlanTrial, Trials, needed_bytes, strategy_label
+from lightning_memopt.planner.search import PlanTrial, Trials, evaluation_batch, needed_bytes, strategy_label
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 
@@ -72,6 +72,13 @@ class MemoryPlan:
         gpus_needed: when nothing fits, the GPUs FSDP2 needs for micro-batch 1 (``None``: not even sharding helps);
             :attr:`gpus_needed_planned` says whether it was estimated (``False``: a lower bound from the model
             states, the estimate at that count did not fit or could not run).
+        eval_stage: the evaluation planned (``plan_memory(evaluation=...)``: ``"validate"``, ``"test"`` or
+            ``"predict"``), else ``None``.
+        eval_batch_size: the largest evaluation batch per device that fits (the ``val``/``test``/``predict``
+            DataLoader's), from the training micro-batch doubled up to 4 x the per-device batch; ``None`` when not
+            planned or nothing fits (:attr:`eval_note` says why).
+        eval_estimate / eval_trials: its estimate (``estimate_memory(stage=...)``) and every evaluation estimate run.
+        eval_note: why no evaluation batch was planned, when one was asked for.
 
     Examples:
         >>> model = nn.Linear(64, 64)
@@ -107,6 +114,11 @@ class MemoryPlan:
     shard_roots: tuple[str, ...] | None = None
     gpus_needed: int | None = None
     gpus_needed_planned: bool = False
+    eval_stage: str | None = None
+    eval_batch_size: int | None = None
+    eval_estimate: MemoryEstimate | None = None
+    eval_trials: tuple[PlanTrial, ...] = ()
+    eval_note: str = ""
 
     @property
     def world_size(self) -> int:
@@ -173,8 +185,19 @@ class MemoryPlan:
         else:
             verdict = f"Nothing fits: {self.advice}"
         texts = [head, verdict, *([f"Why: {self.strategy_reason}"] if self.strategy_reason else [])]
+        if self.eval_stage is not None:
+            texts.append(self._evaluation_text())
         wrapped = [wrap_to_width(text) for text in texts]
         return "\n".join([wrapped[0], self.table(), *wrapped[1:]])
+
+    def _evaluation_text(self) -> str:
+        head = f"Evaluation (trainer.{self.eval_stage}): "
+        if self.eval_batch_size is None or self.eval_estimate is None:
+            return head + self.eval_note
+        return (
+            f"{head}batch {self.eval_batch_size} per device; needs {format_bytes(self.eval_estimate.peak_bytes)}"
+            f"{' per rank' if self.world_size > 1 else ''} of {format_bytes(self.usable_bytes)}"
+        )
 
     def _strategy_text(self) -> str:
         if self.sharded:
@@ -433,8 +456,17 @@ def _advice(
 
 
 def _check_plan_arguments(
-    batch_fn: Any, effective_batch_size: int, devices: int, num_nodes: int, margin: Any, device: str, precision: str
+    batch_fn: Any,
+    effective_batch_size: int,
+    devices: int,
+    num_nodes: int,
+    margin: Any,
+    device: str,
+    precision: str,
+    evaluation: Any = None,
 ) -> None:  # the checkpointing arguments are checked by _checkpointing
+    if evaluation is not None:
+        check_choice("evaluation", evaluation, STAGES[1:], hint="None plans no evaluation batch.")
     if not callable(batch_fn):
         raise ValueError(f"`batch_fn` must be a callable `batch_fn(micro_batch_size) -> batch`, got {batch_fn!r}.")
     check_positive_int("effective_batch_size", effective_batch_size)
@@ -493,6 +525,7 @@ def plan_memory(
     gpu: str | tuple[int, int] | None = None,
     strategy: str = "auto",
     shard_modules: Sequence[type[nn.Module] | str] | None = None,
+    evaluation: str | None = None,
 ) -> MemoryPlan:
     """Choose micro-batch, accumulation, precision and checkpointing so a training step fits a memory budget.
 
@@ -544,6 +577,10 @@ def plan_memory(
             ``"fsdp2"`` (FSDP2 only, CPU offload where nothing else fits); needs ``devices x num_nodes`` > 1 unless
             ``"auto"``.
         shard_modules: the blocks FSDP2 shards (as for :func:`estimate_memory`); ``None``: the repeated blocks.
+        evaluation: ``"validate"``, ``"test"`` or ``"predict"`` also plans that stage's batch per device (Lightning
+            asks for none: evaluation holds no gradients or optimizer states, so it usually fits a larger batch): the
+            largest that fits, from the training micro-batch doubled up to 4 x the per-device batch, at the planned
+            precision (:attr:`MemoryPlan.eval_batch_size`). Not planned under FSDP2 (not modelled yet).
 
     Returns:
         a :class:`MemoryPlan`. When even micro-batch 1 with the most saving settings does not fit, ``plan.feasible``
@@ -563,7 +600,7 @@ def plan_memory(
                   8           8    32-true             no  17.02 MiB   yes
                  16           4    32-true             no  25.02 MiB    no
     """
-    _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision)
+    _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision, evaluation)
     gradient_checkpointing, modules = _checkpointing(gradient_checkpointing, checkpoint_modules)
     world = devices * num_nodes
     _check_strategy(strategy, world, shard_modules)
@@ -600,6 +637,7 @@ def plan_memory(
         advice = _advice(on_gpu, limit.usable, world, checkpointed, sizes[0], gpus)
     else:
         estimate, advice = final.runs.estimates[(chosen, checkpointed)], ""
+    evaluation_fields = _evaluation_fields(evaluation, trials, chosen, per_device, final.runs.sharded)
     return MemoryPlan(
         feasible=chosen is not None,
         effective_batch_size=effective_batch_size,
@@ -624,7 +662,42 @@ def plan_memory(
         **_sharding_fields(module, estimate, shard_modules),
         gpus_needed=gpus.number if gpus is not None else None,
         gpus_needed_planned=gpus is not None and gpus.planned,
+        **evaluation_fields,
     )
+
+
+def _evaluation_fields(
+    stage: str | None, trials: dict[str, Any], chosen: int | None, per_device: int, sharded: bool
+) -> dict[str, Any]:
+    """The plan's ``eval_*`` fields: the evaluation batch of ``stage`` (see :func:`plan_memory`), or why none."""
+    if stage is None:
+        return {}
+    fields: dict[str, Any] = {"eval_stage": stage}
+    if chosen is None:
+        return {**fields, "eval_note": "not planned: no training setting fits."}
+    if sharded:
+        return {**fields, "eval_note": "not planned: evaluation under FSDP2 is not modelled yet."}
+    size, estimate, tried = evaluation_batch(
+        trials["module"],
+        trials["batch_fn"],
+        stage=stage,
+        smallest=chosen,
+        largest=max(chosen, 4 * per_device),
+        usable=trials["usable"],
+        precision=trials["precision"],
+        device=trials["device"],
+        gpu=trials["gpu"],
+        loss_fn=trials["loss_fn"],
+        progress=trials["progress"],
+    )
+    note = "" if size is not None else f"nothing fits, not even the training micro-batch {chosen}."
+    return {
+        **fields,
+        "eval_batch_size": size,
+        "eval_estimate": estimate,
+        "eval_trials": tuple(tried),
+        "eval_note": note,
+    }
 
 
 def _check_strategy(strategy: Any, world: int, shard_modules: Any) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from lightning_memopt.planner.estimate import MemoryEstimate, estimate_memory
 from lightning_memopt.utilities.formatting import format_bytes
 
-__all__ = ["PlanTrial", "Trials", "largest_fitting", "needed_bytes", "strategy_label"]
+__all__ = ["PlanTrial", "Trials", "evaluation_batch", "largest_fitting", "needed_bytes", "strategy_label"]
 
 
 @dataclass(frozen=True)
@@ -183,3 +183,57 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int |
         else:
             hi = mid
     return candidates[lo]
+
+
+def evaluation_batch(
+    module: nn.Module,
+    batch_fn: Callable[[int], Any],
+    *,
+    stage: str,
+    smallest: int,
+    largest: int,
+    usable: int,
+    precision: str,
+    device: str,
+    gpu: str | tuple[int, int] | None,
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[int | None, MemoryEstimate | None, list[PlanTrial]]:
+    """The largest evaluation batch per device for ``stage`` whose estimate fits ``usable``: ``smallest`` doubled up
+    to ``largest`` (tried as :func:`largest_fitting` tries); its estimate and the trials run.
+
+    Examples:
+        >>> size, est, trials = evaluation_batch(
+        ...     nn.Linear(256, 256), lambda b: torch.randn(b, 256), stage="validate", smallest=8, largest=64,
+        ...     usable=400_000, precision="32-true", device="cpu", gpu=None, loss_fn=None)
+        >>> size, est.stage, [t.micro_batch_size for t in trials]
+        (64, 'validate', [64])
+    """
+    candidates = [smallest]
+    while candidates[-1] * 2 <= largest:
+        candidates.append(candidates[-1] * 2)
+    estimates: dict[int, MemoryEstimate] = {}
+    trials: list[PlanTrial] = []
+
+    def fits(size: int) -> bool:
+        est = estimate_memory(
+            module,
+            batch_fn(size),
+            precision=precision,
+            device=device,
+            gpu=gpu if device == "cuda" else None,
+            loss_fn=loss_fn,
+            stage=stage,
+        )
+        ok = est.peak_bytes <= usable
+        estimates[size] = est
+        trials.append(PlanTrial(size, precision, False, est.peak_bytes, ok, est.seconds, 1, stage))
+        if progress is not None:
+            progress(
+                f"{stage} batch {size:>5}, {precision}: {format_bytes(est.peak_bytes):>11}"
+                f" {'fits' if ok else 'too much'} ({est.seconds:.1f} s)"
+            )
+        return ok
+
+    chosen = largest_fitting(candidates, fits)
+    return chosen, estimates.get(chosen) if chosen is not None else None, trials

@@ -91,6 +91,7 @@ KNOBS = (
 PLANNED = (
     "effective_batch_size",
     "micro_batch_size",
+    "eval_batch_size",
     "devices",
     "num_nodes",
     "precision",
@@ -154,6 +155,10 @@ class MemoryPreset:
             ``None``: the LightningModule's own ``configure_model`` shards (``"fsdp2"`` only).
         shard_roots: the qualified names the recipe applies ``fully_shard`` to after the blocks (``""``: the
             module); ``None``: as ``shard_blocks`` (``"fsdp2"`` only).
+        eval_batch_size: the batch per rank of the validation, test and predict DataLoaders (evaluation holds no
+            gradients or optimizer states, so it often fits a larger one); ``None``: :attr:`batch_size`.
+            :meth:`from_plan` sets it from ``plan_memory(evaluation=...)``; read it through
+            :attr:`evaluation_batch_size`.
 
     Examples:
         >>> preset = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=16)
@@ -193,6 +198,7 @@ class MemoryPreset:
     cpu_offload: bool = False
     shard_blocks: tuple[str, ...] | None = None
     shard_roots: tuple[str, ...] | None = None
+    eval_batch_size: int | None = None
     plan: AccumulationPlan | None = field(default=None, init=False, repr=False, compare=False)
     _said: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -240,6 +246,7 @@ class MemoryPreset:
         check_positive_int("devices", self.devices, hint="Pass the number of devices per node, as for the Trainer.")
         check_positive_int("num_nodes", self.num_nodes)
         check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
+        check_positive_int("eval_batch_size", self.eval_batch_size, allow_none=True, hint="None: the training batch.")
         _check_sharding(self)
         if self.auto_micro_batch and self.micro_batch_size is not None and self.effective_batch_size is None:
             raise ValueError(
@@ -409,6 +416,12 @@ class MemoryPreset:
         return self.micro_batch_size if self.micro_batch_size is not None else DEFAULT_BATCH_SIZE
 
     @property
+    def evaluation_batch_size(self) -> int:
+        """The batch per rank of the validation, test and predict DataLoaders: ``eval_batch_size``, else
+        :attr:`batch_size`."""
+        return self.eval_batch_size if self.eval_batch_size is not None else self.batch_size
+
+    @property
     def auto_micro_batch_start(self) -> int | str | None:
         """Where the preset's ``AutoMicroBatch`` starts: ``micro_batch_size`` or ``"auto"``; ``None`` without it."""
         if not self.auto_micro_batch:
@@ -565,6 +578,17 @@ def _describe_rows(preset: MemoryPreset) -> list[tuple[str, Any, str]]:
             "AutoMicroBatch accumulates the micro-batches of each batch itself."
             if auto
             else "effective / (micro x devices x nodes): same gradients as the full batch.",
+        ),
+        *(
+            [
+                (
+                    "eval_batch_size",
+                    preset.eval_batch_size,
+                    "validation/test/predict DataLoader batch per rank (planned).",
+                )
+            ]
+            if preset.eval_batch_size is not None
+            else []
         ),
         ("devices x num_nodes", f"{preset.devices} x {preset.num_nodes}", "world size used in the arithmetic."),
         ("strategy", preset.strategy or "Trainer's", _strategy_reason(preset)),
