@@ -34,7 +34,14 @@ API_PAGES = {
     "api/presets.md": ("Presets", ["MemoryPreset", "MemoryPresetCLI"]),
     "api/planner.md": (
         "Planner",
-        ["estimate_memory", "MemoryEstimate", "plan_memory", "MemoryPlan", "MemoryEstimateError"],
+        [
+            "estimate_memory",
+            "MemoryEstimate",
+            "estimate_generation",
+            "plan_memory",
+            "MemoryPlan",
+            "MemoryEstimateError",
+        ],
     ),
     "api/batching.md": (
         "Batching by memory",

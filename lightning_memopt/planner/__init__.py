@@ -9,6 +9,8 @@ accumulation, precision and checkpointing that fit a budget (``budget.py``: byte
 compute capability sets its cuBLAS workspace) and returns numbers, a :class:`MemoryPlan`:
 ``MemoryPreset.from_plan(plan)`` (in :mod:`lightning_memopt.presets`, the layer above) builds the preset. Nothing here
 imports the presets. :class:`MemoryEstimateError` is raised when a step cannot be estimated.
+:func:`estimate_generation` (``generation.py``) estimates Hugging Face's ``generate`` at a length, through
+``estimate_memory(stage="predict")``.
 """
 
 from lightning_memopt.planner.budget import (
@@ -19,6 +21,7 @@ from lightning_memopt.planner.budget import (
     parse_budget,
 )
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, MemoryEstimate, estimate_memory
+from lightning_memopt.planner.generation import estimate_generation
 from lightning_memopt.planner.model_step import MemoryEstimateError
 from lightning_memopt.planner.plan import MemoryPlan, plan_memory
 from lightning_memopt.planner.search import PlanTrial
@@ -37,6 +40,7 @@ __all__ = [
     "MemoryPlan",
     "PlanTrial",
     "cublas_workspace_bytes",
+    "estimate_generation",
     "estimate_memory",
     "parse_budget",
     "plan_memory",

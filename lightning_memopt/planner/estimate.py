@@ -63,7 +63,13 @@ __all__ = ["ESTIMATE_PRECISIONS", "STAGES", "MemoryEstimate", "estimate_memory"]
 
 #: The stages :func:`estimate_memory` estimates a step of (Lightning's ``trainer.fit/validate/test/predict``).
 STAGES = ("fit", "validate", "test", "predict")
-_STEP_NAMES = {"fit": "training step", "validate": "validation step", "test": "test step", "predict": "prediction step"}
+_STEP_NAMES = {
+    "fit": "training step",
+    "validate": "validation step",
+    "test": "test step",
+    "predict": "prediction step",
+    "generate": "`generate` call",
+}
 #: Precisions :func:`estimate_memory` models (Lightning's strings).
 ESTIMATE_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 _DTYPES = {"16": torch.float16, "bf16": torch.bfloat16}
@@ -120,7 +126,8 @@ class MemoryEstimate(StepCount):
             unsharded parameter bytes; ``str(sharding)`` describes it.
         apart_peak_bytes: with CPU offload, the most bytes on the host (:attr:`offloaded_bytes`).
         stage: the step estimated: ``"fit"`` (training) or ``"validate"``, ``"test"``, ``"predict"`` (evaluation: no
-            gradients or optimizer states; ``peak_phase`` is ``"forward"``).
+            gradients or optimizer states; ``peak_phase`` is ``"forward"``), or ``"generate"``
+            (:func:`~lightning_memopt.planner.generation.estimate_generation`).
 
     Examples:
         >>> est = estimate_memory(nn.Linear(64, 64, bias=False), torch.randn(32, 64), device="cpu")
