@@ -230,3 +230,36 @@ def test_a_true_half_precision_estimate_keeps_integer_buffers_integer():
     estimate = estimate_memory(model, torch.randn(4, 8), precision="bf16-true", device="cpu")
     assert estimate.buffer_bytes == model.ids.nbytes  # 8000: not cast to 2-byte bf16
     assert estimate.parameter_bytes == sum(p.numel() for p in model.parameters()) * 2  # these are
+
+
+class _Synthetic:
+    """A plan's trials over a made-up need per micro-batch: records each size estimated."""
+
+    def __init__(self, need, usable):
+        from lightning_memopt.planner.search import PlanTrial, Trials
+
+        class Runs(Trials):
+            def fits(runs, size, checkpointing):
+                ok = need(size) <= usable
+                runs.trials.append(PlanTrial(size, "32-true", checkpointing, int(need(size)), ok, 0.0))
+                return ok
+
+        self.runs = Runs(
+            nn.Linear(2, 2), lambda b: None, batch_per_device=64, usable=usable, world=1, precision="32-true",
+            optimizer=None, device="cpu", loss_fn=None,
+        )  # fmt: skip
+
+    def largest(self, sizes):
+        return self.runs.largest_fitting(False, sizes), [t.micro_batch_size for t in self.runs.trials]
+
+
+def test_the_search_predicts_between_the_ends_and_verifies_one_size():
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    chosen, tried = _Synthetic(lambda s: 100 + 10 * s, usable=300).largest(sizes)  # affine: 16 fits, 32 does not
+    assert (chosen, tried) == (16, [64, 1, 16])
+    # concave: the line under-predicts, the verification fails and a search below the failed size finds the answer
+    chosen, tried = _Synthetic(lambda s: 100 + 60 * s**0.5, usable=300).largest(sizes)
+    assert chosen == 8 and tried[:3] == [64, 1, 16] and 8 in tried
+    # convex: the line over-predicts; the size verified fits (the plan is safe, maybe not the largest)
+    chosen, tried = _Synthetic(lambda s: 100 + s * s, usable=300).largest(sizes)
+    assert 100 + chosen * chosen <= 300 and len(tried) <= 3

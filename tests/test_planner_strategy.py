@@ -87,7 +87,9 @@ def test_cpu_offload_is_the_last_resort_and_said_so():
         optimizer=ADAMW,
     )  # fmt: skip
     assert plan.feasible and plan.strategy == "fsdp2 + cpu offload" and plan.cpu_offload
-    assert [t.strategy for t in plan.trials] == ["ddp", "fsdp2", "fsdp2 + cpu offload"]
+    # DDP's model states alone are over the budget: ruled out without an estimate
+    assert [t.strategy for t in plan.trials] == ["fsdp2", "fsdp2 + cpu offload"]
+    assert "DDP cannot fit: its parameters, gradients and gradient buckets alone need" in plan.strategy_reason
     assert "CPU offload is the last resort" in plan.strategy_reason and "FSDP2 without CPU offload" in str(plan)
 
 
@@ -135,7 +137,33 @@ def test_nothing_fits_even_offloaded_the_advice_speaks_of_the_states_on_the_gpu(
         optimizer=ADAMW,
     )  # fmt: skip
     assert not plan.feasible and plan.strategy == "fsdp2 + cpu offload" and plan.estimate.sharding.cpu_offload
-    assert [t.strategy for t in plan.trials] == ["ddp", "fsdp2", "fsdp2 + cpu offload"]
+    assert [t.strategy for t in plan.trials] == ["fsdp2", "fsdp2 + cpu offload"]  # DDP ruled out by its states
     sharded = _needs(world_size=2, reshard_after_forward=True)
     assert f"even micro-batch 1 with 32-true, fsdp2 needs {format_bytes(sharded)} per rank;" in plan.advice
     assert plan.strategy_reason == "" and "Why" not in str(plan)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_ddp_s_model_state_floor_is_below_every_ddp_estimate(precision):
+    """The floor that rules DDP out before any estimate is a lower bound of what DDP's estimates need."""
+    from lightning_memopt.planner.search import needed_bytes, replicated_floor
+
+    model = ResidualMLP()
+    model.blocks[0].requires_grad_(False)  # frozen parameters: no gradients, no buckets
+    floor = replicated_floor({"module": model, "precision": precision}, world=2)
+    est = estimate_memory(model, _batch(1), device="cpu", optimizer=ADAMW, precision=precision)
+    assert floor <= needed_bytes(est, 2)
+    states = est.parameter_bytes + est.buffer_bytes + 2 * est.gradient_bytes
+    assert floor == states  # parameters at the precision, gradients and their buckets: nothing else
+
+
+def test_ddp_is_estimated_where_its_floor_fits_and_skipped_where_it_does_not():
+    from lightning_memopt.planner.search import replicated_floor
+
+    floor = replicated_floor({"module": ResidualMLP(), "precision": "32-true"}, world=2)
+    for budget, estimated in ((floor + 1, True), (floor - 1, False)):
+        plan = plan_memory(
+            ResidualMLP(), _batch, effective_batch_size=2, budget=budget, devices=2, device="cpu", margin=0,
+            optimizer=ADAMW,
+        )  # fmt: skip
+        assert ("ddp" in {t.strategy for t in plan.trials}) is estimated

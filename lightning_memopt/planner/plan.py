@@ -22,7 +22,14 @@ from lightning_memopt.functional.presets import normalize_checkpoint_modules, ti
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
 from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, STAGES, MemoryEstimate
 from lightning_memopt.planner.model_step import MemoryEstimateError, is_lightning_module, is_manual_optimization
-from lightning_memopt.planner.search import PlanTrial, Trials, evaluation_batch, needed_bytes, strategy_label
+from lightning_memopt.planner.search import (
+    PlanTrial,
+    Trials,
+    evaluation_batch,
+    needed_bytes,
+    replicated_floor,
+    strategy_label,
+)
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 
@@ -291,11 +298,13 @@ def _label(estimate: MemoryEstimate, world: int) -> str:
 
 
 class _Stage(NamedTuple):
-    """One strategy searched: its estimates and the micro-batch chosen (``None``: nothing fits)."""
+    """One strategy searched: its estimates and the micro-batch chosen (``None``: nothing fits); ``floor``: the bytes
+    its model states alone need per rank, where that ruled it out before any estimate."""
 
     runs: Trials
     chosen: int | None
     checkpointed: bool
+    floor: int | None = None
 
     def smallest(self) -> MemoryEstimate:
         """The estimate of micro-batch 1 (else the smallest tried) with the checkpointing searched last."""
@@ -330,6 +339,10 @@ class _Stages:
         done: list[_Stage] = []
         for sharded, offload in options:
             runs = self.runs(self.world, sharded, offload)
+            floor = None if sharded or len(options) == 1 else replicated_floor(self.trials, self.world)
+            if floor is not None and floor > runs.usable:  # DDP ruled out by its model states: FSDP2 is next
+                done.append(_Stage(runs, None, False, floor))
+                continue
             chosen, checkpointed = _search(runs, self.sizes, self.gradient_checkpointing)
             done.append(_Stage(runs, chosen, checkpointed))
             if chosen is not None:
@@ -367,6 +380,12 @@ def _reason(done: list[_Stage], world: int, strategy: str) -> str:
     texts = [asked] if asked else []
     for stage in done[:-1]:
         name = "DDP" if not stage.runs.sharded else "FSDP2 without CPU offload"
+        if stage.floor is not None:
+            texts.append(
+                f"{name} cannot fit: its parameters, gradients and gradient buckets alone need"
+                f" {format_bytes(stage.floor)} per rank (not estimated)."
+            )
+            continue
         needed = format_bytes(needed_bytes(stage.smallest(), world))
         texts.append(f"{name} does not fit even the smallest micro-batch ({needed} per rank).")
     if final.runs.cpu_offload:
@@ -530,9 +549,11 @@ def plan_memory(
     """Choose micro-batch, accumulation, precision and checkpointing so a training step fits a memory budget.
 
     Every candidate is estimated with :func:`estimate_memory` at its own micro-batch and with the gradient
-    accumulation it would run with (peaks are not linear in the batch, so nothing is extrapolated; with accumulation
-    the gradients stay alive through every micro-batch): first the whole per-device batch, then micro-batch 1, then
-    a binary search over the divisors of the per-device batch (the effective batch is kept exactly). The chosen
+    accumulation it would run with (with accumulation the gradients stay alive through every micro-batch): first the
+    whole per-device batch, then micro-batch 1; between them the need is taken as affine in the micro-batch and the
+    largest divisor predicted to fit is estimated to verify it (a binary search below it where it does not fit). The
+    effective batch is kept exactly. On several ranks DDP is skipped, before any estimate, when its parameters,
+    gradients and gradient buckets alone exceed the usable memory. The chosen
     setting's own estimate, with its accumulation, fits the usable memory. A LightningModule with manual
     optimization cannot accumulate (Lightning refuses it), so only its whole per-device batch is estimated.
     Activation checkpointing is chosen only when it at least doubles the micro-batch (it costs about a third more
@@ -598,7 +619,6 @@ def plan_memory(
                  64           1    32-true             no  72.02 MiB    no
                   1          64    32-true             no  10.27 MiB   yes
                   8           8    32-true             no  17.02 MiB   yes
-                 16           4    32-true             no  25.02 MiB    no
     """
     _check_plan_arguments(batch_fn, effective_batch_size, devices, num_nodes, margin, device, precision, evaluation)
     gradient_checkpointing, modules = _checkpointing(gradient_checkpointing, checkpoint_modules)
@@ -631,7 +651,8 @@ def plan_memory(
     if chosen is None:
         estimate = final.smallest()
         tried = world if final.runs.sharded else 1
-        gpus = stages.gpus(done[0].smallest(), limit.usable, checkpointed, tried)
+        first = next(stage for stage in done if stage.floor is None)  # the last stage is always estimated
+        gpus = stages.gpus(first.smallest(), limit.usable, checkpointed, tried)
         # the advice speaks of the model states on the GPU: of the last estimate without CPU offload
         on_gpu = [stage for stage in done if not stage.runs.cpu_offload][-1].smallest()
         advice = _advice(on_gpu, limit.usable, world, checkpointed, sizes[0], gpus)
