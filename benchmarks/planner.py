@@ -47,6 +47,7 @@ so the shipped benchmark and the tests measure the same models. Target: every zo
     python benchmarks/planner.py --quick --out /tmp/planner.json     # seconds: a smoke test of every path
     python benchmarks/planner.py --no-rss --no-scale --no-sharded    # the predicted/measured table only
     python benchmarks/planner.py --sharded-only  # ~1 minute: the FSDP2 table only (planner_sharded_cpu.json)
+    python benchmarks/planner.py --speed-only    # ~1 minute: the speed goals (benchmarks/_planner_speed.py)
 
 Then the sharded cases (``benchmarks/_sharded.py``): FSDP2 over 2 and 4 ranks (``--quick``: 2),
 ``reshard_after_forward`` True and False and AdamW's ``foreach`` step, the residual MLP of
@@ -600,6 +601,24 @@ def sharded_only(out: Path, quick: bool, t0: float, argv: list[str]) -> int:
     return write_result(out, result)
 
 
+def speed_only(out: Path, t0: float, argv: list[str]) -> int:
+    """``--speed-only``: the planner's speed goals (``benchmarks/_planner_speed.py``) and their JSON."""
+    from benchmarks._planner_speed import run as speed_run
+
+    rows = speed_run()
+    result = {
+        "benchmark": "planner_speed",
+        "command": " ".join(["python benchmarks/planner.py", *argv]),
+        "device": "cpu",
+        "machine": machine_info("cpu"),
+        "torch": torch.__version__,
+        "cases": rows,
+        "checks": {name: {"pass": row["pass"]} for name, row in rows.items()},
+        "total_seconds": time.perf_counter() - t0,
+    }
+    return write_result(out, result)
+
+
 def _rss_tools() -> dict[str, Callable[[], Any]]:
     return {"now": rss_now, "peak": peak_rss, "reset_peak": reset_peak_rss, "trim": _trim}
 
@@ -858,6 +877,9 @@ def main() -> int:
     parser.add_argument("--no-sharded", action="store_true", help="skip the sharded (FSDP2, gloo) cases")
     parser.add_argument("--sharded-only", action="store_true", help="the sharded table only (planner_sharded_cpu.json)")
     parser.add_argument(
+        "--speed-only", action="store_true", help="the speed goals only (planner_speed_cpu.json): ~1 minute"
+    )
+    parser.add_argument(
         "--no-default-malloc", action="store_true", help="run the RSS cases with the tuned malloc settings only"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of this process (--quick: 1)")
@@ -888,6 +910,7 @@ def main() -> int:
     # the zoo and the sharded tables never replace the rest
     default = "planner_zoo_cpu.json" if args.zoo_only else "planner_cpu.json"
     default = "planner_sharded_cpu.json" if args.sharded_only else default
+    default = "planner_speed_cpu.json" if args.speed_only else default
     out = Path(args.out or REPO / "benchmarks" / "results" / default)
     warnings.filterwarnings("ignore")
     import logging
@@ -898,6 +921,8 @@ def main() -> int:
         return zoo_only(out, t0)
     if args.sharded_only:
         return sharded_only(out, args.quick, t0, sys.argv[1:])
+    if args.speed_only:
+        return speed_only(out, t0, sys.argv[1:])
     specs = model_specs(args.quick)
     t5 = transformers_status()
     if not t5["available"]:
