@@ -9,10 +9,10 @@ Beside it, in a fresh process per world size: ``estimate_memory(..., device="cpu
 its RSS growth) and torch's ``FSDPMemTracker`` over the same steps on fake tensors in a fake process group (its
 prediction, seconds and RSS growth). On the CPU all three must agree to the byte.
 
-Measured (``planner_sharded_cpu.json``): the planner equals every rank's peak to the byte; torch's tracker does too,
-except with AdamW's ``foreach`` step, whose temporaries over the DTensor shards it leaves out (the MLP: 6.12 MB
-predicted, 11.96 MB measured on 2 ranks), and it cannot run the zoo T5 (a data-dependent ``.item()`` under its fake
-mode: ``DataDependentOutputException``), which the planner estimates.
+Measured (``planner_sharded_cpu.json``): the planner equals every rank's peak to the byte, AdamW's ``foreach`` step
+included (the fake tensors DTensor makes to learn an operator's output shape are memory to neither counter); torch's
+tracker does too, and it cannot run the zoo T5 (a data-dependent ``.item()`` under its fake mode:
+``DataDependentOutputException``), which the planner estimates.
 """
 
 from __future__ import annotations

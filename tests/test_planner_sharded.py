@@ -59,7 +59,7 @@ def test_the_estimate_equals_the_real_per_rank_peak_of_a_gloo_run(tmp_path, worl
     options = {
         "true": {"optimizer": ADAMW, "reshard_after_forward": True},
         "false": {"optimizer": ADAMW, "reshard_after_forward": False},
-        # AdamW's multi-tensor step over DTensors holds several times the shards in temporaries: counted too
+        # AdamW's multi-tensor step over DTensors (DTensor's metadata runs of it are fake tensors: counted by neither)
         "foreach": {"optimizer": functools.partial(ADAMW, foreach=True)},
     }
     for key, kwargs in options.items():
@@ -104,6 +104,87 @@ def test_the_estimate_equals_fsdp_mem_tracker_part_by_part():
     assert parts["batch"] == peak["Inputs"]
     # the loss is an activation to one and a temporary to the other: together they agree
     assert parts["activations"] + parts["temporaries"] == peak["Activation"] + peak["Temp"]
+
+
+def _tracker_peak(policy=None) -> dict[str, int]:
+    """torch's ``FSDPMemTracker`` over two steps of the residual MLP sharded per block and at the root over a fake
+    group of 2, in Lightning's order: its peak by part (no package code)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    options = {} if policy is None else {"mp_policy": policy}
+    with fake_process_group(2) as mesh, FakeTensorMode():
+        model = ResidualMLP()
+        for unit in [*model.blocks, model]:
+            fully_shard(unit, mesh=mesh["data_parallel"], **options)
+        optimizer = ADAMW(model.parameters())
+        batch = make_batch()
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((batch,))
+        with tracker:
+            for _ in range(2):  # Lightning's order; the loss freed after backward, as the estimate frees it
+                loss = model(batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                del loss
+                optimizer.step()
+                tracker.reset_mod_stats()
+        return {
+            str(k.value if hasattr(k, "value") else k): v
+            for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
+        }
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fsdp2_s_mixed_precision_policy_equals_fsdp_mem_tracker_and_beats_autocast(precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    est = _estimate(2, optimizer=ADAMW, precision=precision, mixed_precision_policy=True)
+    peak = _tracker_peak(MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    assert est.peak_bytes == peak["Total"]
+    assert est.at_peak["unsharded_parameters"] == peak["Unsharded Param"]  # all-gathered in 16 bits
+    assert est.at_peak["parameters"] == peak["Sharded Param"] == est.parameter_bytes  # the shards stay float32
+    assert est.peak_bytes < _estimate(2, optimizer=ADAMW, precision=precision).peak_bytes  # autocast holds more
+    assert est.sharding.param_dtype == dtype and f"MixedPrecisionPolicy(param_dtype={dtype}" in str(est)
+    assert any("no autocast (the Trainer at 32-true)" in a for a in est.assumptions)
+
+
+def test_the_first_sharded_estimate_in_a_process_equals_the_later_ones(tmp_path):
+    """DTensor learns an operator's output shape by running it once per process on global-shape fake tensors; those
+    are no memory (a counter that took them for tensors put 917,504 bytes of temporaries into the first AdamW step)."""
+    from tests.helpers.subprocess_run import run_script
+
+    proc = run_script(
+        """
+        import functools, torch
+        from lightning_memopt import estimate_memory
+        from tests.scripts.fsdp2_peak import ResidualMLP, make_batch
+        adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+        for _ in range(2):
+            est = estimate_memory(ResidualMLP(), make_batch(), world_size=2, device="cpu", optimizer=adamw,
+                                  precision="bf16-mixed", mixed_precision_policy=True)
+            print(est.peak_bytes, est.peak_phase)
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = proc.stdout.split("\n")[:2]
+    assert first == second == "5243976 forward"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 1, "precision": "bf16-mixed"}, r"needs `world_size` > 1"),
+        ({"world_size": 2, "precision": "32-true"}, r"'bf16-mixed' or '16-mixed'"),
+        ({"world_size": 2, "precision": "bf16-true"}, r"'bf16-mixed' or '16-mixed'"),
+    ],
+)
+def test_the_mixed_precision_policy_needs_ranks_and_a_mixed_precision(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(ResidualMLP(), make_batch(), device="cpu", mixed_precision_policy=True, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ the options
@@ -224,6 +305,8 @@ def test_a_lightning_module_that_does_not_shard_gets_the_default_sharding_with_i
     assert "per block, then each child of the LightningModule" in str(est)
     with pytest.raises(ValueError, match="`shard_modules`=.*configure_model shards the model itself"):
         _estimate(model=_Lit(), shard_modules=["model.blocks.*"])
+    with pytest.raises(ValueError, match="`mixed_precision_policy` shapes the default sharding, but _Lit.configure"):
+        _estimate(model=_Lit(), precision="bf16-mixed", mixed_precision_policy=True)
 
 
 def test_a_failing_configure_model_is_named_and_the_fake_group_is_gone():

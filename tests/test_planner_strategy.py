@@ -32,9 +32,6 @@ def _tokens(b: int) -> torch.Tensor:
 @pytest.mark.slow
 def test_a_model_too_big_for_one_24gb_card_is_sharded_with_fsdp2_over_4_gpus():
     model = _big()
-    # the first `foreach` optimizer step over DTensors of these shapes in a process counts more temporaries than every
-    # later one (here 14 GB instead of none at the peak): estimate it once first, so that both compared are later ones
-    alone = estimate_memory(model, _tokens(8), precision="bf16-mixed", world_size=4, reshard_after_forward=True)
     plan = plan_memory(model, _tokens, effective_batch_size=32, budget="24GB", devices=4, progress=lambda _: None)
     assert plan.feasible and plan.strategy == "fsdp2" and plan.sharded and plan.world_size == 4
     assert [t.strategy for t in plan.trials if not t.fits] == ["ddp", "ddp"]  # DDP tried first, fits nothing
@@ -167,3 +164,32 @@ def test_ddp_is_estimated_where_its_floor_fits_and_skipped_where_it_does_not():
             optimizer=ADAMW,
         )  # fmt: skip
         assert ("ddp" in {t.strategy for t in plan.trials}) is estimated
+
+
+def test_an_fsdp2_plan_offers_fsdp2_s_own_mixed_precision_and_the_preset_builds_it():
+    from lightning_memopt import MemoryPreset
+
+    plan = plan_memory(
+        ResidualMLP(), _batch, effective_batch_size=32, budget=8_000_000, devices=2, device="cpu",
+        precision="bf16-mixed", margin=0, optimizer=ADAMW, strategy="fsdp2",
+    )  # fmt: skip
+    policy = estimate_memory(
+        ResidualMLP(), _batch(plan.micro_batch_size), device="cpu", optimizer=ADAMW, precision="bf16-mixed",
+        world_size=2, reshard_after_forward=True, mixed_precision_policy=True,
+        accumulate_grad_batches=plan.accumulate_grad_batches,
+    )  # fmt: skip
+    assert plan.policy_estimate.peak_bytes == policy.peak_bytes < plan.estimate.peak_bytes
+    offer = "FSDP2's own mixed precision (MixedPrecisionPolicy, Trainer at 32-true) needs"
+    assert f"{offer} {format_bytes(policy.peak_bytes)}" in str(plan)
+    preset = MemoryPreset.from_plan(plan, mixed_precision_policy=True)
+    recipe = preset.configure_model_recipe
+    assert (
+        'options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)' in recipe
+    )
+    assert '# Trainer(precision="32-true", strategy=ModelParallelStrategy(' in recipe
+    assert preset.trainer_kwargs()["precision"] == "32-true"  # no autocast on top of the policy
+    ddp = plan_memory(ResidualMLP(), _batch, effective_batch_size=32, budget="1GB", devices=2, device="cpu",
+                      precision="bf16-mixed", optimizer=ADAMW)  # fmt: skip
+    assert ddp.strategy == "ddp" and ddp.policy_estimate is None and "MixedPrecisionPolicy" not in str(ddp)
+    with pytest.raises(ValueError, match=r"`mixed_precision_policy=True` is FSDP2's own mixed precision"):
+        MemoryPreset.from_plan(ddp, mixed_precision_policy=True)

@@ -375,6 +375,7 @@ class _Run:
             "world_size": settings.world,
             "reshard_after_forward": preset.reshard_after_forward,
             "cpu_offload": preset.cpu_offload,
+            "mixed_precision_policy": preset.mixed_precision_policy,
         }
 
     def _world_line(self) -> list[str]:

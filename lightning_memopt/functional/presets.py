@@ -255,12 +255,15 @@ def configure_model_recipe(
     roots: Sequence[str] | None,
     reshard_after_forward: bool,
     cpu_offload: bool,
+    mp_policy: str | None = None,
 ) -> str:
     """The ``configure_model`` to paste into a LightningModule trained with
     ``ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)``: ``fully_shard`` on each of
     ``blocks`` (qualified names), then on each of ``roots`` (``""``: the module itself), over Lightning's
     ``"data_parallel"`` mesh, as the planner estimated it. ``blocks`` ``None``: the module's own ``configure_model``
-    shards it (the plan estimated that one): the recipe says to keep it.
+    shards it (the plan estimated that one): the recipe says to keep it. ``mp_policy``: FSDP2's own mixed precision
+    (:func:`~lightning_memopt.functional.precision.fsdp2_policy`'s code), given to every ``fully_shard``; the Trainer
+    then runs at ``precision="32-true"``.
 
     Examples:
         >>> print(configure_model_recipe(2, ["blocks.0", "blocks.1", "blocks.2", "head"], [""], True, False))
@@ -276,9 +279,11 @@ def configure_model_recipe(
             for name in ['']:  # then the roots ("": the module itself)
                 fully_shard(model.get_submodule(name), **options)
     """
+    trainer_precision = 'precision="32-true", ' if mp_policy else ""
     head = (
         "# in your LightningModule, trained with\n"
-        f"# Trainer(strategy=ModelParallelStrategy(data_parallel_size={world_size}, tensor_parallel_size=1)):"
+        f"# Trainer({trainer_precision}strategy=ModelParallelStrategy(data_parallel_size={world_size},"
+        " tensor_parallel_size=1)):"
     )
     if blocks is None or roots is None:
         return (
@@ -287,14 +292,18 @@ def configure_model_recipe(
         )
     offload = ", CPUOffloadPolicy" if cpu_offload else ""
     policy = ', "offload_policy": CPUOffloadPolicy()' if cpu_offload else ""
+    if mp_policy:
+        offload += ", MixedPrecisionPolicy"
     lines = [
         head,
         "def configure_model(self):",
+        *(["    import torch"] if mp_policy else []),
         f"    from torch.distributed.fsdp import fully_shard{offload}",
         "",
         "    model = self  # the module that was planned: e.g. `self.model` if the plan was made on it",
         f'    options = {{"mesh": self.device_mesh["data_parallel"], "reshard_after_forward": {reshard_after_forward}'
         f"{policy}}}",
+        *([f'    options["mp_policy"] = {mp_policy}'] if mp_policy else []),
     ]
     if blocks:
         lines += [

@@ -87,12 +87,19 @@ def assumptions(
     world_size: int = 1,
     cpu_offload: bool = False,
     stage: str = "fit",
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[str, ...]:
     """The estimate's assumptions: the evaluation ``stage``, FSDP2 sharding over ``world_size`` ranks (and
     ``cpu_offload``), accumulation, the CUDA models (allocator, ``workspace``, ``attention``, ``foreach``), autocast,
     the fallback, the fake-kernel ``corrections`` made and manual optimization."""
     said = _stage_assumptions(stage, cuda)
     said.extend(_sharding_assumptions(world_size, cpu_offload, cuda))
+    if param_dtype is not None:
+        said.append(
+            f"FSDP2's MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype=torch.float32) on every unit, no"
+            " autocast (the Trainer at 32-true): parameters all-gathered and gradients computed in"
+            f" {param_dtype}, reduced and kept in float32"
+        )
     if accumulate > 1:
         said.append(
             f"gradient accumulation over {accumulate} micro-batches: the gradients stay alive through every"

@@ -264,6 +264,7 @@ def estimate_memory(
     cpu_offload: bool = False,
     shard_modules: Sequence[type[nn.Module] | str] | None = None,
     stage: str = "fit",
+    mixed_precision_policy: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of a training step (or an evaluation step), without allocating it and without a GPU.
 
@@ -330,6 +331,13 @@ def estimate_memory(
         shard_modules: the blocks the default sharding shards (module classes, class names or name patterns, as
             ``checkpoint_modules``); ``None``: the repeated blocks. Needs ``world_size`` > 1 and a model that
             ``configure_model`` does not shard.
+        stage: ``"fit"`` (a training step) or ``"validate"``, ``"test"``, ``"predict"``: the evaluation step
+            Lightning's loop runs (eval and inference mode, no gradients or optimizer; ``trainer.predict``'s
+            predictions kept on the CPU). Training-only arguments are refused with an evaluation stage.
+        mixed_precision_policy: FSDP2's own mixed precision instead of autocast: the default sharding's
+            ``fully_shard`` gets ``MixedPrecisionPolicy(param_dtype=<precision's dtype>, reduce_dtype=float32)`` and
+            the step runs without autocast (the Trainer at ``precision="32-true"``). Needs ``world_size`` > 1,
+            ``precision`` ``"bf16-mixed"`` or ``"16-mixed"`` and a model that ``configure_model`` does not shard.
 
     Returns:
         a :class:`MemoryEstimate`; ``print(estimate)`` shows its breakdown and assumptions.
@@ -357,13 +365,15 @@ def estimate_memory(
     _check_arguments(module, batch, precision, optimizer, device, steps, fake, accumulate_grad_batches, manual)
     _check_stage(stage, optimizer, gradient_checkpointing, accumulate_grad_batches, world_size)
     lightning = is_lightning_module(module)
-    sharded = _ShardedRun(world_size, reshard_after_forward, cpu_offload, shard_modules, lightning)
+    param_dtype = _policy_dtype(mixed_precision_policy, precision, world_size)
+    sharded = _ShardedRun(world_size, reshard_after_forward, cpu_offload, shard_modules, lightning, param_dtype)
+    autocast = "32-true" if param_dtype is not None else precision  # FSDP2 owns precision: no autocast
     cuda = device == "cuda"
     # checks `gpu` before the run; evaluation runs no backward, whose thread has a workspace of its own
     workspace_bytes, workspace_text = cublas_workspace(gpu, threads=2 if stage == "fit" else 1)
     schedulers: list[Any] = []
     hooks = _StepHooks(
-        precision,
+        autocast,
         cuda,
         checkpointing_prepare(gradient_checkpointing, checkpoint_modules),
         world_size > 1,
@@ -457,6 +467,7 @@ def estimate_memory(
             world_size=world_size,
             cpu_offload=cpu_offload,
             stage=stage,
+            param_dtype=param_dtype,
         ),
         seconds=seconds,
         steps=steps,
@@ -494,9 +505,11 @@ class _ShardedRun:
         cpu_offload: bool,
         shard_modules: Sequence[type[nn.Module] | str] | None,
         lightning: bool,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         _check_sharding(world_size, reshard_after_forward, cpu_offload, shard_modules)
         self.world_size, self.reshard, self.cpu_offload = world_size, reshard_after_forward, cpu_offload
+        self.param_dtype = param_dtype
         self.shard_modules = tuple(shard_modules) if shard_modules is not None else None
         self.lightning = lightning
         self.mesh: Any = None
@@ -532,10 +545,12 @@ class _ShardedRun:
         if self.lightning:
             self._configure_model(model)
         if is_sharded(model):
-            if self.shard_modules is not None:
+            given = f"`shard_modules`={self.shard_modules!r}" if self.shard_modules is not None else None
+            given = given or ("`mixed_precision_policy`" if self.param_dtype is not None else None)
+            if given is not None:
                 raise ValueError(
-                    f"`shard_modules`={self.shard_modules!r}, but {type(model).__name__}.configure_model shards the"
-                    " model itself. Drop `shard_modules` (or shard those blocks in `configure_model`)."
+                    f"{given} shapes the default sharding, but {type(model).__name__}.configure_model shards the"
+                    f" model itself. Drop {given.partition('=')[0]} (or set it in `configure_model`'s `fully_shard`)."
                 )
             if self.reshard is not None:
                 set_reshard_after_forward(model, self.reshard)
@@ -547,10 +562,16 @@ class _ShardedRun:
             roots = child_roots(model, blocks) if self.lightning else [""]
             reshard = True if self.reshard is None else self.reshard
             shard_model(
-                model, self.mesh, blocks, reshard_after_forward=reshard, cpu_offload=self.cpu_offload, roots=roots
+                model,
+                self.mesh,
+                blocks,
+                reshard_after_forward=reshard,
+                cpu_offload=self.cpu_offload,
+                roots=roots,
+                param_dtype=self.param_dtype,
             )
             source = "default children" if self.lightning else "default"
-        self.sharding = describe_sharding(model, self.world_size, source, reshard, self.cpu_offload)
+        self.sharding = describe_sharding(model, self.world_size, source, reshard, self.cpu_offload, self.param_dtype)
 
     def _configure_model(self, model: nn.Module) -> None:
         """Lightning's ``configure_model`` with what ``ModelParallelStrategy`` gives it: ``self.device_mesh``."""
@@ -562,6 +583,20 @@ class _ShardedRun:
                 f"`{type(model).__name__}.configure_model()` failed on the fake twin with a fake device mesh of"
                 f" {self.world_size} ranks ({type(err).__name__}: {err})."
             ) from err
+
+
+def _policy_dtype(policy: Any, precision: str, world_size: int) -> torch.dtype | None:
+    """The ``param_dtype`` of FSDP2's ``MixedPrecisionPolicy`` for ``mixed_precision_policy=True`` (``None``: off)."""
+    check_bool("mixed_precision_policy", policy, hint="True: FSDP2 casts the parameters instead of autocast.")
+    if not policy:
+        return None
+    if world_size == 1 or precision not in ("bf16-mixed", "16-mixed"):
+        raise ValueError(
+            f"`mixed_precision_policy=True` is FSDP2's own mixed precision: it needs `world_size` > 1 and a `precision`"
+            f" of 'bf16-mixed' or '16-mixed' (its compute dtype), got world_size={world_size},"
+            f" precision={precision!r}."
+        )
+    return _DTYPES[precision.partition("-")[0]]
 
 
 def _check_sharding(world_size: Any, reshard_after_forward: Any, cpu_offload: Any, shard_modules: Any) -> None:

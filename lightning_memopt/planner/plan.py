@@ -20,7 +20,7 @@ from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.functional.planning.sharding import child_roots, default_shard_blocks
 from lightning_memopt.functional.presets import normalize_checkpoint_modules, tier_for_memory
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
-from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, STAGES, MemoryEstimate
+from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, STAGES, MemoryEstimate, estimate_memory
 from lightning_memopt.planner.model_step import MemoryEstimateError, is_lightning_module, is_manual_optimization
 from lightning_memopt.planner.search import (
     PlanTrial,
@@ -86,6 +86,10 @@ class MemoryPlan:
             planned or nothing fits (:attr:`eval_note` says why).
         eval_estimate / eval_trials: its estimate (``estimate_memory(stage=...)``) and every evaluation estimate run.
         eval_note: why no evaluation batch was planned, when one was asked for.
+        policy_estimate: for an FSDP2 plan at ``bf16-mixed``/``16-mixed`` with the default sharding, the chosen
+            setting estimated with FSDP2's own ``MixedPrecisionPolicy`` instead of autocast
+            (``estimate_memory(mixed_precision_policy=True)``); offered in the report where it needs less:
+            ``MemoryPreset.from_plan(plan, mixed_precision_policy=True)`` builds it.
 
     Examples:
         >>> model = nn.Linear(64, 64)
@@ -126,6 +130,7 @@ class MemoryPlan:
     eval_estimate: MemoryEstimate | None = None
     eval_trials: tuple[PlanTrial, ...] = ()
     eval_note: str = ""
+    policy_estimate: MemoryEstimate | None = None
 
     @property
     def world_size(self) -> int:
@@ -194,8 +199,24 @@ class MemoryPlan:
         texts = [head, verdict, *([f"Why: {self.strategy_reason}"] if self.strategy_reason else [])]
         if self.eval_stage is not None:
             texts.append(self._evaluation_text())
+        if self.policy_estimate is not None and self.estimate is not None:
+            texts.append(self._policy_text())
         wrapped = [wrap_to_width(text) for text in texts]
         return "\n".join([wrapped[0], self.table(), *wrapped[1:]])
+
+    def _policy_text(self) -> str:
+        assert self.policy_estimate is not None and self.estimate is not None
+        policy, autocast = self.policy_estimate.peak_bytes, needed_bytes(self.estimate, self.world_size)
+        head = (
+            f"FSDP2's own mixed precision (MixedPrecisionPolicy, Trainer at 32-true) needs {format_bytes(policy)} per"
+            f" rank at this setting, autocast {format_bytes(autocast)}"
+        )
+        if policy >= autocast:
+            return head + ": autocast kept."
+        return (
+            f"{head}: `MemoryPreset.from_plan(plan, mixed_precision_policy=True)` builds it (its recipe sets"
+            " mp_policy)."
+        )
 
     def _evaluation_text(self) -> str:
         head = f"Evaluation (trainer.{self.eval_stage}): "
@@ -377,7 +398,7 @@ def _reason(done: list[_Stage], world: int, strategy: str) -> str:
             f"{asked}DDP: the whole model fits on each of the {world} ranks at micro-batch {final.chosen}; it"
             " runs no all-gathers, so it is faster than sharding."
         )
-    texts = [asked] if asked else []
+    texts = [asked.strip()] if asked else []
     for stage in done[:-1]:
         name = "DDP" if not stage.runs.sharded else "FSDP2 without CPU offload"
         if stage.floor is not None:
@@ -659,6 +680,7 @@ def plan_memory(
     else:
         estimate, advice = final.runs.estimates[(chosen, checkpointed)], ""
     evaluation_fields = _evaluation_fields(evaluation, trials, chosen, per_device, final.runs.sharded)
+    policy = _policy_estimate(trials, final.runs, chosen, checkpointed) if chosen is not None else None
     return MemoryPlan(
         feasible=chosen is not None,
         effective_batch_size=effective_batch_size,
@@ -684,6 +706,34 @@ def plan_memory(
         gpus_needed=gpus.number if gpus is not None else None,
         gpus_needed_planned=gpus is not None and gpus.planned,
         **evaluation_fields,
+        policy_estimate=policy,
+    )
+
+
+def _policy_estimate(trials: dict[str, Any], runs: Trials, chosen: int, checkpointed: bool) -> MemoryEstimate | None:
+    """The chosen FSDP2 setting with FSDP2's own ``MixedPrecisionPolicy`` instead of autocast (one estimate), where
+    it applies: a sharded plan without CPU offload, a ``*-mixed`` precision, the default sharding."""
+    estimate = runs.estimates[(chosen, checkpointed)]
+    sharding = estimate.sharding
+    if sharding is None or sharding.cpu_offload or sharding.source == "configure_model":
+        return None
+    if trials["precision"] not in ("bf16-mixed", "16-mixed"):
+        return None
+    return estimate_memory(
+        trials["module"],
+        trials["batch_fn"](chosen),
+        precision=trials["precision"],
+        optimizer=trials["optimizer"],
+        device=trials["device"],
+        gradient_checkpointing=checkpointed,
+        checkpoint_modules=trials["checkpoint_modules"] if checkpointed else None,
+        loss_fn=trials["loss_fn"],
+        accumulate_grad_batches=estimate.accumulate_grad_batches,
+        gpu=trials["gpu"] if trials["device"] == "cuda" else None,
+        world_size=runs.world,
+        reshard_after_forward=True,
+        shard_modules=trials["shard_modules"],
+        mixed_precision_policy=True,
     )
 
 

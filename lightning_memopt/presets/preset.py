@@ -31,6 +31,7 @@ from lightning_memopt.functional.allocator import check_alloc_conf
 from lightning_memopt.functional.precision import (
     PrecisionInput,
     choose_precision,
+    fsdp2_policy,
     has_own_precision,
     normalize_precision,
 )
@@ -159,6 +160,10 @@ class MemoryPreset:
             gradients or optimizer states, so it often fits a larger one); ``None``: :attr:`batch_size`.
             :meth:`from_plan` sets it from ``plan_memory(evaluation=...)``; read it through
             :attr:`evaluation_batch_size`.
+        mixed_precision_policy: with ``strategy="fsdp2"`` and a ``"bf16-mixed"`` or ``"16-mixed"`` precision, FSDP2
+            owns the mixed precision: the recipe gives ``fully_shard`` a ``MixedPrecisionPolicy`` (that dtype,
+            gradients reduced in float32) and the Trainer runs at ``"32-true"`` (no autocast, no double cast). It
+            usually needs less memory per rank (``plan.policy_estimate`` says how much).
 
     Examples:
         >>> preset = MemoryPreset.from_name("max-savings", effective_batch_size=128, micro_batch_size=16)
@@ -199,6 +204,7 @@ class MemoryPreset:
     shard_blocks: tuple[str, ...] | None = None
     shard_roots: tuple[str, ...] | None = None
     eval_batch_size: int | None = None
+    mixed_precision_policy: bool = False
     plan: AccumulationPlan | None = field(default=None, init=False, repr=False, compare=False)
     _said: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
@@ -247,6 +253,13 @@ class MemoryPreset:
         check_positive_int("num_nodes", self.num_nodes)
         check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
         check_positive_int("eval_batch_size", self.eval_batch_size, allow_none=True, hint="None: the training batch.")
+        check_bool("mixed_precision_policy", self.mixed_precision_policy)
+        if self.mixed_precision_policy and (self.strategy != "fsdp2" or fsdp2_policy(self.precision) is None):
+            raise ValueError(
+                f"`mixed_precision_policy=True` is FSDP2's own mixed precision: it needs `strategy='fsdp2'` and a"
+                f" `precision` of 'bf16-mixed' or '16-mixed', got strategy={self.strategy!r},"
+                f" precision={self.precision!r}."
+            )
         _check_sharding(self)
         if self.auto_micro_batch and self.micro_batch_size is not None and self.effective_batch_size is None:
             raise ValueError(
@@ -439,8 +452,9 @@ class MemoryPreset:
         block, then the roots, with the preset's options), as text; ``""`` otherwise. Also in ``print(preset)``."""
         if self.strategy != "fsdp2":
             return ""
+        policy = fsdp2_policy(self.precision) if self.mixed_precision_policy else None
         return configure_model_recipe(
-            self.world_size, self.shard_blocks, self.shard_roots, self.reshard_after_forward, self.cpu_offload
+            self.world_size, self.shard_blocks, self.shard_roots, self.reshard_after_forward, self.cpu_offload, policy
         )
 
     # ---------------------------------------------------------------------------------------------- outputs
@@ -793,6 +807,8 @@ def preset_callbacks(preset: MemoryPreset) -> list[tuple[type, Any]]:
 def precision_string(preset: MemoryPreset) -> str:
     """A Lightning precision string for strategies with their own precision classes, resolved on this machine."""
     mode = str(preset.precision)  # normalized by the preset
+    if preset.mixed_precision_policy:  # FSDP2's MixedPrecisionPolicy casts: no autocast on top of it
+        return "32-true"
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)

@@ -35,6 +35,7 @@ __all__: list[str] = [
     "stop_memory_history",
     "supports_memory_history",
     "tensor_version",
+    "uncounted_dtensor_metadata",
 ]
 
 
@@ -184,6 +185,36 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
 
     unset = getattr(fake_tensor, "unset_fake_temporarily", None)
     return unset() if unset is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def uncounted_dtensor_metadata(pause: Any, resume: Any) -> Any:
+    """While entered, ``pause()`` and ``resume()`` are called around each of DTensor's sharding-propagation runs: the
+    operator run once per new signature on global-shape fake tensors to learn its output's shape (no memory in a real
+    run; under an estimate's fake mode a counter would take them for tensors). Nothing where torch has no such
+    method."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # pragma: no cover - a build without torch.distributed
+        yield
+        return
+    original = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if original is None:  # pragma: no cover - a torch that moved it: the tensors are counted, as before
+        yield
+        return
+
+    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pause()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            resume()
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def ddp_comm_hook_name(module: Any) -> str | None:

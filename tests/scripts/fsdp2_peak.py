@@ -7,9 +7,11 @@ training steps of :class:`ResidualMLP` in Lightning's order (forward, ``zero_gra
 
 The bytes are counted by a live-storage counter of its own (not the planner's): every storage an operator creates,
 its local shard for a ``DTensor`` (a DTensor's own storage reports the global size), and every storage FSDP2 frees or
-re-creates with ``UntypedStorage.resize_`` (no operator shows it). A storage leaves the count when its last holder
-lets go, which for a collective's tensors can be gloo's worker thread a moment after the collective has returned: a
-new high waits ``SETTLE_SECONDS`` for that thread, so the peak is the step's, not the thread scheduler's.
+re-creates with ``UntypedStorage.resize_`` (no operator shows it). Fake tensors are not memory: DTensor makes them
+the first time it meets an operator, to learn its output's shape (AdamW's ``foreach`` step: 5.8 MB of them here). A
+storage leaves the count when its last holder lets go, which for a collective's tensors can be gloo's worker thread a
+moment after the collective has returned: a new high waits ``SETTLE_SECONDS`` for that thread, so the peak is the
+step's, not the thread scheduler's.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
 def peak_bytes(world_size: int, reshard_after_forward: bool, foreach: bool = False, steps: int = 2) -> int:
     """The peak bytes alive on this rank over ``steps`` training steps (a process group must be initialised);
     ``foreach``: AdamW's multi-tensor step (CUDA's default)."""
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
@@ -91,6 +94,8 @@ def peak_bytes(world_size: int, reshard_after_forward: bool, foreach: bool = Fal
             self.now = self.peak = 0
 
         def track(self, tensor: torch.Tensor) -> None:
+            if isinstance(tensor, FakeTensor):  # DTensor's metadata runs (an operator's output shape): no memory
+                return
             for storage in _storages(tensor):
                 key = id(storage)
                 if key not in self.sizes:

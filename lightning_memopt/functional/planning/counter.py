@@ -173,6 +173,16 @@ class LiveBytes(TorchDispatchMode):
         self.totals: dict[str, int] = {}
         self._seq = 0
         self._info: dict[int, list[Any]] = {}  # id(storage) -> [bytes, label, seq, step]
+        self._paused = 0
+
+    def pause(self) -> None:
+        """Stop counting new storages until :meth:`resume` (nested pauses count): for tensors that are not memory of
+        the step (DTensor's metadata runs)."""
+        self._paused += 1
+
+    def resume(self) -> None:
+        """Count again after :meth:`pause`."""
+        self._paused -= 1
 
     def rounded(self, nbytes: int) -> int:
         """``nbytes`` rounded up to whole blocks of ``block_bytes``."""
@@ -269,6 +279,8 @@ class LiveBytes(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a DTensor runs its local operators, which are counted
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         out = func(*args, **kwargs) if self.run is None else self.run(func, args, kwargs)
         if self.outputs is not None:
             out = self.outputs(func, args, kwargs, out)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -130,14 +131,18 @@ def shard_model(
     reshard_after_forward: bool,
     cpu_offload: bool,
     roots: Sequence[str] = ("",),
+    param_dtype: torch.dtype | None = None,
 ) -> None:
     """``fully_shard`` each of ``blocks``, then each of ``roots`` (qualified names; ``""``: ``model``), over
     ``mesh``'s ``"data_parallel"`` dimension, as a ``configure_model`` for Lightning's ``ModelParallelStrategy``
-    does."""
+    does; with ``param_dtype``, FSDP2's own mixed precision: ``MixedPrecisionPolicy(param_dtype=param_dtype,
+    reduce_dtype=torch.float32)``."""
     fsdp = _fsdp()
     options: dict[str, Any] = {"mesh": mesh["data_parallel"], "reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         options["offload_policy"] = fsdp.CPUOffloadPolicy(pin_memory=False)
+    if param_dtype is not None:
+        options["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for name in [*blocks, *roots]:
         fsdp.fully_shard(model.get_submodule(name), **options)
 
@@ -174,6 +179,7 @@ class PlannedSharding:
         reshard_after_forward: the value applied (``None``: as ``configure_model`` set it).
         cpu_offload: parameters, gradients and optimizer states counted on the host.
         unsharded_parameter_bytes: the parameters' bytes before sharding (the whole model).
+        param_dtype: the ``MixedPrecisionPolicy.param_dtype`` the default sharding applied (``None``: none).
     """
 
     world_size: int
@@ -182,6 +188,7 @@ class PlannedSharding:
     reshard_after_forward: bool | None
     cpu_offload: bool
     unsharded_parameter_bytes: int
+    param_dtype: torch.dtype | None = None
 
     def __str__(self) -> str:
         names = [n or "root" for n in self.units]
@@ -193,14 +200,20 @@ class PlannedSharding:
         }.get(self.source, self.source)
         reshard = "as configure_model set it" if self.reshard_after_forward is None else self.reshard_after_forward
         offload = ", CPU offload of parameters, gradients and optimizer states" if self.cpu_offload else ""
+        policy = f", MixedPrecisionPolicy(param_dtype={self.param_dtype}, reduce_dtype=torch.float32)"
         return (
             f"FSDP2 over {self.world_size} ranks, {len(names)} units {how} ({shown}),"
-            f" reshard_after_forward={reshard}{offload}"
+            f" reshard_after_forward={reshard}{offload}{policy if self.param_dtype is not None else ''}"
         )
 
 
 def describe_sharding(
-    model: nn.Module, world_size: int, source: str, reshard_after_forward: bool | None, cpu_offload: bool
+    model: nn.Module,
+    world_size: int,
+    source: str,
+    reshard_after_forward: bool | None,
+    cpu_offload: bool,
+    param_dtype: torch.dtype | None = None,
 ) -> PlannedSharding:
     """What :class:`PlannedSharding` says of a sharded ``model``; the unsharded bytes come from the parameters'
     global shapes (a ``DTensor``'s ``numel`` is the global one; ``parameters()`` gives a tied one once)."""
@@ -213,6 +226,7 @@ def describe_sharding(
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
         unsharded_parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        param_dtype=param_dtype,
     )
 
 

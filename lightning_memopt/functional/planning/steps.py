@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_memopt.functional.planning.counter import LiveBytes, unique_storages
 from lightning_memopt.functional.planning.known_values import KnownValues
 from lightning_memopt.functional.planning.manual import CountedOptimizer, counted_backward
-from lightning_memopt.utilities._torch_private import backward_outside_torch_function
+from lightning_memopt.utilities._torch_private import backward_outside_torch_function, uncounted_dtensor_metadata
 
 __all__ = [
     "PEAK_PARTS",
@@ -328,7 +328,7 @@ def count_training_steps(
             trainable = [p for p in model.parameters() if p.requires_grad]
             for p in trainable:
                 handles.append(p.register_post_accumulate_grad_hook(lambda p: counter.relabel(p.grad, "gradients")))
-            with counter:
+            with counter, uncounted_dtensor_metadata(counter.pause, counter.resume):
                 optimizers = make_optimizers(model)
                 if prepare_optimizers is not None:
                     prepare_optimizers(optimizers)
@@ -397,7 +397,7 @@ def count_evaluation_steps(
             if batch_fn is not None:
                 batch = batch_fn(batch)
             sizes = _track_inputs(counter, model, batch)
-            with counter, torch.inference_mode():
+            with counter, uncounted_dtensor_metadata(counter.pause, counter.resume), torch.inference_mode():
                 for step in range(steps):
                     counter.step, counter.phase = step, "forward"
                     with context():
