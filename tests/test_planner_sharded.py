@@ -305,7 +305,7 @@ def test_a_lightning_module_that_does_not_shard_gets_the_default_sharding_with_i
     assert "per block, then each child of the LightningModule" in str(est)
     with pytest.raises(ValueError, match="`shard_modules`=.*configure_model shards the model itself"):
         _estimate(model=_Lit(), shard_modules=["model.blocks.*"])
-    with pytest.raises(ValueError, match="`mixed_precision_policy` shapes the default sharding, but _Lit.configure"):
+    with pytest.raises(ValueError, match="`mixed_precision_policy` shapes the default sharding, but FSDP_Lit"):
         _estimate(model=_Lit(), precision="bf16-mixed", mixed_precision_policy=True)
 
 
