@@ -85,12 +85,7 @@ def trainer_peak(module: Any, tmp_path: Any, *, accumulate_grad_batches: int = 1
 
     loader = module.train_dataloader()
     module.train_dataloader = lambda: loader
-    counter = LiveBytes()
-    for t in [*module.parameters(), *module.buffers()]:
-        counter.track(t)
-    dataset = [t for t in tree_flatten(loader.dataset.batch)[0] if isinstance(t, Tensor)]
-    for t in dataset:
-        counter.track(t, "dataset")
+    counter, dataset_bytes = _counter_of(module, loader)
     manual = not module.automatic_optimization
     config = module.configure_optimizers() if manual else None  # manual: every optimizer steps once per batch
     optimizers = len(config) if isinstance(config, (list, tuple)) else 1
@@ -103,7 +98,19 @@ def trainer_peak(module: Any, tmp_path: Any, *, accumulate_grad_batches: int = 1
     )
     with counter:
         trainer.fit(module)
-    return counter.peak - sum(t.untyped_storage().nbytes() for t in dataset)
+    return counter.peak - dataset_bytes
+
+
+def _counter_of(module: Any, loader: Any) -> tuple[LiveBytes, int]:
+    """A counter that holds ``module``'s parameters and buffers and the zoo ``loader``'s dataset (built before a run,
+    alive throughout); the dataset's bytes, which a run's peak is given less."""
+    counter = LiveBytes()
+    for t in [*module.parameters(), *module.buffers()]:
+        counter.track(t)
+    dataset = [t for t in tree_flatten(loader.dataset.batch)[0] if isinstance(t, Tensor)]
+    for t in dataset:
+        counter.track(t, "dataset")
+    return counter, sum(t.untyped_storage().nbytes() for t in dataset)
 
 
 def trainer_evaluation_peak(module: Any, tmp_path: Any, stage: str, *, batches: int = 2) -> int:
@@ -113,18 +120,13 @@ def trainer_evaluation_peak(module: Any, tmp_path: Any, stage: str, *, batches: 
     from tests.helpers.trainer import make_trainer
 
     loader = module.val_dataloader()
-    counter = LiveBytes()
-    for t in [*module.parameters(), *module.buffers()]:
-        counter.track(t)
-    dataset = [t for t in tree_flatten(loader.dataset.batch)[0] if isinstance(t, Tensor)]
-    for t in dataset:
-        counter.track(t, "dataset")
+    counter, dataset_bytes = _counter_of(module, loader)
     limits = {f"limit_{name}_batches": batches for name in ("val", "test", "predict")}
     trainer = make_trainer(tmp_path, **limits)
     with counter, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         getattr(trainer, stage)(module, dataloaders=loader)
-    return counter.peak - sum(t.untyped_storage().nbytes() for t in dataset)
+    return counter.peak - dataset_bytes
 
 
 def memtracker_peak(module: nn.Module, batch: Any, precision: str = "32-true", steps: int = 2) -> int:

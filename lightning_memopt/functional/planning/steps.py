@@ -308,23 +308,11 @@ def count_training_steps(
         >>> count.peak_bytes == 4 * (2 * 64 * 64 + 2 * 32 * 64) + 4, count.peak_phase  # W, its grad, x, y, the loss
         (True, 'forward')
     """
-    given = batch
-    mode, batch = _fake_batch(batch, fake)
-    known = _known_values(mode, given, batch)
-    counter = _StepBytes(block_bytes, scratch, outputs, labels, apart, run=known.run if known else None)
-    model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
+    counter = _StepBytes(block_bytes, scratch, outputs, labels, apart)
     loop = _StepLoop(counter, step_fn, steps, accumulate_grad_batches, step_context, manual)
     handles: list[Any] = []
     try:
-        with (
-            mode if mode is not None else contextlib.nullcontext(),
-            known.library_checks() if known else contextlib.nullcontext(),
-        ):
-            if prepare is not None:
-                prepare(model)
-            if batch_fn is not None:
-                batch = batch_fn(batch)
-            sizes = _track_inputs(counter, model, batch)
+        with _ready(counter, module, batch, fake, dtype, prepare, batch_fn) as (model, batch, sizes):
             trainable = [p for p in model.parameters() if p.requires_grad]
             for p in trainable:
                 handles.append(p.register_post_accumulate_grad_hook(lambda p: counter.relabel(p.grad, "gradients")))
@@ -333,15 +321,10 @@ def count_training_steps(
                 if prepare_optimizers is not None:
                     prepare_optimizers(optimizers)
                 loop.run(model, batch, optimizers)
-            count = _step_count(counter, optimizers, trainable, sizes, loop.accumulate_grad_batches)
-    except _FAKE_EXCEPTIONS as err:
-        if not fake:
-            raise
-        raise _fake_step_error(err) from err
+            return _step_count(counter, optimizers, trainable, sizes, loop.accumulate_grad_batches)
     finally:
         for handle in handles:
             handle.remove()
-    return count
 
 
 def count_evaluation_steps(
@@ -380,13 +363,40 @@ def count_evaluation_steps(
         >>> count.peak_bytes == 4 * (64 * 64 + 2 * 32 * 64), count.gradient_bytes  # W, x and y
         (True, 0)
     """
+    counter = _StepBytes(block_bytes, scratch, outputs)
+    kept: list[Any] = []
+    context = step_context or contextlib.nullcontext
+    with _ready(counter, module, batch, fake, dtype, prepare, batch_fn) as (model, batch, sizes):
+        with counter, uncounted_dtensor_metadata(counter.pause, counter.resume), torch.inference_mode():
+            for step in range(steps):
+                counter.step, counter.phase = step, "forward"
+                with context():
+                    out = step_fn(model, batch, step)
+                if keep_outputs:
+                    kept.append(out)
+                del out
+                counter.phase = "setup"
+        return _step_count(counter, [], [], sizes, 1)
+
+
+@contextlib.contextmanager
+def _ready(
+    counter: LiveBytes,
+    module: nn.Module,
+    batch: Any,
+    fake: bool,
+    dtype: torch.dtype | None,
+    prepare: Callable[[nn.Module], None] | None,
+    batch_fn: Callable[[Any], Any] | None,
+) -> Iterator[tuple[nn.Module, Any, dict[str, int]]]:
+    """The model and batch a counted run steps, in their fake mode (a real copy with ``fake=False``): prepared, the
+    batch cast, the inputs tracked by ``counter`` (which runs every operator through :class:`KnownValues`); yields
+    ``(model, batch, sizes)``. An operator that cannot run on fake tensors is raised as a :class:`FakeStepError`."""
     given = batch
     mode, batch = _fake_batch(batch, fake)
     known = _known_values(mode, given, batch)
-    counter = _StepBytes(block_bytes, scratch, outputs, run=known.run if known else None)
-    model = fake_twin(module, mode, dtype)
-    kept: list[Any] = []
-    context = step_context or contextlib.nullcontext
+    counter.run = known.run if known else None
+    model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
     try:
         with (
             mode if mode is not None else contextlib.nullcontext(),
@@ -396,22 +406,11 @@ def count_evaluation_steps(
                 prepare(model)
             if batch_fn is not None:
                 batch = batch_fn(batch)
-            sizes = _track_inputs(counter, model, batch)
-            with counter, uncounted_dtensor_metadata(counter.pause, counter.resume), torch.inference_mode():
-                for step in range(steps):
-                    counter.step, counter.phase = step, "forward"
-                    with context():
-                        out = step_fn(model, batch, step)
-                    if keep_outputs:
-                        kept.append(out)
-                    del out
-                    counter.phase = "setup"
-            count = _step_count(counter, [], [], sizes, 1)
+            yield model, batch, _track_inputs(counter, model, batch)
     except _FAKE_EXCEPTIONS as err:
         if not fake:
             raise
         raise _fake_step_error(err) from err
-    return count
 
 
 def _fake_batch(batch: Any, fake: bool) -> tuple[Any, Any]:
