@@ -151,27 +151,30 @@ def test_fsdp2_s_mixed_precision_policy_equals_fsdp_mem_tracker_and_beats_autoca
     assert any("no autocast (the Trainer at 32-true)" in a for a in est.assumptions)
 
 
-def test_the_first_sharded_estimate_in_a_process_equals_the_later_ones(tmp_path):
-    """DTensor learns an operator's output shape by running it once per process on global-shape fake tensors; those
-    are no memory (a counter that took them for tensors put 917,504 bytes of temporaries into the first AdamW step)."""
-    from tests.helpers.subprocess_run import run_script
+def test_dtensor_s_metadata_runs_are_not_counted():
+    """DTensor learns an operator's output shape by running it once per process and signature on global-shape fake
+    tensors; those are no memory (counted, they put 917,504 bytes of temporaries into the first AdamW step of a
+    process's first sharded estimate). Each run below has shapes no other run has, so its propagation is not cached."""
+    import contextlib
 
-    proc = run_script(
-        """
-        import functools, torch
-        from lightning_memopt import estimate_memory
-        from tests.scripts.fsdp2_peak import ResidualMLP, make_batch
-        adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
-        for _ in range(2):
-            est = estimate_memory(ResidualMLP(), make_batch(), world_size=2, device="cpu", optimizer=adamw,
-                                  precision="bf16-mixed", mixed_precision_policy=True)
-            print(est.peak_bytes, est.peak_phase)
-        """,
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, second = proc.stdout.split("\n")[:2]
-    assert first == second == "5243976 forward"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_memopt.utilities._torch_private import uncounted_dtensor_metadata
+
+    def counted(width: int, skip: bool) -> tuple[int, int]:
+        with fake_process_group(2) as mesh, FakeTensorMode():
+            x = distribute_tensor(torch.randn(26, width), mesh["data_parallel"], [Shard(0)])
+            counter = LiveBytes()
+            skipping = uncounted_dtensor_metadata(counter.pause, counter.resume) if skip else contextlib.nullcontext()
+            with counter, skipping:
+                y = torch.special.xlog1py(x, x)
+            return counter.peak, y.to_local().untyped_storage().nbytes()
+
+    peak, local = counted(15, skip=True)
+    assert peak == local == 13 * 15 * 4  # the local result only
+    peak, local = counted(17, skip=False)
+    assert peak > local + 26 * 17 * 4  # without it, the global-shape fake tensors too
 
 
 @pytest.mark.parametrize(
