@@ -146,10 +146,10 @@ def _planner(model: ShardedModel, world_size: int, reshard: bool, foreach: bool)
 def _tracker(spec: ShardedModel, world_size: int, reshard: bool, foreach: bool) -> int:
     """torch's ``FSDPMemTracker``: the caller sets up fake mode and a fake process group, shards and steps."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
     from lightning_memopt.functional.planning.sharding import fake_process_group
+    from tests.scripts import fsdp2_peak
 
     with fake_process_group(world_size) as mesh, FakeTensorMode():
         torch.manual_seed(0)
@@ -157,18 +157,7 @@ def _tracker(spec: ShardedModel, world_size: int, reshard: bool, foreach: bool) 
         for unit in [*model.blocks, model]:
             fully_shard(unit, mesh=mesh["data_parallel"], reshard_after_forward=reshard)
         optimizer = _optimizer(foreach)(model.parameters())
-        batch = spec.batch()
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((batch,))
-        with tracker:
-            for _ in range(2):  # Lightning's order, as fsdp2_peak.py
-                loss = model(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                del loss
-                optimizer.step()
-                tracker.reset_mod_stats()
-        return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        return fsdp2_peak.tracker_peak(model, optimizer, spec.batch())["Total"]
 
 
 def _timed(fn: Callable[[], int], rss: dict[str, Callable[[], Any]]) -> dict:

@@ -20,7 +20,7 @@ from lightning_memopt.functional.planning.sharding import default_shard_blocks, 
 from lightning_memopt.planner import MemoryEstimateError, estimate_memory
 from tests.helpers.subprocess_run import SCRIPTS, run_file
 from tests.helpers.zoo import ZOO
-from tests.scripts.fsdp2_peak import BATCH, WIDTH, ResidualMLP, make_batch
+from tests.scripts.fsdp2_peak import BATCH, WIDTH, ResidualMLP, make_batch, tracker_peak
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -70,30 +70,8 @@ def test_the_estimate_equals_the_real_per_rank_peak_of_a_gloo_run(tmp_path, worl
 
 
 def test_the_estimate_equals_fsdp_mem_tracker_part_by_part():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
-
     est = _estimate(2, optimizer=ADAMW)
-    with fake_process_group(2) as mesh, FakeTensorMode():
-        model = ResidualMLP()
-        for unit in [*model.blocks, model]:
-            fully_shard(unit, mesh=mesh["data_parallel"])
-        optimizer = ADAMW(model.parameters())
-        batch = make_batch()
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((batch,))
-        with tracker:
-            for _ in range(2):  # Lightning's order
-                loss = model(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                tracker.reset_mod_stats()
-        peak = {
-            str(k.value if hasattr(k, "value") else k): v
-            for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
-        }
+    peak = _tracker_peak()
     assert est.peak_bytes == peak["Total"] == 6_124_880
     parts = est.at_peak
     assert parts["parameters"] == peak["Sharded Param"] == est.parameter_bytes
@@ -110,7 +88,6 @@ def _tracker_peak(policy=None) -> dict[str, int]:
     """torch's ``FSDPMemTracker`` over two steps of the residual MLP sharded per block and at the root over a fake
     group of 2, in Lightning's order: its peak by part (no package code)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
     options = {} if policy is None else {"mp_policy": policy}
@@ -118,22 +95,7 @@ def _tracker_peak(policy=None) -> dict[str, int]:
         model = ResidualMLP()
         for unit in [*model.blocks, model]:
             fully_shard(unit, mesh=mesh["data_parallel"], **options)
-        optimizer = ADAMW(model.parameters())
-        batch = make_batch()
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((batch,))
-        with tracker:
-            for _ in range(2):  # Lightning's order; the loss freed after backward, as the estimate frees it
-                loss = model(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                del loss
-                optimizer.step()
-                tracker.reset_mod_stats()
-        return {
-            str(k.value if hasattr(k, "value") else k): v
-            for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
-        }
+        return tracker_peak(model, ADAMW(model.parameters()), make_batch())
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

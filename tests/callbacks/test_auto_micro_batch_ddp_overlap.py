@@ -31,14 +31,20 @@ def _assert_same_weights(a, b, exact=True):
             assert torch.allclose(value, b[name], atol=1e-6), name
 
 
+def _as_the_reducer(directory, name, reducer_name):
+    """Both ranks of run ``name`` against DDP's reducer's run: the same weights bitwise, and the same parameters with
+    a gradient (one no rank uses keeps none, one only rank 0 uses gets the average); ``(reducer, run)``."""
+    reducer, run = _ranks(directory, reducer_name), _ranks(directory, name)
+    for rank in (0, 1):
+        _assert_same_weights(run[rank]["weights"], reducer[rank]["weights"])
+        assert run[rank]["has_grad"] == reducer[rank]["has_grad"]
+    return reducer, run
+
+
 @pytest.mark.slow
 def test_without_out_of_memory_the_buckets_all_reduce_inside_backward_and_equal_ddps_reducer_bitwise(overlap_run):
-    reducer, overlap = _ranks(overlap_run, "reducer"), _ranks(overlap_run, "overlap")
-    for rank in (0, 1):
-        _assert_same_weights(overlap[rank]["weights"], reducer[rank]["weights"])
-        # a parameter no rank uses keeps no gradient, one that only rank 0 uses gets the average, as with the reducer
-        assert overlap[rank]["has_grad"] == reducer[rank]["has_grad"]
-        assert overlap[rank]["sizes"] == [8, 8, 8]
+    reducer, overlap = _as_the_reducer(overlap_run, "overlap", "reducer")
+    assert [rank["sizes"] for rank in overlap] == [[8, 8, 8]] * 2
     assert reducer[0]["has_grad"][0] == [True, False, True, True, True, True, True]  # probe, unused, rank0_only, ...
     # 6 buckets, last parameter first: the head, the layer's bias, its weight, rank0_only, unused, the probe. A bucket
     # starts from backward once its gradients and the buckets before it are in, the last one always after backward:
@@ -88,11 +94,8 @@ def test_a_rank_whose_step_returns_none_still_takes_part_in_the_reduction(overla
 
 @pytest.mark.slow
 def test_with_lightnings_accumulation_the_stepping_batch_overlaps_and_equals_the_reducer_bitwise(overlap_run):
-    reducer, overlap = _ranks(overlap_run, "reducer_accumulate"), _ranks(overlap_run, "overlap_accumulate")
-    for rank in (0, 1):
-        _assert_same_weights(overlap[rank]["weights"], reducer[rank]["weights"])
-        assert overlap[rank]["has_grad"] == reducer[rank]["has_grad"]
-        assert overlap[rank]["step"] == 3 and overlap[rank]["sizes"] == [8] * 6  # 2 batches a step
+    _, overlap = _as_the_reducer(overlap_run, "overlap_accumulate", "reducer_accumulate")
+    assert all(rank["step"] == 3 and rank["sizes"] == [8] * 6 for rank in overlap)  # 2 batches a step
     # only the batch that steps reduces: 3 of 6 batches, 4 buckets from backward on rank 0, 3 on rank 1
     assert (overlap[0]["launched"], overlap[1]["launched"]) == (3 * 4, 3 * 3)
 

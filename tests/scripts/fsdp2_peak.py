@@ -68,6 +68,21 @@ def make_batch() -> torch.Tensor:
     return torch.randn(BATCH, WIDTH)
 
 
+def lightning_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int, after_step: Any = None
+) -> None:
+    """``steps`` training steps in Lightning's order: forward, ``zero_grad(set_to_none=True)``, backward (the loss
+    freed after it), the optimizer step; ``after_step()`` after each."""
+    for _ in range(steps):
+        loss = model(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+
+
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -147,15 +162,24 @@ def peak_bytes(world_size: int, reshard_after_forward: bool, foreach: bool = Fal
     try:
         with counter:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
-            for _ in range(steps):
-                loss = model(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                del loss
-                optimizer.step()
+            lightning_steps(model, optimizer, batch, steps)
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
     return counter.peak
+
+
+def tracker_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, steps: int = 2) -> dict:
+    """torch's own ``FSDPMemTracker`` (no package code) over ``steps`` training steps of a sharded ``model`` in
+    Lightning's order, the loss freed after backward, inside the caller's fake mode and fake process group: its peak
+    by part (``"Total"``, ``"Sharded Param"``, ``"Unsharded Param"``, ...)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs((batch,))
+    with tracker:
+        lightning_steps(model, optimizer, batch, steps, after_step=tracker.reset_mod_stats)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}
 
 
 def run(rank: int, world_size: int, port: str) -> None:
