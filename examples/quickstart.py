@@ -1,7 +1,8 @@
 """Quickstart: a short training run with MemoryMonitor, CacheCleaner and GarbageCollector.
 
 Trains a small MLP regressor for a few hundred steps (CPU or GPU), then prints the memory summary
-that `lightning-memopt analyze` gives and where the JSONL log and the timeline plot are.
+that `lightning-memopt analyze` gives and where the JSONL log and the timeline plot are (the plot needs
+matplotlib: `pip install 'lightning-memopt[plot]'`; without it the plot is skipped with a note).
 
     python examples/quickstart.py [--accelerator gpu] [--max_steps 300] [--root outputs/quickstart]
 """
@@ -52,6 +53,15 @@ def make_data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, torch.sin(x @ w) + 0.05 * torch.randn(n, 1, generator=g))
 
 
+def _has_matplotlib() -> bool:
+    """Whether the timeline plot can be drawn: matplotlib is an extra (``lightning-memopt[plot]``)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="auto")
@@ -79,12 +89,17 @@ def main() -> None:
     val = DataLoader(make_data(10 * args.batch_size, 1), batch_size=args.batch_size)
     trainer.fit(Regressor(width=args.width), train, val)
 
-    plot = monitor.path.with_suffix(".png")
+    plot = None
+    if _has_matplotlib():
+        plot = monitor.path.with_suffix(".png")
     _, summary = analyze_memory_logs([monitor.path], plot=plot)
     print("\nMemory summary (lightning-memopt analyze):")
     print(summary)
     print(f"\nmemory log: {monitor.path}")
-    print(f"timeline plot: {plot}")
+    if plot is None:
+        print("timeline plot: skipped, matplotlib is not installed (pip install 'lightning-memopt[plot]')")
+    else:
+        print(f"timeline plot: {plot}")
     print(f"metrics (incl. memory/*): {Path(trainer.logger.log_dir) / 'metrics.csv'}")
 
 

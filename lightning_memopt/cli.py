@@ -26,7 +26,9 @@ torch); ``estimate`` imports both when it runs (in ``lightning_memopt.cli_estima
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import shlex
 import shutil
 import sys
 import textwrap
@@ -153,9 +155,31 @@ def _run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+_REPORT_DESCRIPTION = """\
+Print an out-of-memory report written by OOMReporter (oom_report_rank*.json) as Markdown: when and where the
+error happened, the failing batch, memory at the failure, who held it, the configuration and ranked suggestions,
+as in the .md file written next to the JSON.
+
+reports: oom_report_rank*.json files, printed in the order given, or directories: each stands for the newest
+report of each rank in it (by rank), so the directory OOMReporter writes to prints every rank's latest failure.
+For example:
+  lightning-memopt report lightning_logs/version_0/memopt
+
+any size in bounded memory: the JSON is streamed and at most 1000 entries of a list or object, 10 000 characters
+of a string, 32 levels of nesting and 2 million characters in all are kept, each cut marked; the printed Markdown
+is cut at 4 million characters. Terminal control and bidi characters from the report are escaped.
+
+exit codes: 0 printed; 2 bad input (one line on stderr naming the file: missing, not JSON, not a report, or a
+directory without reports).
+"""
+
+
 def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "report", help="print an out-of-memory report (JSON from OOMReporter) as Markdown", formatter_class=_Paragraphs
+        "report",
+        help="print an out-of-memory report (JSON from OOMReporter) as Markdown",
+        description=_REPORT_DESCRIPTION,
+        formatter_class=_Paragraphs,
     )
     parser.add_argument(
         "reports",
@@ -425,13 +449,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Flags that take one value and are repeated for more (``action="append"``): ``--batch-shape A --batch-shape B``.
+_REPEATED_FLAGS = ("--batch-shape", "--config")
+
+
+def _check_one_value_per_flag(argv: Sequence[str]) -> None:
+    """Raises ``CLIError`` when values follow a repeated flag's own value (``--batch-shape A B``).
+
+    Such a value is left over by the parser, which would otherwise call it an unrecognized argument.
+    """
+    for i, token in enumerate(argv):
+        flag, equals, joined = token.partition("=")
+        if flag not in _REPEATED_FLAGS:
+            continue
+        first = i + 1 if equals else i + 2  # the token after the flag's own value
+        extra = list(itertools.takewhile(lambda t: not t.startswith("-"), argv[first:]))
+        if not extra:
+            continue
+        values = [joined if equals else argv[i + 1], *extra]
+        repeated = " ".join(f"{flag} {shlex.quote(v)}" for v in values)
+        raise CLIError(
+            f"`{flag}` takes one value per flag, got {len(values)} after one {flag}:"
+            f" {' '.join(shlex.quote(v) for v in values)}; repeat the flag for each: {repeated}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, extras = parser.parse_known_args(argv)
     if extras and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extras)}")  # what parse_args says
     args.overrides = extras  # estimate's --model.NAME VALUE and the like
     try:
+        if extras:
+            _check_one_value_per_flag(argv)
         return int(args.func(args) or 0)
     except CLIError as err:
         message = printable(" ".join(str(err).splitlines()))  # one line, no control characters from the input

@@ -210,13 +210,13 @@ def test_a_plan_over_an_effective_batch_of_10_12_takes_seconds_with_a_line_per_e
         [sys.executable, "-m", "lightning_memopt.cli", "estimate", *argv],
         capture_output=True,
         text=True,
-        timeout=90,  # the imports take most of it; listing 1..10**12 took hours
+        timeout=600,  # a hang guard: the imports take most of it; listing 1..10**12 took hours
         cwd=REPO_ROOT,
         env=env,
     )
     seconds = time.perf_counter() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert seconds < 90
+    assert seconds < 300  # far from the normal run (seconds), far below hours
     assert "Plan: micro-batch " in proc.stdout and "= 1000000000000, bf16-mixed" in proc.stdout
     assert (
         "per-device batch 1000000000000: 169 micro-batches to choose from (1, 2, 4, 5, ..., 1000000000000)"

@@ -37,7 +37,7 @@ def _free_port() -> str:
 
 
 def _gloo_peaks(tmp_path, world_size):
-    proc = run_file(SCRIPTS / "fsdp2_peak.py", tmp_path, timeout=180, args=(_free_port(), str(world_size)))
+    proc = run_file(SCRIPTS / "fsdp2_peak.py", tmp_path, timeout=300, args=(_free_port(), str(world_size)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"peak_{rank}.json").read_text()) for rank in range(world_size)]
 

@@ -24,7 +24,7 @@ HOSTS = {0: "sim-node-0", 1: "sim-node-1"}
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = run_script_once(tmp_path_factory, "two_nodes.py", timeout=240)
+    root = run_script_once(tmp_path_factory, "two_nodes.py", timeout=420)
     ranks = json.loads((root / "ranks.json").read_text())
     # ranks 0-2 end normally; rank 3 (node 1) ran out of memory in validate and exited with 3
     assert ranks["codes"] == [0, 0, 0, 3], "\n".join(ranks["tails"])

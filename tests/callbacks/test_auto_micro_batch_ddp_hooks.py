@@ -138,7 +138,7 @@ def test_delayed_all_reduce_is_refused_when_fit_starts(one_process_group):
 def hooks_run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("amb_ddp_hooks")
     start = time.monotonic()
-    proc = run_file(SCRIPTS / "amb_ddp_hooks.py", directory, timeout=400)
+    proc = run_file(SCRIPTS / "amb_ddp_hooks.py", directory, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return directory, time.monotonic() - start
 
@@ -183,7 +183,7 @@ def test_the_registered_hook_runs_as_under_lightning_ddp_accumulation(hooks_run,
 )
 def test_an_oom_on_one_rank_never_hangs_and_the_hook_still_runs_once_per_step(hooks_run, case):
     directory, seconds = hooks_run
-    assert seconds < 300  # the script ran 9 fits; a hang would have waited for the 60 s DDP time-out and failed
+    assert seconds < 300  # the script ran 9 fits; a hang would have waited for the 300 s DDP time-out
     ranks = _assert_same_as_lightning(directory, f"ours_{case}", case.rsplit("_", 1)[1])
     first_tries = [4, 2] if "_first_" in case else [4, 4, 2]  # out of memory in the first or the second micro-batch
     for rank in ranks:  # both ranks halved together, 4 -> 2, and rank 0 (plenty of memory) followed rank 1

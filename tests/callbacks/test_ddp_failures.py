@@ -1,8 +1,9 @@
 """Two-process DDP (gloo, CPU): an out-of-memory error on one rank ends the run, it never hangs it.
 
 Every exported callback runs at its defaults. Rank 1 alone raises ``torch.OutOfMemoryError`` in forward or in
-backward; the run must end well within 60 s, rank 1 must write its report to the default directory, and the
-caller of ``trainer.fit`` on rank 1 must get the original error object.
+backward; the run must end by itself (about 15 s on 2 shared cores; the hang guard is 300 s, far below the process
+group's 600 s time-out), rank 1 must write its report to the default directory, and the caller of ``trainer.fit``
+on rank 1 must get the original error object.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from tests.helpers.subprocess_run import SCRIPTS, run_file
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_oom_on_one_rank_ends_the_run_with_a_report(tmp_path, where):
     start = time.monotonic()
-    result = run_file(SCRIPTS / "oom_ddp_failure.py", tmp_path, timeout=90, args=(where,))
+    result = run_file(SCRIPTS / "oom_ddp_failure.py", tmp_path, timeout=420, args=(where,))
     elapsed = time.monotonic() - start
     output = result.stdout[-2000:] + result.stderr[-4000:]
-    assert elapsed < 60, f"the run took {elapsed:.0f} s\n{output}"
+    assert elapsed < 300, f"the run took {elapsed:.0f} s\n{output}"
     assert result.returncode != 0, output
     caught = json.loads((tmp_path / "caught_rank1.json").read_text())
     assert caught == {

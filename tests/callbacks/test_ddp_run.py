@@ -17,7 +17,7 @@ from tests.helpers.subprocess_run import run_script_once
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    return run_script_once(tmp_path_factory, "monitor_ddp_run.py", timeout=240)
+    return run_script_once(tmp_path_factory, "monitor_ddp_run.py", timeout=300)
 
 
 def _read_jsonl(path):

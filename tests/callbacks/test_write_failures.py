@@ -74,14 +74,14 @@ def tiny_fs(tmp_path):
             ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
             check=True,
             capture_output=True,
-            timeout=10,
+            timeout=120,
         )
     except (OSError, subprocess.SubprocessError):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield mount_point
     finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=10)
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=120)
 
 
 def _fill(directory):

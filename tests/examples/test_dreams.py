@@ -262,7 +262,7 @@ def test_it_learns_half_the_mean_prediction_baseline(tmp_path, spectra_file):
     metrics = trainer.callback_metrics
     assert float(metrics["val_baseline_loss"]) == pytest.approx(baseline, rel=1e-4)
     assert float(metrics["val_loss"]) <= 0.5 * baseline, (float(metrics["val_loss"]), baseline)
-    assert seconds < 60, seconds  # about 10 s on 2 shared cores
+    assert seconds < 120, seconds  # about 10 s on 2 shared cores: a hang guard
 
 
 @pytest.mark.slow
@@ -304,7 +304,7 @@ def test_two_process_ddp_on_cpu(tmp_path, spectra_file):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
     env["PYTHONWARNINGS"] = "ignore"
     proc = subprocess.run(
-        [sys.executable, str(TRAIN_PY), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150
+        [sys.executable, str(TRAIN_PY), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     memory = tmp_path / "run" / "version_0" / "memopt"

@@ -32,7 +32,7 @@ def test_dreams_as_it_is_under_two_ddp_processes(tmp_path):
 
     generate_spectra_h5(tmp_path / "spectra.hdf5", num_spectra=200, seed=0)
     # one 2-process run fits both, the package's way first: what it restores at teardown must not reach the other
-    proc = run_file(SCRIPTS / "dreams_as_is_ddp.py", tmp_path, timeout=240, args=("package", "hand"))
+    proc = run_file(SCRIPTS / "dreams_as_is_ddp.py", tmp_path, timeout=300, args=("package", "hand"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {
         variant: [json.loads((tmp_path / f"{variant}_rank{r}.json").read_text()) for r in (0, 1)]

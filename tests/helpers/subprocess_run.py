@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO_ROOT / "tests" / "scripts"
 
 
-def run_script(code: str, tmp_path, timeout: float = 180, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_script(code: str, tmp_path, timeout: float = 300, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Write ``code`` to ``tmp_path/script.py`` and run it; the repo root is on ``PYTHONPATH``.
 
     DDP scripts use ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``: Lightning re-launches the
@@ -27,7 +27,7 @@ def run_script(code: str, tmp_path, timeout: float = 180, args: tuple[str, ...] 
     return run_file(script, tmp_path, timeout=timeout, args=args)
 
 
-def run_file(script, tmp_path, timeout: float = 180, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_file(script, tmp_path, timeout: float = 300, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run the file ``script`` (e.g. ``SCRIPTS / "ddp_oom.py"``) in ``tmp_path``; the repo root is on ``PYTHONPATH``.
 
     Worker scripts under ``tests/scripts/`` keep their work under ``if __name__ == "__main__":`` (pytest imports

@@ -14,7 +14,7 @@ from tests.helpers.subprocess_run import SCRIPTS, run_file
 
 @pytest.mark.slow
 def test_the_documented_logging_call_is_quiet_exact_and_padding_is_warned_once(tmp_path):
-    proc = run_file(SCRIPTS / "retrieval_lightning_ddp.py", tmp_path, timeout=240)
+    proc = run_file(SCRIPTS / "retrieval_lightning_ddp.py", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
@@ -35,7 +35,7 @@ def _free_port() -> str:
 
 @pytest.mark.slow
 def test_compute_on_rank_zero_only_says_that_every_process_must_call_it(tmp_path):
-    run_file(SCRIPTS / "retrieval_rank_zero.py", tmp_path, timeout=120, args=(_free_port(),))
+    run_file(SCRIPTS / "retrieval_rank_zero.py", tmp_path, timeout=300, args=(_free_port(),))
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result.startswith("RuntimeError: Every process must call `StreamingRetrievalMetric.compute()`"), result
     assert "not under `if trainer.is_global_zero`" in result

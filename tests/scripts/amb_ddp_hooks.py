@@ -84,7 +84,7 @@ class RankOneOOM(Net):
 def run(name, model, callbacks=(), accumulate=1):
     trainer = ddp_trainer(
         list(callbacks),
-        strategy=pl.strategies.DDPStrategy(timeout=timedelta(seconds=60)),  # a hang ends as an error
+        strategy=pl.strategies.DDPStrategy(timeout=timedelta(seconds=300)),  # a hang ends as an error
         accumulate_grad_batches=accumulate,
     )
     trainer.fit(model)

@@ -114,7 +114,7 @@ class Reentrant(Net):
 
 def run(name: str, model: Overlapped | Reentrant, callbacks: list, accumulate: int = 1) -> None:
     strategy = pl.strategies.DDPStrategy(
-        timeout=timedelta(seconds=60), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True
+        timeout=timedelta(seconds=300), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True
     )  # a hang ends as an error
     trainer = ddp_trainer(callbacks, strategy=strategy, accumulate_grad_batches=accumulate)
     trainer.fit(model)
@@ -183,7 +183,7 @@ def run_sampler(name: str, in_hook: bool) -> None:
     model = SamplerModel(in_hook)
     trainer = ddp_trainer(
         [AutoMicroBatch()],
-        strategy=pl.strategies.DDPStrategy(timeout=timedelta(seconds=60)),  # a hang ends as an error
+        strategy=pl.strategies.DDPStrategy(timeout=timedelta(seconds=300)),  # a hang ends as an error
         max_epochs=2,
         max_steps=-1,
         use_distributed_sampler=in_hook,

@@ -19,6 +19,7 @@ from lightning_memopt import StreamingRetrievalMetric
 
 def run(rank, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    # not a hang guard: the time-out is what rank 0's lone compute() runs into (forked ranks meet in milliseconds)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=4))
     metric = StreamingRetrievalMetric()
     samples = [3 * rank, 3 * rank + 1, 3 * rank + 2]

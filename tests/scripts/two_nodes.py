@@ -28,7 +28,7 @@ DEVICES = 2
 #: The rank that runs out of memory in ``validate``: node 1's second process.
 FAILING_RANK = 3
 #: Seconds the launcher waits for the ranks before ending them.
-LIMIT = 120
+LIMIT = 300
 
 
 def fake_host(node_rank: int) -> str:
@@ -132,7 +132,7 @@ def worker() -> int:
         ".",
         devices=DEVICES,
         num_nodes=NUM_NODES,
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)),
+        strategy=DDPStrategy(timeout=timedelta(seconds=300)),
         max_steps=3,
         limit_train_batches=3,
         limit_val_batches=1,
