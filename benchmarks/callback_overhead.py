@@ -31,6 +31,7 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,13 +49,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _machine import machine_info, time_hooks  # benchmarks/_machine.py
 
-from lightning_memopt import CacheCleaner, GarbageCollector, MemoryAudit, MemoryMonitor, OOMReporter
+from lightning_memopt import (
+    AllocatorSettings,
+    AutoMicroBatch,
+    CacheCleaner,
+    GarbageCollector,
+    GradientCheckpointing,
+    MemoryAudit,
+    MemoryMonitor,
+    OOMReporter,
+)
 from lightning_memopt.functional.footprint import live_tensors
 from lightning_memopt.functional.leaks import grad_fn_holders
 from lightning_memopt.functional.memory import empty_device_cache
 
 TARGET = 1.02
 AUDIT_TARGET_S = 0.5
+#: Goal of the per-step section: CPU added per step by every callback at its defaults, on the small model ...
+STEP_TARGET_MS = 0.3
+#: ... and as a share of a 30 ms step.
+STEP_SHARE_TARGET, REFERENCE_STEP_MS = 0.01, 30.0
+#: Goal of the scan section: the fit-start audit at a million unrelated objects over the audit at ten thousand.
+SCAN_RATIO_TARGET = 1.5
 VOCAB = 256
 
 
@@ -491,7 +507,225 @@ def print_report(
         )
 
 
+# ------------------------------------------------------------------------------------------------ per step, all
+ALL_CALLBACKS = (
+    "MemoryMonitor",
+    "CacheCleaner",
+    "GarbageCollector",
+    "OOMReporter",
+    "MemoryAudit",
+    "AutoMicroBatch",
+    "GradientCheckpointing",
+    "AllocatorSettings",
+)
+ALL_HOOKS = tuple(name for name in vars(pl.Callback) if name.startswith("on_") or name in ("setup", "teardown"))
+
+
+def build_all() -> list[pl.Callback]:
+    """Every callback of the package at its defaults (the ones that do nothing on this device included)."""
+    makers: list[Callable[[], pl.Callback]] = [
+        MemoryMonitor,
+        CacheCleaner,
+        GarbageCollector,
+        OOMReporter,
+        MemoryAudit,
+        AutoMicroBatch,
+        GradientCheckpointing,
+        AllocatorSettings,
+    ]
+    return [make() for make in makers]
+
+
+class StepProbe(pl.Callback):
+    """Process CPU time at the end of optimizer step ``warm`` and of the last step: the steady per-step cost,
+    after the one-off work of fit start and the first step."""
+
+    def __init__(self, warm: int) -> None:
+        self.warm = warm
+        self.marks: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.warm:
+            self.marks["warm"] = time.process_time()
+        self.marks["last"] = time.process_time()
+
+
+def small_fit(config: str, rows: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """One fit of the small model (``--small-width``, ``--small-batch``): steady and whole-fit CPU per step, and
+    the CPU inside each callback's hooks after step ``warm``."""
+    steps, warm = args.small_steps, args.small_warm
+    probe = StepProbe(warm)
+    callbacks = build_all() if config == "all" else []
+    inside: dict[str, float] = {type(cb).__name__: 0.0 for cb in callbacks}
+    for cb in callbacks:
+
+        def record(hook: str, trainer: pl.Trainer, spent: float, cpu: float, _name: str = type(cb).__name__) -> None:
+            if trainer.global_step > warm:
+                inside[_name] += cpu
+
+        time_hooks(cb, pl.Callback, ALL_HOOKS, record)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(
+            accelerator=args.accelerator,
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            callbacks=[probe, *callbacks],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
+        torch.manual_seed(0)
+        model, data = TokenModel(args.small_width), loader(rows, args.small_batch)
+        gc.collect()
+        cpu = time.process_time()
+        trainer.fit(model, train_dataloaders=data)
+        cpu = time.process_time() - cpu
+    assert trainer.global_step == steps, (config, trainer.global_step)
+    return {
+        "config": config,
+        "steps": steps,
+        "cpu_s": cpu,
+        "fit_cpu_ms_per_step": 1000 * cpu / steps,
+        "steady_cpu_ms_per_step": 1000 * (probe.marks["last"] - probe.marks["warm"]) / (steps - warm),
+        "hooks_cpu_ms_per_step": {name: 1000 * s / (steps - warm) for name, s in inside.items()},
+    }
+
+
+def per_step_section(rows: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """``none`` and ``all`` in alternating order, ``--small-rounds`` pairs; the added CPU per step of each pair."""
+    fits = []
+    for r in range(args.small_rounds):
+        for config in ("none", "all") if r % 2 == 0 else ("all", "none"):
+            fits.append(small_fit(config, rows, args) | {"round": r})
+            print(
+                f"small model, round {r}: {config:5s} {fits[-1]['steady_cpu_ms_per_step']:.3f} ms cpu per step"
+                f" (whole fit {fits[-1]['fit_cpu_ms_per_step']:.3f})",
+                flush=True,
+            )
+    by = {c: [f for f in fits if f["config"] == c] for c in ("none", "all")}
+    added = [a["steady_cpu_ms_per_step"] - b["steady_cpu_ms_per_step"] for b, a in zip(by["none"], by["all"])]
+    added_fit = [a["fit_cpu_ms_per_step"] - b["fit_cpu_ms_per_step"] for b, a in zip(by["none"], by["all"])]
+    base = statistics.median(f["steady_cpu_ms_per_step"] for f in by["none"])
+    median_added = statistics.median(added)
+    shares = {name: statistics.median(f["hooks_cpu_ms_per_step"][name] for f in by["all"]) for name in ALL_CALLBACKS}
+    return {
+        "steps": args.small_steps,
+        "warm_steps": args.small_warm,
+        "baseline_cpu_ms_per_step": base,
+        "added_cpu_ms_per_step": added,
+        "median_added_cpu_ms_per_step": median_added,
+        "added_whole_fit_cpu_ms_per_step": added_fit,
+        "median_added_whole_fit_cpu_ms_per_step": statistics.median(added_fit),
+        "hooks_cpu_ms_per_step": shares,
+        "share_of_30ms_step": median_added / REFERENCE_STEP_MS,
+        "passed": median_added <= STEP_TARGET_MS and median_added / REFERENCE_STEP_MS <= STEP_SHARE_TARGET,
+        "fits": fits,
+    }
+
+
+def print_per_step(section: dict[str, Any]) -> None:
+    added = ", ".join(f"{a:+.3f}" for a in section["added_cpu_ms_per_step"])
+    print(
+        f"\nall {len(ALL_CALLBACKS)} callbacks at their defaults on the small model, {section['steps']}-step fits"
+        f" (baseline {section['baseline_cpu_ms_per_step']:.3f} ms CPU per step), after step {section['warm_steps']}:"
+    )
+    print(f"  CPU added per step: median {section['median_added_cpu_ms_per_step']:+.3f} ms (pairs: {added})")
+    for name, ms in section["hooks_cpu_ms_per_step"].items():
+        print(f"    inside {name:22s} hooks {1000 * ms:8.2f} us per step")
+    print(
+        "  (the rest: Lightning calling every hook of every callback, and AutoMicroBatch's batch loop, which runs"
+        " outside the hooks)"
+    )
+    print(f"  whole fit, one-off audits included: {section['median_added_whole_fit_cpu_ms_per_step']:+.3f} ms per step")
+    print(
+        f"  target <= {STEP_TARGET_MS} ms and <= {100 * STEP_SHARE_TARGET:g} % of a {REFERENCE_STEP_MS:g} ms step"
+        f" ({100 * section['share_of_30ms_step']:.2f} %): {'PASS' if section['passed'] else 'FAIL'}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ audit scan
+def scan_in_this_process(extra: int, repeats: int, width: int) -> dict[str, Any]:
+    """MemoryAudit's fit-start and first-step audits (thread CPU seconds, median of ``repeats`` fits) with
+    ``extra`` unrelated lists held by this process."""
+    held = tokenised_dataset(extra, 8)
+    rows = tokenised_dataset(64, 8)
+    starts, firsts = [], []
+    for _ in range(repeats):
+        audit = MemoryAudit(detect_leaks=False)
+        spent: dict[str, float] = {}
+
+        def record(hook: str, trainer: pl.Trainer, wall: float, cpu: float, _spent: dict[str, float] = spent) -> None:
+            key = "fit_start" if hook == "on_fit_start" else f"{hook}@{trainer.global_step}"
+            _spent[key] = _spent.get(key, 0.0) + cpu
+
+        time_hooks(audit, pl.Callback, ("on_fit_start", "on_train_batch_end"), record)
+        with tempfile.TemporaryDirectory() as root:
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                max_steps=2,
+                logger=False,
+                callbacks=[audit],
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                default_root_dir=root,
+            )
+            model = TokenModel(width)
+            gc.collect()  # no garbage of the previous fit waiting: the audit then has no reason to collect
+            trainer.fit(model, train_dataloaders=loader(rows, 8))
+        starts.append(spent["fit_start"])
+        firsts.append(spent["on_train_batch_end@1"])
+    return {
+        "extra_objects": extra,
+        "tracked_objects": len(gc.get_objects()),
+        "held": len(held),
+        "fit_start_cpu_s": statistics.median(starts),
+        "first_step_cpu_s": statistics.median(firsts),
+    }
+
+
+def scan_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The fit-start scan in fresh processes holding ``--scan-small`` and ``--scan-large`` unrelated objects."""
+    runs: dict[str, Any] = {}
+    for extra in (args.scan_small, args.scan_large):
+        command = [sys.executable, __file__, "--scan-child", str(extra), "--repeats", str(args.repeats)]
+        proc = subprocess.run(command, capture_output=True, text=True, check=True)
+        runs[str(extra)] = json.loads(proc.stdout.strip().splitlines()[-1])
+    small, large = runs[str(args.scan_small)], runs[str(args.scan_large)]
+    ratio = large["fit_start_cpu_s"] / small["fit_start_cpu_s"]
+    return {
+        "runs": runs,
+        "fit_start_ratio": ratio,
+        "first_step_ratio": large["first_step_cpu_s"] / small["first_step_cpu_s"],
+        "passed": ratio <= SCAN_RATIO_TARGET,
+    }
+
+
+def print_scan(section: dict[str, Any]) -> None:
+    print("\nMemoryAudit's one-off audits (thread CPU, median) in fresh processes holding unrelated objects:")
+    for run in section["runs"].values():
+        print(
+            f"  {run['extra_objects']:>10,} unrelated lists ({run['tracked_objects']:,} tracked objects):"
+            f" fit start {1000 * run['fit_start_cpu_s']:.1f} ms, first step {1000 * run['first_step_cpu_s']:.1f} ms"
+        )
+    print(
+        f"  fit start, large / small: {section['fit_start_ratio']:.2f}x"
+        f" (first step {section['first_step_ratio']:.2f}x);"
+        f" target <= {SCAN_RATIO_TARGET}x: {'PASS' if section['passed'] else 'FAIL'}"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ main
+def quiet() -> None:
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_memopt").setLevel(logging.ERROR)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", default="cpu")
@@ -506,20 +740,28 @@ def main() -> None:
         "--threads", type=int, default=1, help="CPU threads for torch (1 keeps step times steady on a shared machine)"
     )
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each per-call measurement")
+    parser.add_argument("--small-steps", type=int, default=1000, help="optimizer steps per small-model fit")
+    parser.add_argument("--small-warm", type=int, default=20, help="steps before the steady per-step clock starts")
+    parser.add_argument("--small-rounds", type=int, default=6, help="none / all pairs of small-model fits")
+    parser.add_argument("--small-width", type=int, default=32, help="width of the small model")
+    parser.add_argument("--small-batch", type=int, default=16, help="batch of the small model")
+    parser.add_argument("--scan-small", type=int, default=10_000, help="unrelated objects of the small scan process")
+    parser.add_argument("--scan-large", type=int, default=1_000_000, help="unrelated objects of the large one")
+    parser.add_argument("--scan-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="smoke run: 5,000 lists, 12-step fits, one round")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    if args.scan_child is not None:  # one process of the scan section: its result as the last line of stdout
+        quiet()
+        print(json.dumps(scan_in_this_process(args.scan_child, args.repeats, 32)))
+        return
     if args.quick:
         args.objects, args.steps, args.rounds, args.single_rounds, args.repeats = 5_000, 12, 1, 1, 1
+        args.small_steps, args.small_warm, args.small_rounds, args.scan_large = 40, 10, 1, 50_000
     if args.objects * args.tokens < args.steps * args.batch:
         parser.error("--objects must hold at least --steps x --batch samples (one epoch, no epoch boundaries)")
     torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning_memopt").setLevel(logging.ERROR)
-
+    quiet()
     started = time.perf_counter()
     machine = machine_info(args.accelerator)
     rows = tokenised_dataset(args.objects, args.tokens)
@@ -548,6 +790,10 @@ def main() -> None:
     costs["audit_attribute_scan_with_data_on_module_s"] = attribute_scan_cost(rows, args.width)
     summary = summarise(fits, args.steps)
     print_report(summary, fits, costs, args.steps, args.objects)
+    per_step = per_step_section(rows, args)
+    print_per_step(per_step)
+    scan = scan_section(args)
+    print_scan(scan)
     result = {
         "command": "python " + " ".join(sys.argv),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -558,6 +804,10 @@ def main() -> None:
         "target_total_ratio": TARGET,
         "audit_target_s": AUDIT_TARGET_S,
         "summary": summary,
+        "per_step_all_callbacks": per_step,
+        "step_target_ms": STEP_TARGET_MS,
+        "audit_scan": scan,
+        "scan_ratio_target": SCAN_RATIO_TARGET,
         "per_call": costs,
         "fits": fits,
         "benchmark_seconds": time.perf_counter() - started,

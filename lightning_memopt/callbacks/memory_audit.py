@@ -65,7 +65,9 @@ class MemoryAudit(RankLogCallback):
         detect_leaks: Whether to sample for leaks.
         check_grad_tracking: Whether to run the grad-tracking checks.
         max_listed: How many of the largest unowned tensors / duplicate copies each record lists.
-        collect_garbage: Whether to run one full ``gc.collect()`` before each of the two audits.
+        collect_garbage: Whether to free unreachable objects before each of the two audits: one full
+            ``gc.collect()``, run when the audit sees a tensor on the device that neither the model, its optimizers
+            nor the current batch and step outputs hold (only such a tensor can be garbage that changes a finding).
         leak_max_overhead: Fraction of training time the CPU leak samples' object walks may take; ``None``: sample
             every ``leak_every_n_train_steps`` whatever it costs.
         audit_dataloaders: Whether to report the DataLoaders' host memory and wasteful settings, how much of the
@@ -200,7 +202,7 @@ class MemoryAudit(RankLogCallback):
         self._last_sampled_step = step
         if self.audit_fit_start and not self._first_step_audited:
             self._first_step_audited = True
-            self._guarded("audit", self._audit, trainer, pl_module, "first_step")
+            self._guarded("audit", self._audit, trainer, pl_module, "first_step", (batch, outputs))
         if self.detect_leaks and not session.leak_reported and step >= self._next_sample_step:
             self._next_sample_step = step + self.leak_every_n_train_steps
             # The common cause first, on every device and cheaply: attributes of the module that keep tensors
@@ -257,11 +259,12 @@ class MemoryAudit(RankLogCallback):
 
         return emit
 
-    def _audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
+    def _audit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str, alive: Any = None) -> None:
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         precision = getattr(trainer, "precision", None)
         precision = None if precision is None else str(precision)
-        result = self._session.audit(pl_module, optimizers, when, self._emitter(trainer), precision=precision)
+        emit = self._emitter(trainer)
+        result = self._session.audit(pl_module, optimizers, when, emit, precision=precision, alive=alive)
         self._say(result.text(when))
         if when == "fit_start" and trainer.global_rank == 0 and trainer.loggers:
             log_to_loggers(trainer, result.metrics(self._session.warn_duplicates), self._warn, "MemoryAudit")

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import gc
 import re
-from collections.abc import Callable, Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 import torch
@@ -27,12 +29,14 @@ from lightning_memopt.functional.footprint import (
     StorageKey,
     find_duplicates,
     find_storage_holders,
+    iter_held_tensors,
     model_footprint,
     model_sharding,
+    storage_key,
     tensor_names,
     unexplained_bytes,
 )
-from lightning_memopt.functional.footprint.storage import INSPECTION_ERRORS
+from lightning_memopt.functional.footprint.storage import INSPECTION_ERRORS, tensor_types
 from lightning_memopt.functional.leaks import (
     GradFnHolder,
     Growth,
@@ -265,6 +269,27 @@ _STATE = {
     "leak_reported": StateField(as_bool, "a bool", default=False),
 }
 
+
+def _module_global_keys() -> set[StorageKey | None]:
+    """The storages of tensors that modules keep as globals (a library's constants): reachable, never garbage.
+
+    Module namespaces only, not what their containers hold: the cost is the number of module-level names, not the
+    size of the data a process keeps."""
+    wanted = tensor_types()
+    namespaces = [vars(m) for m in list(sys.modules.values()) if isinstance(getattr(m, "__dict__", None), dict)]
+    values = chain.from_iterable(list(namespace.values()) for namespace in namespaces)
+    return {storage_key(v) for v in values if type(v) in wanted}
+
+
+def _may_hold_garbage(live: Sequence[LiveTensor], alive: Any) -> bool:
+    """Whether a live storage is neither named (owned by the model or optimizers), nor held by ``alive``, nor a
+    module's global."""
+    unowned = {t.key for t in live if t.name is None}
+    if alive is not None:
+        unowned -= {storage_key(tensor) for _, _, tensor in iter_held_tensors(alive)}
+    return bool(unowned) and not unowned <= _module_global_keys()
+
+
 #: Writes one record and returns it: ``emit(reading, event, batch_idx, **keys) -> record``.
 Emit = Callable[..., Any]
 
@@ -286,7 +311,8 @@ class AuditSession:
         sampler: The leak samples (:class:`LeakSampler`) and the time budget of their object walks.
         duplicate_fraction: Fraction of the parameters' elements stray copies must mirror before a warning.
         max_listed: How many of the largest unowned tensors / copies a record lists.
-        collect_garbage: Whether to run one full ``gc.collect()`` before each audit.
+        collect_garbage: Whether to free unreachable objects before each audit (a full ``gc.collect()`` when it
+            can change a finding, see :meth:`live`).
         rank: The rank, for the warnings.
 
     Examples:
@@ -368,14 +394,14 @@ class AuditSession:
         when: str,
         emit: Emit,
         precision: str | None = None,
+        alive: Any = None,
     ) -> ModelAudit:
         """Audit the footprint and stray copies (``when``: ``fit_start``/``first_step``): emit the ``audit`` record
         and, once per fit, a ``duplicates`` warning (also warned). With the Trainer's ``precision``, a sharded model
-        whose FSDP mixed precision autocast would cast again is warned about once per fit."""
-        if self.collect_garbage:
-            gc.collect()
+        whose FSDP mixed precision autocast would cast again is warned about once per fit. ``alive``: what the
+        caller still holds (the batch and the step's outputs), whose tensors cannot be garbage (see :meth:`live`)."""
         footprint = model_footprint(module, optimizers)
-        live = self.sampler.timed_walk(self.memory.device, names=tensor_names(module, optimizers))
+        live = self.live(tensor_names(module, optimizers), alive)
         reading = self.memory.read()
         device = str(self.memory.device)
         # Copies found at fit start still count after the first step moved the weights away from their values.
@@ -395,6 +421,20 @@ class AuditSession:
                 keys = {"duplicate_bytes": dup.bytes, "num_duplicate_tensors": dup.num_tensors}
                 emit(reading, "warning", None, check="duplicates", message=message, **keys)
         return result
+
+    def live(self, names: Mapping[StorageKey, str], alive: Any = None) -> list[LiveTensor]:
+        """The live tensors on the device, ``names`` attached; unreachable ones freed first (``collect_garbage``).
+
+        The full ``gc.collect()`` costs a pass over every object the process tracks, so it runs only when it can
+        change what the audit finds: when the walk sees a storage on the device that nothing names, ``alive`` does
+        not hold and no module keeps as a global. Without one, every tensor seen is held by the model, its
+        optimizers, the caller or a module, so none is garbage and a collection would find the same tensors.
+        """
+        live = self.sampler.timed_walk(self.memory.device, names=names)
+        if self.collect_garbage and _may_hold_garbage(live, alive):
+            gc.collect()
+            live = self.sampler.timed_walk(self.memory.device, names=names)
+        return live
 
     # ---------------------------------------------------------------- dataloaders
     def start_loaders(self, named: Sequence[tuple[str, Any]], emit: Emit) -> None:

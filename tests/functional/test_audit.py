@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memopt.functional.audit import AuditSession
-from lightning_memopt.functional.footprint import live_tensors
+from lightning_memopt.functional.footprint import live_tensors, storage_key
 from lightning_memopt.functional.leaks import LeakSampler
 from lightning_memopt.functional.loaders import fit_loaders, named_loaders
 from lightning_memopt.functional.memory import DeviceMemory
@@ -88,3 +89,54 @@ def test_loader_findings_warn_once_on_rank_zero_and_other_ranks_only_write():
         session.new_fit(resumed=False)  # the next fit audits its own loaders
         assert session.loaders == [] and session.unmeasured == {}
     assert named_loaders("val", {"a": 1}) == [("val[a]", 1)]
+
+
+class _Fixed:
+    """A walk that sees fixed tensors (named from ``names``) and counts its calls."""
+
+    def __init__(self, tensors):
+        self.tensors, self.calls = tensors, 0
+
+    def __call__(self, device, names=None):
+        self.calls += 1
+        return [t for t in live_tensors(device, names) if any(t.key == storage_key(x) for x in self.tensors)]
+
+
+def test_the_full_collection_runs_only_when_a_tensor_nobody_holds_could_be_garbage(monkeypatch):
+    from lightning_memopt.functional import audit as audit_module
+
+    collections = []
+    monkeypatch.setattr(audit_module.gc, "collect", lambda *args: collections.append(args) or 0)
+    model, batch = nn.Linear(4, 2), torch.ones(3, 4)
+    session = AuditSession(DeviceMemory("cpu"), LeakSampler(3, 1, None), 0.5, 5, collect_garbage=True)
+    # the model's own tensors, and a batch the caller holds: nothing can be garbage, no collection
+    session.sampler.walk = walk = _Fixed([*model.parameters(), batch])
+    session.audit(model, [], "first_step", Sink(), alive=({"batch": batch}, None))
+    assert collections == [] and walk.calls == 1
+    # a tensor nobody named and nobody passed in: collected, then walked again
+    session.audit(model, [], "first_step", Sink())
+    assert collections == [()] and walk.calls == 3
+    # collect_garbage=False never collects
+    session.collect_garbage = False
+    session.audit(model, [], "first_step", Sink())
+    assert collections == [()]
+
+
+def test_a_copy_of_the_weights_in_a_garbage_cycle_is_collected_before_it_is_reported():
+    model = nn.Linear(64, 32)
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.me, cycle.copy = cycle, [p.detach().double().clone() for p in model.parameters()]
+    session = AuditSession(DeviceMemory("cpu"), LeakSampler(3, 1, None), 0.5, 5, collect_garbage=True)
+    enabled = gc.isenabled()
+    gc.disable()  # only the audit's own collection may free the cycle
+    try:
+        del cycle  # unreachable, freed only by a full collection
+        result = session.audit(model, [], "fit_start", Sink())
+    finally:
+        if enabled:
+            gc.enable()
+    assert result.duplicates.num_tensors == 0
