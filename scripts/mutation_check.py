@@ -1,8 +1,11 @@
 """Break one line of package code at a time and check that the tests notice (hand-picked mutants).
 
 Each mutant replaces one exact snippet of a module, runs the tests that cover it, and puts the file back. A mutant
-the tests still pass on "survives": a behaviour nothing pins down. Prints one line per mutant and the survival rate;
-exits 1 when any survives.
+the tests still pass on "survives": a behaviour nothing pins down. Only failures the mutant causes count: the tests
+run once on the unmutated code first (the baseline, once per set of test files), and the tests that fail there
+(a missing extra, a broken environment) are left out of the mutant's run, as are test files that cannot even be
+collected; a mutant whose tests all fail unmutated is "unjudged". Prints one line per mutant and the survival
+rate; exits 1 when any survives or is unjudged.
 
     .venv/bin/python scripts/mutation_check.py            # every mutant (a few minutes)
     .venv/bin/python scripts/mutation_check.py --list     # what would run
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 #: A mutant's bytecode is never cached: restored within the same second at the same size, the source would look
 #: unchanged to the next import, which would run the mutant.
 _NO_BYTECODE = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+#: The short test summary (``-rfE``): ``FAILED <node id> - <message>``, ``ERROR <node id or file> - <message>``.
+_SUMMARY = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$", re.MULTILINE)
+_PYTEST = (sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-m", "not slow")
+#: pytest's exit code when no test was collected (all of them left out).
+NO_TESTS_COLLECTED = 5
 
 
 @dataclass(frozen=True)
@@ -268,6 +279,34 @@ MUTANTS = (
         ("tests/test_planner_core.py",),
     ),
     Mutant(
+        "planner-margin-of-one-or-more-accepted",
+        "lightning_memopt/planner/plan.py",
+        "not 0 <= margin < 1",
+        "not 0 <= margin",
+        ("tests/test_planner_core.py",),
+    ),
+    Mutant(
+        "redaction-url-empty-user-password-with-slash-kept",
+        "lightning_memopt/utilities/redaction.py",
+        "if colon < 0 or authority_end == len(region)",
+        "if colon <= 0 or authority_end == len(region)",
+        ("tests/utilities/test_redaction.py",),
+    ),
+    Mutant(
+        "redaction-16-char-token-userinfo-kept",
+        "lightning_memopt/utilities/redaction.py",
+        "len(user) >= 16",
+        "len(user) > 16",
+        ("tests/utilities/test_redaction.py",),
+    ),
+    Mutant(
+        "redaction-name-at-the-end-crashes",
+        "lightning_memopt/utilities/redaction.py",
+        "    if i >= n:\n        return None\n",
+        "    if i > n:\n        return None\n",
+        ("tests/utilities/test_redaction.py",),
+    ),
+    Mutant(
         "planning-early-states-left-as-temporaries",
         "lightning_memopt/functional/planning/steps.py",
         "info[3] == counter.peak_step",
@@ -277,25 +316,73 @@ MUTANTS = (
 )
 
 
-def run(mutant: Mutant) -> tuple[bool, float]:
-    """Apply ``mutant``, run its tests, restore the file; returns (survived, seconds)."""
-    path = ROOT / mutant.path
+def failed_in(output: str) -> set[str]:
+    """The node ids (a file's path for a collection error) pytest's short summary lists as failed or in error."""
+    return set(_SUMMARY.findall(output))
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What fails on the unmutated code: those tests cannot tell whether a mutant is noticed."""
+
+    failing: frozenset[str]  # node ids of the tests that fail (or error) unmutated
+    broken: frozenset[str]  # test files (or modules) that cannot be collected unmutated
+
+    def command(self, tests: tuple[str, ...] | list[str]) -> list[str] | None:
+        """The mutant's pytest command: stop at the first failure, without what fails unmutated; ``None`` when
+        nothing is left to run."""
+        kept = [test for test in tests if test not in self.broken]
+        if not kept:
+            return None
+        return [*_PYTEST, "-x", *kept, *(f"--deselect={node}" for node in sorted(self.failing))]
+
+
+def baseline(tests: tuple[str, ...] | list[str], root: Path = ROOT, timeout: float | None = None) -> Baseline:
+    """Run ``tests`` on the unmutated code (every test, past collection errors) and note what fails."""
+    proc = subprocess.run(
+        [*_PYTEST, "--continue-on-collection-errors", *tests],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env=_NO_BYTECODE,
+        timeout=timeout,
+    )
+    found = failed_in(proc.stdout)
+    broken = {node for node in found if "::" not in node}  # a collection error names the file
+    return Baseline(failing=frozenset(found - broken), broken=frozenset(broken))
+
+
+def judge(command: list[str] | None, root: Path = ROOT, timeout: float | None = None) -> str:
+    """``"killed"``, ``"survived"`` or ``"unjudged"`` (no test left that passes unmutated) for the mutant in place."""
+    if command is None:
+        return "unjudged"
+    proc = subprocess.run(command, cwd=root, capture_output=True, text=True, env=_NO_BYTECODE, timeout=timeout)
+    if proc.returncode == NO_TESTS_COLLECTED:
+        return "unjudged"
+    return "survived" if proc.returncode == 0 else "killed"
+
+
+def run(
+    mutant: Mutant, root: Path = ROOT, baselines: dict[tuple[str, ...], Baseline] | None = None
+) -> tuple[str, float]:
+    """Apply ``mutant``, run its tests (less what fails unmutated), restore the file; returns (outcome, seconds).
+
+    ``baselines`` caches the unmutated runs by test files across mutants."""
+    path = root / mutant.path
     source = path.read_text()
     if source.count(mutant.original) != 1:
         raise SystemExit(f"{mutant.name}: the snippet to mutate is not found exactly once in {mutant.path}")
+    baselines = {} if baselines is None else baselines
     start = time.perf_counter()
+    if mutant.tests not in baselines:
+        baselines[mutant.tests] = baseline(mutant.tests, root)
+    command = baselines[mutant.tests].command(mutant.tests)
     try:
         path.write_text(source.replace(mutant.original, mutant.mutated))
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *mutant.tests],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env=_NO_BYTECODE,
-        )
+        outcome = judge(command, root)
     finally:
         path.write_text(source)
-    return proc.returncode == 0, time.perf_counter() - start
+    return outcome, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,14 +395,19 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name}: {m.path}: {m.original.strip()!r} -> {m.mutated.strip()!r}")
         return 0
-    survivors = []
+    survivors, unjudged = [], []
+    baselines: dict[tuple[str, ...], Baseline] = {}
     for m in chosen:
-        survived, seconds = run(m)
-        print(f"{'SURVIVED' if survived else 'killed  '} {m.name} ({seconds:.1f} s)", flush=True)
-        if survived:
+        outcome, seconds = run(m, baselines=baselines)
+        print(f"{outcome.upper() if outcome != 'killed' else outcome:8} {m.name} ({seconds:.1f} s)", flush=True)
+        if outcome == "survived":
             survivors.append(m.name)
+        elif outcome == "unjudged":
+            unjudged.append(m.name)
     print(f"{len(survivors)} of {len(chosen)} mutants survived ({len(survivors) / max(1, len(chosen)):.0%})")
-    return 1 if survivors else 0
+    if unjudged:
+        print(f"{len(unjudged)} unjudged: every test of theirs fails on the unmutated code ({', '.join(unjudged)})")
+    return 1 if survivors or unjudged else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ of ``lightning_memopt/functional`` and ``lightning_memopt/analysis``, lists the 
 ``True`` / ``False``), draws ``--count`` of them, and for each one writes the mutated module (``ast.unparse``),
 runs the fast tests (``-m "not slow"``) of the test files that use one of the module's names, and puts the file
 back (also when the script is stopped). A mutant that neither those tests nor the module's doctests notice
-"survives". Some survivors are equivalent mutants (no behaviour changed), so
+"survives". Only failures the mutant causes count: as in ``mutation_check.py``, the same tests run once per module
+on the unmutated code first, and what fails there (or cannot be collected) is left out of the mutant's run; a
+mutant with nothing left to run is "unjudged". Some survivors are equivalent mutants (no behaviour changed), so
 the rate is an upper bound on what the tests miss; each survivor is printed for a reader to judge.
 
     .venv/bin/python scripts/mutation_sample.py --count 40 --seed 0
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
 import random
 import re
 import signal
@@ -27,10 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mutation_check import Baseline, baseline, judge
+
 ROOT = Path(__file__).resolve().parents[1]
-#: A mutant's bytecode is never cached: restored within the same second at the same size, the source would look
-#: unchanged to the next import, which would run the mutant.
-_NO_BYTECODE = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 CORE = ("lightning_memopt/functional", "lightning_memopt/analysis")
 
 SWAPS: dict[type, type] = {
@@ -163,20 +163,27 @@ def tests_for(path: Path) -> list[str]:
     )
 
 
-def run(site: Site, timeout: float) -> tuple[str, float, list[str]]:
-    """'killed', 'survived' or 'no tests', the seconds taken and the test files run."""
+def run(site: Site, timeout: float, baselines: dict[Path, Baseline] | None = None) -> tuple[str, float, list[str]]:
+    """'killed', 'survived', 'unjudged' or 'no tests', the seconds taken and the test files run.
+
+    The module's tests run unmutated first (once per module: ``baselines`` caches them); what fails there is left
+    out of the mutant's run, so a test broken by the environment cannot kill a mutant."""
     tests = tests_for(site.path)
     if not tests:
         return "no tests", 0.0, tests
+    paths = [str(site.path.relative_to(ROOT)), *tests]  # the module's doctests too
+    baselines = {} if baselines is None else baselines
+    start = time.perf_counter()
+    if site.path not in baselines:
+        try:
+            baselines[site.path] = baseline(paths, ROOT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "unjudged", time.perf_counter() - start, tests  # unmutated too slow: nothing to compare with
     source = site.path.read_text(encoding="utf-8")
     mutated = mutated_source(site)
-    start = time.perf_counter()
     try:
         site.path.write_text(mutated, encoding="utf-8")
-        module = str(site.path.relative_to(ROOT))  # its doctests too
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", module, *tests]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_NO_BYTECODE)
-        outcome = "survived" if proc.returncode == 0 else "killed"
+        outcome = judge(baselines[site.path].command(paths), ROOT, timeout=timeout)
     except subprocess.TimeoutExpired:
         outcome = "killed"  # a mutant that makes the tests hang is noticed
     finally:
@@ -194,13 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     sites = all_sites()
     drawn = random.Random(args.seed).sample(sites, min(args.count, len(sites)))
     print(f"{len(sites)} mutable places in {', '.join(CORE)}; drawn {len(drawn)} (seed {args.seed})", flush=True)
-    counts = {"killed": 0, "survived": 0, "no tests": 0}
+    counts = {"killed": 0, "survived": 0, "unjudged": 0, "no tests": 0}
+    baselines: dict[Path, Baseline] = {}
     for site in drawn:
         where = f"{site.path.relative_to(ROOT)}:{site.line} {site.description}"
         if args.list:
             print(where)
             continue
-        outcome, seconds, tests = run(site, args.timeout)
+        outcome, seconds, tests = run(site, args.timeout, baselines)
         counts[outcome] += 1
         print(f"{outcome:8} {where} ({seconds:.1f} s, {len(tests)} test files)", flush=True)
     if args.list:
@@ -209,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     rate = counts["survived"] / max(1, tested)
     print(
         f"{counts['survived']} of {tested} mutants survived ({rate:.0%}); "
-        f"{counts['no tests']} drawn in modules no test file names"
+        f"{counts['no tests']} drawn in modules no test file names; "
+        f"{counts['unjudged']} whose tests all fail (or time out) unmutated"
     )
     return 0
 

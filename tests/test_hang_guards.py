@@ -50,10 +50,6 @@ _EXEMPT = "not a hang guard"
 KNOWN: set[tuple[str, str]] = {
     ("tests/callbacks/test_fsdp2.py", 'assert elapsed < 60, f"the run took {elapsed:.0f} s\\n{output}"'),
     ("tests/callbacks/test_fsdp2.py", 'result = run_file(SCRIPTS / "fsdp2_callbacks.py", directory, timeout=120)'),
-    (
-        "tests/utilities/test_redaction_time.py",
-        "result = run_script(SCRIPT, tmp_path, timeout=60, args=(json.dumps({name: CASES[name] for name in chunk}),))",
-    ),
 }
 
 

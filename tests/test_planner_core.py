@@ -263,3 +263,24 @@ def test_the_search_predicts_between_the_ends_and_verifies_one_size():
     # convex: the line over-predicts; the size verified fits (the plan is safe, maybe not the largest)
     chosen, tried = _Synthetic(lambda s: 100 + s * s, usable=300).largest(sizes)
     assert 100 + chosen * chosen <= 300 and len(tried) <= 3
+
+
+# ------------------------------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("margin", [1.5, 1, 1.0, 10, -0.1, float("nan"), float("inf"), True, "0.1", None])
+def test_plan_memory_refuses_a_margin_outside_zero_to_one_naming_value_and_fix(margin):
+    from lightning_memopt.planner import plan_memory
+
+    with pytest.raises(ValueError) as raised:
+        plan_memory(nn.Linear(2, 2), lambda b: torch.zeros(b, 2), effective_batch_size=8, margin=margin, device="cpu")
+    message = str(raised.value)
+    assert message.startswith(f"`margin` must be a fraction in [0, 1), got {margin!r}.") and "`margin=0.1`" in message
+
+
+@pytest.mark.parametrize("margin", [0, 0.0, 0.5, 0.999])
+def test_plan_memory_accepts_a_margin_in_zero_to_one(margin):
+    from lightning_memopt.planner import plan_memory
+
+    with pytest.raises(ValueError, match="`device`"):  # the margin passed: the next argument is the one refused
+        plan_memory(nn.Linear(2, 2), lambda b: torch.zeros(b, 2), effective_batch_size=8, margin=margin, device="tpu")

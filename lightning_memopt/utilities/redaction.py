@@ -14,6 +14,11 @@ repeat takes, so giving characters back costs at most the run once. (No possessi
 none.) What a regex cannot do in one pass (where a URL's userinfo ends, where a value ends, matching quotes) is
 done by hand with ``str.find`` from a position that only moves forward.
 
+**Shapes**: some credentials say what they are whatever name they stand under, in a value, a dict key, a URL or
+free text: JWTs, PEM private-key blocks, AWS access key ids, GitHub, Hugging Face, OpenAI-style and Slack tokens.
+They are recognised by their prefix and a body long and random enough that ordinary names (``sk-learn``,
+``hf_hub_download``), hashes, UUIDs, run ids and base64 data are left alone.
+
 **Structures**: :func:`redact_secrets` walks a value field by field before anything becomes a string: mappings,
 lists, tuples, sets, dataclasses, named tuples, ``argparse.Namespace`` and other objects with a ``__dict__``. A
 value stored under a secret name is replaced whole; every string goes through :func:`redact_text` and is capped in
@@ -269,14 +274,15 @@ _BASIC = re.compile(r"(?P<head>\bbasic\s+)(?P<credential>[A-Za-z0-9+/]{4,}={0,2}
 # word (so that no character is read by two attempts), a closing quote, spaces and a separator:
 # name=value | name = value | name: value | "name": value | 'name', 'value'. The name's start is found backwards
 # from the word (_NAME_TAIL). A flag (--name value) is entered only at a "-" that starts a word, and only when a
-# word that can make it secret follows (the lookahead reads the flag once).
+# word that can make it secret follows, also as its first word (--password); the lookahead reads the flag once.
 _TRIGGERS = r"(?:pass|pwd|secret|cred|bearer|auth|jwt|cookie|webhook|dsn|key|token|sig|otp)"
 _PAIR = re.compile(
     _TRIGGERS + r"(?:(?!" + _TRIGGERS + r")[a-z0-9_\-])*(?P<close>\\?[\"'])?(?P<space>[ \t]*)"
     r"(?P<sep>[:=]|(?<=[\"']),)"
 )
 _FLAG = re.compile(
-    r"-(?<![a-z0-9_\-]-)(?=-?[a-z][a-z0-9_\-]*?" + _TRIGGERS + r")-?[a-z][a-z0-9_\-]*(?P<space>[ \t]+)(?![ \t]|[\"']?-)"
+    r"-(?<![a-z0-9_\-]-)(?=-?(?=[a-z])[a-z0-9_\-]*?" + _TRIGGERS + r")-?[a-z][a-z0-9_\-]*(?P<space>[ \t]+)"
+    r"(?![ \t]|[\"']?-)"
 )
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 _NAME_TAIL = re.compile(r"(?<![A-Za-z0-9_\-])[A-Za-z0-9_\-]*\Z")
@@ -292,6 +298,28 @@ _WORD_END = re.compile(r"\s")  # --flag value
 _SPACES = re.compile(r"[ \t]*")
 _VALUE_ENDS = {"tight": _TIGHT_END, "line": _LINE_END, "word": _WORD_END}
 _CONSTANTS = frozenset({"", "None", "null", "true", "false", "True", "False", "~", REDACTED})
+#: A secret flag whose last word is one of these takes no value (``--password-stdin``): the next word is kept.
+_VALUELESS_FLAG_ENDS = frozenset({"stdin"})
+
+# --- credentials known by their shape, whatever name they stand under ----------------------------------------
+# PEM private-key blocks: what lies between the BEGIN and END lines goes (to the end of the text without an END).
+_PEM_BEGIN = re.compile(r"-----BEGIN (?:[A-Z0-9]{1,16} ){0,3}PRIVATE KEY(?: BLOCK)?-----")
+_PEM_END = re.compile(r"-----END (?:[A-Z0-9]{1,16} ){0,3}PRIVATE KEY(?: BLOCK)?-----")
+# Each entered at its literal start, where no character of its own run comes before; every repeat is bounded and
+# no character after it can be one the repeat takes, so an attempt reads a bounded stretch once.
+_TOKEN_SHAPES = re.compile(
+    # a JWT: base64url of '{"' (eyJ) and two more base64url parts (the signature may be empty: alg "none")
+    r"(?<![A-Za-z0-9_\-])eyJ[A-Za-z0-9_\-]{12,4096}\.[A-Za-z0-9_\-]{2,65536}\.[A-Za-z0-9_\-]{0,4096}"
+    # an AWS access key id (long-term AKIA, temporary ASIA)
+    r"|(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])"
+    # GitHub, Hugging Face, OpenAI-style and Slack tokens: a prefix and a random body (_random_body decides)
+    r"|(?<![A-Za-z0-9])(?:gh[pousr]_|github_pat_|hf_|sk-|xox[abeprs]-)(?P<body>[A-Za-z0-9_\-]{10,1024})"
+)
+_ALNUM_RUN = re.compile(r"[A-Za-z0-9]+")
+#: A prefixed token's body holds a run of letters and digits at least this long mixing two of lower case, upper
+#: case and digits (GitHub's and Hugging Face's 36 and 34, Slack's last 24): ``sk-learn``, ``hf_hub_download``
+#: and ``sk-resnet50-finetuned`` are names, not tokens.
+_TOKEN_MIN_RUN = 24
 
 
 def cap_text(text: str, max_chars: int = MAX_VALUE_CHARS) -> str:
@@ -474,6 +502,8 @@ def _pair(match: re.Match[str], text: str, search: int) -> str | None:
     if start > search and text[start - 1] in _NAME_CHARS:  # the word is inside the name: find where it starts
         found = _NAME_TAIL.search(text, search, start)
         start = found.start() if found else start
+    if text[max(0, start - 3) : start] == "://" and text.startswith(REDACTED, match.end()):
+        return None  # a URL's user (https://x-access-token:<redacted>@host): its password went with the URL's
     close = match.group("close")
     if not _is_secret_key(text[start : match.start("close") if close else match.start("space")]):
         return None
@@ -485,8 +515,16 @@ def _pair(match: re.Match[str], text: str, search: int) -> str | None:
     return "tight"
 
 
+def _is_valued_secret_flag(flag: str) -> bool:
+    """Whether ``flag`` (``--db-password``) is secret and takes a value (not ``--password-stdin``)."""
+    if not is_secret_name(flag):
+        return False
+    words = name_words(flag)
+    return not words or words[-1] not in _VALUELESS_FLAG_ENDS
+
+
 def _flag(match: re.Match[str], text: str, search: int) -> str | None:
-    return "word" if is_secret_name(text[match.start() : match.start("space")]) else None
+    return "word" if _is_valued_secret_flag(text[match.start() : match.start("space")]) else None
 
 
 def _named_value(match: re.Match[str], text: str, search: int) -> str | None:
@@ -515,14 +553,50 @@ def _scan(text: str, pattern: re.Pattern[str], decide: Callable[[re.Match[str], 
     return "".join(out) + text[pos:]
 
 
+def _redact_private_keys(text: str) -> str:
+    """``text`` with the body of each PEM private-key block replaced; its BEGIN and END lines are kept."""
+    if "PRIVATE KEY" not in text:
+        return text
+    out: list[str] = []
+    pos = 0
+    while (begin := _PEM_BEGIN.search(text, pos)) is not None:
+        end = _PEM_END.search(text, begin.end())
+        if end is None:  # cut off (a capped value) or malformed: everything after the BEGIN line may be the key
+            return "".join(out) + text[pos : begin.end()] + REDACTED
+        out += [text[pos : begin.end()], REDACTED]
+        pos = end.start()
+    return "".join(out) + text[pos:]
+
+
+def _random_body(body: str) -> bool:
+    """Whether a prefixed token's ``body`` holds a long run of letters and digits that mixes character classes."""
+    for run in _ALNUM_RUN.findall(body):
+        if len(run) < _TOKEN_MIN_RUN:
+            continue
+        classes = (any(c.islower() for c in run), any(c.isupper() for c in run), any(c.isdigit() for c in run))
+        if sum(classes) >= 2:
+            return True
+    return False
+
+
+def _token_shape(match: re.Match[str]) -> str:
+    body = match.group("body")
+    if body is not None and not _random_body(body):
+        return match.group(0)
+    return REDACTED
+
+
 def _redact_all(text: str) -> str:
+    text = _redact_private_keys(text)  # first: a name/value pass would take only the BEGIN line
     low = _lower(text)
     text = _authorization(_redact_urls(text), low)
     if "value" in low:
         text = _scan(text, _NAMED_VALUE, _named_value)
     if "-" in low:
         text = _scan(text, _FLAG, _flag)
-    return _scan(text, _PAIR, _pair)
+    text = _scan(text, _PAIR, _pair)
+    # last: a token under a secret name has gone whole above, so no name=<prefix><redacted> is left
+    return _sub(_TOKEN_SHAPES, text, _token_shape)
 
 
 def redact_text(text: str, max_chars: int | None = None) -> str:
@@ -536,6 +610,20 @@ def redact_text(text: str, max_chars: int | None = None) -> str:
     ``name: value`` (YAML, headers), ``"name": "value"`` (JSON, a dict's repr), ``name = value`` (INI),
     ``--name value`` and ``--name=value`` (command lines), ``'name', 'value'`` (a pair's repr) and
     ``{"name": "DB_PASSWORD", "value": ...}``. ``None``, ``null``, ``true`` and ``false`` values are kept.
+
+    A flag is secret by the same rule as any name, wherever the secret word stands in it: ``--password``,
+    ``--token``, ``--key``, ``--jwt``, ``--db-password`` and also ``--password-file``, ``--token-path``: a
+    flag's value may be the secret as easily as where it is kept, and a path costs little to lose. A flag that
+    ends in ``stdin`` (``--password-stdin``) takes no value: the word after it stays. Short flags (``-p``) are
+    not recognised; a word starting with ``-`` after a flag is the next flag, not its value.
+
+    Credentials known by their shape go wherever they stand (the whole token; of a private key, what lies
+    between its ``-----BEGIN ... PRIVATE KEY-----`` and ``-----END ...`` lines, or everything after the BEGIN
+    line when the END line is missing): JWTs (``eyJ...``, three base64url parts), AWS access key ids
+    (``AKIA``/``ASIA`` and 16 capitals or digits), GitHub tokens (``ghp_``, ``gho_``, ``ghu_``, ``ghs_``,
+    ``ghr_``, ``github_pat_``), Hugging Face ``hf_``, OpenAI-style ``sk-`` and Slack ``xoxb-``/``xoxp-``/... tokens.
+    A prefixed token counts only when its body holds a run of at least 24 letters and digits mixing two of
+    lower case, upper case and digits, so that ``sk-learn``, ``hf_hub`` or ``sk-resnet50-finetuned`` stay.
     A non-string is returned as it is.
 
     Args:
@@ -550,6 +638,10 @@ def redact_text(text: str, max_chars: int | None = None) -> str:
         "Namespace(lr=0.1, db_password='<redacted>', tokenizer='t5-small')"
         >>> redact_text("https://example.com/path?x=1")
         'https://example.com/path?x=1'
+        >>> redact_text("python train.py --password hunter2 --lr 0.1 --model sk-learn")
+        'python train.py --password <redacted> --lr 0.1 --model sk-learn'
+        >>> redact_text("notify: https://hooks.example/" + "xoxb-1234567890-" + "AbCdEfGhIjKlMnOpQrStUvWx")
+        'notify: https://hooks.example/<redacted>'
     """
     if not isinstance(text, str):
         return text
@@ -645,7 +737,7 @@ def _mapping(obj: Mapping[Any, Any], depth: int, walk: _Walk) -> dict[Any, Any]:
 
 
 def _is_flag(item: Any) -> bool:
-    return isinstance(item, str) and item.startswith("-") and "=" not in item and is_secret_name(item)
+    return isinstance(item, str) and item.startswith("-") and "=" not in item and _is_valued_secret_flag(item)
 
 
 def _sequence(items: list[Any], depth: int, walk: _Walk) -> list[Any]:

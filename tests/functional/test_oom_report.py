@@ -244,3 +244,120 @@ def test_secrets_are_redacted_in_the_built_report():
     for secret in ("hunter2", "sk-secret-123", "pw12345", "tok-999"):
         assert secret not in text, secret
     assert report["hparams"]["wandb"]["api_key"] == "<redacted>" and report["hparams"]["temperature"] == 0.5
+
+
+# ---------------------------------------------------------------------------------------------------- chained
+
+
+def _throw(exception, cause):
+    if cause is ...:
+        raise exception
+    raise exception from cause
+
+
+def _raised(exception, cause=..., context=None):
+    """``exception`` raised (with a traceback) from ``cause`` (``...``: no ``from``) while handling ``context``."""
+    try:
+        if context is None:
+            _throw(exception, cause)
+        try:
+            raise context
+        except BaseException:
+            _throw(exception, cause)
+    except BaseException as err:
+        return err
+
+
+def _report(exception, guard=None):
+    return build_oom_report(
+        exception,
+        when=failure_position(lambda: F.POSITION, device=torch.device("cpu"), traceback=None, run_id="r"),
+        memory={},
+        device=torch.device("cpu"),
+        module=torch.nn.Linear(2, 2),
+        sources=ReportSources(settings=lambda: F.SETTINGS),
+        guard=guard,
+    )
+
+
+def test_chained_exceptions_are_in_the_report_nearest_first_and_redacted():
+    oom = _raised(torch.OutOfMemoryError(F.CUDA_MESSAGE))
+    wrapped = _raised(RuntimeError("data worker died: --password hunter2"), cause=oom)
+    # raised while handling `wrapped` (an implicit context), from nothing
+    outer = _raised(ValueError("step 3 failed, see https://bob:pw12345@logs.example/run"), context=wrapped)
+    report = _report(outer)
+    error = report["error"]
+    assert (
+        error["type"] == "ValueError"
+        and error["message"] == "step 3 failed, see https://bob:<redacted>@logs.example/run"
+    )
+    chain = error["chain"]
+    assert [(e["relation"], e["type"]) for e in chain] == [
+        ("context", "RuntimeError"),
+        ("cause", "torch.OutOfMemoryError"),
+    ]
+    assert chain[0]["message"] == "data worker died: --password <redacted>"
+    assert chain[1]["message"].startswith("CUDA out of memory. Tried to allocate 256.00 MiB.")
+    assert "hunter2" not in report_json(report) and "pw12345" not in report_json(report)
+    assert all(e["location"].startswith("_throw (") for e in chain)
+    # the numbers of the wrapped out-of-memory error's message are read from the chain
+    assert report["memory"]["message_requested_bytes"] == 256 * 2**20
+    assert report["memory"]["message_device_total_bytes"] is not None and report["report_errors"] == []
+    check_against_schema(report)
+
+
+def test_the_chain_shows_in_the_markdown():
+    oom = _raised(torch.OutOfMemoryError("CUDA out of memory. token=abc123"))
+    text = render_markdown(_report(_raised(RuntimeError("step failed"), cause=oom)))
+    error = text[text.index("## Error") : text.index("## Memory at failure")]
+    assert "`RuntimeError` raised at _throw (" in error
+    assert "Its direct cause: `torch.OutOfMemoryError` raised at _throw (" in error
+    assert "```\nCUDA out of memory. token=<redacted>\n```" in error and "abc123" not in text
+    context = render_markdown(_report(_raised(RuntimeError("cleanup failed"), context=oom)))
+    assert "Raised while handling: `torch.OutOfMemoryError`" in context
+
+
+def test_a_lone_exception_has_no_chain_and_old_reports_render_as_before():
+    report = _report(_raised(RuntimeError("CUDA out of memory.")))
+    assert "chain" not in report["error"]
+    old = {"error": {"type": "RuntimeError", "message": "boom", "location": None}}
+    assert render_markdown(old).split("## Error\n\n", 1)[1] == "`RuntimeError` raised at n/a\n\n```\nboom\n```\n"
+
+
+def test_a_hand_edited_chain_of_the_wrong_shape_is_listed_not_fatal():
+    report = {
+        "error": {
+            "type": "RuntimeError",
+            "message": "boom",
+            "chain": [{"relation": ["odd"], "type": "X", "message": "inner"}, "not an object"],
+        }
+    }
+    text = render_markdown(report)
+    assert "['odd']: `X` raised at n/a" in text and "```\ninner\n```" in text
+    assert '`error.chain[1]` (expected an object, got a string): "not an object"' in text
+    assert "`error.chain` (expected a list, got a string)" in render_markdown({"error": {"type": "E", "chain": "x"}})
+
+
+def test_a_suppressed_context_a_cycle_and_a_long_chain():
+    oom = _raised(torch.OutOfMemoryError("CUDA out of memory."))
+    hidden = _raised(RuntimeError("retry failed"), cause=None, context=oom)  # raise ... from None
+    assert hidden.__suppress_context__
+    assert [e["type"] for e in _report(hidden)["error"]["chain"]] == ["torch.OutOfMemoryError"]
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__cause__, b.__cause__ = b, a
+    assert [e["message"] for e in _report(a)["error"]["chain"]] == ["b"]  # the cycle ends it
+    deepest = RuntimeError("0")
+    for i in range(1, 12):
+        deepest = _raised(RuntimeError(str(i)), cause=deepest)
+    chain = _report(deepest)["error"]["chain"]
+    assert [e["message"] for e in chain] == [str(i) for i in range(10, 2, -1)]  # the nearest 8
+
+
+def test_a_chained_exception_whose_message_fails_costs_the_chain_only():
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    report = _report(_raised(RuntimeError("outer"), cause=Unprintable()), guard=SectionGuard(catch=(RuntimeError,)))
+    assert "chain" not in report["error"] and report["error"]["message"] == "outer"
+    assert report["report_errors"] == ["chained exceptions: RuntimeError('no str')"]

@@ -291,3 +291,31 @@ def test_redaction_is_one_module_without_old_names():
     assert set(redaction.__all__) >= {"SECRET_WORDS", "cap_text", "name_words", "redact_secrets", "redact_text"}
     for old in ("secret_names", "secret_text"):
         assert importlib.util.find_spec(f"lightning_memopt.utilities.{old}") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # an empty user and a password holding "/": the userinfo still ends at its "@"
+        ("https://:pa/ss@host/path", f"https://:{R}@host/path"),
+        ("see https://:pa/ss@host/path?x=1 now", f"see https://:{R}@host/path?x=1 now"),
+        # a lone userinfo is a token from 16 characters on, or from 12 with a digit; shorter, a user
+        ("https://abcdefghij123456@github.com/org/repo.git", f"https://{R}@github.com/org/repo.git"),
+        ("https://abcdefghijklmnop@github.com/org/repo.git", f"https://{R}@github.com/org/repo.git"),
+        ("https://abcdefghijklmno@github.com/org/repo.git", "https://abcdefghijklmno@github.com/org/repo.git"),
+        ("https://abcdefghij12@host/x", f"https://{R}@host/x"),
+        ("https://abcdefghi12@host/x", "https://abcdefghi12@host/x"),
+        # the user of a URL that is itself a secret name keeps the host
+        ("https://x-access-token:t0k3n@github.com/o/r", f"https://x-access-token:{R}@github.com/o/r"),
+        # a secret name with nothing after it: nothing to redact, and no failure (which would redact it all)
+        ("password=", "password="),
+        ("db_password=", "db_password="),
+        ("lr=0.1 password=", "lr=0.1 password="),
+        ("password: ", "password: "),
+        ("password='", "password='"),
+        ("token=None password=", "token=None password="),
+    ],
+)
+def test_userinfo_edges_and_a_name_at_the_end_of_the_text(text, expected):
+    assert redact_text(text) == expected
+    assert redact_text(expected) == expected

@@ -149,11 +149,26 @@ def _when(when: Mapping[str, Any]) -> Lines:
     return ["## When and where", "", *_table(["field", "value"], rows)]
 
 
-def _error(error: Mapping[str, Any]) -> Lines:
+_RELATIONS = {"cause": "Its direct cause", "context": "Raised while handling"}
+
+
+def _error(error: Mapping[str, Any], shape: _Shape) -> Lines:
     if not error:
         return []
     lines = ["## Error", "", f"`{_cell(error.get('type'))}` raised at {_cell(error.get('location'))}", ""]
-    return lines + _fence(str(error.get("message", "")))
+    lines += _fence(str(error.get("message", "")))
+    for entry in shape.items(shape.get(error, "chain", list, "error."), "error.chain"):
+        head = f"{_relation(entry.get('relation'))}: `{_cell(entry.get('type'))}`"
+        lines += [f"{head} raised at {_cell(entry.get('location'))}", ""]
+        lines += _fence(str(entry.get("message", "")))
+    return lines
+
+
+def _relation(relation: Any) -> str:
+    """How a chained exception relates to the one above it, in words; an unknown relation as it is."""
+    if isinstance(relation, str) and relation in _RELATIONS:
+        return _RELATIONS[relation]
+    return _cell(relation)
 
 
 def _suggestions(suggestions: list[Mapping[str, Any]]) -> Lines:
@@ -358,7 +373,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     # The parts are read in this order, which is also the order of "unexpected shape" entries.
     when = shape.get(report, "when", Mapping)
     lines = _title(when) + _when(when)
-    lines += _error(shape.get(report, "error", Mapping))
+    lines += _error(shape.get(report, "error", Mapping), shape)
     lines += _suggestions(shape.items(shape.get(report, "suggestions", list), "suggestions"))
     lines += _batch(shape.get(report, "batch", Mapping), shape)
     memory = shape.get(report, "memory", Mapping)

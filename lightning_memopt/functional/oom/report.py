@@ -26,9 +26,11 @@ from lightning_memopt.functional.oom.message import parse_oom_message
 from lightning_memopt.functional.oom.schema import (
     REPORT_FORMAT,
     BatchSection,
+    ChainedError,
     CheckpointingState,
     ConfigSection,
     DataLengths,
+    ErrorSection,
     HoldersSection,
     MemorySection,
     OOMReport,
@@ -42,6 +44,7 @@ from lightning_memopt.functional.oom.sections import (
     batch_section,
     checkpointing_state,
     describe_error,
+    error_chain,
     fill_holders,
     hparams_as_json,
     lengths_from,
@@ -303,6 +306,24 @@ def _read_lengths(batch: BatchSection, exception: BaseException, sources: Report
         batch["data_lengths"] = sampled
 
 
+def _read_chain(error: ErrorSection, exception: BaseException, guard: SectionGuard) -> list[ChainedError]:
+    """``error.chain``, set only where ``exception`` has one (a lone exception's report is as before 0.2)."""
+    chain = guard("chained exceptions", lambda: error_chain(exception), _nothing)
+    if chain:
+        error["chain"] = chain
+    return chain or []
+
+
+def _message_numbers(text: str, chain: list[ChainedError]) -> dict[str, int | None]:
+    """The numbers of the error message; those it lacks from the nearest chained message that has them (the
+    out-of-memory error a wrapper was raised from)."""
+    numbers = parse_oom_message(text)
+    for entry in chain:
+        found = parse_oom_message(entry["message"])
+        numbers = {k: found[k] if v is None else v for k, v in numbers.items()}
+    return numbers
+
+
 def build_oom_report(
     exception: BaseException,
     *,
@@ -318,6 +339,11 @@ def build_oom_report(
 ) -> OOMReport:
     """The report of ``exception``, in the order of :class:`~lightning_memopt.functional.oom.schema.OOMReport`,
     with credentials redacted (:func:`~lightning_memopt.utilities.redaction.redact_secrets`).
+
+    The exceptions ``exception`` was raised from or while handling are listed in ``error.chain``
+    (:func:`~lightning_memopt.functional.oom.sections.error_chain`), their messages redacted like the rest; a
+    number the message does not give (``memory.message_*``) is read from the nearest chained message that does,
+    so a wrapped out-of-memory error keeps its "Tried to allocate ...".
 
     Args:
         exception: The out-of-memory error; its traceback gives the location, ``batch`` and ``batch_idx``.
@@ -346,13 +372,14 @@ def build_oom_report(
             "memory": memory,
         },
     )
+    chain = _read_chain(report["error"], exception, guard)
     _read_lengths(report["batch"], exception, sources, guard)
 
     def read_summary() -> None:
         memory["summary"] = sources.memory_summary(device)
 
     def read_message() -> None:
-        memory.update(cast(MemorySection, {f"message_{k}": v for k, v in parse_oom_message(text).items()}))
+        memory.update(cast(MemorySection, {f"message_{k}": v for k, v in _message_numbers(text, chain).items()}))
 
     guard("memory summary", read_summary, _nothing)
     guard("error message numbers", read_message, _nothing)

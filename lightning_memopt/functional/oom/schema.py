@@ -16,6 +16,7 @@ __all__ = [
     "BatchSection",
     "DataLengths",
     "BatchTensor",
+    "ChainedError",
     "CheckpointingState",
     "ConfigSection",
     "ErrorSection",
@@ -52,12 +53,24 @@ class WhenSection(TypedDict, total=False):
     device: str
 
 
-class ErrorSection(TypedDict):
-    """``error``: the exception."""
+class ChainedError(TypedDict):
+    """One entry of ``error.chain``: an exception the one before it (the reported one, for the first entry) was
+    raised from or while handling."""
 
-    type: str  # qualified class name, e.g. "torch.OutOfMemoryError"
+    relation: str  # "cause" (`raise ... from it`) or "context" (raised while it was being handled)
+    type: str  # qualified class name
     message: str
-    location: str | None  # "function (file:line)" of the innermost traceback frame
+    location: str | None  # "function (file:line)" of its innermost traceback frame
+
+
+class ErrorSection(TypedDict, total=False):
+    """``error``: the exception; ``chain`` only when it was raised from, or while handling, other exceptions
+    (reports written before 0.2 have no ``chain``)."""
+
+    type: Required[str]  # qualified class name, e.g. "torch.OutOfMemoryError"
+    message: Required[str]
+    location: Required[str | None]  # "function (file:line)" of the innermost traceback frame
+    chain: list[ChainedError]  # the exceptions behind it, nearest first (at most 8)
 
 
 class BatchTensor(TypedDict):

@@ -17,6 +17,7 @@ from lightning_memopt.functional.oom.batch import describe_batch, mask_lengths
 from lightning_memopt.functional.oom.schema import (
     BatchLengths,
     BatchSection,
+    ChainedError,
     CheckpointingState,
     ErrorSection,
     FootprintRowDict,
@@ -33,6 +34,7 @@ __all__ = [
     "batch_section",
     "checkpointing_state",
     "describe_error",
+    "error_chain",
     "fill_holders",
     "hparams_as_json",
     "json_default",
@@ -49,6 +51,8 @@ HOW_TO_OPEN = (
 )
 #: Module names listed in the report where checkpointing is on (the counts are always complete).
 MAX_LISTED = 20
+#: Chained exceptions listed in ``error.chain`` (a longer chain is cut; a cycle ends it).
+MAX_CHAINED = 8
 
 
 class LiveTensorLike(Protocol):
@@ -100,6 +104,46 @@ def describe_error(exception: BaseException, message: str) -> ErrorSection:
         "message": message,
         "location": innermost_location(exception.__traceback__),
     }
+
+
+def error_chain(exception: BaseException) -> list[ChainedError]:
+    """The exceptions behind ``exception``, nearest first: its ``__cause__`` (``raise ... from``), else its
+    ``__context__`` (raised while handling it), then that one's, and so on; at most 8, a cycle ends the list.
+
+    A context hidden by ``raise ... from None`` is listed too: it may be the out-of-memory error that made the
+    error reportable (:func:`~lightning_memopt.utilities.oom.is_out_of_memory_error` looks through it as well).
+    Messages are as ``str()`` gives them (one that fails raises: ``build_oom_report`` then lists the failure in
+    ``report_errors`` instead of the chain) and are redacted with the rest of the report.
+
+    Examples:
+        >>> try:
+        ...     try:
+        ...         raise MemoryError("out of memory")
+        ...     except MemoryError as oom:
+        ...         raise RuntimeError("step 3 failed") from oom
+        ... except RuntimeError as err:
+        ...     [(entry["relation"], entry["type"], entry["message"]) for entry in error_chain(err)]
+        [('cause', 'MemoryError', 'out of memory')]
+    """
+    chain: list[ChainedError] = []
+    seen = {id(exception)}
+    current = exception
+    while len(chain) < MAX_CHAINED:
+        relation = "cause" if current.__cause__ is not None else "context"
+        behind = current.__cause__ if current.__cause__ is not None else current.__context__
+        if behind is None or id(behind) in seen:
+            break
+        seen.add(id(behind))
+        current = behind
+        chain.append(
+            {
+                "relation": relation,
+                "type": qualified_name(type(current)),
+                "message": str(current),
+                "location": innermost_location(current.__traceback__),
+            }
+        )
+    return chain
 
 
 def batch_section(tb: TracebackType | None) -> BatchSection:
