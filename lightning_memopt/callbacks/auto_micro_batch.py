@@ -41,6 +41,7 @@ from lightning_memopt.functional.fsdp_sync import (
     fsdp_modules,
     install_agreement,
     reset_fsdp_state,
+    tensor_parallel_size,
 )
 from lightning_memopt.functional.memory import empty_device_cache
 from lightning_memopt.functional.micro_batch import (
@@ -69,7 +70,7 @@ from lightning_memopt.functional.micro_batch_retry import (
 from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
 from lightning_memopt.utilities import _lightning_private as private
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
-from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of
+from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_only
 from lightning_memopt.utilities.trainer import log_to_loggers
 from lightning_memopt.utilities.warnings import WarnOnce
 
@@ -400,13 +401,6 @@ def _wrap_backward(pl_module: pl.LightningModule, overlap: OverlappedReduction |
 # ----------------------------------------------------------------------------------------------- the callback
 
 
-def _tensor_parallel_size(strategy: Any) -> int:
-    """The tensor-parallel size of Lightning's ``ModelParallelStrategy`` (its device mesh exists before ``setup``)."""
-    mesh = strategy.device_mesh
-    names = mesh.mesh_dim_names or ()
-    return mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
-
-
 class AutoMicroBatch(Callback):
     """Runs each batch as micro-batches and halves the micro-batch when one runs out of memory: in training, and in
     validation, test and predict.
@@ -561,8 +555,12 @@ class AutoMicroBatch(Callback):
         private.check_private_api(namespace)
         strategy = trainer.strategy
         is_ddp = is_instance(strategy, "strategies.DDPStrategy")
-        self._fsdp2 = is_instance(strategy, "strategies.ModelParallelStrategy") and _tensor_parallel_size(strategy) == 1
-        check_strategy_for_micro_batches(type(strategy).__name__, trainer.world_size, is_ddp, self._fsdp2)
+        tensor_parallel = 1
+        if is_instance(strategy, "strategies.ModelParallelStrategy"):
+            tensor_parallel = tensor_parallel_size(strategy.device_mesh)  # type: ignore[attr-defined]  # made before setup
+        self._fsdp2 = is_instance(strategy, "strategies.ModelParallelStrategy") and tensor_parallel == 1
+        name = type(strategy).__name__
+        check_strategy_for_micro_batches(name, trainer.world_size, is_ddp, self._fsdp2, tensor_parallel)
         if stage == "fit" and self.train:
             self._install_training(trainer, pl_module, namespace)
 
@@ -680,6 +678,24 @@ class AutoMicroBatch(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._give_back(trainer)
 
+    def _restore_training_size(self, size: int | None, elements: int | None) -> None:
+        """Take a checkpoint's learned training micro-batch, unless ``micro_batch_size`` was given: that one wins,
+        and rank zero is warned once when the checkpoint's differs."""
+        given = self.start_micro_batch_size
+        if given == "auto":
+            if size is not None:  # the start until the next halving (an older checkpoint's only size)
+                self._state.micro_batch_size = self._state.start = size
+            self._state.elements = elements
+            return
+        self._state.micro_batch_size, self._state.start, self._state.elements = None, int(given), None
+        if size is not None and size != given and rank_zero_only.rank == 0:
+            self._warn.warn(
+                "checkpoint_size",
+                f"AutoMicroBatch: the checkpoint's micro-batch size {size} is not used: `micro_batch_size={given}` was"
+                f' given and wins, so micro-batches start at {given}. Pass `micro_batch_size="auto"` to go on from'
+                f" the checkpoint's {size}.",
+            )
+
     # ------------------------------------------------------------------------------------------- checkpoint
 
     @override
@@ -698,10 +714,8 @@ class AutoMicroBatch(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the size; a bad or missing one raises (see ``callbacks/_states.py``), a bad ``retries`` warns."""
         state = restore_state("AutoMicroBatch", state_dict)
-        if state["micro_batch_size"] is not None:  # the start until the next halving (an older checkpoint's only size)
-            self._state.micro_batch_size = self._state.start = state["micro_batch_size"]
+        self._restore_training_size(state["micro_batch_size"], state["micro_batch_elements"])
         self._state.retries, self._restored = state["retries"], True
-        self._state.elements = state["micro_batch_elements"]
         for stage, eval_state in self._eval_states.items():
             eval_state.micro_batch_size = eval_state.start = state[f"{stage}_micro_batch_size"]
             eval_state.elements = state[f"{stage}_micro_batch_elements"]

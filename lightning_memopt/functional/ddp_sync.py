@@ -44,28 +44,45 @@ def _is_ddp(module: Any) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
 
 
-def check_strategy_for_micro_batches(name: str, world_size: int, is_ddp: bool, is_fsdp2: bool = False) -> None:
+def check_strategy_for_micro_batches(
+    name: str, world_size: int, is_ddp: bool, is_fsdp2: bool = False, tensor_parallel_size: int = 1
+) -> None:
     """Refuse a strategy (class ``name``) whose collectives inside forward and backward have no agreement point.
 
     Accepted: one device, DDP, and FSDP2 without tensor parallelism (``is_fsdp2``: Lightning's
     ``ModelParallelStrategy`` with ``tensor_parallel_size=1``; its collectives agree first, see
-    :mod:`~lightning_memopt.functional.fsdp_sync`). Refused: FSDP1 (``FSDPStrategy``), DeepSpeed, tensor parallelism.
+    :mod:`~lightning_memopt.functional.fsdp_sync`). Refused: FSDP1 (``FSDPStrategy``), DeepSpeed, tensor parallelism
+    (``tensor_parallel_size`` > 1, named as the cause).
 
     Examples:
         >>> check_strategy_for_micro_batches("DDPStrategy", 2, is_ddp=True)  # accepted: nothing happens
         >>> check_strategy_for_micro_batches("ModelParallelStrategy", 2, is_ddp=False, is_fsdp2=True)  # accepted
+        >>> check_strategy_for_micro_batches("ModelParallelStrategy", 2, is_ddp=False, tensor_parallel_size=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: AutoMicroBatch cannot split batches under tensor parallelism (tensor_parallel_size=2 > 1): ...
     """
     if is_fsdp2:
         return
+    fix = (
+        ' It works on one device, with DDP (`strategy="ddp"`) and with FSDP2 through'
+        " `ModelParallelStrategy(tensor_parallel_size=1)` (`fully_shard` per block and on the root in"
+        " `configure_model`); use one of these, or remove the callback for this strategy."
+    )
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"AutoMicroBatch cannot split batches under tensor parallelism (tensor_parallel_size={tensor_parallel_size}"
+            f" > 1): {name} then runs tensor parallelism's collectives inside every layer's forward and backward, which"
+            " a rank that ran out of memory never reaches (the others would hang), and AutoMicroBatch has no agreement"
+            " point in them." + fix
+        )
     if any(word in name for word in ("FSDP", "DeepSpeed", "ModelParallel", "Tensor")) or (
         world_size > 1 and not is_ddp
     ):
         raise ValueError(
             f"AutoMicroBatch cannot split the batches of strategy {name}: it runs collectives inside forward and"
             " backward, which a rank that ran out of memory never reaches (the others would hang), and AutoMicroBatch"
-            ' has no agreement point in them. It works on one device, with DDP (`strategy="ddp"`) and with FSDP2'
-            " through `ModelParallelStrategy(tensor_parallel_size=1)` (`fully_shard` per block and on the root in"
-            " `configure_model`); use one of these, or remove the callback for this strategy."
+            " has no agreement point in them." + fix
         )
 
 

@@ -33,6 +33,7 @@ a host synchronisation). Measured on 2 CPU processes (gloo, a shared 2-core mach
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ __all__ = [
     "fsdp_modules",
     "install_agreement",
     "reset_fsdp_state",
+    "tensor_parallel_size",
 ]
 
 
@@ -71,10 +73,14 @@ _PEER_LEFT = (
 )
 
 
-#: The store key under which a rank that ran out of memory inside a collective leaves its error for the others.
-_STORE_KEY = "lightning_memopt/out_of_memory_inside_a_collective"
+#: The prefix of the store keys of a rank that ran out of memory inside a collective. Each failure has keys of its
+#: own, ``{prefix}/{generation}/{point}``: the generation counts this process's :func:`install_agreement` calls and the
+#: point is the agreement point before the collective (every rank installs its agreements and passes its agreement
+#: points in the same order, so every rank of the collective names the same key without communicating).
+_STORE_PREFIX = "lightning_memopt/out_of_memory_inside_a_collective"
 #: How long a rank whose collective failed waits for that error (written before the failing rank's connections close).
 PEER_ERROR_WAIT_S = 5.0
+_GENERATIONS = itertools.count()
 
 
 class PeerCollectiveOutOfMemoryError(torch.OutOfMemoryError):
@@ -85,13 +91,22 @@ class PeerCollectiveOutOfMemoryError(torch.OutOfMemoryError):
     """
 
 
+def _peers(group: Any) -> int:
+    """How many other ranks run the collective on ``group`` (0 for anything that is no process group)."""
+    size = getattr(group, "size", None)
+    if not callable(size):
+        return 0
+    return max(int(size()) - 1, 0)
+
+
 class _Agreeing:
     """What both collectives share: the agreement, the allocation FSDP2 asks for, the marking of a collective's OOM."""
 
     what = "collective"
 
-    def __init__(self, agreement: Agreement) -> None:
+    def __init__(self, agreement: Agreement, generation: int = 0) -> None:
         self.agreement = agreement
+        self.generation = generation
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """FSDP2's default allocation (before the agreement point: an out-of-memory error here can be retried)."""
@@ -99,32 +114,36 @@ class _Agreeing:
 
     def _run(self, collective: Any, **kwargs: Any) -> Any:
         self.agreement.before_collective()
+        if not self.agreement.in_step:
+            return collective(**kwargs)
+        key = f"{_STORE_PREFIX}/{self.generation}/{self.agreement.points}"
+        peers = _peers(kwargs.get("group"))
         try:
             return collective(**kwargs)
         except torch.OutOfMemoryError as err:
-            if self.agreement.in_step:
-                mark_unrecoverable(err, f"FSDP's {self.what}")
-                self._tell_peers(err)
+            mark_unrecoverable(err, f"FSDP's {self.what}")
+            self._tell_peers(err, key)
             raise
         except RuntimeError as err:  # the backend's error: a peer left this collective
-            if not self.agreement.in_step:
-                raise
-            told = _torch_private.read_from_peer(_STORE_KEY, PEER_ERROR_WAIT_S)
+            told = _torch_private.read_from_peer(key, PEER_ERROR_WAIT_S)
             if told is None:  # no store, or it went with the failing rank (rank 0 hosts it)
                 extend_message(err, _PEER_LEFT.format(what=self.what))
                 raise
-            raise self._peer_error(told) from err
+            raise self._peer_error(told, key, peers) from err
 
-    def _tell_peers(self, err: torch.OutOfMemoryError) -> None:
+    def _tell_peers(self, err: torch.OutOfMemoryError, key: str) -> None:
         """Leave ``err`` in the process group's store for the ranks that wait in this collective."""
         if not torch.distributed.is_initialized():
             return
         rank = torch.distributed.get_rank()
         text = f"rank {rank} ({host_name()}): {type(err).__name__}: {err}"
-        _torch_private.publish_to_peers(_STORE_KEY, text)
+        _torch_private.publish_to_peers(key, text)
 
-    def _peer_error(self, told: str) -> PeerCollectiveOutOfMemoryError:
-        """The error this rank ends with: the failing rank's (``told``, read from the store), never retried."""
+    def _peer_error(self, told: str, key: str, peers: int) -> PeerCollectiveOutOfMemoryError:
+        """The error this rank ends with: the failing rank's (``told``, read from the store), never retried. The last
+        of the ``peers`` to read the error deletes it from the store."""
+        if (_torch_private.count_at_peers(f"{key}/read") or 0) >= peers:
+            _torch_private.forget_at_peers(key, f"{key}/read")
         peer = PeerCollectiveOutOfMemoryError(
             f"AutoMicroBatch: another process ran out of memory inside FSDP's {self.what}, where this process waited"
             f" for it; every process stops. Its error: {told}"
@@ -177,10 +196,45 @@ class AgreeingReduceScatter(_Agreeing):
         )
 
 
+def tensor_parallel_size(mesh: Any) -> int:
+    """The size of the ``"tensor_parallel"`` dimension of a device mesh (Lightning's ``ModelParallelStrategy`` names
+    it so); 1 for a mesh without one."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "tensor_parallel" not in names:
+        return 1
+    return int(mesh.size(names.index("tensor_parallel")))
+
+
+def _unfit_sharding(module: nn.Module) -> str | None:
+    """Why the sharding of ``module`` has no agreement point (the first trainable parameter that says so); ``None``
+    when every trainable parameter is sharded by ``fully_shard`` on a one-dimensional mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not fsdp_modules(module):
+        return "no module of it is sharded by `fully_shard`"
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if not isinstance(p, DTensor):
+            return f"parameter `{name}` is not sharded"
+        tensor_parallel = tensor_parallel_size(p.device_mesh)
+        if tensor_parallel > 1:
+            return (
+                f"tensor parallelism is the cause: parameter `{name}` is on a device mesh with"
+                f" tensor_parallel_size={tensor_parallel} (> 1)"
+            )
+        if p.device_mesh.ndim != 1:
+            return f"parameter `{name}` is on a {p.device_mesh.ndim}-dimensional mesh (HSDP)"
+        if not all(isinstance(s, Shard) for s in p.placements):
+            return f"parameter `{name}` is replicated ({p.placements})"
+    return None
+
+
 def check_fsdp_for_micro_batches(module: nn.Module) -> None:
     """Raise a ``ValueError`` for sharding AutoMicroBatch cannot agree on: every trainable parameter must be sharded by
     ``fully_shard`` on a one-dimensional mesh (FSDP; not HSDP, tensor parallel or ``replicate``, whose collectives
-    have no agreement point).
+    have no agreement point). The error names the first parameter that is not, and why (tensor parallelism when a
+    parameter's mesh has a ``tensor_parallel`` dimension larger than 1).
 
     Examples:
         >>> check_fsdp_for_micro_batches(nn.Linear(2, 2))
@@ -188,18 +242,14 @@ def check_fsdp_for_micro_batches(module: nn.Module) -> None:
         ...
         ValueError: AutoMicroBatch under a model-parallel strategy needs every trainable parameter sharded by ...
     """
-    from torch.distributed.tensor import DTensor, Shard
-
-    def fits(p: torch.Tensor) -> bool:
-        return isinstance(p, DTensor) and p.device_mesh.ndim == 1 and all(isinstance(s, Shard) for s in p.placements)
-
-    if not fsdp_modules(module) or not all(fits(p) for p in module.parameters() if p.requires_grad):
+    cause = _unfit_sharding(module)
+    if cause is not None:
         raise ValueError(
             "AutoMicroBatch under a model-parallel strategy needs every trainable parameter sharded by `fully_shard`"
             " on a one-dimensional data-parallel mesh (`fully_shard(block, mesh=self.device_mesh['data_parallel'])`"
-            " per block and on the root in `configure_model`): the collectives of tensor parallelism, HSDP and"
-            " `replicate` have no point where the ranks can agree to abandon a micro-batch. Shard the model that way,"
-            " or remove AutoMicroBatch."
+            f" per block and on the root in `configure_model`); here {cause}. The collectives of tensor parallelism,"
+            " HSDP and `replicate` have no point where the ranks can agree to abandon a micro-batch. Shard the model"
+            " that way (`ModelParallelStrategy(tensor_parallel_size=1)`), or remove AutoMicroBatch."
         )
 
 
@@ -208,7 +258,8 @@ def install_agreement(modules: Iterable[nn.Module], agreement: Agreement) -> Non
 
     Outside a micro-batch (validation, ``agreement.in_step`` false) they are FSDP2's default collectives.
     """
-    all_gather, reduce_scatter = AgreeingAllGather(agreement), AgreeingReduceScatter(agreement)
+    generation = next(_GENERATIONS)  # the same on every rank: each installs its agreements in the same order
+    all_gather, reduce_scatter = AgreeingAllGather(agreement, generation), AgreeingReduceScatter(agreement, generation)
     for module in modules:
         try:
             module.set_custom_all_gather(all_gather)  # type: ignore[operator]  # an FSDPModule

@@ -28,6 +28,8 @@ __all__: list[str] = [
     "dump_memory_snapshot",
     "fsdp2_sharded_parameters",
     "fsdp2_unit_policy",
+    "count_at_peers",
+    "forget_at_peers",
     "publish_to_peers",
     "read_from_peer",
     "storage_weak_ref",
@@ -369,3 +371,27 @@ def read_from_peer(key: str, timeout_s: float) -> str | None:
         return bytes(store.get(key)).decode("utf-8", errors="replace")
     except (RuntimeError, OSError):
         return None
+
+
+def count_at_peers(key: str, amount: int = 1) -> int | None:
+    """Add ``amount`` to the counter ``key`` of the default process group's store (``0``: read it); its new value,
+    ``None`` without a store or when its host process is gone."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        return int(store.add(key, amount))
+    except (RuntimeError, OSError):
+        return None
+
+
+def forget_at_peers(*keys: str) -> None:
+    """Delete ``keys`` from the default process group's store, where the store can delete (``delete_key``); a key
+    that is not there, a store without deletion or one whose host is gone is left as it is."""
+    store = _default_store()
+    delete = getattr(store, "delete_key", None)
+    if delete is None:
+        return
+    for key in keys:
+        with contextlib.suppress(RuntimeError, OSError):  # not supported by this store, or its host is gone
+            delete(key)

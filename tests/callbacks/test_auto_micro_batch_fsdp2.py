@@ -129,13 +129,17 @@ class _Mesh:
     def __getitem__(self, name):
         return SimpleNamespace(size=lambda: self.sizes[name])
 
+    def size(self, dim):
+        return self.sizes[self.mesh_dim_names[dim]]
+
 
 def test_tensor_parallel_model_parallel_strategy_is_refused_in_setup():
     strategy = lightning_module("strategies").ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     strategy._device_mesh = _Mesh(tensor_parallel=2)  # set up by the strategy before the callback's setup
     trainer = SimpleNamespace(strategy=strategy, world_size=2)
-    with pytest.raises(ValueError, match=r"ModelParallelStrategy.*tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match=r"ModelParallelStrategy.*tensor_parallel_size=1") as caught:
         AutoMicroBatch().setup(trainer, SimpleNamespace(automatic_optimization=True), "fit")
+    assert "under tensor parallelism (tensor_parallel_size=2 > 1)" in str(caught.value)
 
 
 def test_a_model_not_sharded_by_fully_shard_is_refused_naming_the_fix():
@@ -164,16 +168,20 @@ def _collective_failing_with(error):
 def test_the_ranks_waiting_in_a_collective_end_with_the_error_of_the_rank_that_ran_out_of_memory_in_it(
     one_process_mesh,
 ):
-    """Rank 0 plays both sides: it runs out of memory inside the reduce-scatter (its error goes to the store), then,
-    as a waiting rank would, gets the backend's error from the collective and ends with the first error instead."""
+    """Rank 0 plays both sides, each with an agreement of its own as two ranks have: it runs out of memory inside the
+    reduce-scatter (its error goes to the store), then, as a waiting rank would at the same agreement point, gets the
+    backend's error from the collective and ends with the first error instead."""
     comm = Scripted()
     oom = torch.OutOfMemoryError("simulated: inside the reduce-scatter")
-    collective = AgreeingReduceScatter(comm)
     with pytest.raises(torch.OutOfMemoryError, match="inside the reduce-scatter"), comm.step():
-        collective._run(_collective_failing_with(oom))
+        AgreeingReduceScatter(comm)._run(_collective_failing_with(oom))
+    waiting = Scripted()
+    collective = AgreeingReduceScatter(waiting)
     gloo = RuntimeError("[gloo] Connection closed by peer")
     with pytest.raises(PeerCollectiveOutOfMemoryError) as caught:
-        run_micro_batches(8, 8, 1, lambda start, stop: collective._run(_collective_failing_with(gloo)), agreement=comm)
+        run_micro_batches(
+            8, 8, 1, lambda start, stop: collective._run(_collective_failing_with(gloo)), agreement=waiting
+        )
     said = str(caught.value)
     assert "another process ran out of memory inside FSDP's reduce-scatter" in said
     assert "rank 0 (" in said and "OutOfMemoryError: simulated: inside the reduce-scatter" in said

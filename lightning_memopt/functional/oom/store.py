@@ -4,8 +4,10 @@ Any number of writers (the ranks of a job, two jobs sharing a ``dirpath``, threa
 the same instant, and nothing is ever overwritten:
 
 1. :func:`reserve_report` claims a name unique to this report, ``oom_report_rank0-20250101T120000.123456Z-4242-0``
-   (the failure's UTC time, the process id and a counter), by creating a hidden claim file with ``O_EXCL``; the
-   report's ``.json``, ``.md`` and ``oom_snapshot_rank0-...pickle`` are written under that name only.
+   (the failure's UTC time, the process id and a counter), by creating a hidden claim file with ``O_EXCL`` that
+   names its owner (host and process id); the report's ``.json``, ``.md`` and ``oom_snapshot_rank0-...pickle`` are
+   written under that name only, and the claim is removed when they are. A writer killed meanwhile leaves its claim:
+   the next reservation in the directory removes it (:func:`clear_stale_claims`).
 2. :func:`publish_newest` then points the documented names (``oom_report_rank{r}.json``, ``.md``,
    ``oom_snapshot_rank{r}.pickle``) at the newest kept report of the rank, by failure time: a hard link made under a
    temporary name and renamed over the documented one (``os.replace``), so a reader sees the old report or the new
@@ -25,6 +27,7 @@ import itertools
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,13 +35,28 @@ from typing import Any
 from lightning_memopt.functional.oom.files import report_json, report_paths
 from lightning_memopt.utilities.files import write_text_atomic
 from lightning_memopt.utilities.json_capped import JSONLimits, load_json_capped
+from lightning_memopt.utilities.trainer import host_name
 
-__all__ = ["ReportSlot", "kept_reports", "newest_reports", "publish_newest", "reserve_report", "save_report"]
+__all__ = [
+    "STALE_CLAIM_S",
+    "ReportSlot",
+    "clear_stale_claims",
+    "kept_reports",
+    "newest_reports",
+    "publish_newest",
+    "reserve_report",
+    "save_report",
+]
 
 #: Names of kept reports: ``oom_report_rank{r}-{stamp}Z[-anything].json``, the stamp in UTC with optional microseconds.
 _KEPT = re.compile(r"^oom_report_rank(\d+)-(\d{8}T\d{6})(?:\.(\d{1,6}))?Z(?:-[0-9A-Za-z_.-]*)?\.json$")
 _DOCUMENTED = re.compile(r"^oom_report_rank(\d+)\.json$")
 _COUNTER = itertools.count()  # next() is atomic: threads of one process never share a name
+_CLAIM = re.compile(r"^\.(oom_report_rank\d+-.+)\.claim$")
+#: A claim older than this is taken for one whose writer died, on whatever machine shares the directory.
+STALE_CLAIM_S = 3600.0
+#: An empty claim older than this: its writer died between creating it and writing its owner into it.
+_EMPTY_CLAIM_S = 60.0
 _NO_LINKS = (errno.EPERM, errno.EXDEV, errno.ENOSYS, errno.EMLINK, getattr(errno, "ENOTSUP", errno.EPERM))
 
 
@@ -65,12 +83,73 @@ class ReportSlot:
                 self._claim.unlink()
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal (EPERM), or not to be told: alive
+        return True
+    return True
+
+
+def _claim_is_stale(path: Path, stem: str, now: float) -> bool:
+    """Whether the claim ``path`` (of the report named ``stem``) is left by a writer that is gone or done: its report
+    exists, its owner is a process of this host that ended, it is empty past a minute, or older than an hour."""
+    if (path.parent / f"{stem}.json").exists():
+        return True
+    age = now - path.stat().st_mtime
+    if age > STALE_CLAIM_S:
+        return True
+    owner = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if len(owner) != 2 or not owner[1].isdigit():
+        return age > _EMPTY_CLAIM_S
+    return owner[0] == host_name() and not _alive(int(owner[1]))
+
+
+def clear_stale_claims(dirpath: Path) -> list[Path]:
+    """Remove the claim files in ``dirpath`` that writers killed mid-report left (see :func:`_claim_is_stale`);
+    the removed paths. A claim of a writer still at work is kept; what cannot be read or removed is left."""
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        with os.scandir(dirpath) as entries:
+            names = [entry.name for entry in entries]
+    except OSError:
+        return removed
+    for name in names:
+        match = _CLAIM.match(name)
+        if match is None:
+            continue
+        path = dirpath / name
+        try:
+            if _claim_is_stale(path, match.group(1), now):
+                path.unlink()
+                removed.append(path)
+        except OSError:  # removed meanwhile by another writer, or unreadable: left
+            continue
+    return removed
+
+
+def _claim(claim: Path) -> None:
+    """Create ``claim`` with ``O_EXCL`` (``FileExistsError`` when taken) and write its owner into it."""
+    fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, f"{host_name()}\n{os.getpid()}\n".encode("utf-8", errors="replace"))
+    except OSError:  # a full disk: the empty claim still claims; after a minute it counts as left behind
+        pass
+    finally:
+        os.close(fd)
+
+
 def reserve_report(dirpath: Path, rank: int, when_time: float) -> ReportSlot:
     """Claim a name for a report of rank ``rank`` that failed at ``when_time`` (seconds since the epoch).
 
     The name is the UTC time to the microsecond, the process id and a per-process counter; a hidden claim file
     created with ``O_EXCL`` makes it this writer's even across machines sharing the directory (a taken name moves
-    on to the next counter).
+    on to the next counter). Claims that killed writers left in ``dirpath`` are removed first
+    (:func:`clear_stale_claims`).
 
     Examples:
         >>> import tempfile
@@ -79,13 +158,14 @@ def reserve_report(dirpath: Path, rank: int, when_time: float) -> ReportSlot:
         True
         >>> slot.release()
     """
+    clear_stale_claims(dirpath)
     stamp = _stamp(when_time)
     while True:
         suffix = f"-{stamp}-{os.getpid()}-{next(_COUNTER)}"
         paths = report_paths(dirpath, rank, suffix)
         claim = dirpath / f".{paths['json'].stem}.claim"
         try:
-            os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            _claim(claim)
         except FileExistsError:
             continue
         except OSError:  # no claim possible (a full disk): time, pid and counter alone; writing reports the failure
