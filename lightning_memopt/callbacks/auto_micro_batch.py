@@ -215,10 +215,11 @@ class MicroBatchOptimization:
         size, per_sample = self._micro_batch_size(kwargs["batch"], n)
         weight = float(n) if settings.weight_fn is None else loss_weight(settings.weight_fn(kwargs["batch"]), "a batch")
         batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn, weight)
-        params = [p for p in pl_module.parameters() if p.requires_grad]
+        # listed only where a batch needs them (a retry, an accumulation window, DDP's sync): not on every batch
+        params = functools.cache(lambda: [p for p in pl_module.parameters() if p.requires_grad])
         # the gradients to go back to after an out-of-memory error: those accumulated by the window's earlier batches
         saved = (
-            snapshot_grads(params)
+            snapshot_grads(params())
             if zero_grad_fn is None and backward_fn is not None and batch.accumulate > 1
             else None
         )
@@ -228,14 +229,14 @@ class MicroBatchOptimization:
             comm.active and not self.fsdp_modules and backward_fn is not None and not private.should_accumulate(trainer)
         )
         reduce = gradient_reduction(trainer.strategy.model) if sync_at_end else None  # DDP's hook, if any
-        batch.overlap = self._overlap(params) if sync_at_end and reduce is None else None
+        batch.overlap = self._overlap(params()) if sync_at_end and reduce is None else None
         results = private.logged_results(trainer)
         snapshot = self._keep(pl_module, results, size)  # before the first attempt: what a retry puts back
 
         def restore(_start: int) -> None:  # the batch runs again from its first sample
             if self.fsdp_modules:  # unsharded parameters and FSDP2's trackers of the abandoned attempt
                 reset_fsdp_state(self.fsdp_modules)
-            restore_grads(params, saved, batch.zeroed)
+            restore_grads(params(), saved, batch.zeroed)
             self._restore(snapshot)
 
         # logs after the closure (on_before_optimizer_step, on_train_batch_end) are weighted by the whole batch again
@@ -257,7 +258,7 @@ class MicroBatchOptimization:
             if sync_at_end and not (batch.overlap is not None and batch.overlap.reduced):
                 # after the batch: through the DDP communication hook the user registered, if any (on DDP's own
                 # buckets), else one bucket at a time
-                comm.average_gradients(params, reduce, self._bucket_bytes())
+                comm.average_gradients(params(), reduce, self._bucket_bytes())
             extra = combine_outputs([(part.samples, part.extra) for part in parts]) if parts else {}
             return self._result_class(combine_losses(parts, batch.weight, batch.accumulate), extra=extra)
         finally:
