@@ -133,7 +133,7 @@ class MicroBatchOptimization:
 
     Args:
         trainer: the Trainer whose loop it replaces.
-        original: that loop (given back at teardown: :attr:`original`).
+        original: that loop (given back at teardown: ``original``).
         settings: how to split batches and what a retry puts back.
         state: where the micro-batch in use and the retries are kept (read by the callback).
         warn: warns once per kind of problem.
@@ -713,7 +713,7 @@ class AutoMicroBatch(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the size; a bad or missing one raises (see ``callbacks/_states.py``), a bad ``retries`` warns."""
+        """Restore the size; a bad or missing one raises, a bad ``retries`` warns."""
         state = restore_state("AutoMicroBatch", state_dict)
         self._restore_training_size(state["micro_batch_size"], state["micro_batch_elements"])
         self._state.retries, self._restored = state["retries"], True

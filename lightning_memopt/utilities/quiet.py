@@ -29,7 +29,7 @@ def note_inactive(trainer: Any, owner: str, reason: str) -> None:
 
 
 def inactive_line(inactive: dict[str, str]) -> str:
-    """The line :func:`report_inactive` prints, wrapped to :data:`WIDTH` columns.
+    """The line :func:`report_inactive` prints, wrapped to :data:`~lightning_memopt.utilities.formatting.WIDTH` columns.
 
     Examples:
         >>> print(inactive_line({"CacheCleaner": "no cache on cpu", "AllocatorSettings": "CUDA only"}))

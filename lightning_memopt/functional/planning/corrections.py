@@ -18,7 +18,7 @@ counter and comparing operator by operator (``tests/test_planner_kernels.py`` ke
   the input's dtype, the real kernel in float32. Corrected exactly (the CPU; CUDA's kernels keep float32 too).
 * ``scaled_dot_product_attention`` for a CUDA target: the CPU runs its own kernels (math, with the ``L x L`` scores,
   whenever there is a mask or dropout); CUDA's dispatcher picks flash, memory-efficient or math by dtype, mask and
-  GPU: :func:`~.cuda.cuda_attention`.
+  GPU: :func:`~.attention.cuda_attention`.
 
 Operators compared and found exact on torch 2.13 (fake == real to the byte over training steps in fp32 and
 bf16-mixed): ``nn.GRU``, ``nn.RNN`` and the cells (native CPU kernels, no workspace), ``nn.LSTM`` with ``proj_size``
