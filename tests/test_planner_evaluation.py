@@ -139,14 +139,17 @@ def test_a_plan_gives_the_largest_evaluation_batch_that_fits_and_the_preset_carr
 
 def test_an_evaluation_batch_is_not_planned_without_a_training_setting_or_under_fsdp2():
     from lightning_memopt import plan_memory
-    from lightning_memopt.planner.plan import _evaluation_fields
+    from lightning_memopt.planner.search import PlanSearch, PlanSettings, Stage
 
     plan = plan_memory(_mlp(), lambda b: torch.randn(b, 128, 512), effective_batch_size=64, budget="2MB",
                        device="cpu", evaluation="predict")  # fmt: skip
     assert not plan.feasible and plan.eval_batch_size is None
     assert "Evaluation (trainer.predict): not planned: no training setting fits." in str(plan)
-    fields = _evaluation_fields("test", {}, chosen=4, per_device=8, sharded=True)
-    assert fields["eval_note"] == "not planned: evaluation under FSDP2 is not modelled yet."
+    settings = PlanSettings(_mlp(), lambda b: torch.randn(b, 512), usable=10**9, precision="32-true", device="cpu")
+    search = PlanSearch(settings, effective=16, world=2, sizes=[1, 2, 4, 8], gradient_checkpointing=False)
+    search.done.append(Stage(settings.trials(8, 2, sharded=True), chosen=4, checkpointed=False))
+    planned = search.evaluation("test", 4)
+    assert (planned.size, planned.note) == (None, "not planned: evaluation under FSDP2 is not modelled yet.")
 
 
 @pytest.mark.parametrize("bad", ["fit", "val", 1])

@@ -147,7 +147,7 @@ def test_ddp_s_model_state_floor_is_below_every_ddp_estimate(precision):
 
     model = ResidualMLP()
     model.blocks[0].requires_grad_(False)  # frozen parameters: no gradients, no buckets
-    floor = replicated_floor({"module": model, "precision": precision}, world=2)
+    floor = replicated_floor(model, precision, world=2)
     est = estimate_memory(model, _batch(1), device="cpu", optimizer=ADAMW, precision=precision)
     assert floor <= needed_bytes(est, 2)
     states = est.parameter_bytes + est.buffer_bytes + 2 * est.gradient_bytes
@@ -157,7 +157,7 @@ def test_ddp_s_model_state_floor_is_below_every_ddp_estimate(precision):
 def test_ddp_is_estimated_where_its_floor_fits_and_skipped_where_it_does_not():
     from lightning_memopt.planner.search import replicated_floor
 
-    floor = replicated_floor({"module": ResidualMLP(), "precision": "32-true"}, world=2)
+    floor = replicated_floor(ResidualMLP(), "32-true", world=2)
     for budget, estimated in ((floor + 1, True), (floor - 1, False)):
         plan = plan_memory(
             ResidualMLP(), _batch, effective_batch_size=2, budget=budget, devices=2, device="cpu", margin=0,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -20,14 +19,18 @@ from lightning_memopt.functional.divisors import INT64_MAX, divisors
 from lightning_memopt.functional.planning.sharding import child_roots, default_shard_blocks
 from lightning_memopt.functional.presets import normalize_checkpoint_modules, tier_for_memory
 from lightning_memopt.planner.budget import CUDA_CONTEXT_BYTES, GPU_COMPUTE_CAPABILITY, parse_budget
-from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, STAGES, MemoryEstimate, estimate_memory
-from lightning_memopt.planner.model_step import MemoryEstimateError, is_lightning_module, is_manual_optimization
+from lightning_memopt.planner.estimate import ESTIMATE_PRECISIONS, STAGES, MemoryEstimate
+from lightning_memopt.planner.model_step import is_lightning_module, is_manual_optimization
 from lightning_memopt.planner.search import (
+    EvaluationPlan,
+    GpusNeeded,
+    PlanSettings,
     PlanTrial,
-    Trials,
-    evaluation_batch,
+    Stage,
+    most_estimates,
     needed_bytes,
-    replicated_floor,
+    search_plan,
+    split_needs,
     strategy_label,
 )
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
@@ -37,8 +40,6 @@ __all__ = ["PLAN_STRATEGIES", "MemoryPlan", "plan_memory"]
 
 #: What ``plan_memory(strategy=...)`` accepts: ``"auto"`` (DDP where the model fits each rank, else FSDP2), or one.
 PLAN_STRATEGIES = ("auto", "ddp", "fsdp2")
-#: GPU counts the advice plans for when nothing fits (after the lower bound from the model states).
-_GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 _log = logging.getLogger(__name__)
 
@@ -273,43 +274,9 @@ def _micro_batches(per_device: int, manual: bool, report: Callable[[str], None])
     shown = ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]}"
     report(
         f"per-device batch {per_device}: {len(sizes)} micro-batch{'es' if len(sizes) != 1 else ''} to choose from"
-        f" ({shown}); at most {_most_estimates(len(sizes))} estimates per checkpointing setting"
+        f" ({shown}); at most {most_estimates(len(sizes))} estimates per checkpointing setting"
     )
     return sizes
-
-
-def _search(runs: Trials, sizes: list[int], gradient_checkpointing: bool | Literal["auto"]) -> tuple[int | None, bool]:
-    """The chosen micro-batch (``None`` when nothing fits) and whether it is checkpointed.
-
-    Checkpointing is chosen only where it at least doubles the micro-batch that fits without it; with ``"auto"`` a
-    model where the default blocks match nothing is planned without.
-    """
-    options = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
-    best: dict[bool, int | None] = {}
-    for option in options:
-        plain = best.get(False)
-        candidates = [s for s in sizes if plain is None or not option or s >= 2 * plain]
-        if not candidates:
-            break
-        try:
-            best[option] = runs.largest_fitting(option, candidates)
-        except MemoryEstimateError as err:
-            if gradient_checkpointing != "auto" or "matched no submodule" not in str(err):
-                raise
-            options = [False]  # nothing to checkpoint: the plan is made without
-            break
-    plain, checkpointed = best.get(False), best.get(True)
-    if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
-        return checkpointed, True
-    if plain is not None:
-        return plain, False
-    return None, options[-1]
-
-
-def _most_estimates(candidates: int) -> int:
-    """Estimates :func:`~lightning_memopt.planner.search.largest_fitting` runs at most over ``candidates`` sizes: the
-    largest, the smallest, then a binary search between them."""
-    return 1 if candidates == 1 else 2 + max(0, math.ceil(math.log2(candidates - 1)))
 
 
 def _label(estimate: MemoryEstimate, world: int) -> str:
@@ -318,76 +285,7 @@ def _label(estimate: MemoryEstimate, world: int) -> str:
     return strategy_label(world, sharding is not None, sharding is not None and sharding.cpu_offload)
 
 
-class _Stage(NamedTuple):
-    """One strategy searched: its estimates and the micro-batch chosen (``None``: nothing fits); ``floor``: the bytes
-    its model states alone need per rank, where that ruled it out before any estimate."""
-
-    runs: Trials
-    chosen: int | None
-    checkpointed: bool
-    floor: int | None = None
-
-    def smallest(self) -> MemoryEstimate:
-        """The estimate of micro-batch 1 (else the smallest tried) with the checkpointing searched last."""
-        estimates = self.runs.estimates
-        return estimates.get((1, self.checkpointed)) or estimates[min(estimates)]
-
-
-class _Stages:
-    """The strategies :func:`plan_memory` searches in order, until one fits: DDP (the whole model on each rank; a
-    single device when the world is 1), FSDP2 over the world, FSDP2 with CPU offload (the last resort)."""
-
-    def __init__(
-        self,
-        trials: dict[str, Any],
-        *,
-        effective: int,
-        world: int,
-        sizes: list[int],
-        gradient_checkpointing: bool | Literal["auto"],
-    ) -> None:
-        self.trials, self.effective, self.world, self.sizes = trials, effective, world, sizes
-        self.gradient_checkpointing = gradient_checkpointing
-
-    def runs(self, world: int, sharded: bool, cpu_offload: bool = False) -> Trials:
-        per_device = max(1, self.effective // world)
-        return Trials(batch_per_device=per_device, world=world, sharded=sharded, cpu_offload=cpu_offload, **self.trials)
-
-    def search(self, strategy: str) -> list[_Stage]:
-        """Each strategy in order until one fits."""
-        order = {"ddp": [(False, False)], "fsdp2": [(True, False), (True, True)]}
-        options = [(False, False)] if self.world == 1 else order.get(strategy, [*order["ddp"], *order["fsdp2"]])
-        done: list[_Stage] = []
-        for sharded, offload in options:
-            runs = self.runs(self.world, sharded, offload)
-            floor = None if sharded or len(options) == 1 else replicated_floor(self.trials, self.world)
-            if floor is not None and floor > runs.usable:  # DDP ruled out by its model states: FSDP2 is next
-                done.append(_Stage(runs, None, False, floor))
-                continue
-            chosen, checkpointed = _search(runs, self.sizes, self.gradient_checkpointing)
-            done.append(_Stage(runs, chosen, checkpointed))
-            if chosen is not None:
-                break
-        return done
-
-    def gpus(self, estimate: MemoryEstimate, usable: int, checkpointing: bool, tried: int) -> _Gpus | None:
-        """The GPUs FSDP2 needs for micro-batch 1: estimated at the first two counts (2, 4, 8, ...) from the lower
-        bound and above ``tried`` (the world already sharded over); else the lower bound."""
-        lower = _lower_bound(estimate, usable, estimate.world_size)
-        if lower is None:
-            return None
-        for count in [c for c in _GPU_COUNTS if c >= lower and c > tried][:2]:
-            runs = self.runs(count, True)
-            try:
-                fits = runs.fits(1, checkpointing)
-            except (ValueError, MemoryEstimateError):  # e.g. a process group is initialised: keep the lower bound
-                break
-            if fits:
-                return _Gpus(count, True, runs.trials[-1].needed_bytes)
-        return _Gpus(lower, False)
-
-
-def _reason(done: list[_Stage], world: int, strategy: str) -> str:
+def _reason(done: list[Stage], world: int, strategy: str) -> str:
     """Why the plan's strategy, in words (empty on a single device, or when nothing fits)."""
     final = done[-1]
     if world == 1 or final.chosen is None:
@@ -423,37 +321,12 @@ def _reason(done: list[_Stage], world: int, strategy: str) -> str:
     return " ".join(texts)
 
 
-class _Gpus(NamedTuple):
-    """How many GPUs FSDP2 needs for micro-batch 1: ``planned`` when estimated at that count, else a lower bound."""
-
-    number: int
-    planned: bool
-    needed: int = 0
-
-
-def _split(estimate: MemoryEstimate, world: int) -> tuple[int, int, int]:
-    """``(needed, states, rest)``: the bytes a rank needs, of them the model states' (parameters, buffers, gradients,
-    optimizer states), and the rest (activations, temporaries, the batch)."""
-    needed = needed_bytes(estimate, world)
-    states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
-    return needed, states, needed - states
-
-
-def _lower_bound(estimate: MemoryEstimate, usable: int, world: int) -> int | None:
-    """The fewest ranks whose shares of the model states fit beside one sample's activations and temporaries
-    (``None``: those alone exceed ``usable``); ``estimate`` holds one rank's bytes of a ``world_size``-way sharding."""
-    _, states, rest = _split(estimate, world)
-    if usable <= rest:
-        return None
-    return max(2, math.ceil(states * estimate.world_size / (usable - rest)))
-
-
 def _advice(
-    estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool, micro: int, gpus: _Gpus | None
+    estimate: MemoryEstimate, usable: int, world: int, checkpointing: bool, micro: int, gpus: GpusNeeded | None
 ) -> str:
     """What would fit when the smallest micro-batch (``micro``, 1 unless the step cannot accumulate) does not
     (``estimate``): 8-bit optimizer states, FSDP2 over ``gpus``, or nothing but shorter samples or a larger device."""
-    needed, states, rest = _split(estimate, world)
+    needed, states, rest = split_needs(estimate, world)
     how = " and activation checkpointing" if checkpointing else ""
     if world > 1:
         how += f", {_label(estimate, world)}"
@@ -649,38 +522,38 @@ def plan_memory(
     report = progress if progress is not None else _log.info
     per_device = effective_batch_size // world
     sizes = _micro_batches(per_device, loss_fn is None and is_manual_optimization(module), report)
-    trials = {
-        "module": module,
-        "batch_fn": batch_fn,
-        "gpu": limit.gpu,
-        "usable": limit.usable,
-        "precision": limit.precision,
-        "optimizer": optimizer,
-        "device": device,
-        "loss_fn": loss_fn,
-        "progress": report,
-        "checkpoint_modules": modules,
-        "shard_modules": shard_modules,
-    }
-    stages = _Stages(
-        trials, effective=effective_batch_size, world=world, sizes=sizes, gradient_checkpointing=gradient_checkpointing
+    settings = PlanSettings(
+        module,
+        batch_fn,
+        limit.usable,
+        limit.precision,
+        device,
+        gpu=limit.gpu,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        progress=report,
+        checkpoint_modules=modules,
+        shard_modules=shard_modules,
     )
-    done = stages.search(strategy)
-    final = done[-1]
+    found = search_plan(
+        settings,
+        effective=effective_batch_size,
+        world=world,
+        sizes=sizes,
+        gradient_checkpointing=gradient_checkpointing,
+        strategy=strategy,
+        evaluation=evaluation,
+    )
+    done, final = found.done, found.final
     chosen, checkpointed = final.chosen, final.checkpointed
-    gpus: _Gpus | None = None
     if chosen is None:
         estimate = final.smallest()
-        tried = world if final.runs.sharded else 1
-        first = next(stage for stage in done if stage.floor is None)  # the last stage is always estimated
-        gpus = stages.gpus(first.smallest(), limit.usable, checkpointed, tried)
         # the advice speaks of the model states on the GPU: of the last estimate without CPU offload
         on_gpu = [stage for stage in done if not stage.runs.cpu_offload][-1].smallest()
-        advice = _advice(on_gpu, limit.usable, world, checkpointed, sizes[0], gpus)
+        advice = _advice(on_gpu, limit.usable, world, checkpointed, sizes[0], found.gpus)
     else:
         estimate, advice = final.runs.estimates[(chosen, checkpointed)], ""
-    evaluation_fields = _evaluation_fields(evaluation, trials, chosen, per_device, final.runs.sharded)
-    policy = _policy_estimate(trials, final.runs, chosen, checkpointed) if chosen is not None else None
+    gpus = found.gpus
     return MemoryPlan(
         feasible=chosen is not None,
         effective_batch_size=effective_batch_size,
@@ -705,69 +578,21 @@ def plan_memory(
         **_sharding_fields(module, estimate, shard_modules),
         gpus_needed=gpus.number if gpus is not None else None,
         gpus_needed_planned=gpus is not None and gpus.planned,
-        **evaluation_fields,
-        policy_estimate=policy,
+        **_evaluation_fields(found.evaluation),
+        policy_estimate=found.policy,
     )
 
 
-def _policy_estimate(trials: dict[str, Any], runs: Trials, chosen: int, checkpointed: bool) -> MemoryEstimate | None:
-    """The chosen FSDP2 setting with FSDP2's own ``MixedPrecisionPolicy`` instead of autocast (one estimate), where
-    it applies: a sharded plan without CPU offload, a ``*-mixed`` precision, the default sharding."""
-    estimate = runs.estimates[(chosen, checkpointed)]
-    sharding = estimate.sharding
-    if sharding is None or sharding.cpu_offload or sharding.source == "configure_model":
-        return None
-    if trials["precision"] not in ("bf16-mixed", "16-mixed"):
-        return None
-    return estimate_memory(
-        trials["module"],
-        trials["batch_fn"](chosen),
-        precision=trials["precision"],
-        optimizer=trials["optimizer"],
-        device=trials["device"],
-        gradient_checkpointing=checkpointed,
-        checkpoint_modules=trials["checkpoint_modules"] if checkpointed else None,
-        loss_fn=trials["loss_fn"],
-        accumulate_grad_batches=estimate.accumulate_grad_batches,
-        gpu=trials["gpu"] if trials["device"] == "cuda" else None,
-        world_size=runs.world,
-        reshard_after_forward=True,
-        shard_modules=trials["shard_modules"],
-        mixed_precision_policy=True,
-    )
-
-
-def _evaluation_fields(
-    stage: str | None, trials: dict[str, Any], chosen: int | None, per_device: int, sharded: bool
-) -> dict[str, Any]:
-    """The plan's ``eval_*`` fields: the evaluation batch of ``stage`` (see :func:`plan_memory`), or why none."""
-    if stage is None:
+def _evaluation_fields(planned: EvaluationPlan | None) -> dict[str, Any]:
+    """The plan's ``eval_*`` fields (none when no evaluation stage was asked for)."""
+    if planned is None:
         return {}
-    fields: dict[str, Any] = {"eval_stage": stage}
-    if chosen is None:
-        return {**fields, "eval_note": "not planned: no training setting fits."}
-    if sharded:
-        return {**fields, "eval_note": "not planned: evaluation under FSDP2 is not modelled yet."}
-    size, estimate, tried = evaluation_batch(
-        trials["module"],
-        trials["batch_fn"],
-        stage=stage,
-        smallest=chosen,
-        largest=max(chosen, 4 * per_device),
-        usable=trials["usable"],
-        precision=trials["precision"],
-        device=trials["device"],
-        gpu=trials["gpu"],
-        loss_fn=trials["loss_fn"],
-        progress=trials["progress"],
-    )
-    note = "" if size is not None else f"nothing fits, not even the training micro-batch {chosen}."
     return {
-        **fields,
-        "eval_batch_size": size,
-        "eval_estimate": estimate,
-        "eval_trials": tuple(tried),
-        "eval_note": note,
+        "eval_stage": planned.stage,
+        "eval_batch_size": planned.size,
+        "eval_estimate": planned.estimate,
+        "eval_trials": planned.trials,
+        "eval_note": planned.note,
     }
 
 

@@ -1,26 +1,45 @@
-"""The search behind :func:`~lightning_memopt.planner.plan_memory`: one estimate per micro-batch tried."""
+"""The search behind :func:`~lightning_memopt.planner.plan_memory`, in one flow: :func:`search_plan` tries each
+strategy in order (DDP, FSDP2, FSDP2 with CPU offload), in each the micro-batches (one estimate per micro-batch
+tried, with and without activation checkpointing), then, for the setting chosen, the evaluation batch and FSDP2's
+own mixed precision; when nothing fits, the GPUs FSDP2 would need. :mod:`~lightning_memopt.planner.plan` turns the
+outcome into a :class:`~lightning_memopt.planner.plan.MemoryPlan` and its words.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from lightning_memopt.planner.estimate import MemoryEstimate, estimate_memory
+from lightning_memopt.planner.model_step import MemoryEstimateError
 from lightning_memopt.utilities.formatting import format_bytes
 
 __all__ = [
+    "EvaluationPlan",
+    "GpusNeeded",
+    "PlanSearch",
+    "PlanSettings",
     "PlanTrial",
+    "Stage",
     "Trials",
     "evaluation_batch",
     "largest_fitting",
+    "lower_bound",
+    "most_estimates",
     "needed_bytes",
     "replicated_floor",
+    "search_plan",
+    "split_needs",
     "strategy_label",
 ]
+
+#: GPU counts the advice plans for when nothing fits (after the lower bound from the model states).
+GPU_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -55,7 +74,7 @@ def needed_bytes(estimate: MemoryEstimate, world: int) -> int:
     return estimate.peak_bytes + (estimate.gradient_bytes if ddp else 0)
 
 
-def replicated_floor(trials: Mapping[str, Any], world: int) -> int:
+def replicated_floor(module: nn.Module, precision: str, world: int) -> int:
     """The fewest bytes a rank that holds the whole model needs (DDP): its parameters and buffers at the plan's
     precision (``-true``: floating ones in 16 bits), the trainable parameters' gradients and, over several ranks,
     DDP's gradient buckets (one more copy). Every estimate of that strategy needs at least this (the gradients are
@@ -63,12 +82,10 @@ def replicated_floor(trials: Mapping[str, Any], world: int) -> int:
     the usable bytes.
 
     Examples:
-        >>> trials = {"module": nn.Linear(1000, 1000), "precision": "bf16-mixed"}
-        >>> replicated_floor(trials, world=8) == 3 * 4 * (1000 * 1000 + 1000)
+        >>> replicated_floor(nn.Linear(1000, 1000), "bf16-mixed", world=8) == 3 * 4 * (1000 * 1000 + 1000)
         True
     """
-    half = trials["precision"].endswith("-true") and not trials["precision"].startswith("32")
-    module = trials["module"]
+    half = precision.endswith("-true") and not precision.startswith("32")
 
     def nbytes(t: Tensor) -> int:
         size = 2 if half and t.is_floating_point() else t.element_size()
@@ -293,3 +310,259 @@ def evaluation_batch(
 
     chosen = largest_fitting(candidates, fits)
     return chosen, estimates.get(chosen) if chosen is not None else None, trials
+
+
+def most_estimates(candidates: int) -> int:
+    """Estimates :meth:`Trials.largest_fitting` runs at most over ``candidates`` sizes: the largest, the smallest,
+    then a binary search between them.
+
+    Examples:
+        >>> most_estimates(1), most_estimates(7)
+        (1, 5)
+    """
+    return 1 if candidates == 1 else 2 + max(0, math.ceil(math.log2(candidates - 1)))
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What every estimate of one plan shares: the model and its batches, the target, the usable bytes (see
+    :func:`~lightning_memopt.plan_memory`'s arguments; ``checkpoint_modules``: the blocks checkpointed when
+    checkpointing is on)."""
+
+    module: nn.Module
+    batch_fn: Callable[[int], Any]
+    usable: int
+    precision: str
+    device: str
+    gpu: str | tuple[int, int] | None = None
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None
+    progress: Callable[[str], None] | None = None
+    checkpoint_modules: Sequence[type[nn.Module] | str] | None = None
+    shard_modules: Sequence[type[nn.Module] | str] | None = None
+
+    def trials(self, per_device: int, world: int, sharded: bool = False, cpu_offload: bool = False) -> Trials:
+        """The estimates of one strategy: ``per_device`` samples per optimizer step on each of ``world`` ranks."""
+        shared = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Trials(batch_per_device=per_device, world=world, sharded=sharded, cpu_offload=cpu_offload, **shared)
+
+
+def _choose(runs: Trials, sizes: list[int], gradient_checkpointing: bool | Literal["auto"]) -> tuple[int | None, bool]:
+    """The chosen micro-batch (``None`` when nothing fits) and whether it is checkpointed.
+
+    Checkpointing is chosen only where it at least doubles the micro-batch that fits without it; with ``"auto"`` a
+    model where the default blocks match nothing is planned without.
+    """
+    options = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
+    best: dict[bool, int | None] = {}
+    for option in options:
+        plain = best.get(False)
+        candidates = [s for s in sizes if plain is None or not option or s >= 2 * plain]
+        if not candidates:
+            break
+        try:
+            best[option] = runs.largest_fitting(option, candidates)
+        except MemoryEstimateError as err:
+            if gradient_checkpointing != "auto" or "matched no submodule" not in str(err):
+                raise
+            options = [False]  # nothing to checkpoint: the plan is made without
+            break
+    plain, checkpointed = best.get(False), best.get(True)
+    if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
+        return checkpointed, True
+    if plain is not None:
+        return plain, False
+    return None, options[-1]
+
+
+class Stage(NamedTuple):
+    """One strategy searched: its estimates and the micro-batch chosen (``None``: nothing fits); ``floor``: the bytes
+    its model states alone need per rank, where that ruled it out before any estimate."""
+
+    runs: Trials
+    chosen: int | None
+    checkpointed: bool
+    floor: int | None = None
+
+    def smallest(self) -> MemoryEstimate:
+        """The estimate of micro-batch 1 (else the smallest tried) with the checkpointing searched last."""
+        estimates = self.runs.estimates
+        return estimates.get((1, self.checkpointed)) or estimates[min(estimates)]
+
+
+class GpusNeeded(NamedTuple):
+    """How many GPUs FSDP2 needs for micro-batch 1: ``planned`` when estimated at that count, else a lower bound."""
+
+    number: int
+    planned: bool
+    needed: int = 0
+
+
+class EvaluationPlan(NamedTuple):
+    """The evaluation batch per device planned for ``stage`` (``size`` ``None``: none; ``note`` says why)."""
+
+    stage: str
+    size: int | None = None
+    estimate: MemoryEstimate | None = None
+    trials: tuple[PlanTrial, ...] = ()
+    note: str = ""
+
+
+def split_needs(estimate: MemoryEstimate, world: int) -> tuple[int, int, int]:
+    """``(needed, states, rest)``: the bytes a rank needs, of them the model states' (parameters, buffers, gradients,
+    optimizer states), and the rest (activations, temporaries, the batch)."""
+    needed = needed_bytes(estimate, world)
+    states = sum(estimate.at_peak.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer_states"))
+    return needed, states, needed - states
+
+
+def lower_bound(estimate: MemoryEstimate, usable: int, world: int) -> int | None:
+    """The fewest ranks whose shares of the model states fit beside one sample's activations and temporaries
+    (``None``: those alone exceed ``usable``); ``estimate`` holds one rank's bytes of a ``world_size``-way sharding."""
+    _, states, rest = split_needs(estimate, world)
+    if usable <= rest:
+        return None
+    return max(2, math.ceil(states * estimate.world_size / (usable - rest)))
+
+
+@dataclass
+class PlanSearch:
+    """The strategies a plan searches in order, until one fits: DDP (the whole model on each rank; a single device
+    when the world is 1), FSDP2 over the world, FSDP2 with CPU offload (the last resort); then what the setting that
+    fits also needs planned (:func:`search_plan` runs it)."""
+
+    settings: PlanSettings
+    effective: int
+    world: int
+    sizes: list[int]
+    gradient_checkpointing: bool | Literal["auto"]
+    done: list[Stage] = field(default_factory=list)
+
+    def runs(self, world: int, sharded: bool, cpu_offload: bool = False) -> Trials:
+        return self.settings.trials(max(1, self.effective // world), world, sharded, cpu_offload)
+
+    def strategies(self, strategy: str) -> Stage:
+        """Each strategy in order until one fits (``strategy``: ``"auto"``, ``"ddp"`` or ``"fsdp2"``); the last."""
+        order = {"ddp": [(False, False)], "fsdp2": [(True, False), (True, True)]}
+        options = [(False, False)] if self.world == 1 else order.get(strategy, [*order["ddp"], *order["fsdp2"]])
+        for sharded, offload in options:
+            runs = self.runs(self.world, sharded, offload)
+            floor = None
+            if not sharded and len(options) > 1:
+                floor = replicated_floor(self.settings.module, self.settings.precision, self.world)
+            if floor is not None and floor > runs.usable:  # DDP ruled out by its model states: FSDP2 is next
+                self.done.append(Stage(runs, None, False, floor))
+                continue
+            chosen, checkpointed = _choose(runs, self.sizes, self.gradient_checkpointing)
+            self.done.append(Stage(runs, chosen, checkpointed))
+            if chosen is not None:
+                break
+        return self.done[-1]
+
+    def gpus(self) -> GpusNeeded | None:
+        """The GPUs FSDP2 needs for micro-batch 1 when nothing fits: estimated at the first two counts (2, 4, 8, ...)
+        from the lower bound and above the world already sharded over; else the lower bound."""
+        final = self.done[-1]
+        first = next(stage for stage in self.done if stage.floor is None)  # the last stage is always estimated
+        estimate, tried = first.smallest(), self.world if final.runs.sharded else 1
+        lower = lower_bound(estimate, self.settings.usable, estimate.world_size)
+        if lower is None:
+            return None
+        for count in [c for c in GPU_COUNTS if c >= lower and c > tried][:2]:
+            runs = self.runs(count, True)
+            try:
+                fits = runs.fits(1, final.checkpointed)
+            except (ValueError, MemoryEstimateError):  # e.g. a process group is initialised: keep the lower bound
+                break
+            if fits:
+                return GpusNeeded(count, True, runs.trials[-1].needed_bytes)
+        return GpusNeeded(lower, False)
+
+    def evaluation(self, stage: str, chosen: int) -> EvaluationPlan:
+        """The largest evaluation batch of ``stage`` per device: the training micro-batch ``chosen`` doubled up to 4
+        x the per-device batch (not under FSDP2: not modelled yet)."""
+        if self.done[-1].runs.sharded:
+            return EvaluationPlan(stage, note="not planned: evaluation under FSDP2 is not modelled yet.")
+        s = self.settings
+        size, estimate, tried = evaluation_batch(
+            s.module,
+            s.batch_fn,
+            stage=stage,
+            smallest=chosen,
+            largest=max(chosen, 4 * (self.effective // self.world)),
+            usable=s.usable,
+            precision=s.precision,
+            device=s.device,
+            gpu=s.gpu,
+            loss_fn=s.loss_fn,
+            progress=s.progress,
+        )
+        note = "" if size is not None else f"nothing fits, not even the training micro-batch {chosen}."
+        return EvaluationPlan(stage, size, estimate, tuple(tried), note)
+
+    def policy(self, chosen: int, checkpointed: bool) -> MemoryEstimate | None:
+        """The chosen FSDP2 setting with FSDP2's own ``MixedPrecisionPolicy`` instead of autocast (one estimate),
+        where it applies: a sharded plan without CPU offload, a ``*-mixed`` precision, the default sharding."""
+        s, runs = self.settings, self.done[-1].runs
+        estimate = runs.estimates[(chosen, checkpointed)]
+        sharding = estimate.sharding
+        if sharding is None or sharding.cpu_offload or sharding.source == "configure_model":
+            return None
+        if s.precision not in ("bf16-mixed", "16-mixed"):
+            return None
+        return estimate_memory(
+            s.module,
+            s.batch_fn(chosen),
+            precision=s.precision,
+            optimizer=s.optimizer,
+            device=s.device,
+            gradient_checkpointing=checkpointed,
+            checkpoint_modules=s.checkpoint_modules if checkpointed else None,
+            loss_fn=s.loss_fn,
+            accumulate_grad_batches=estimate.accumulate_grad_batches,
+            gpu=s.gpu if s.device == "cuda" else None,
+            world_size=runs.world,
+            reshard_after_forward=True,
+            shard_modules=s.shard_modules,
+            mixed_precision_policy=True,
+        )
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """What :func:`search_plan` found: each strategy searched (``done``, the last one's setting chosen), and for
+    it the evaluation batch and FSDP2's own mixed precision; or, when nothing fits, the GPUs FSDP2 would need."""
+
+    done: list[Stage]
+    gpus: GpusNeeded | None = None
+    evaluation: EvaluationPlan | None = None
+    policy: MemoryEstimate | None = None
+
+    @property
+    def final(self) -> Stage:
+        return self.done[-1]
+
+
+def search_plan(
+    settings: PlanSettings,
+    *,
+    effective: int,
+    world: int,
+    sizes: list[int],
+    gradient_checkpointing: bool | Literal["auto"],
+    strategy: str,
+    evaluation: str | None,
+) -> SearchOutcome:
+    """The whole search of a plan (see :func:`~lightning_memopt.plan_memory`): strategies and micro-batches, then
+    for the setting that fits the ``evaluation`` stage's batch and the MixedPrecisionPolicy estimate, or the GPUs
+    needed when none fits."""
+    search = PlanSearch(settings, effective, world, sizes, gradient_checkpointing)
+    final = search.strategies(strategy)
+    if final.chosen is None:
+        note = EvaluationPlan(evaluation, note="not planned: no training setting fits.") if evaluation else None
+        return SearchOutcome(search.done, gpus=search.gpus(), evaluation=note)
+    return SearchOutcome(
+        search.done,
+        evaluation=search.evaluation(evaluation, final.chosen) if evaluation else None,
+        policy=search.policy(final.chosen, final.checkpointed),
+    )
