@@ -117,13 +117,24 @@ def mutated_source(site: Site) -> str:
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
-def all_sites() -> list[Site]:
+def _modules(paths: tuple[str, ...]) -> list[Path]:
+    """The modules under ``paths`` (folders or files, relative to the repository), each once, in order."""
+    found: dict[Path, None] = {}
+    for given in paths:
+        where = ROOT / given
+        if where.is_dir():
+            found.update(dict.fromkeys(sorted(where.rglob("*.py"))))
+        elif where.suffix == ".py":
+            found[where] = None
+    return list(found)
+
+
+def all_sites(paths: tuple[str, ...] = CORE) -> list[Site]:
     sites = []
-    for folder in CORE:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-            for index, (node, description) in enumerate(_places(tree)):
-                sites.append(Site(path, index, getattr(node, "lineno", 0), description))
+    for path in _modules(paths):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for index, (node, description) in enumerate(_places(tree)):
+            sites.append(Site(path, index, getattr(node, "lineno", 0), description))
     return sites
 
 
@@ -197,10 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the draw (default 0)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run")
     parser.add_argument("--list", action="store_true", help="print the drawn mutants and exit")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=list(CORE),
+        help="modules or folders to draw from (default: the functional and analysis cores), e.g. the modules a"
+        " release changed: --paths $(git diff --name-only v0.1.0 -- 'lightning_memopt/*.py')",
+    )
     args = parser.parse_args(argv)
-    sites = all_sites()
+    sites = all_sites(tuple(args.paths))
     drawn = random.Random(args.seed).sample(sites, min(args.count, len(sites)))
-    print(f"{len(sites)} mutable places in {', '.join(CORE)}; drawn {len(drawn)} (seed {args.seed})", flush=True)
+    print(f"{len(sites)} mutable places in {', '.join(args.paths)}; drawn {len(drawn)} (seed {args.seed})", flush=True)
     counts = {"killed": 0, "survived": 0, "unjudged": 0, "no tests": 0}
     baselines: dict[Path, Baseline] = {}
     for site in drawn:

@@ -114,3 +114,16 @@ def test_the_random_sample_compares_with_the_unmutated_run_too(project, monkeypa
     assert path.read_text() == PROJECT["calc.py"]
     monkeypatch.setattr(mutation_sample, "tests_for", lambda path: ["test_unrelated.py"])
     assert mutation_sample.run(site, timeout=120)[0] == "unjudged"  # it used to count as killed
+
+
+def test_the_random_sample_draws_from_the_paths_given(project, monkeypatch):
+    monkeypatch.setattr(mutation_sample, "ROOT", project)
+    (project / "pkg").mkdir()
+    (project / "pkg" / "one.py").write_text("def f(a):\n    return a < 1\n")
+    (project / "pkg" / "notes.txt").write_text("a < 1\n")
+    sites = mutation_sample.all_sites(("pkg", "calc.py", "pkg/one.py", "README.md"))
+    assert [(site.path.name, site.description) for site in sites] == [
+        ("one.py", "Lt -> LtE"),
+        ("one.py", "1 -> 2"),
+        ("calc.py", "Add -> Sub"),
+    ]
