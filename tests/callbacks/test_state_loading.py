@@ -141,11 +141,15 @@ def test_an_auto_micro_batch_state_without_a_size_keeps_the_configured_one_and_a
     assert _load(callback, {"micro_batch_size": None, "retries": 0, "micro_batch_elements": None, **evaluation}) == []
     assert callback.micro_batch_size == 8
     assert callback.eval_micro_batch_sizes == {"validate": 4, "test": None, "predict": None}
-    said = _load(callback, {"micro_batch_size": 4})  # as a version that saved only the size would (0.1)
-    assert callback.micro_batch_size == 4 and callback.retries == 0
-    assert callback.eval_micro_batch_sizes == {"validate": None, "test": None, "predict": None}
+    older = AutoMicroBatch()  # micro_batch_size="auto": the checkpoint's size is where it goes on from
+    said = _load(older, {"micro_batch_size": 4})  # as a version that saved only the size would (0.1)
+    assert older.micro_batch_size == 4 and older.retries == 0
+    assert older.eval_micro_batch_sizes == {"validate": None, "test": None, "predict": None}
     assert len(said) == 1 and "AutoMicroBatch" in said[0] and "'retries'" in said[0]
     assert "'validate_micro_batch_size'" in said[0]
+    said = _load(callback, {"micro_batch_size": 4})  # the size given (8) wins over an older checkpoint's, warned
+    assert callback.micro_batch_size == 8
+    assert any("checkpoint's micro-batch size 4 is not used" in text for text in said), said
 
 
 def test_a_huge_bad_value_is_shortened_in_the_message():
