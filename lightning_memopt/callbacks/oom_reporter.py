@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_memopt.callbacks._memory_log import ArtifactCallback
 from lightning_memopt.callbacks._states import MAX_REMEMBERED_REPORTS as _MAX_REMEMBERED
 from lightning_memopt.callbacks._states import restore_state
-from lightning_memopt.functional import oom
+from lightning_memopt.functional import fsdp_sync, oom
 from lightning_memopt.functional.batching import LengthSample
 from lightning_memopt.functional.checkpointing import is_checkpointed
 from lightning_memopt.functional.memory import read_memory
@@ -115,9 +115,9 @@ class OOMReporter(ArtifactCallback):
         self._lengths = LengthSample()  # the first training batches' lengths
         self._warn = WarnOnce()
 
-    @property
+    @functools.cached_property
     @override
-    def state_key(self) -> str:
+    def state_key(self) -> str:  # read by Lightning on every hook call: built once
         return self._generate_state_key(dirpath=self.dirpath)
 
     @override
@@ -129,6 +129,9 @@ class OOMReporter(ArtifactCallback):
         ensure_run_id(trainer)
         if self.record_history and not self._recording:
             self._start_history(trainer)
+        # Under AutoMicroBatch with FSDP2, a rank left inside a collective by a rank that ran out of memory in it
+        # reports while it still waits there: once its process is allowed to end, a launcher may kill it.
+        fsdp_sync.report_peer_failures(self, functools.partial(self._report_safely, trainer, pl_module))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,18 +174,25 @@ class OOMReporter(ArtifactCallback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        fsdp_sync.report_peer_failures(self, None)
         self._stop_history()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:
+            self._report_safely(trainer, pl_module, exception)
+        finally:
+            # Lightning does not call `teardown` hooks after an exception: give the allocator state back here.
+            fsdp_sync.report_peer_failures(self, None)
+            self._stop_history()
+
+    def _report_safely(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The report of ``exception`` when it is an out-of-memory error; never raises."""
+        try:
             if is_out_of_memory_error(exception):
                 self._report(trainer, pl_module, exception)
         except Exception as err:  # never raise over the user's error
             log.error("OOMReporter: the out-of-memory report could not be written: %r", err)
-        finally:
-            # Lightning does not call `teardown` hooks after an exception: give the allocator state back here.
-            self._stop_history()
 
     @override
     def state_dict(self) -> dict[str, Any]:

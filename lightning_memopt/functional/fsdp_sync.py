@@ -18,11 +18,20 @@ own buffers inside the backend) is not: the other ranks are already inside that 
 marks it (:func:`~lightning_memopt.functional.micro_batch_retry.is_unrecoverable`), joins no further agreement,
 writes the error into the process group's store and ends with it. The others stay in the collective until the process
 that raised it ends (gloo: its connections close, measured below a second; ``ProcessGroup.abort``, ``shutdown`` and
-``destroy_process_group`` do not close them) or, if that process goes on, until the process group's time-out. Each
-then reads that error from the store and ends with :class:`PeerCollectiveOutOfMemoryError`, which carries it (the
-backend's error is its cause), so its ``OOMReporter`` writes a report too. Where the store is gone with the failing
-process (it is rank 0, which hosts it), they end with the backend's error and a note that another process stopped
-inside the collective.
+``destroy_process_group`` do not close them while FSDP2 still holds the group: only the end of the process does) or,
+if that process goes on, until the process group's time-out. Each then reads that error from the store and ends with
+:class:`PeerCollectiveOutOfMemoryError`, which carries it (the backend's error is its cause). Where the store is gone
+with the failing process (it is rank 0, which hosts it), they end with the backend's error and a note that another
+process stopped inside the collective.
+
+Reports before the end: a launcher may kill every process as soon as one ends with an error (Lightning's, for
+``devices=N`` from one script, within 5 s), so a waiting rank cannot write its report after the failing process ended.
+While a rank waits inside a collective of a micro-batch, a thread of its own looks into the store every
+:data:`WATCH_PERIOD_S`; when the error of that collective is there, it hands a :class:`PeerCollectiveOutOfMemoryError`
+to the reporters registered with :func:`report_peer_failures` (``OOMReporter``) right away, while this process still
+waits, and then counts itself under ``{key}/reported``. The failing rank waits, before its error leaves the
+collective, until every other rank of the group counted itself, at most :data:`PEER_REPORT_WAIT_S`. The waiting rank
+ends with that same error object (reported once).
 
 Cost: one extra two-element all-reduce per all-gather (forward; backward for units resharded after forward) and per
 reduce-scatter (backward) of each FSDP unit while a micro-batch runs, each waited for before the collective (on a GPU,
@@ -33,8 +42,13 @@ a host synchronisation). Measured on 2 CPU processes (gloo, a shared 2-core mach
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable, Sequence
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +66,7 @@ __all__ = [
     "check_fsdp_for_micro_batches",
     "fsdp_modules",
     "install_agreement",
+    "report_peer_failures",
     "reset_fsdp_state",
     "tensor_parallel_size",
 ]
@@ -80,7 +95,16 @@ _PEER_LEFT = (
 _STORE_PREFIX = "lightning_memopt/out_of_memory_inside_a_collective"
 #: How long a rank whose collective failed waits for that error (written before the failing rank's connections close).
 PEER_ERROR_WAIT_S = 5.0
+#: How long a rank that ran out of memory inside a collective waits, before its error leaves the collective, for the
+#: ranks it left there to have reported (a launcher may kill them as soon as this process ends).
+PEER_REPORT_WAIT_S = 30.0
+#: How often a rank waiting inside a collective of a micro-batch looks into the store for a failing rank's error.
+WATCH_PERIOD_S = 0.25
+#: How long the watching thread stays without a collective to watch before it ends (the next one starts it again).
+_WATCH_IDLE_S = 5.0
 _GENERATIONS = itertools.count()
+#: What reports a peer's failure while this rank still waits (``report(error)``), by the registering object's id.
+_PEER_REPORTERS: dict[int, Callable[[BaseException], None]] = {}
 
 
 class PeerCollectiveOutOfMemoryError(torch.OutOfMemoryError):
@@ -99,14 +123,97 @@ def _peers(group: Any) -> int:
     return max(int(size()) - 1, 0)
 
 
+def report_peer_failures(owner: object, report: Callable[[BaseException], None] | None) -> None:
+    """Register ``report`` (under ``owner``; ``None`` removes it): it is called, from a thread of its own, with the
+    :class:`PeerCollectiveOutOfMemoryError` this rank will end with, as soon as it is known, while this rank still
+    waits inside the collective. It must not communicate with other ranks, and must not raise."""
+    if report is None:
+        _PEER_REPORTERS.pop(id(owner), None)
+    else:
+        _PEER_REPORTERS[id(owner)] = report
+
+
+def _waited_error(told: str, what: str) -> PeerCollectiveOutOfMemoryError:
+    """The error a rank ends with that waited in FSDP's ``what`` for the rank whose error is ``told``."""
+    peer = PeerCollectiveOutOfMemoryError(
+        f"AutoMicroBatch: another process ran out of memory inside FSDP's {what}, where this process waited"
+        f" for it; every process stops. Its error: {told}"
+    )
+    mark_unrecoverable(peer, None)
+    return peer
+
+
+def _stack_of(thread_id: int) -> types.TracebackType | None:
+    """The stack the thread ``thread_id`` is in now, as a traceback (outermost first), for the report."""
+    frame = sys._current_frames().get(thread_id)
+    stack = None
+    while frame is not None:
+        stack = types.TracebackType(stack, frame, frame.f_lasti, frame.f_lineno)
+        frame = frame.f_back
+    return stack
+
+
+class _Watch:
+    """While this rank waits inside a collective of a micro-batch: a thread that looks for the error of a rank that ran
+    out of memory inside it and reports it at once (see the module's "Reports before the end")."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries = itertools.count()
+        #: (entry number, store key, the collective's name, the waiting thread) while a collective runs
+        self._inside: tuple[int, str, str, int] | None = None
+        self._thread: threading.Thread | None = None
+        #: the errors reported, by store key, for the waiting thread to end with
+        self.errors: dict[str, PeerCollectiveOutOfMemoryError] = {}
+
+    @contextlib.contextmanager
+    def inside(self, key: str, what: str) -> Iterator[None]:
+        with self._lock:
+            self._inside = (next(self._entries), key, what, threading.get_ident())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="lightning-memopt-watch", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            self._inside = None
+
+    def _loop(self) -> None:
+        last, idle = None, 0.0
+        while True:
+            time.sleep(WATCH_PERIOD_S)
+            with self._lock:
+                now = self._inside
+                idle = idle + WATCH_PERIOD_S if now is None else 0.0
+                if idle >= _WATCH_IDLE_S:
+                    self._thread = None
+                    return
+            if now is not None and now == last and now[1] not in self.errors and _torch_private.peer_wrote(now[1]):
+                self._report(*now[1:])
+            last = now
+
+    def _report(self, key: str, what: str, thread_id: int) -> None:
+        told = _torch_private.read_from_peer(key, PEER_ERROR_WAIT_S)
+        if told is None:
+            return
+        error = _waited_error(told, what).with_traceback(_stack_of(thread_id))
+        self.errors[key] = error
+        try:
+            for report in list(_PEER_REPORTERS.values()):  # each must never raise (OOMReporter catches everything)
+                report(error)
+        finally:  # counted even so: the failing rank waits for the count, never for a broken reporter
+            _torch_private.count_at_peers(f"{key}/reported")
+
+
 class _Agreeing:
     """What both collectives share: the agreement, the allocation FSDP2 asks for, the marking of a collective's OOM."""
 
     what = "collective"
 
-    def __init__(self, agreement: Agreement, generation: int = 0) -> None:
+    def __init__(self, agreement: Agreement, generation: int = 0, watch: _Watch | None = None) -> None:
         self.agreement = agreement
         self.generation = generation
+        self.watch = _Watch() if watch is None else watch
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """FSDP2's default allocation (before the agreement point: an out-of-memory error here can be retried)."""
@@ -118,11 +225,14 @@ class _Agreeing:
             return collective(**kwargs)
         key = f"{_STORE_PREFIX}/{self.generation}/{self.agreement.points}"
         peers = _peers(kwargs.get("group"))
+        watching = self.watch.inside(key, self.what) if peers else contextlib.nullcontext()
         try:
-            return collective(**kwargs)
+            with watching:
+                return collective(**kwargs)
         except torch.OutOfMemoryError as err:
             mark_unrecoverable(err, f"FSDP's {self.what}")
-            self._tell_peers(err, key)
+            if self._tell_peers(err, key) and peers:  # keep them alive until they reported (see the module's doc)
+                _torch_private.wait_for_count(f"{key}/reported", peers, PEER_REPORT_WAIT_S)
             raise
         except RuntimeError as err:  # the backend's error: a peer left this collective
             told = _torch_private.read_from_peer(key, PEER_ERROR_WAIT_S)
@@ -131,25 +241,23 @@ class _Agreeing:
                 raise
             raise self._peer_error(told, key, peers) from err
 
-    def _tell_peers(self, err: torch.OutOfMemoryError, key: str) -> None:
-        """Leave ``err`` in the process group's store for the ranks that wait in this collective."""
+    def _tell_peers(self, err: torch.OutOfMemoryError, key: str) -> bool:
+        """Leave ``err`` in the process group's store for the ranks that wait in this collective; whether it is."""
         if not torch.distributed.is_initialized():
-            return
+            return False
         rank = torch.distributed.get_rank()
         text = f"rank {rank} ({host_name()}): {type(err).__name__}: {err}"
-        _torch_private.publish_to_peers(key, text)
+        return _torch_private.publish_to_peers(key, text)
 
     def _peer_error(self, told: str, key: str, peers: int) -> PeerCollectiveOutOfMemoryError:
         """The error this rank ends with: the failing rank's (``told``, read from the store), never retried. The last
         of the ``peers`` to read the error deletes it from the store."""
         if (_torch_private.count_at_peers(f"{key}/read") or 0) >= peers:
-            _torch_private.forget_at_peers(key, f"{key}/read")
-        peer = PeerCollectiveOutOfMemoryError(
-            f"AutoMicroBatch: another process ran out of memory inside FSDP's {self.what}, where this process waited"
-            f" for it; every process stops. Its error: {told}"
-        )
-        mark_unrecoverable(peer, None)
-        return peer
+            _torch_private.forget_at_peers(key, f"{key}/read", f"{key}/reported")
+        reported = self.watch.errors.pop(key, None)  # reported while this rank waited: end with that one
+        if reported is not None:
+            return reported.with_traceback(None)
+        return _waited_error(told, self.what)
 
 
 class AgreeingAllGather(_Agreeing):
@@ -259,7 +367,9 @@ def install_agreement(modules: Iterable[nn.Module], agreement: Agreement) -> Non
     Outside a micro-batch (validation, ``agreement.in_step`` false) they are FSDP2's default collectives.
     """
     generation = next(_GENERATIONS)  # the same on every rank: each installs its agreements in the same order
-    all_gather, reduce_scatter = AgreeingAllGather(agreement, generation), AgreeingReduceScatter(agreement, generation)
+    watch = _Watch()
+    all_gather = AgreeingAllGather(agreement, generation, watch)
+    reduce_scatter = AgreeingReduceScatter(agreement, generation, watch)
     for module in modules:
         try:
             module.set_custom_all_gather(all_gather)  # type: ignore[operator]  # an FSDPModule

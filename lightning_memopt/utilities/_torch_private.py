@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -30,8 +31,10 @@ __all__: list[str] = [
     "fsdp2_unit_policy",
     "count_at_peers",
     "forget_at_peers",
+    "peer_wrote",
     "publish_to_peers",
     "read_from_peer",
+    "wait_for_count",
     "storage_weak_ref",
     "start_memory_history",
     "stop_memory_history",
@@ -371,6 +374,32 @@ def read_from_peer(key: str, timeout_s: float) -> str | None:
         return bytes(store.get(key)).decode("utf-8", errors="replace")
     except (RuntimeError, OSError):
         return None
+
+
+def peer_wrote(key: str) -> bool:
+    """Whether another process wrote ``key`` into the default process group's store, without waiting for it."""
+    store = _default_store()
+    if store is None:
+        return False
+    try:
+        return bool(store.check([key]))
+    except (RuntimeError, OSError):
+        return False
+
+
+def wait_for_count(key: str, target: int, timeout_s: float, period_s: float = 0.05) -> bool:
+    """Wait, at most ``timeout_s``, until the counter ``key`` (:func:`count_at_peers`) reaches ``target``; whether it
+    did (``False`` at once without a store or when its host process is gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = count_at_peers(key, 0)
+        if count is None:
+            return False
+        if count >= target:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(period_s)
 
 
 def count_at_peers(key: str, amount: int = 1) -> int | None:

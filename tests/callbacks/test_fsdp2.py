@@ -23,7 +23,7 @@ WHOLE_PARAMETER_BYTES = 4 * (4 * (32 * 128 + 128 + 128 * 32 + 32) + 32 * 2 + 2)
 def run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fsdp2")
     start = time.monotonic()
-    result = run_file(SCRIPTS / "fsdp2_callbacks.py", directory, timeout=120)
+    result = run_file(SCRIPTS / "fsdp2_callbacks.py", directory, timeout=420)
     return directory, result, time.monotonic() - start
 
 
@@ -35,7 +35,7 @@ def _read(directory, name):
 def test_the_sharded_fit_runs_every_callback_and_ends_on_the_oom(run):
     directory, result, elapsed = run
     output = result.stdout[-2000:] + result.stderr[-4000:]
-    assert elapsed < 60, f"the run took {elapsed:.0f} s\n{output}"
+    assert elapsed < 300, f"the run took {elapsed:.0f} s\n{output}"
     assert result.returncode != 0, output  # rank 1's out-of-memory error ends the run
     caught = _read(directory, "caught_rank1.json")
     assert caught == {"type": "OutOfMemoryError", "is_oom": True, "gc_enabled": True}, output  # gc given back

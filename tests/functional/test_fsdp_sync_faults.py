@@ -1,6 +1,7 @@
 """functional.fsdp_sync at faults (release 0.2): each out-of-memory error inside a collective has a store key of its
-own, deleted once every rank that waited in the collective read it; tensor parallelism is named as the cause of a
-refusal.
+own, deleted once every rank that waited in the collective read it; a rank waiting in the collective reports that
+error while it still waits, and the failing rank waits for that before its error leaves; tensor parallelism is named
+as the cause of a refusal.
 
 In one process: a one-process gloo group gives the store; each simulated rank has an agreement of its own (as ranks
 have), so that the rank that runs out of memory and the rank that waits meet at the same agreement point.
@@ -8,6 +9,8 @@ have), so that the rank that runs out of memory and the rank that waits meet at 
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +28,12 @@ from lightning_memopt.functional.fsdp_sync import (
 from lightning_memopt.functional.micro_batch_retry import Agreement
 
 TWO_RANKS = SimpleNamespace(size=lambda: 2)  # the collective's process group, as far as the peers are counted
+
+
+@pytest.fixture(autouse=True)
+def _nobody_reports(monkeypatch):
+    """No other process counts its report here: a failing rank does not wait for one unless a test says so."""
+    monkeypatch.setattr(fsdp_sync, "PEER_REPORT_WAIT_S", 0.0)
 
 
 class Rank(Agreement):
@@ -105,6 +114,92 @@ def test_collectives_of_another_install_use_other_keys(one_process_group, monkey
     with pytest.raises(RuntimeError) as caught, second.step():
         model.reduce_scatter._run(_failing_with(gloo), group=SimpleNamespace())
     assert caught.value is gloo and "old" not in str(gloo)
+
+
+# ------------------------------------------------------------------------------------------ reports before the end
+
+
+def _frames(traceback):
+    names = []
+    while traceback is not None:
+        names.append(traceback.tb_frame.f_code.co_name)
+        traceback = traceback.tb_next
+    return names
+
+
+def _key(rank, generation=0, ahead=0):
+    """The store key of ``rank``'s last agreement point (``ahead=1``: of its next one)."""
+    return f"{fsdp_sync._STORE_PREFIX}/{generation}/{rank.points + ahead}"
+
+
+def _poll(key, counter=False):
+    """Wait until ``key`` is in the store (``counter``: until that counter is 1 or more), polling: a FileStore's
+    blocking wait holds it against other threads."""
+    deadline = time.monotonic() + 300  # a hang guard
+    while not (int(_store().add(key, 0)) >= 1 if counter else _store().check([key])):
+        assert time.monotonic() < deadline, f"{key} never came"
+        time.sleep(0.01)
+
+
+def test_a_rank_waiting_in_the_collective_reports_the_error_while_it_waits_and_ends_with_that_object(
+    one_process_group, monkeypatch
+):
+    monkeypatch.setattr(fsdp_sync, "WATCH_PERIOD_S", 0.02)
+    keys_before = _store().num_keys()
+    failing, waiting = Rank(), Rank()
+    _oom_inside_the_collective(failing, "inside the reduce-scatter")
+    key, reported, released = _key(failing), [], threading.Event()
+
+    stacks = []
+
+    def report(error):  # OOMReporter's part: called from the watching thread while the collective still runs
+        reported.append((error, threading.current_thread() is threading.main_thread(), released.is_set()))
+        stacks.append(_frames(error.__traceback__))
+
+    def waits_for_the_report(**kwargs):  # the collective: released once the waiting rank counted its report
+        _poll(f"{key}/reported", counter=True)
+        released.set()
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    owner = object()
+    fsdp_sync.report_peer_failures(owner, report)
+    try:
+        with pytest.raises(PeerCollectiveOutOfMemoryError, match="inside the reduce-scatter") as caught:
+            _run(waiting, waits_for_the_report)
+    finally:
+        fsdp_sync.report_peer_failures(owner, None)
+    ((error, on_main_thread, after_release),) = reported
+    assert caught.value is error and not on_main_thread and not after_release
+    assert "waits_for_the_report" in stacks[0]  # reported with the stack the rank waits in (the report's position)
+    assert "waits_for_the_report" not in _frames(caught.value.__traceback__)  # raised with its own traceback only
+    assert _store().num_keys() == keys_before  # the error, its readers and its reports: deleted
+
+
+def test_the_failing_rank_waits_for_the_others_reports_before_its_error_leaves(one_process_group, monkeypatch):
+    monkeypatch.setattr(fsdp_sync, "PEER_REPORT_WAIT_S", 300.0)  # not a hang guard: the count comes first
+    failing, counted = Rank(), threading.Event()
+    key = _key(failing, ahead=1)
+
+    def count_when_written():  # the other rank: its report is written once the error is in the store
+        _poll(key)
+        counted.set()
+        _store().add(f"{key}/reported", 1)
+
+    other = threading.Thread(target=count_when_written)
+    other.start()
+    error = torch.OutOfMemoryError("inside the reduce-scatter")
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        _run(failing, _failing_with(error))
+    other.join()
+    assert caught.value is error and counted.is_set()  # the very error, raised after the other rank counted
+
+
+def test_the_failing_rank_stops_waiting_for_reports_after_its_bound(one_process_group, monkeypatch):
+    monkeypatch.setattr(fsdp_sync, "PEER_REPORT_WAIT_S", 0.1)
+    error = torch.OutOfMemoryError("inside the reduce-scatter")
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        _run(Rank(), _failing_with(error))
+    assert caught.value is error
 
 
 # ----------------------------------------------------------------------------------------------- tensor parallelism
