@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _machine import machine_info  # benchmarks/_machine.py
 
 from lightning_memopt import AutoMicroBatch
-from lightning_memopt.functional.retry_state import BufferKeeper, RetrySnapshot, find_parts
+from lightning_memopt.functional.micro_batch.retry_state import BufferKeeper, RetrySnapshot, find_parts
 
 
 def _cnn(big_buffer_mib: int = 0) -> nn.Module:
@@ -604,7 +604,7 @@ def fit_fsdp2(model: ShardedModel, steps: int, root: Path, accumulate: int = 1, 
 @contextlib.contextmanager
 def _agreement_points(on: bool):
     """With ``on`` false, the agreement points inside micro-batches send nothing (both ranks alike): what they cost."""
-    from lightning_memopt.functional.micro_batch_retry import Agreement
+    from lightning_memopt.functional.micro_batch.retry import Agreement
 
     original = Agreement.before_collective
     if not on:

@@ -59,9 +59,9 @@ from lightning_memopt import (
     MemoryMonitor,
     OOMReporter,
 )
+from lightning_memopt.functional.audit.leaks import grad_fn_holders
 from lightning_memopt.functional.footprint import live_tensors
-from lightning_memopt.functional.leaks import grad_fn_holders
-from lightning_memopt.functional.memory import empty_device_cache
+from lightning_memopt.functional.readings.memory import empty_device_cache
 
 TARGET = 1.02
 AUDIT_TARGET_S = 0.5

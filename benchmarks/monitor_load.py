@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _machine import machine_info, time_hooks  # benchmarks/_machine.py
 
 from lightning_memopt import MemoryAudit, MemoryMonitor
-from lightning_memopt.functional.memory import read_memory
-from lightning_memopt.functional.monitoring import Position, position_record
+from lightning_memopt.functional.readings.memory import read_memory
+from lightning_memopt.functional.readings.monitoring import Position, position_record
 from lightning_memopt.utilities.jsonl import JsonlWriter
 
 ROOT = Path(__file__).resolve().parents[1]

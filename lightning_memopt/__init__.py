@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     )
     from lightning_memopt.data import TokenBudgetBatchSampler
     from lightning_memopt.functional.conversion import to_device_and_dtype
-    from lightning_memopt.functional.memory import MemoryReading, read_memory
+    from lightning_memopt.functional.readings.memory import MemoryReading, read_memory
     from lightning_memopt.metrics import StreamingRetrievalMetric
     from lightning_memopt.planner import (
         MemoryEstimate,
@@ -54,8 +54,8 @@ _EXPORTS = {
     "MemoryPrecision": "lightning_memopt.plugins",
     "MemoryPreset": "lightning_memopt.presets",
     "MemoryPresetCLI": "lightning_memopt.presets",
-    "MemoryReading": "lightning_memopt.functional.memory",
-    "read_memory": "lightning_memopt.functional.memory",
+    "MemoryReading": "lightning_memopt.functional.readings.memory",
+    "read_memory": "lightning_memopt.functional.readings.memory",
     "StreamingRetrievalMetric": "lightning_memopt.metrics",
     "to_device_and_dtype": "lightning_memopt.functional.conversion",
     "MemoryEstimate": "lightning_memopt.planner",

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, cast
 from typing_extensions import override
 
 from lightning_memopt.analysis import MemoryLogError, iter_memory_records
-from lightning_memopt.functional.memory import MemoryReading
-from lightning_memopt.functional.monitoring import MemoryReader, Position
+from lightning_memopt.functional.readings.memory import MemoryReading
+from lightning_memopt.functional.readings.monitoring import MemoryReader, Position
 from lightning_memopt.utilities.jsonl import JsonlWriter, rank_log_writer
 from lightning_memopt.utilities.run_id import RunIdCallback, ensure_run_id, run_id
 from lightning_memopt.utilities.trainer import default_artifact_dir, host_name

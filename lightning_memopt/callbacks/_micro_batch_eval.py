@@ -3,10 +3,10 @@
 For the length of one evaluation run (``on_validation_start`` to ``on_validation_end``, and the same for test and
 predict) the strategy's step method (``strategy.validation_step``, ``test_step``, ``predict_step``, which Lightning's
 loops call once per loader batch) is replaced by :meth:`EvaluationSplitter.step`. It runs the original method once
-per micro-batch through :func:`~lightning_memopt.functional.micro_batch_retry.run_micro_batches` with
+per micro-batch through :func:`~lightning_memopt.functional.micro_batch.retry.run_micro_batches` with
 ``resume=True``: after an out-of-memory error, what the failed micro-batch changed (``self.log`` results, metric
 states, random states) is put back and the batch goes on from that micro-batch's first sample at half the size. The
-micro-batches' outputs are put back together (:func:`~lightning_memopt.functional.micro_batch_outputs.
+micro-batches' outputs are put back together (:func:`~lightning_memopt.functional.micro_batch.outputs.
 combine_outputs`), so the loop, its ``on_*_batch_end`` hooks, collected predictions and prediction writers see one
 output per loader batch. Each micro-batch's ``self.log`` values are weighted by its own number of samples, as
 Lightning weights a loader batch of that size.
@@ -27,11 +27,9 @@ import torch
 
 from lightning_memopt.callbacks._micro_batch_state import MicroBatchSettings, MicroBatchState, report_halving
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
-from lightning_memopt.functional.fsdp_sync import fsdp_modules, install_agreement, reset_fsdp_state
-from lightning_memopt.functional.memory import empty_device_cache
-from lightning_memopt.functional.micro_batch import count_samples, micro_batch_of, sample_elements
-from lightning_memopt.functional.micro_batch_outputs import combine_outputs
-from lightning_memopt.functional.micro_batch_retry import (
+from lightning_memopt.functional.micro_batch.fsdp_sync import fsdp_modules, install_agreement, reset_fsdp_state
+from lightning_memopt.functional.micro_batch.outputs import combine_outputs
+from lightning_memopt.functional.micro_batch.retry import (
     Agreement,
     MicroBatchPart,
     agree_before_collectives,
@@ -40,7 +38,9 @@ from lightning_memopt.functional.micro_batch_retry import (
     mark_micro_batch,
     run_micro_batches,
 )
-from lightning_memopt.functional.retry_state import ModuleParts, RetrySnapshot, find_parts
+from lightning_memopt.functional.micro_batch.retry_state import ModuleParts, RetrySnapshot, find_parts
+from lightning_memopt.functional.micro_batch.slicing import count_samples, micro_batch_of, sample_elements
+from lightning_memopt.functional.readings.memory import empty_device_cache
 from lightning_memopt.utilities import _lightning_private as private
 from lightning_memopt.utilities.warnings import WarnOnce
 

@@ -22,10 +22,10 @@ __all__ = ["MicroBatchSettings", "MicroBatchState", "halving_line", "report_halv
 class MicroBatchState:
     """What a micro-batch loop learns; :class:`AutoMicroBatch` reads it for its logs and checkpoints it.
 
-    The size that fits is learned in elements (tensor elements per micro-batch, :func:`~lightning_memopt.functional.
-    micro_batch.sample_elements` per sample), so that it carries over to batches of other shapes: a batch of longer
-    sequences gets fewer samples per micro-batch, a shorter one more, and a batch that never ran out of memory (a
-    small first batch) pins nothing.
+    The size that fits is learned in elements (tensor elements per micro-batch,
+    :func:`~lightning_memopt.functional.micro_batch.slicing.sample_elements` per sample), so that it carries over to
+    batches of other shapes: a batch of longer sequences gets fewer samples per micro-batch, a shorter one more, and a
+    batch that never ran out of memory (a small first batch) pins nothing.
 
     Attributes:
         micro_batch_size: the micro-batch of the latest batch; ``None`` before the first.

@@ -2,7 +2,7 @@
 
 One schema per callback, ``key -> StateField``. A harmless key (a statistic) that is missing or bad warns and starts
 fresh; any other raises ``ValueError`` naming the callback, the key, the value and the fix. ``MemoryAudit``'s leak
-samples are checked by its core, :class:`lightning_memopt.functional.audit.AuditSession`.
+samples are checked by its core, :class:`lightning_memopt.functional.audit.session.AuditSession`.
 
 When a key is missing or bad:
 

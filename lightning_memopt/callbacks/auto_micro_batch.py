@@ -2,7 +2,7 @@
 
 Two parts, one way. The micro-batch loop replaces ``trainer.fit_loop.epoch_loop.automatic_optimization`` during fit:
 its closure calls Lightning's own ``training_step`` and backward hooks once per micro-batch, through
-:func:`~lightning_memopt.functional.micro_batch_retry.run_micro_batches` (the retry logic), and writes what it learns
+:func:`~lightning_memopt.functional.micro_batch.retry.run_micro_batches` (the retry logic), and writes what it learns
 into a :class:`MicroBatchState`. The callback installs the loop in ``setup``, gives the Trainer's own loop back at
 teardown, and reads the state for its logs and its checkpoint. Lightning's loop classes are private: they are looked
 up in the Trainer's namespace (``lightning.pytorch`` or ``pytorch_lightning``).
@@ -30,29 +30,21 @@ from lightning_memopt.callbacks._micro_batch_state import (
 )
 from lightning_memopt.callbacks._states import restore_state
 from lightning_memopt.callbacks.memory_monitor import MemoryMonitor
-from lightning_memopt.functional.ddp_overlap import OverlappedReduction
-from lightning_memopt.functional.ddp_sync import (
+from lightning_memopt.functional.micro_batch.ddp_overlap import OverlappedReduction
+from lightning_memopt.functional.micro_batch.ddp_sync import (
     check_ddp_for_micro_batches,
     check_strategy_for_micro_batches,
     gradient_reduction,
 )
-from lightning_memopt.functional.fsdp_sync import (
+from lightning_memopt.functional.micro_batch.fsdp_sync import (
     check_fsdp_for_micro_batches,
     fsdp_modules,
     install_agreement,
     reset_fsdp_state,
     tensor_parallel_size,
 )
-from lightning_memopt.functional.memory import empty_device_cache
-from lightning_memopt.functional.micro_batch import (
-    check_first_batch,
-    count_samples,
-    loader_batch_size,
-    micro_batch_of,
-    sample_elements,
-)
-from lightning_memopt.functional.micro_batch_outputs import combine_outputs
-from lightning_memopt.functional.micro_batch_retry import (
+from lightning_memopt.functional.micro_batch.outputs import combine_outputs
+from lightning_memopt.functional.micro_batch.retry import (
     BUCKET_BYTES,
     Agreement,
     MicroBatchPart,
@@ -67,7 +59,15 @@ from lightning_memopt.functional.micro_batch_retry import (
     run_micro_batches,
     snapshot_grads,
 )
-from lightning_memopt.functional.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
+from lightning_memopt.functional.micro_batch.retry_state import BufferKeeper, ModuleParts, RetrySnapshot, find_parts
+from lightning_memopt.functional.micro_batch.slicing import (
+    check_first_batch,
+    count_samples,
+    loader_batch_size,
+    micro_batch_of,
+    sample_elements,
+)
+from lightning_memopt.functional.readings.memory import empty_device_cache
 from lightning_memopt.utilities import _lightning_private as private
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, is_instance, namespace_of, rank_zero_only
@@ -412,7 +412,7 @@ class AutoMicroBatch(Callback):
     a mean over samples. On ``torch.OutOfMemoryError`` in forward or backward the gradients go back to the batch's
     start, the micro-batch is halved and the batch runs again from its first sample. The extra outputs of
     ``training_step`` reach ``on_train_batch_end`` put back together for the whole batch
-    (:mod:`~lightning_memopt.functional.micro_batch_outputs`).
+    (:mod:`~lightning_memopt.functional.micro_batch.outputs`).
 
     Evaluation: ``validation_step``, ``test_step`` and ``predict_step`` run with the whole loader batch until one runs
     out of memory; then what that micro-batch logged or updated is put back, the micro-batch is halved and the batch
@@ -427,7 +427,7 @@ class AutoMicroBatch(Callback):
         min_micro_batch_size: The smallest micro-batch size to try (default 1); an out-of-memory error at this size or
             below ends the run.
         split_batch_fn: ``fn(batch, start, stop)`` returning the samples ``[start, stop)`` of a batch; ``None``
-            (default): the default slicer of :mod:`lightning_memopt.functional.micro_batch`.
+            (default): the default slicer of :mod:`lightning_memopt.functional.micro_batch.slicing`.
         batch_size_fn: ``fn(batch)`` returning the number of samples of a batch; ``None`` (default): the first dim of
             the first tensor in it.
         restore_rng: Put the random states (torch CPU and accelerators, ``random``, NumPy) back to the batch's start
@@ -449,13 +449,14 @@ class AutoMicroBatch(Callback):
     Strategies: one device, DDP, and FSDP2 through ``ModelParallelStrategy(tensor_parallel_size=1)`` with
     ``fully_shard`` per block and on the root in ``configure_model``. When any rank runs out of memory, every rank
     halves together. Under FSDP2 each all-gather and reduce-scatter of a micro-batch is preceded by a small
-    all-reduce, so that all ranks stop at the same collective (:mod:`~lightning_memopt.functional.fsdp_sync`, which
+    all-reduce, so that all ranks stop at the same collective
+    (:mod:`~lightning_memopt.functional.micro_batch.fsdp_sync`, which
     also gives the cost). An out-of-memory error raised inside a collective itself ends the run. FSDP1
     (``FSDPStrategy``), DeepSpeed and tensor parallelism are refused in ``setup``.
 
     Under DDP the gradients of a batch that every rank runs as one micro-batch (no out-of-memory error yet) are
     all-reduced bucket by bucket during its backward, as DDP's reducer does; once batches run as several micro-batches
-    they are averaged after the last one (:mod:`~lightning_memopt.functional.ddp_overlap`).
+    they are averaged after the last one (:mod:`~lightning_memopt.functional.micro_batch.ddp_overlap`).
 
     Under several processes a step may call collectives through the strategy (``self.log(..., sync_dist=True)``,
     ``self.all_gather``): each is preceded by an agreement point while a micro-batch runs, so a rank that ran out of

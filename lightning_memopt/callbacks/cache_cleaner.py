@@ -10,7 +10,7 @@ import torch
 from typing_extensions import override
 
 from lightning_memopt.callbacks._states import restore_state
-from lightning_memopt.functional.memory import empty_device_cache, supports_device_memory
+from lightning_memopt.functional.readings.memory import empty_device_cache, supports_device_memory
 from lightning_memopt.utilities.checks import check_bool, check_positive_int
 from lightning_memopt.utilities.namespaces import Callback, rank_zero_info
 from lightning_memopt.utilities.quiet import note_inactive, report_inactive

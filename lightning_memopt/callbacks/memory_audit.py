@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from lightning_memopt.callbacks._memory_log import RankLogCallback, position
-from lightning_memopt.functional.audit import AuditSession
-from lightning_memopt.functional.leaks import Growth, LeakSampler
-from lightning_memopt.functional.loaders import LoaderMemory, fit_loaders, named_loaders
-from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
-from lightning_memopt.functional.monitoring import position_record
+from lightning_memopt.functional.audit.leaks import Growth, LeakSampler
+from lightning_memopt.functional.audit.loaders import LoaderMemory, fit_loaders, named_loaders
+from lightning_memopt.functional.audit.session import AuditSession
+from lightning_memopt.functional.readings.memory import DeviceMemory, MemoryReading
+from lightning_memopt.functional.readings.monitoring import position_record
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import wrap_to_width
 from lightning_memopt.utilities.namespaces import rank_zero_info
@@ -49,7 +49,8 @@ class MemoryAudit(RankLogCallback):
     a clean audit prints nothing unless ``verbose``. A failing check warns once; training goes on. Records go to
     ``<dirpath>/memory_rank{rank}.jsonl`` (shared with ``MemoryMonitor``); each check, its records and cost in
     detail: ``docs/memory-log.md``. The work is done by a Trainer-free
-    :class:`~lightning_memopt.functional.audit.AuditSession`; this callback picks the steps and writes the records.
+    :class:`~lightning_memopt.functional.audit.session.AuditSession`; this callback picks the steps and writes the
+    records.
 
     Args:
         dirpath: Directory of the JSONL files, kept as a ``str``. Default (resolved in ``setup``): the directory
@@ -135,7 +136,8 @@ class MemoryAudit(RankLogCallback):
 
     @property
     def loaders(self) -> list[LoaderMemory]:
-        """The DataLoader audit of the last fit: one :class:`~lightning_memopt.functional.loaders.LoaderMemory` each."""
+        """The DataLoader audit of the last fit: one :class:`~lightning_memopt.functional.audit.loaders.LoaderMemory`
+        each."""
         return self._session.loaders
 
     @property

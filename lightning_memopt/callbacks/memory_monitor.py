@@ -16,8 +16,8 @@ from lightning_memopt.callbacks._memory_log import (
     position,
 )
 from lightning_memopt.callbacks._states import restore_state
-from lightning_memopt.functional.memory import DeviceMemory, MemoryReading
-from lightning_memopt.functional.monitoring import MonitorRecords, cross_rank_metrics, cross_rank_values
+from lightning_memopt.functional.readings.memory import DeviceMemory, MemoryReading
+from lightning_memopt.functional.readings.monitoring import MonitorRecords, cross_rank_metrics, cross_rank_values
 from lightning_memopt.utilities.checks import check_bool, check_fraction, check_path, check_positive_int
 from lightning_memopt.utilities.formatting import format_bytes, wrap_to_width
 from lightning_memopt.utilities.namespaces import rank_zero_only

@@ -14,10 +14,11 @@ from typing_extensions import override
 from lightning_memopt.callbacks._memory_log import ArtifactCallback
 from lightning_memopt.callbacks._states import MAX_REMEMBERED_REPORTS as _MAX_REMEMBERED
 from lightning_memopt.callbacks._states import restore_state
-from lightning_memopt.functional import fsdp_sync, oom
+from lightning_memopt.functional import oom
 from lightning_memopt.functional.batching import LengthSample
 from lightning_memopt.functional.checkpointing import is_checkpointed
-from lightning_memopt.functional.memory import read_memory
+from lightning_memopt.functional.micro_batch import fsdp_sync
+from lightning_memopt.functional.readings.memory import read_memory
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.checks import (
     check_bool,

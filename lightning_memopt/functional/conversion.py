@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightning_memopt.functional.footprint import StorageKey, model_footprint, storage_bytes, storage_key
-from lightning_memopt.functional.memory import read_memory, resolve_device, supports_device_memory
+from lightning_memopt.functional.readings.memory import read_memory, resolve_device, supports_device_memory
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.checks import check_device
 from lightning_memopt.utilities.formatting import format_bytes

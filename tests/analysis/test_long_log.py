@@ -8,8 +8,8 @@ import tracemalloc
 import pytest
 
 from lightning_memopt.analysis import analyze_memory_logs
-from lightning_memopt.functional.memory import MemoryReading
-from lightning_memopt.functional.monitoring import Position, position_record
+from lightning_memopt.functional.readings.memory import MemoryReading
+from lightning_memopt.functional.readings.monitoring import Position, position_record
 from lightning_memopt.utilities.jsonl import JsonlWriter
 
 #: Python memory the analysis may hold at its peak: a small fraction of the logs, whatever their length.

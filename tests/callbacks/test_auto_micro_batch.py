@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memopt import OOMReporter
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from lightning_memopt.functional.micro_batch import batch_size_of, slice_batch
+from lightning_memopt.functional.micro_batch.slicing import batch_size_of, slice_batch
 from tests.helpers.amb import N_SAMPLES, Data, Net, fit, weights
 from tests.helpers.lightning import lightning_module
 from tests.helpers.trainer import make_trainer

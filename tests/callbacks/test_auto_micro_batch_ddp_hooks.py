@@ -17,13 +17,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from lightning_memopt.functional.ddp_sync import (
+from lightning_memopt.functional.micro_batch.ddp_sync import (
     check_ddp_for_micro_batches,
     comm_hook_name,
     gradient_reduction,
     reduce_with_comm_hook,
 )
-from lightning_memopt.functional.micro_batch_retry import Agreement
+from lightning_memopt.functional.micro_batch.retry import Agreement
 from tests.helpers.subprocess_run import SCRIPTS, run_file
 
 

@@ -326,7 +326,7 @@ def test_lightning_cli_builds_the_callback_from_command_line_arguments_and_it_ru
     assert cli.trainer.global_step == 1
 
 
-FUNCTIONS = "lightning_memopt.functional.micro_batch"
+FUNCTIONS = "lightning_memopt.functional.micro_batch.slicing"
 
 
 @pytest.mark.parametrize(

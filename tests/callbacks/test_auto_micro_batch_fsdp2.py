@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_memopt.callbacks.auto_micro_batch import AutoMicroBatch
-from lightning_memopt.functional.ddp_sync import check_strategy_for_micro_batches
-from lightning_memopt.functional.fsdp_sync import (
+from lightning_memopt.functional.micro_batch.ddp_sync import check_strategy_for_micro_batches
+from lightning_memopt.functional.micro_batch.fsdp_sync import (
     AgreeingAllGather,
     AgreeingReduceScatter,
     PeerCollectiveOutOfMemoryError,
@@ -27,7 +27,7 @@ from lightning_memopt.functional.fsdp_sync import (
     install_agreement,
     reset_fsdp_state,
 )
-from lightning_memopt.functional.micro_batch_retry import (
+from lightning_memopt.functional.micro_batch.retry import (
     Agreement,
     MicroBatchPart,
     PeerOutOfMemoryError,

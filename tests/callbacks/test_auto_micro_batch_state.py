@@ -19,7 +19,7 @@ from lightning_memopt.callbacks.auto_micro_batch import (
     halving_line,
     optimization_class,
 )
-from lightning_memopt.functional.micro_batch import batch_size_of, slice_batch
+from lightning_memopt.functional.micro_batch.slicing import batch_size_of, slice_batch
 from tests.helpers.amb import Net, fit
 from tests.helpers.lightning import pl
 from tests.helpers.monitor_loggers import RecordingLogger

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import lightning_memopt
 from lightning_memopt import MemoryAudit, MemoryPreset
 from lightning_memopt.analysis.memory_log import format_summary, load_memory_log, summarize_memory_log
-from lightning_memopt.functional.loaders import batch_bytes, loader_memory
+from lightning_memopt.functional.audit.loaders import batch_bytes, loader_memory
 from tests.helpers.models import TinyModel
 from tests.helpers.trainer import make_trainer
 

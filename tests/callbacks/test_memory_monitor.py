@@ -8,7 +8,7 @@ import torch
 
 from lightning_memopt.callbacks import MemoryMonitor
 from lightning_memopt.callbacks import memory_monitor as mm
-from lightning_memopt.functional.monitoring import STEP_FIELDS
+from lightning_memopt.functional.readings.monitoring import STEP_FIELDS
 from tests.helpers.fake_device import FakeAllocator
 from tests.helpers.memory_records import RECORD_KEYS
 from tests.helpers.models import TinyModel

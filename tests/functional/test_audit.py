@@ -9,11 +9,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memopt.functional.audit import AuditSession
+from lightning_memopt.functional.audit.leaks import LeakSampler
+from lightning_memopt.functional.audit.loaders import fit_loaders, named_loaders
+from lightning_memopt.functional.audit.session import AuditSession
 from lightning_memopt.functional.footprint import live_tensors, storage_key
-from lightning_memopt.functional.leaks import LeakSampler
-from lightning_memopt.functional.loaders import fit_loaders, named_loaders
-from lightning_memopt.functional.memory import DeviceMemory
+from lightning_memopt.functional.readings.memory import DeviceMemory
 from tests.helpers.fake_device import FakeAllocator
 
 
@@ -103,7 +103,7 @@ class _Fixed:
 
 
 def test_the_full_collection_runs_only_when_a_tensor_nobody_holds_could_be_garbage(monkeypatch):
-    from lightning_memopt.functional import audit as audit_module
+    from lightning_memopt.functional.audit import session as audit_module
 
     collections = []
     monkeypatch.setattr(audit_module.gc, "collect", lambda *args: collections.append(args) or 0)

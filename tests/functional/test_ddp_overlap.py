@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memopt.functional.ddp_overlap import OverlappedReduction, gradient_buckets
-from lightning_memopt.functional.micro_batch_retry import Agreement, PeerOutOfMemoryError
+from lightning_memopt.functional.micro_batch.ddp_overlap import OverlappedReduction, gradient_buckets
+from lightning_memopt.functional.micro_batch.retry import Agreement, PeerOutOfMemoryError
 
 
 class _Model(nn.Module):

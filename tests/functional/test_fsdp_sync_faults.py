@@ -1,4 +1,5 @@
-"""functional.fsdp_sync at faults (release 0.2): each out-of-memory error inside a collective has a store key of its
+"""functional.micro_batch.fsdp_sync at faults (release 0.2): each out-of-memory error inside a collective has a store
+key of its
 own, deleted once every rank that waited in the collective read it; a rank waiting in the collective reports that
 error while it still waits, and the failing rank waits for that before its error leaves; tensor parallelism is named
 as the cause of a refusal.
@@ -18,14 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_memopt.functional import fsdp_sync
-from lightning_memopt.functional.ddp_sync import check_strategy_for_micro_batches
-from lightning_memopt.functional.fsdp_sync import (
+from lightning_memopt.functional.micro_batch import fsdp_sync
+from lightning_memopt.functional.micro_batch.ddp_sync import check_strategy_for_micro_batches
+from lightning_memopt.functional.micro_batch.fsdp_sync import (
     AgreeingReduceScatter,
     PeerCollectiveOutOfMemoryError,
     check_fsdp_for_micro_batches,
 )
-from lightning_memopt.functional.micro_batch_retry import Agreement
+from lightning_memopt.functional.micro_batch.retry import Agreement
 
 TWO_RANKS = SimpleNamespace(size=lambda: 2)  # the collective's process group, as far as the peers are counted
 

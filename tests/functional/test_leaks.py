@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_memopt.functional.footprint import LiveTensor
-from lightning_memopt.functional.leaks import (
+from lightning_memopt.functional.audit.leaks import (
     GradFnHolder,
     HolderWatch,
     LeakSampler,
@@ -19,6 +18,7 @@ from lightning_memopt.functional.leaks import (
     metric_states_requiring_grad,
     tensors_with_grad_fn,
 )
+from lightning_memopt.functional.footprint import LiveTensor
 
 
 def test_steady_growth_detected_with_slope_and_first_step():
@@ -126,7 +126,7 @@ def test_a_dataset_kept_as_an_attribute_is_not_walked_but_a_history_beside_it_is
     """300k token lists in `self.data` cost the leak scan almost nothing; a growing history is still counted."""
     import time
 
-    from lightning_memopt.functional.leaks import grad_fn_holders
+    from lightning_memopt.functional.audit.leaks import grad_fn_holders
 
     class Holder(torch.nn.Module):
         def __init__(self):

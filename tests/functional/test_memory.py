@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from lightning_memopt.functional import host_memory
-from lightning_memopt.functional import memory as mem
-from lightning_memopt.functional.memory import (
+from lightning_memopt.functional.readings import host_memory
+from lightning_memopt.functional.readings import memory as mem
+from lightning_memopt.functional.readings.memory import (
     MEMORY_FIELDS,
     MemoryReading,
     empty_device_cache,

@@ -1,4 +1,5 @@
-"""The first-batch check of the slicer (functional/micro_batch.py): refuse what cannot be split, say what is split."""
+"""The first-batch check of the slicer (functional/micro_batch/slicing.py): refuse what cannot be split, say what is
+split."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from lightning_memopt.functional.micro_batch import check_first_batch, loader_batch_size
+from lightning_memopt.functional.micro_batch.slicing import check_first_batch, loader_batch_size
 
 
 class Opaque:

@@ -1,4 +1,5 @@
-"""What a retry puts back (functional/retry_state.py): random states, metric states, logged results, buffers."""
+"""What a retry puts back (functional/micro_batch/retry_state.py): random states, metric states, logged results,
+buffers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 from torchmetrics import CatMetric, MeanMetric
 
-from lightning_memopt.functional.retry_state import (
+from lightning_memopt.functional.micro_batch.retry_state import (
     BufferKeeper,
     MetricStates,
     RetrySnapshot,
@@ -179,7 +180,7 @@ def test_buffers_of_a_lazy_module_not_materialised_yet_are_left_alone():
 
 
 def test_a_large_buffer_changed_in_place_is_kept_in_one_reused_host_copy_and_put_back():
-    from lightning_memopt.functional import retry_state
+    from lightning_memopt.functional.micro_batch import retry_state
 
     class Queue(nn.Module):
         def __init__(self):

@@ -7,8 +7,7 @@ import weakref
 import pytest
 import torch
 
-from lightning_memopt.functional.micro_batch import count_samples, micro_batch_of
-from lightning_memopt.functional.micro_batch_retry import (
+from lightning_memopt.functional.micro_batch.retry import (
     Agreement,
     MicroBatchPart,
     combine_losses,
@@ -22,6 +21,7 @@ from lightning_memopt.functional.micro_batch_retry import (
     run_micro_batches,
     snapshot_grads,
 )
+from lightning_memopt.functional.micro_batch.slicing import count_samples, micro_batch_of
 
 
 class Budget:

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from lightning_memopt.functional.memory import MemoryReading
-from lightning_memopt.functional.monitoring import (
+from lightning_memopt.functional.readings.memory import MemoryReading
+from lightning_memopt.functional.readings.monitoring import (
     MonitorRecords,
     PhasePeaks,
     Position,

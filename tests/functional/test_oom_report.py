@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.oom import (
     OOMReport,
     ReportSources,
@@ -32,6 +31,7 @@ from lightning_memopt.functional.oom import (
     take_snapshot,
 )
 from lightning_memopt.functional.oom.message import MESSAGE_FIELDS
+from lightning_memopt.functional.readings.memory import MemoryReading
 from tests.helpers import oom_fixtures as F
 from tests.helpers.oom_schema import check_against_schema
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from lightning_memopt.functional.footprint import model_sharding
-from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.oom import (
     ReportSources,
     build_oom_report,
@@ -25,6 +24,7 @@ from lightning_memopt.functional.oom import (
     schema,
     suggest_fixes,
 )
+from lightning_memopt.functional.readings.memory import MemoryReading
 from tests.helpers import oom_fixtures as F
 from tests.helpers.fake_sharded import blocks, fake_mesh, shard
 from tests.helpers.oom_schema import check_against_schema
@@ -235,7 +235,7 @@ def test_sharded_mixed_precision_tip_names_one_of_the_two_ways():
 
 
 def test_the_audit_printout_says_the_model_is_sharded_and_gives_the_whole():
-    from lightning_memopt.functional.audit import audit_model
+    from lightning_memopt.functional.audit.session import audit_model
     from lightning_memopt.functional.footprint import live_tensors, model_footprint, tensor_names
 
     with fake_mesh(2) as mesh:
@@ -256,9 +256,9 @@ def test_the_audit_printout_says_the_model_is_sharded_and_gives_the_whole():
 def test_the_audit_warns_when_autocast_and_fsdp_mixed_precision_both_cast(precision, warned):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from lightning_memopt.functional.audit import AuditSession
-    from lightning_memopt.functional.leaks import LeakSampler
-    from lightning_memopt.functional.memory import DeviceMemory
+    from lightning_memopt.functional.audit.leaks import LeakSampler
+    from lightning_memopt.functional.audit.session import AuditSession
+    from lightning_memopt.functional.readings.memory import DeviceMemory
 
     session = AuditSession(DeviceMemory("cpu"), LeakSampler(3, 1, None), 0.5, 5, collect_garbage=False)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

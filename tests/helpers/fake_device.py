@@ -6,13 +6,13 @@ import time
 
 import torch
 
-from lightning_memopt.functional.memory import MemoryReading
+from lightning_memopt.functional.readings.memory import MemoryReading
 
 
 class FakeAllocator:
     """Tracks allocated/reserved bytes and their peaks the way the CUDA caching allocator reports them.
 
-    It has the two methods of a :class:`~lightning_memopt.functional.monitoring.MemoryReader` (``read``,
+    It has the two methods of a :class:`~lightning_memopt.functional.readings.monitoring.MemoryReader` (``read``,
     ``reset_peaks``): pass it to a core directly, or :meth:`install` it where a callback builds its reader.
     """
 

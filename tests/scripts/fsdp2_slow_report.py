@@ -46,7 +46,7 @@ def _failing_reduce_scatter() -> list[BaseException]:
 
 def main(seconds: float) -> None:
     from lightning_memopt import AutoMicroBatch, OOMReporter
-    from lightning_memopt.functional.micro_batch_retry import is_unrecoverable
+    from lightning_memopt.functional.micro_batch.retry import is_unrecoverable
     from tests.scripts.amb_fsdp2 import Sharded, fsdp2_trainer
 
     trainer = fsdp2_trainer([AutoMicroBatch(), OOMReporter(dirpath="reports")])

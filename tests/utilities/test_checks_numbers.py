@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-import lightning_memopt.functional.memory as mem
+import lightning_memopt.functional.readings.memory as mem
 from lightning_memopt import MemoryAudit, MemoryMonitor, read_memory
 from lightning_memopt.callbacks._memory_log import GuardedReader
 from lightning_memopt.utilities.checks import check_fraction, check_non_negative_number, check_positive_number

@@ -19,8 +19,7 @@ from torch import nn
 from typing_extensions import TypedDict
 
 from lightning_memopt.functional import footprint as fp
-from lightning_memopt.functional.memory import MemoryReading
-from lightning_memopt.functional.micro_batch_retry import micro_batch_facts
+from lightning_memopt.functional.micro_batch.retry import micro_batch_facts
 from lightning_memopt.functional.oom.environment import allocator_settings, collect_environment, collect_versions
 from lightning_memopt.functional.oom.message import parse_oom_message
 from lightning_memopt.functional.oom.schema import (
@@ -52,6 +51,7 @@ from lightning_memopt.functional.oom.sections import (
     memory_summary,
 )
 from lightning_memopt.functional.oom.suggestions import suggest_fixes
+from lightning_memopt.functional.readings.memory import MemoryReading
 from lightning_memopt.utilities.oom import find_in_traceback
 from lightning_memopt.utilities.redaction import redact_secrets
 

@@ -121,7 +121,8 @@ class BatchSection(TypedDict, total=False):
 
 
 class MemorySection(TypedDict, total=False):
-    """``memory``: the reading at the failure (:class:`~lightning_memopt.functional.memory.MemoryReading`, taken
+    """``memory``: the reading at the failure (:class:`~lightning_memopt.functional.readings.memory.MemoryReading`,
+    taken
     before anything else), the allocator summary and the numbers in the error message (``message_*``)."""
 
     time: float

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from lightning_memopt.functional import footprint as fp
-from lightning_memopt.functional.memory import MemoryReading, supports_device_memory
 from lightning_memopt.functional.oom.batch import describe_batch, mask_lengths
 from lightning_memopt.functional.oom.schema import (
     BatchLengths,
@@ -26,6 +25,7 @@ from lightning_memopt.functional.oom.schema import (
     MemorySection,
     SnapshotSection,
 )
+from lightning_memopt.functional.readings.memory import MemoryReading, supports_device_memory
 from lightning_memopt.utilities.oom import find_in_traceback
 from lightning_memopt.utilities.redaction import redact_secrets
 

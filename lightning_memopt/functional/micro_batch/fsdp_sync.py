@@ -3,10 +3,10 @@
 FSDP2 all-gathers each unit's parameters before its forward and its backward and reduce-scatters its gradients after
 its backward. A rank that runs out of memory inside unit k leaves the others in unit k+1's all-gather, waiting for a
 rank that is unwinding an exception. Here every collective FSDP2 runs while a micro-batch runs is preceded by an
-agreement point (:meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.before_collective`: a two-element
+agreement point (:meth:`~lightning_memopt.functional.micro_batch.retry.Agreement.before_collective`: a two-element
 MAX all-reduce of an "out of memory seen" flag). A rank that ran out of memory sends its flag at its next agreement
 point (the end of the micro-batch round); every other rank reaches an agreement point before its next collective,
-learns the flag there and raises :class:`~lightning_memopt.functional.micro_batch_retry.PeerOutOfMemoryError`, so
+learns the flag there and raises :class:`~lightning_memopt.functional.micro_batch.retry.PeerOutOfMemoryError`, so
 every rank leaves the attempt having run the same collectives. :func:`reset_fsdp_state` then puts FSDP2's state
 back (``FSDPModule.reset_iter_state``: unsharded parameters freed, pending collectives waited for, per-iteration
 trackers cleared) before the retry; the partial sharded gradients are put back by the caller.
@@ -15,7 +15,7 @@ The agreement point sits inside the collective object FSDP2 calls (``FSDPModule.
 ``set_custom_reduce_scatter``), after FSDP2 allocated the collective's buffers and right before the collective: an
 out-of-memory error while allocating them is recovered like any other. One that the collective itself raises (its
 own buffers inside the backend) is not: the other ranks are already inside that collective. The rank that raised it
-marks it (:func:`~lightning_memopt.functional.micro_batch_retry.is_unrecoverable`), joins no further agreement,
+marks it (:func:`~lightning_memopt.functional.micro_batch.retry.is_unrecoverable`), joins no further agreement,
 writes the error into the process group's store and ends with it. The others stay in the collective until the process
 that raised it ends (gloo: its connections close, measured below a second; ``ProcessGroup.abort``, ``shutdown`` and
 ``destroy_process_group`` do not close them while FSDP2 still holds the group: only the end of the process does) or,
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from lightning_memopt.functional.footprint.sharding import fsdp2_units
-from lightning_memopt.functional.micro_batch_retry import Agreement, extend_message, mark_unrecoverable
+from lightning_memopt.functional.micro_batch.retry import Agreement, extend_message, mark_unrecoverable
 from lightning_memopt.utilities import _torch_private
 from lightning_memopt.utilities.trainer import host_name
 

@@ -250,7 +250,8 @@ class Agreement:
 
     Under DDP the ranks agree once per micro-batch round, after its backward. Under FSDP2 (``fully_shard``) forward and
     backward run collectives of their own, so the ranks also agree right before each of them
-    (:meth:`before_collective`, called by the collectives of :mod:`lightning_memopt.functional.fsdp_sync` while a
+    (:meth:`before_collective`, called by the collectives of :mod:`lightning_memopt.functional.micro_batch.fsdp_sync`
+    while a
     micro-batch runs): a rank that ran out of memory sends its flag at its next agreement point, which every other rank
     reaches before its next collective, and every rank abandons the attempt there.
 
@@ -280,7 +281,8 @@ class Agreement:
         #: the two-element buffer every agreement reduces (every agreement has this one shape, so that any two of them
         #: that meet on different ranks pair up)
         self._flag: Tensor | None = None
-        #: while a window of :class:`~lightning_memopt.functional.ddp_overlap.OverlappedReduction` is open: what an
+        #: while a window of :class:`~lightning_memopt.functional.micro_batch.ddp_overlap.OverlappedReduction` is
+        #: open: what an
         #: agreement on this rank does first (the all-reduces the other ranks run in that window)
         self.before_agreeing: Callable[[], None] | None = None
 
@@ -361,7 +363,8 @@ class Agreement:
         One all-reduce per bucket of at most ``bucket_bytes`` (DDP's ``bucket_cap_mb``; a larger gradient is a bucket
         of its own) of one dtype, so the copy the all-reduce works on never holds more than one bucket.
         ``reduce(params)``, when given, reduces the gradients instead of the plain average (DDP's communication hook,
-        :func:`~lightning_memopt.functional.ddp_sync.gradient_reduction`); it gets the parameters that some rank has
+        :func:`~lightning_memopt.functional.micro_batch.ddp_sync.gradient_reduction`); it gets the parameters that
+        some rank has
         a gradient for, each with a gradient (zeros on a rank that had none).
         """
         world = torch.distributed.get_world_size()

@@ -1,7 +1,8 @@
 """The Trainer-free core of ``MemoryMonitor``: per-phase peaks, threshold crossings and the metrics of a reading.
 
 Nothing here knows about a Trainer or a hook. The monitor feeds it readings through a :class:`MemoryReader` (a
-:class:`~lightning_memopt.functional.memory.DeviceMemory` in training, a fake in tests) and decides what to write
+:class:`~lightning_memopt.functional.readings.memory.DeviceMemory` in training, a fake in tests) and decides what to
+write
 and log.
 """
 
@@ -12,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_memopt.functional.memory import MemoryReading, memory_record
+from lightning_memopt.functional.readings.memory import MemoryReading, memory_record
 from lightning_memopt.utilities.formatting import format_bytes
 
 __all__ = [
@@ -67,7 +68,7 @@ class PhasePeaks:
         reader: Gives the readings and resets the peaks.
 
     Examples:
-        >>> from lightning_memopt.functional.memory import MemoryReading
+        >>> from lightning_memopt.functional.readings.memory import MemoryReading
         >>> class Fake:
         ...     peak = 0
         ...     def read(self): return MemoryReading(time=0.0, device="cuda:0", peak_allocated_bytes=self.peak)
@@ -124,7 +125,7 @@ class ThresholdWatch:
         threshold: Fraction of the device total in (0, 1].
 
     Examples:
-        >>> from lightning_memopt.functional.memory import MemoryReading
+        >>> from lightning_memopt.functional.readings.memory import MemoryReading
         >>> watch = ThresholdWatch(0.9)
         >>> at = lambda n: MemoryReading(time=0.0, device="cuda:0", allocated_bytes=n, device_total_bytes=100)
         >>> watch.crossings(at(95)), watch.crossings(at(96)), watch.crossings(at(10)), watch.crossings(at(91))
@@ -162,7 +163,7 @@ def step_metrics(phase: str, reading: MemoryReading) -> dict[str, float]:
     """The logger metrics of one step reading: ``memory/<phase>/<field>`` for each known ``STEP_FIELDS`` entry.
 
     Examples:
-        >>> from lightning_memopt.functional.memory import MemoryReading
+        >>> from lightning_memopt.functional.readings.memory import MemoryReading
         >>> step_metrics("train", MemoryReading(time=0.0, device="cpu", host_rss_bytes=10))
         {'memory/train/host_rss_bytes': 10.0}
     """
@@ -257,7 +258,7 @@ class MonitorRecords:
         warn_threshold: Fraction of the device total above which a step gives a ``warning`` record.
 
     Examples:
-        >>> from lightning_memopt.functional.memory import DeviceMemory
+        >>> from lightning_memopt.functional.readings.memory import DeviceMemory
         >>> core = MonitorRecords(DeviceMemory("cpu"), rank=0, warn_threshold=0.9)
         >>> [r["event"] for r in core.phase_start("train", Position(0, 0, None, "run"))]
         ['phase_start']

@@ -5,7 +5,8 @@ texts of the findings).
 The callback gives the session the model, the step and an ``emit`` function that writes one record
 (``emit(reading, event, batch_idx, **keys)``, see ``docs/memory-log.md``); the session decides what to write and
 what to warn. Tests drive it with a fake memory reader and a list as ``emit``. The maths of leaks lives in
-:mod:`~lightning_memopt.functional.leaks`, what a DataLoader costs in :mod:`~lightning_memopt.functional.loaders`.
+:mod:`~lightning_memopt.functional.audit.leaks`, what a DataLoader costs in
+:mod:`~lightning_memopt.functional.audit.loaders`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_memopt.functional.audit.leaks import (
+    GradFnHolder,
+    Growth,
+    HolderWatch,
+    LeakSampler,
+    grad_fn_holders,
+    growth_message,
+    leak_message,
+    metric_states_requiring_grad,
+    tensors_with_grad_fn,
+)
+from lightning_memopt.functional.audit.loaders import LoaderMemory, batch_bytes, loader_memory
 from lightning_memopt.functional.batching import LengthSample
 from lightning_memopt.functional.footprint import (
     Duplicates,
@@ -37,21 +50,9 @@ from lightning_memopt.functional.footprint import (
     unexplained_bytes,
 )
 from lightning_memopt.functional.footprint.storage import INSPECTION_ERRORS, tensor_types
-from lightning_memopt.functional.leaks import (
-    GradFnHolder,
-    Growth,
-    HolderWatch,
-    LeakSampler,
-    grad_fn_holders,
-    growth_message,
-    leak_message,
-    metric_states_requiring_grad,
-    tensors_with_grad_fn,
-)
-from lightning_memopt.functional.loaders import LoaderMemory, batch_bytes, loader_memory
-from lightning_memopt.functional.memory import MemoryReading
 from lightning_memopt.functional.oom.batch import batch_padding
 from lightning_memopt.functional.precision import double_cast
+from lightning_memopt.functional.readings.memory import MemoryReading
 from lightning_memopt.utilities.formatting import format_bytes
 from lightning_memopt.utilities.state import StateField, as_bool, as_int, as_list, load_state
 from lightning_memopt.utilities.warnings import WarnOnce
@@ -295,7 +296,7 @@ Emit = Callable[..., Any]
 
 
 class AuditMemory(Protocol):
-    """The device an audit reads: :class:`~lightning_memopt.functional.memory.DeviceMemory` or a fake."""
+    """The device an audit reads: :class:`~lightning_memopt.functional.readings.memory.DeviceMemory` or a fake."""
 
     device: torch.device
     has_device_memory: bool
@@ -316,7 +317,7 @@ class AuditSession:
         rank: The rank, for the warnings.
 
     Examples:
-        >>> from lightning_memopt.functional.memory import DeviceMemory
+        >>> from lightning_memopt.functional.readings.memory import DeviceMemory
         >>> records = []
         >>> session = AuditSession(DeviceMemory("cpu"), LeakSampler(3, 1, None), 0.5, 5, collect_garbage=False)
         >>> emit = lambda reading, event, batch_idx, **keys: records.append((event, keys.get("audit")))

@@ -5,8 +5,9 @@ optimizer step: a rank that runs out of memory inside a backward that the reduce
 bucket all-reduces it never joins (gloo aborts the process with a collective mismatch, NCCL waits for its time-out),
 and no rank can know before a backward that it will fit. Without a hook the gradients of a batch that every rank runs
 as one micro-batch are averaged during its backward
-(:class:`~lightning_memopt.functional.ddp_overlap.OverlappedReduction`), others after the last micro-batch (a plain
-average: :meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.average_gradients`). With a hook
+(:class:`~lightning_memopt.functional.micro_batch.ddp_overlap.OverlappedReduction`), others after the last micro-batch
+(a plain
+average: :meth:`~lightning_memopt.functional.micro_batch.retry.Agreement.average_gradients`). With a hook
 (fp16 compression, PowerSGD, post-local SGD, one of the user's), :func:`reduce_with_comm_hook` fills DDP's buckets with
 the accumulated gradients and hands each one to the hook through the reducer, in the reducer's order, as DDP does at
 the end of a synced backward and as its join mode does for a rank that ran out of data: the hook and its state see
@@ -51,7 +52,8 @@ def check_strategy_for_micro_batches(
 
     Accepted: one device, DDP, and FSDP2 without tensor parallelism (``is_fsdp2``: Lightning's
     ``ModelParallelStrategy`` with ``tensor_parallel_size=1``; its collectives agree first, see
-    :mod:`~lightning_memopt.functional.fsdp_sync`). Refused: FSDP1 (``FSDPStrategy``), DeepSpeed, tensor parallelism
+    :mod:`~lightning_memopt.functional.micro_batch.fsdp_sync`). Refused: FSDP1 (``FSDPStrategy``), DeepSpeed, tensor
+    parallelism
     (``tensor_parallel_size`` > 1, named as the cause).
 
     Examples:
@@ -162,7 +164,7 @@ def gradient_reduction(module: Any) -> Callable[[Sequence[torch.nn.Parameter]], 
     """How the gradients of a stepping batch are reduced: the hook on ``module``'s buckets, or ``None`` (no hook).
 
     ``None`` means the plain average of
-    :meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.average_gradients`.
+    :meth:`~lightning_memopt.functional.micro_batch.retry.Agreement.average_gradients`.
 
     Examples:
         >>> gradient_reduction(torch.nn.Linear(2, 2)) is None  # not DDP

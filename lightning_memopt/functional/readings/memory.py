@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_memopt.functional.host_memory import host_rss_bytes
+from lightning_memopt.functional.readings.host_memory import host_rss_bytes
 from lightning_memopt.utilities.checks import check_device, check_device_usable
 
 __all__ = [

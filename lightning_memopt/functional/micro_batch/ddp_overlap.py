@@ -7,7 +7,7 @@ while the backward goes on through earlier layers, as DDP's reducer does. What k
 from leaving the others waiting is one protocol, carried out on every rank in the same order:
 
 1. *The window opens* at the start of the batch's backward (or, for a round without one, at the end of its step): an
-   agreement point (:meth:`~lightning_memopt.functional.micro_batch_retry.Agreement.start_point`, a two-element
+   agreement point (:meth:`~lightning_memopt.functional.micro_batch.retry.Agreement.start_point`, a two-element
    all-reduce started without waiting) says whether some rank ran out of memory before (it abandons the window) and
    whether some rank needs more than one micro-batch (nobody all-reduces in the window; the reduction after the
    batch takes over). Its result is first needed when the first bucket is ready, so its latency hides behind the
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memopt.functional.micro_batch_retry import (
+from lightning_memopt.functional.micro_batch.retry import (
     BUCKET_BYTES,
     OK,
     Agreement,

@@ -1,0 +1,3 @@
+"""MemoryAudit's cores: the audit session (``session``), leak samples (``leaks``) and the DataLoaders' host
+memory (``loaders``).
+"""
