@@ -15,7 +15,11 @@ a full ``gc.collect()`` on the 25th has a perfect median and a 2x mean. So this 
   inside its hooks during the all-four fits, and its fit time alone minus the baseline's;
 * MemoryAudit, reported on its own: the seconds of its one-off audits (fit start, first step; target
   <= 0.5 s each at a million objects) and its cost per step;
-* per-call costs in this process: ``gc.collect`` of each generation, with and without ``gc.freeze()``.
+* per-call costs in this process: ``gc.collect`` of each generation, with and without ``gc.freeze()``;
+* every callback at its defaults on a small model (``--small-*``): the CPU they add per optimizer step after the
+  first steps, side by side with none (target <= 0.3 ms and <= 1 % of a 30 ms step), each one's time in its hooks;
+* MemoryAudit's fit-start and first-step audits in fresh processes holding ``--scan-small`` and ``--scan-large``
+  unrelated objects (target: the large / small ratio <= 1.5; ``--quick``: one process, topped up between the two).
 
 Time spent in Python's collector (every collection, automatic or not) is recorded through ``gc.callbacks``.
 The machine may be shared: the CPU time of the process is printed next to the wall time.
@@ -216,6 +220,21 @@ def build(config: str) -> list[pl.Callback]:
     return [makers[config]()]
 
 
+def quiet_trainer(root: str, callbacks: list, steps: int, accelerator: str = "cpu") -> pl.Trainer:
+    """One device, ``steps`` optimizer steps; no logger, checkpoints, progress bar or model summary."""
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+
+
 def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps: int) -> dict[str, Any]:
     callbacks = build(config)
     clocks = [HookClock(cb) for cb in callbacks]
@@ -228,17 +247,7 @@ def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps:
                 **time_methods(cb._session, ("holder_sample", "leak_sample")),
             }
     with tempfile.TemporaryDirectory() as root:
-        trainer = pl.Trainer(
-            accelerator=args.accelerator,
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            callbacks=callbacks,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-        )
+        trainer = quiet_trainer(root, callbacks, steps, args.accelerator)
         torch.manual_seed(0)
         model = TokenModel(args.width)
         data = loader(rows, args.batch)
@@ -565,17 +574,7 @@ def small_fit(config: str, rows: list[list[int]], args: argparse.Namespace) -> d
 
         time_hooks(cb, pl.Callback, ALL_HOOKS, record)
     with tempfile.TemporaryDirectory() as root:
-        trainer = pl.Trainer(
-            accelerator=args.accelerator,
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            callbacks=[probe, *callbacks],
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-        )
+        trainer = quiet_trainer(root, [probe, *callbacks], steps, args.accelerator)
         torch.manual_seed(0)
         model, data = TokenModel(args.small_width), loader(rows, args.small_batch)
         gc.collect()
@@ -646,10 +645,11 @@ def print_per_step(section: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ audit scan
-def scan_in_this_process(extra: int, repeats: int, width: int) -> dict[str, Any]:
+def scan_in_this_process(extra: int, repeats: int, width: int, held: list | None = None) -> dict[str, Any]:
     """MemoryAudit's fit-start and first-step audits (thread CPU seconds, median of ``repeats`` fits) with
-    ``extra`` unrelated lists held by this process."""
-    held = tokenised_dataset(extra, 8)
+    ``extra`` unrelated lists held by this process (``held``: lists it holds already, topped up to ``extra``)."""
+    held = [] if held is None else held
+    held.extend(tokenised_dataset(max(0, extra - len(held)), 8))
     rows = tokenised_dataset(64, 8)
     starts, firsts = [], []
     for _ in range(repeats):
@@ -662,16 +662,7 @@ def scan_in_this_process(extra: int, repeats: int, width: int) -> dict[str, Any]
 
         time_hooks(audit, pl.Callback, ("on_fit_start", "on_train_batch_end"), record)
         with tempfile.TemporaryDirectory() as root:
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                max_steps=2,
-                logger=False,
-                callbacks=[audit],
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                default_root_dir=root,
-            )
+            trainer = quiet_trainer(root, [audit], 2)
             model = TokenModel(width)
             gc.collect()  # no garbage of the previous fit waiting: the audit then has no reason to collect
             trainer.fit(model, train_dataloaders=loader(rows, 8))
@@ -686,13 +677,22 @@ def scan_in_this_process(extra: int, repeats: int, width: int) -> dict[str, Any]
     }
 
 
+def scan_children(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    """:func:`scan_in_this_process` at each of ``sizes``, one after the other, in a fresh process."""
+    command = [sys.executable, __file__, "--scan-child", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+    proc = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def scan_section(args: argparse.Namespace) -> dict[str, Any]:
-    """The fit-start scan in fresh processes holding ``--scan-small`` and ``--scan-large`` unrelated objects."""
-    runs: dict[str, Any] = {}
-    for extra in (args.scan_small, args.scan_large):
-        command = [sys.executable, __file__, "--scan-child", str(extra), "--repeats", str(args.repeats)]
-        proc = subprocess.run(command, capture_output=True, text=True, check=True)
-        runs[str(extra)] = json.loads(proc.stdout.strip().splitlines()[-1])
+    """The fit-start scan in fresh processes holding ``--scan-small`` and ``--scan-large`` unrelated objects (with
+    ``--quick`` one process, its objects topped up from the small count to the large one)."""
+    sizes = [args.scan_small, args.scan_large]
+    if args.quick:
+        found = scan_children(sizes, args.repeats)
+    else:
+        found = [run for size in sizes for run in scan_children([size], args.repeats)]
+    runs = {str(size): run for size, run in zip(sizes, found)}
     small, large = runs[str(args.scan_small)], runs[str(args.scan_large)]
     ratio = large["fit_start_cpu_s"] / small["fit_start_cpu_s"]
     return {
@@ -747,13 +747,15 @@ def main() -> None:
     parser.add_argument("--small-batch", type=int, default=16, help="batch of the small model")
     parser.add_argument("--scan-small", type=int, default=10_000, help="unrelated objects of the small scan process")
     parser.add_argument("--scan-large", type=int, default=1_000_000, help="unrelated objects of the large one")
-    parser.add_argument("--scan-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--scan-child", default=None, help=argparse.SUPPRESS)  # "N" or "N1,N2"
     parser.add_argument("--quick", action="store_true", help="smoke run: 5,000 lists, 12-step fits, one round")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    if args.scan_child is not None:  # one process of the scan section: its result as the last line of stdout
+    if args.scan_child is not None:  # one process of the scan section: its results as the last line of stdout
         quiet()
-        print(json.dumps(scan_in_this_process(args.scan_child, args.repeats, 32)))
+        held: list = []
+        sizes = [int(size) for size in args.scan_child.split(",")]
+        print(json.dumps([scan_in_this_process(size, args.repeats, 32, held) for size in sizes]))
         return
     if args.quick:
         args.objects, args.steps, args.rounds, args.single_rounds, args.repeats = 5_000, 12, 1, 1, 1

@@ -108,6 +108,24 @@ def strategy_label(world: int, sharded: bool, cpu_offload: bool) -> str:
     return "ddp" if world > 1 else "single device"
 
 
+def _estimate(source: Any, size: int, checkpointing: bool, accumulate: int, **sharding: Any) -> MemoryEstimate:
+    """One training-step estimate of a plan at micro-batch ``size`` (``source``: the plan's shared settings, a
+    :class:`Trials` or :class:`PlanSettings`), checkpointing on or off, ``accumulate`` micro-batches per step."""
+    return estimate_memory(
+        source.module,
+        source.batch_fn(size),
+        precision=source.precision,
+        optimizer=source.optimizer,
+        device=source.device,
+        gradient_checkpointing=checkpointing,
+        checkpoint_modules=source.checkpoint_modules if checkpointing else None,
+        loss_fn=source.loss_fn,
+        accumulate_grad_batches=accumulate,
+        gpu=source.gpu if source.device == "cuda" else None,
+        **sharding,
+    )
+
+
 class Trials:
     """Runs the estimates of a plan, one per (micro-batch, checkpointing), and keeps them in the order they ran.
 
@@ -166,19 +184,7 @@ class Trials:
         """Estimate micro-batch ``size`` with activation checkpointing on or off (off: the model as it is) and the
         accumulation it needs; whether it fits."""
         accumulate = max(1, self.batch_per_device // size)
-        est = estimate_memory(
-            self.module,
-            self.batch_fn(size),
-            precision=self.precision,
-            optimizer=self.optimizer,
-            device=self.device,
-            gradient_checkpointing=checkpointing,
-            checkpoint_modules=self.checkpoint_modules if checkpointing else None,
-            loss_fn=self.loss_fn,
-            accumulate_grad_batches=accumulate,
-            gpu=self.gpu if self.device == "cuda" else None,
-            **self._sharding(),
-        )
+        est = _estimate(self, size, checkpointing, accumulate, **self._sharding())
         needed = needed_bytes(est, self.world)
         ok = needed <= self.usable
         self.trials.append(
@@ -510,17 +516,11 @@ class PlanSearch:
             return None
         if s.precision not in ("bf16-mixed", "16-mixed"):
             return None
-        return estimate_memory(
-            s.module,
-            s.batch_fn(chosen),
-            precision=s.precision,
-            optimizer=s.optimizer,
-            device=s.device,
-            gradient_checkpointing=checkpointed,
-            checkpoint_modules=s.checkpoint_modules if checkpointed else None,
-            loss_fn=s.loss_fn,
-            accumulate_grad_batches=estimate.accumulate_grad_batches,
-            gpu=s.gpu if s.device == "cuda" else None,
+        return _estimate(
+            s,
+            chosen,
+            checkpointed,
+            estimate.accumulate_grad_batches,
             world_size=runs.world,
             reshard_after_forward=True,
             shard_modules=s.shard_modules,
