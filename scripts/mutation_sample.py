@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=list(CORE),
         help="modules or folders to draw from (default: the functional and analysis cores), e.g. the modules a"
-        " release changed: --paths $(git diff --name-only v0.1.0 -- 'lightning_memopt/*.py')",
+        " release changed: --paths $(git diff --name-only --diff-filter=d v0.1.0 -- 'lightning_memopt/*.py')",
     )
     args = parser.parse_args(argv)
     sites = all_sites(tuple(args.paths))
