@@ -147,7 +147,7 @@ def test_an_evaluation_batch_is_not_planned_without_a_training_setting_or_under_
     assert "Evaluation (trainer.predict): not planned: no training setting fits." in str(plan)
     settings = PlanSettings(_mlp(), lambda b: torch.randn(b, 512), usable=10**9, precision="32-true", device="cpu")
     search = PlanSearch(settings, effective=16, world=2, sizes=[1, 2, 4, 8], gradient_checkpointing=False)
-    search.done.append(Stage(settings.trials(8, 2, sharded=True), chosen=4, checkpointed=False))
+    search.done.append(Stage(settings.trials(8, 2, sharded=True, cpu_offload=False), chosen=4, checkpointed=False))
     planned = search.evaluation("test", 4)
     assert (planned.size, planned.note) == (None, "not planned: evaluation under FSDP2 is not modelled yet.")
 

@@ -347,8 +347,9 @@ class PlanSettings:
     checkpoint_modules: Sequence[type[nn.Module] | str] | None = None
     shard_modules: Sequence[type[nn.Module] | str] | None = None
 
-    def trials(self, per_device: int, world: int, sharded: bool = False, cpu_offload: bool = False) -> Trials:
-        """The estimates of one strategy: ``per_device`` samples per optimizer step on each of ``world`` ranks."""
+    def trials(self, per_device: int, world: int, sharded: bool, cpu_offload: bool) -> Trials:
+        """The estimates of one strategy: ``per_device`` samples per optimizer step on each of ``world`` ranks,
+        sharded by FSDP2 or not, with CPU offload or not."""
         shared = {f.name: getattr(self, f.name) for f in fields(self)}
         return Trials(batch_per_device=per_device, world=world, sharded=sharded, cpu_offload=cpu_offload, **shared)
 
@@ -444,7 +445,7 @@ class PlanSearch:
     gradient_checkpointing: bool | Literal["auto"]
     done: list[Stage] = field(default_factory=list)
 
-    def runs(self, world: int, sharded: bool, cpu_offload: bool = False) -> Trials:
+    def runs(self, world: int, sharded: bool, cpu_offload: bool) -> Trials:
         return self.settings.trials(max(1, self.effective // world), world, sharded, cpu_offload)
 
     def strategies(self, strategy: str) -> Stage:
@@ -475,7 +476,7 @@ class PlanSearch:
         if lower is None:
             return None
         for count in [c for c in GPU_COUNTS if c >= lower and c > tried][:2]:
-            runs = self.runs(count, True)
+            runs = self.runs(count, sharded=True, cpu_offload=False)
             try:
                 fits = runs.fits(1, final.checkpointed)
             except (ValueError, MemoryEstimateError):  # e.g. a process group is initialised: keep the lower bound

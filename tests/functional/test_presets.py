@@ -222,3 +222,13 @@ def _lossy_plan(effective, micro, devices, nodes, target):
     return type(plan)(
         plan.effective_batch_size, plan.micro_batch_size + 1, plan.accumulate_grad_batches, plan.world_size
     )
+
+
+def test_a_recipe_list_stays_on_one_line_exactly_while_it_fits_the_width_with_its_indent():
+    from lightning_memopt.functional.presets import _names_literal
+    from lightning_memopt.utilities.formatting import WIDTH
+
+    indent = "    "
+    fits = "x" * (WIDTH - len(indent) - 4)  # ['xx...x'] is WIDTH - len(indent) characters
+    assert _names_literal([fits], indent) == f"['{fits}']"
+    assert _names_literal([fits + "x"], indent) == f"[\n{indent}    '{fits}x',\n{indent}]"
