@@ -2,11 +2,12 @@
 exact accumulation.
 
 Lightning's Trainer builds one plugin class per precision (``MixedPrecision``, ``HalfPrecision``, ``Precision``, ...).
-``MemoryPrecision`` can only choose in ``setup``, on the device the Trainer trains on, so at that point the plugin
-*becomes* the class Lightning would have built, from the Trainer's namespace: its class is set to
-``(_MemoryPrecisionMixin, <Lightning's class>)`` and Lightning's ``__init__`` runs with the arguments Lightning's
-Trainer would pass. Everything else (autocast, the GradScaler, half inputs, clipping, the scaler's checkpoint state)
-is Lightning's code, not a copy; the mixin adds only the choice, TF32, the short-window rescale and the checks.
+``MemoryPrecision(...)`` (or a subclass of it) returns, from ``__new__``, an instance of a class built from the class
+called and Lightning's class for the precision chosen on the ``device`` argument, and ``__init__`` runs Lightning's
+``__init__`` with the arguments Lightning's Trainer would pass. Everything else (autocast, the GradScaler, half
+inputs, clipping, the scaler's checkpoint state) is Lightning's code, not a copy; ``MemoryPrecision`` adds only the
+choice, TF32, the short-window rescale and the checks. At setup the choice is confirmed on the Trainer's device and
+namespace; only where those differ from what was built does the plugin become the class for them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 from torch.nn import Module
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_memopt.functional.precision import (
     UNSUPPORTED_STRATEGIES,
@@ -38,17 +39,13 @@ from lightning_memopt.functional.precision import (
 )
 from lightning_memopt.utilities.checks import check_bool, check_choice
 from lightning_memopt.utilities.formatting import WIDTH, wrap_to_width
-from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, namespace_of, rank_zero_info
+from lightning_memopt.utilities.namespaces import NAMESPACES, Precision, classes, namespace_of, rank_zero_info
 from lightning_memopt.utilities.quiet import note_inactive
 from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    _PluginBase = Precision
-else:
-    _PluginBase = object
 
 __all__ = ["MemoryPrecision", "UNSUPPORTED_STRATEGIES", "has_own_precision"]
 
@@ -121,8 +118,11 @@ _LIGHTNING_CLASSES = {
     "transformer-engine-float16": "TransformerEnginePrecision",
 }
 
-#: The precisions whose plugin is in place from ``__init__`` on (``trainer.init_module()`` runs before setup).
-_TRUE_DTYPES = ("16-true", "bf16-true", "64-true")
+#: The precisions whose Lightning class is built only at setup: its ``__init__`` needs ``transformer_engine``.
+_BUILT_AT_SETUP = ("transformer-engine", "transformer-engine-float16")
+
+#: Lightning's base plugin of the first namespace: what ``MemoryPrecision`` itself already is (32-true).
+_BASE_PRECISION = classes("plugins.precision.Precision")[0]
 
 
 def _lightning_plugin(
@@ -142,29 +142,193 @@ def _lightning_plugin(
     return cls, {}
 
 
-@functools.cache
-def _running_class(*lightning_classes: type) -> type:
-    """``MemoryPrecision`` running as ``lightning_classes``: the mixin's methods first, then Lightning's.
+def _device_type(device: str | torch.device | None) -> str:
+    """The device type ``device`` names; for ``None`` the one ``Trainer(accelerator="auto")`` picks (CUDA or CPU)."""
+    if device is None:
+        if torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"`device` must be a device type such as 'cuda' or 'cpu' (or a `torch.device`), got {device!r}."
+            " Pass the accelerator the Trainer trains on, or None for CUDA where available, else CPU."
+        ) from None
 
-    The mixin does not bring :class:`~lightning_memopt.utilities.namespaces.Precision` (both namespaces' base), so
-    every method a ``pytorch_lightning`` plugin inherits comes from ``pytorch_lightning``. The class is registered as
-    a :class:`MemoryPrecision` (``isinstance`` holds) and named like it, so its checkpoint key (Lightning stores the
-    plugin's state under the class's ``__qualname__``) does not depend on what was chosen.
+
+def _cuda_facts(
+    device: torch.device, capability: tuple[int, int] | None, device_name: str | None
+) -> tuple[tuple[int, int] | None, str | None]:
+    """``capability`` and ``device_name``, read from ``device`` where they are ``None`` (a CUDA device only)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        if capability is None:
+            major, minor = torch.cuda.get_device_capability(device)
+            capability = (major, minor)
+        if device_name is None:
+            device_name = torch.cuda.get_device_name(device)
+    return capability, device_name
+
+
+def _construction_precision(requested: str, device_type: str, allow_emulated_bf16: bool) -> str:
+    """The precision whose Lightning plugin a new ``MemoryPrecision`` is: setup confirms it on the Trainer's device.
+
+    An explicit precision is its own (Transformer Engine's waits for setup: its plugin needs the package); ``"auto"``
+    is chosen on ``device_type`` (the current CUDA device's capability). Nothing raises here: a bf16 request on a GPU
+    without native bf16 is refused at setup, on the device that trains.
     """
-    if lightning_classes == (Precision,):
-        return MemoryPrecision
-    namespace = {"__module__": __name__, "__qualname__": "MemoryPrecision", "__doc__": MemoryPrecision.__doc__}
-    cls = type("MemoryPrecision", (_MemoryPrecisionMixin, *lightning_classes), namespace)
-    MemoryPrecision.register(cls)
-    return cls
+    if requested in _BUILT_AT_SETUP:
+        return "32-true"
+    if requested != "auto":
+        return requested
+    capability, device_name = _cuda_facts(torch.device(device_type), None, None)
+    return choose_precision(requested, device_type, capability, device_name, allow_emulated_bf16).precision
 
 
-def _unpickle(lightning_classes: tuple[type, ...]) -> Any:
-    return object.__new__(_running_class(*lightning_classes))
+def _call_arguments(cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``cls(*args, **kwargs)`` by name, defaults included (a subclass's ``**kwargs`` unpacked).
+
+    Raises the ``TypeError`` calling ``cls.__init__`` would raise for arguments that do not fit it.
+    """
+    signature = inspect.signature(cls.__init__)
+    bound = signature.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    found = dict(bound.arguments)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            found.update(found.pop(name, {}))
+    return found
 
 
-class _MemoryPrecisionMixin(_PluginBase):
-    """What :class:`MemoryPrecision` adds to Lightning's precision plugin; the documentation is there."""
+class _PluginMeta(abc.ABCMeta):
+    """Orders a built plugin class (:func:`_plugin_class`): the class called, then Lightning's class and its bases.
+
+    The class called derives from :class:`~lightning_memopt.utilities.namespaces.Precision`, the base of every
+    namespace (``lightning.pytorch``'s first), so Python's default order would put ``lightning.pytorch``'s base
+    methods before those of a ``pytorch_lightning`` plugin class. Here Lightning's class comes right after this
+    package's classes and the user's, with every class it inherits, and the other namespace's base only after it:
+    each method Lightning defines resolves to the chosen namespace, and a Trainer of either namespace accepts it.
+    """
+
+    def mro(cls) -> list[type]:
+        lightning_class = cls.__dict__.get("_lightning_class")
+        if lightning_class is None:
+            return super().mro()
+        called = cls.__dict__["_called_class"]
+        bases = Precision.__mro__
+        order = [cls, *(c for c in called.__mro__ if c not in bases), *lightning_class.__mro__[:-1]]
+        return order + [c for c in bases if c not in order]
+
+
+@functools.cache
+def _plugin_class(called: type, lightning_class: type) -> Any:
+    """The class ``called`` (``MemoryPrecision`` or a subclass) built on ``lightning_class``, one per pair.
+
+    Named like the class called, so its checkpoint key (Lightning stores the plugin's state under the class's
+    ``__qualname__``) does not depend on what was chosen. ``called`` already is ``lightning.pytorch``'s base plugin.
+    """
+    if lightning_class is _BASE_PRECISION:
+        return called
+    namespace = {
+        "__module__": called.__module__,
+        "__qualname__": called.__qualname__,
+        "__doc__": called.__doc__,
+        "_called_class": called,
+        "_lightning_class": lightning_class,
+    }
+    return type(called)(called.__name__, (called, lightning_class), namespace)
+
+
+def _called_class(cls: type) -> type:
+    return cls.__dict__.get("_called_class", cls)
+
+
+def _lightning_class(cls: type) -> type:
+    return cls.__dict__.get("_lightning_class", _BASE_PRECISION)
+
+
+def _unpickle(called: type, lightning_class: type) -> Any:
+    return object.__new__(_plugin_class(called, lightning_class))
+
+
+class _ChosenAtConstruction:
+    """Gives :class:`MemoryPrecision` (and its subclasses) the ``__new__`` that returns the built class.
+
+    It lives in a base of its own so that tools reading a class's arguments (jsonargparse, ``LightningCLI``) read
+    ``MemoryPrecision.__init__``'s, as they do for a class whose ``__new__`` is inherited.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """An instance of ``cls`` built on Lightning's plugin class for the precision chosen on ``device``."""
+        found = _call_arguments(cls, args, kwargs)
+        requested = normalize_precision(found.get("precision", "auto"), "precision")
+        device_type = _device_type(found.get("device"))
+        precision = _construction_precision(requested, device_type, found.get("allow_emulated_bf16") is True)
+        lightning_class, _ = _lightning_plugin(NAMESPACES[0], precision, device_type, None)
+        called: type = cls
+        instance: Self = object.__new__(_plugin_class(called, lightning_class))
+        return instance
+
+
+class MemoryPrecision(_ChosenAtConstruction, Precision, metaclass=_PluginMeta):
+    """Lightning's precision plugin for the precision that fits the GPU, chosen on the training device.
+
+    ``MemoryPrecision(...)`` is, from construction on, the plugin Lightning's Trainer would build for the precision
+    (``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision`` or ``Precision``): an instance of a class made from
+    the class called and Lightning's, so autocast, the GradScaler and its checkpoint state are Lightning's own. The
+    choice is made on ``device`` and confirmed at setup on the device the Trainer trains on; where the Trainer's
+    device type or Lightning namespace differs (``Trainer(accelerator="cpu")`` on a GPU machine, a
+    ``pytorch_lightning`` Trainer), setup chooses again and the plugin becomes the class for that, the one case in
+    which its class changes (besides Transformer Engine's, built at setup). Subclasses keep their methods throughout.
+
+    * ``"auto"``: ``bf16-mixed`` where the GPU has native bf16 (compute capability >= 8.0), else ``16-mixed`` with a
+      ``GradScaler``; ``32-true`` on CPU and other devices. One line (rank zero) says what was chosen.
+    * ``"16-mixed"``, ``"bf16-mixed"``: autocast; asking for bf16 on a GPU without native bf16 raises an error that
+      names the GPU and suggests fp16 (``torch.cuda.is_bf16_supported()`` would say True there: it counts emulation).
+    * ``"16-true"``, ``"bf16-true"``, ``"64-true"``: weights, inputs and tensors created in ``trainer.init_module()``
+      are half (double), as with Lightning's plugin (``init_module`` runs before setup).
+    * ``"32-true"``: plain fp32; ``"transformer-engine"`` (``-float16``): Lightning's Transformer Engine plugin
+      (needs ``transformer_engine``; built at setup, fp32 until then).
+    * Lightning's short names are accepted and mapped as the Trainer maps them: ``16`` / ``"16"`` is ``"16-mixed"``,
+      ``"bf16"`` is ``"bf16-mixed"``, ``32`` is ``"32-true"``, ``64`` is ``"64-true"``. One difference: on a CPU,
+      Lightning's Trainer replaces ``"16-mixed"`` by ``"bf16-mixed"``; this plugin runs the fp16 autocast asked for
+      (torch supports it on CPUs).
+
+    ``precision`` (Lightning's attribute, what ``trainer.precision`` reads) is the precision chosen on ``device``;
+    ``requested_precision`` keeps what was asked for and ``choice`` what setup chose and why.
+
+    ``float32_matmul_precision`` is set through ``torch.set_float32_matmul_precision`` at setup and given back exactly
+    at teardown (also after an exception; fits overlapping in one process share it: the first one's value holds until
+    the last ends); where TF32 was set through torch's per-backend API the plugin leaves it alone and warns. With
+    ``exact_accumulation=True`` the loss of an epoch's short last accumulation window is rescaled, so each optimizer
+    step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin replaces
+    ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies get a
+    ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
+
+    Args:
+        precision: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``,
+            ``"bf16"``...).
+        float32_matmul_precision: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (leave as is).
+        allow_emulated_bf16: use bf16 on a GPU without native bf16 instead of raising.
+        scaler: a ``torch.amp.GradScaler`` for the fp16 path (Lightning makes one when ``None``).
+        exact_accumulation: fix the short last accumulation window of an epoch (see above).
+        verbose: print the whole reason for the choice at setup, for every precision (``"auto"`` prints one short
+            line without it).
+        device: the device type the Trainer will train on (``"cuda"``, ``"cpu"``...): Lightning's ``MixedPrecision``
+            takes it, and ``"auto"`` is chosen on it before setup. ``None``: ``"cuda"`` where CUDA is available, else
+            ``"cpu"``, as ``Trainer(accelerator="auto")`` picks.
+
+    Device requirements: any; on CPU ``"auto"`` trains in fp32.
+
+    Examples:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(accelerator="cpu", plugins=[MemoryPrecision("auto")], logger=False)
+        >>> trainer.precision_plugin.requested_precision, trainer.precision
+        ('auto', '32-true')
+        >>> from lightning.pytorch.plugins.precision import MixedPrecision
+        >>> isinstance(MemoryPrecision("bf16-mixed", device="cpu"), MixedPrecision)
+        True
+    """
 
     #: The GradScaler in use: set by Lightning's ``MixedPrecision`` for fp16, ``None`` otherwise.
     scaler: torch.amp.GradScaler | None = None
@@ -177,8 +341,10 @@ class _MemoryPrecisionMixin(_PluginBase):
         scaler: torch.amp.GradScaler | None = None,
         exact_accumulation: bool = True,
         verbose: bool = False,
+        device: str | torch.device | None = None,
     ) -> None:
         normalized = normalize_precision(precision, "precision")
+        device_type = _device_type(device)
         if float32_matmul_precision is not None:
             check_choice("float32_matmul_precision", float32_matmul_precision, _MATMUL_PRECISIONS)
         check_bool("allow_emulated_bf16", allow_emulated_bf16)
@@ -206,8 +372,8 @@ class _MemoryPrecisionMixin(_PluginBase):
         self._matmul: Lease | None = None  # the process's setting: shared with fits that overlap this one
         self._pending_state: tuple[Any] | None = None  # (state,): a checkpoint's state may itself be None
         self._warn = WarnOnce()
-        if normalized in _TRUE_DTYPES:  # in place before setup, for `trainer.init_module()`; either Trainer takes it
-            self._become(NAMESPACES[0], normalized, "cpu", dual=True)
+        # The class `__new__` built, unless a subclass's `__init__` passed other arguments on than it was called with.
+        self._become(NAMESPACES[0], _construction_precision(normalized, device_type, allow_emulated_bf16), device_type)
 
     # ----------------------------------------------------------------------------------------------- resolution
     def resolve(
@@ -223,12 +389,7 @@ class _MemoryPrecisionMixin(_PluginBase):
         (``"lightning.pytorch"`` or ``"pytorch_lightning"``) is where the plugin class comes from: the Trainer's.
         """
         device = torch.device(device)
-        if device.type == "cuda" and torch.cuda.is_available():
-            if capability is None:
-                major, minor = torch.cuda.get_device_capability(device)
-                capability = (major, minor)
-            if device_name is None:
-                device_name = torch.cuda.get_device_name(device)
+        capability, device_name = _cuda_facts(device, capability, device_name)
         choice = choose_precision(
             self.requested_precision,
             device.type,
@@ -245,13 +406,14 @@ class _MemoryPrecisionMixin(_PluginBase):
             self.load_state_dict(state)
         return choice
 
-    def _become(self, namespace: str, precision: str, device_type: str, dual: bool = False) -> None:
-        """Become Lightning's plugin for ``precision`` (``dual``: also a plugin of every namespace, before setup).
+    def _become(self, namespace: str, precision: str, device_type: str) -> None:
+        """Run Lightning's ``__init__`` for ``precision`` on ``device_type``, as the class built for it.
 
-        Kept as is when nothing changed: a second fit keeps the scaler state of the first.
+        Kept as is when nothing changed (a second fit keeps the scaler state of the first). The class changes only
+        where setup finds another device type or namespace than the one the plugin was built for.
         """
         lightning_class, kwargs = _lightning_plugin(namespace, precision, device_type, self._user_scaler)
-        cls = _running_class(lightning_class, Precision) if dual else _running_class(lightning_class)
+        cls = _plugin_class(_called_class(type(self)), lightning_class)
         if type(self) is cls and self._running == (precision, device_type):
             return
         for key in self._lightning_keys:  # the previous plugin's attributes (a stale `scaler`, `precision`)
@@ -366,66 +528,8 @@ class _MemoryPrecisionMixin(_PluginBase):
                 lease.release()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _unpickle, (type(self).__bases__[1:],), vars(self)
+        cls = type(self)
+        return _unpickle, (_called_class(cls), _lightning_class(cls)), vars(self)
 
     def __repr__(self) -> str:
-        return f"MemoryPrecision(precision={self.requested_precision!r})"
-
-
-class MemoryPrecision(_MemoryPrecisionMixin, Precision, metaclass=abc.ABCMeta):
-    """Lightning's precision plugin for the precision that fits the GPU, chosen on the training device.
-
-    The precision is resolved in ``setup`` on the device the Trainer trains on; the plugin then becomes the plugin
-    Lightning's Trainer would build for it (``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision``,
-    ``TransformerEnginePrecision`` or ``Precision``, from the Trainer's namespace), so autocast, the GradScaler and
-    its checkpoint state are Lightning's own:
-
-    * ``"auto"``: ``bf16-mixed`` where the GPU has native bf16 (compute capability >= 8.0), else ``16-mixed`` with a
-      ``GradScaler``; ``32-true`` on CPU and other devices. One line (rank zero) says what was chosen.
-    * ``"16-mixed"``, ``"bf16-mixed"``: autocast; asking for bf16 on a GPU without native bf16 raises an error that
-      names the GPU and suggests fp16 (``torch.cuda.is_bf16_supported()`` would say True there: it counts emulation).
-    * ``"16-true"``, ``"bf16-true"``, ``"64-true"``: weights, inputs and tensors created in ``trainer.init_module()``
-      are half (double): this plugin is Lightning's from construction on, as ``init_module`` runs before setup.
-    * ``"32-true"``: plain fp32; ``"transformer-engine"`` (``-float16``): Lightning's Transformer Engine plugin
-      (needs ``transformer_engine``).
-    * Lightning's short names are accepted and mapped as the Trainer maps them: ``16`` / ``"16"`` is ``"16-mixed"``,
-      ``"bf16"`` is ``"bf16-mixed"``, ``32`` is ``"32-true"``, ``64`` is ``"64-true"``. One difference: on a CPU,
-      Lightning's Trainer replaces ``"16-mixed"`` by ``"bf16-mixed"``; this plugin runs the fp16 autocast asked for
-      (torch supports it on CPUs).
-
-    Until setup, ``precision`` (Lightning's attribute, what ``trainer.precision`` reads) is ``"32-true"`` except for
-    the true-dtype precisions; ``requested_precision`` keeps what was asked for and ``choice`` what was chosen and why.
-
-    ``float32_matmul_precision`` is set through ``torch.set_float32_matmul_precision`` at setup and given back exactly
-    at teardown (also after an exception; fits overlapping in one process share it: the first one's value holds until
-    the last ends); where TF32 was set through torch's per-backend API the plugin leaves it alone and warns. With
-    ``exact_accumulation=True`` the loss of an epoch's short last accumulation window is rescaled, so each optimizer
-    step uses the mean of the micro-batch losses it saw (upstream #19987). The plugin replaces
-    ``Trainer(precision=...)`` (given both, Lightning raises); FSDP, DeepSpeed and model-parallel strategies get a
-    ``TypeError``: they need their own precision classes. The details are in ``docs/presets.md``.
-
-    Args:
-        precision: ``"auto"`` or any precision ``Trainer(precision=...)`` accepts (``"bf16-mixed"``, ``16``,
-            ``"bf16"``...).
-        float32_matmul_precision: ``"highest"``, ``"high"``, ``"medium"`` or ``None`` (leave as is).
-        allow_emulated_bf16: use bf16 on a GPU without native bf16 instead of raising.
-        scaler: a ``torch.amp.GradScaler`` for the fp16 path (Lightning makes one when ``None``).
-        exact_accumulation: fix the short last accumulation window of an epoch (see above).
-        verbose: print the whole reason for the choice at setup, for every precision (``"auto"`` prints one short
-            line without it).
-
-    Device requirements: any; on CPU ``"auto"`` trains in fp32.
-
-    Examples:
-        >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(accelerator="cpu", plugins=[MemoryPrecision("auto")], logger=False)
-        >>> trainer.precision_plugin.requested_precision, trainer.precision
-        ('auto', '32-true')
-    """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        raise TypeError(
-            f"`{cls.__name__}` cannot subclass `MemoryPrecision`: at setup the plugin becomes Lightning's plugin class"
-            " for the precision it chose, which would drop the subclass's methods. Add behaviour in a Callback, or"
-            " subclass Lightning's precision plugin and pass it to `Trainer(plugins=...)`."
-        )
+        return f"{type(self).__name__}(precision={self.requested_precision!r})"

@@ -1,5 +1,6 @@
 """``MemoryPrecision`` is Lightning's own precision plugin for the precision it chose: the class Lightning's Trainer
-would build, from the Trainer's namespace, with only four of Lightning's methods extended (no hand-forwarding)."""
+would build, from construction on and from the Trainer's namespace after setup, with only four of Lightning's methods
+extended (no hand-forwarding); subclasses keep their methods."""
 
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ def test_after_setup_it_is_the_plugin_lightning_would_build(namespace, precision
     choice = plugin.resolve(torch.device("cpu"), namespace=namespace)
     expected = _lightning_s_choice(namespace, choice.precision)
     assert type(plugin) is not expected and isinstance(plugin, expected) and isinstance(plugin, MemoryPrecision)
-    assert _lightning_classes(plugin) == list(expected.__mro__[:-1])  # Lightning's classes of one namespace only
+    lightning = list(expected.__mro__[:-1])
+    assert _lightning_classes(plugin)[: len(lightning)] == lightning  # Lightning's class and all it inherits first
+    # then only the other namespace's base, so that a Trainer of either namespace takes the plugin
+    assert all(isinstance(plugin, importlib.import_module(f"{ns}.plugins").Precision) for ns in NAMESPACES)
     for name in dir(expected):
         if callable(getattr(expected, name)) and not name.startswith("__") and name not in EXTENDED:
             assert getattr(type(plugin), name) is getattr(expected, name), name  # Lightning's own, not a copy
@@ -132,11 +136,148 @@ def test_a_bad_scaler_state_warns_from_this_package_and_starts_fresh(tmp_path):
     assert resumed.scaler.state_dict()["_growth_tracker"] != tracker + 1  # fresh: the saved tracker was not loaded
 
 
-def test_a_subclass_is_refused_instead_of_losing_its_methods_at_setup():
-    with pytest.raises(TypeError, match="cannot subclass `MemoryPrecision`.*subclass Lightning's precision plugin"):
+def _lightning_class(name: str, namespace: str = NAMESPACES[0]) -> type:
+    return getattr(importlib.import_module(f"{namespace}.plugins.precision"), name)
 
-        class Mine(MemoryPrecision):
-            pass
+
+@pytest.mark.parametrize(
+    ("precision", "name"),
+    [
+        ("bf16-mixed", "MixedPrecision"),
+        ("16-mixed", "MixedPrecision"),
+        ("16-true", "HalfPrecision"),
+        ("bf16-true", "HalfPrecision"),
+        ("64-true", "DoublePrecision"),
+        ("32-true", "Precision"),
+        ("auto", "Precision"),  # on a CPU
+    ],
+)
+def test_it_is_lightning_s_plugin_from_construction_on(precision, name):
+    plugin = MemoryPrecision(precision, device="cpu")
+    expected = _lightning_class(name)
+    assert isinstance(plugin, expected) and _lightning_classes(plugin)[0] is expected
+    assert type(plugin).__qualname__ == "MemoryPrecision"  # Lightning's checkpoint key for the plugin's state
+    assert repr(plugin) == f"MemoryPrecision(precision={precision!r})"
+    assert plugin.precision == ("32-true" if precision == "auto" else precision)
+    if name == "MixedPrecision":
+        assert plugin.device == "cpu"
+
+
+def test_auto_on_a_cpu_is_the_class_itself():
+    plugin = MemoryPrecision("auto", device="cpu")
+    assert type(plugin) is MemoryPrecision and isinstance(plugin, _lightning_class("Precision"))
+
+
+def test_the_device_defaults_to_what_trainer_accelerator_auto_picks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert MemoryPrecision("bf16-mixed").device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert MemoryPrecision("bf16-mixed").device == "cuda"
+
+
+@pytest.mark.parametrize("device", ["gpu0", 3.5, object()])
+def test_a_bad_device_is_refused_naming_the_argument(device):
+    with pytest.raises(ValueError, match=r"`device` must be a device type such as 'cuda' or 'cpu'.*, got "):
+        MemoryPrecision("bf16-mixed", device=device)
+
+
+def test_a_device_the_trainer_does_not_train_on_is_chosen_again_at_setup(tmp_path):
+    plugin = MemoryPrecision("bf16-mixed", device="cuda")  # built on a GPU machine, trained with accelerator="cpu"
+    assert plugin.device == "cuda"
+    trainer = make_trainer(tmp_path, plugins=[plugin], max_steps=1)
+    trainer.fit(TinyModel())
+    assert plugin.device == "cpu" and plugin.scaler is None  # Lightning's `__init__` run again, for the CPU
+    assert _lightning_classes(plugin)[0] is _lightning_class("MixedPrecision", pl.__name__)  # the Trainer's namespace
+    fp16 = MemoryPrecision("16-mixed", device="cpu")
+    built_for_cpu = fp16.scaler
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CUDA GradScaler on a CPU build warns that it is disabled
+        fp16.resolve(torch.device("cuda"), capability=(7, 0), device_name="Tesla V100")
+    assert fp16.device == "cuda" and isinstance(fp16.scaler, torch.amp.GradScaler) and fp16.scaler is not built_for_cpu
+
+
+def test_auto_chosen_on_a_gpu_becomes_fp32_on_a_cpu_trainer(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    plugin = MemoryPrecision("auto")
+    assert isinstance(plugin, _lightning_class("MixedPrecision")) and plugin.precision == "bf16-mixed"
+    monkeypatch.undo()
+    make_trainer(tmp_path, plugins=[plugin], max_steps=1).fit(TinyModel())
+    assert plugin.precision == "32-true" and not hasattr(plugin, "device") and isinstance(plugin, MemoryPrecision)
+    assert _lightning_classes(plugin)[0] is _lightning_class("Precision", pl.__name__)
+
+
+class _Mine(MemoryPrecision):
+    """A user's subclass: one Lightning method overridden, one method added."""
+
+    def pre_backward(self, tensor, module):
+        self.backwards = getattr(self, "backwards", 0) + 1
+        return super().pre_backward(tensor, module)
+
+    def describe(self) -> str:
+        return f"mine, {self.precision}"
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_a_subclass_keeps_its_methods_through_a_fit(namespace, tmp_path):
+    pl_namespace = importlib.import_module(namespace)
+    plugin = _Mine("bf16-mixed", device="cpu")
+    assert isinstance(plugin, _Mine) and isinstance(plugin, _lightning_class("MixedPrecision"))
+    assert type(plugin).__name__ == "_Mine" and repr(plugin) == "_Mine(precision='bf16-mixed')"
+    trainer = pl_namespace.Trainer(
+        accelerator="cpu",
+        plugins=[plugin],
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(_model(pl_namespace)())
+    assert trainer.precision_plugin is plugin and isinstance(plugin, _Mine) and isinstance(plugin, MemoryPrecision)
+    expected = _lightning_class("MixedPrecision", namespace)  # the Trainer's namespace, for every Lightning method
+    assert all(getattr(type(plugin), name) is getattr(expected, name) for name in ("forward_context", "backward"))
+    assert plugin.backwards == 2 and plugin.describe() == "mine, bf16-mixed"
+    assert pickle.loads(pickle.dumps(plugin)).describe() == "mine, bf16-mixed"
+
+
+def _model(pl_namespace):
+    class Model(pl_namespace.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
+
+    return Model
+
+
+def test_a_subclass_with_its_own_arguments_is_built_for_what_it_passes_on():
+    class Fixed(MemoryPrecision):
+        def __init__(self, label: str, **kwargs):
+            super().__init__(precision="bf16-true", **kwargs)
+            self.label = label
+
+    class Forwarding(MemoryPrecision):
+        def __init__(self, label: str, **kwargs):
+            super().__init__(**kwargs)
+            self.label = label
+
+    fixed = Fixed("a", device="cpu")
+    forwarding = Forwarding("b", precision="64-true")
+    assert isinstance(fixed, Fixed) and isinstance(fixed, _lightning_class("HalfPrecision")) and fixed.label == "a"
+    assert isinstance(forwarding, _lightning_class("DoublePrecision")) and forwarding.label == "b"
+    with pytest.raises(TypeError, match="label"):
+        Forwarding(precision="64-true")
 
 
 @pytest.mark.cuda
