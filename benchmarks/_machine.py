@@ -1,4 +1,5 @@
-"""Where benchmark numbers were taken: CPU model, cores, threads, GPU and library versions."""
+"""What the benchmarks share: where numbers were taken (CPU model, cores, threads, GPU and library versions), the
+timing of a callback's hooks and a quiet Trainer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["machine_info", "time_hooks"]
+__all__ = ["machine_info", "quiet_trainer", "time_hooks"]
 
 
 def machine_info(device: str = "cpu") -> dict:
@@ -58,3 +59,22 @@ def time_hooks(
                 record(_hook, trainer, time.perf_counter() - start, time.thread_time() - start_cpu)
 
         setattr(callback, hook, timed)
+
+
+def quiet_trainer(root: Any, callbacks: list, steps: int, accelerator: str = "cpu", **kwargs: Any) -> Any:
+    """A Trainer on one device for ``steps`` optimizer steps; no logger, checkpoints, progress bar or model summary
+    (``kwargs``: more Trainer arguments)."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **kwargs,
+    )

@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _machine import machine_info, time_hooks  # benchmarks/_machine.py
+from _machine import machine_info, quiet_trainer, time_hooks  # benchmarks/_machine.py
 
 from lightning_memopt import (
     AllocatorSettings,
@@ -218,21 +218,6 @@ def build(config: str) -> list[pl.Callback]:
     if config == "all four":
         return [makers[name]() for name in PER_STEP]
     return [makers[config]()]
-
-
-def quiet_trainer(root: str, callbacks: list, steps: int, accelerator: str = "cpu") -> pl.Trainer:
-    """One device, ``steps`` optimizer steps; no logger, checkpoints, progress bar or model summary."""
-    return pl.Trainer(
-        accelerator=accelerator,
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
 
 
 def run_fit(config: str, rows: list[list[int]], args: argparse.Namespace, steps: int) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _machine import machine_info, time_hooks  # benchmarks/_machine.py
+from _machine import machine_info, quiet_trainer, time_hooks  # benchmarks/_machine.py
 
 from lightning_memopt import MemoryAudit, MemoryMonitor
 from lightning_memopt.functional.readings.memory import read_memory
@@ -125,18 +125,7 @@ def run_fit(config: str, steps: int, root: Path, profile: cProfile.Profile | Non
     clocks = [HookClock(cb) for cb in callbacks]
     trainer_ref: list[pl.Trainer] = []
     walks = [WalkClock(cb, trainer_ref) for cb in callbacks if isinstance(cb, MemoryAudit)]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=str(root),
-    )
+    trainer = quiet_trainer(root, callbacks, steps, limit_val_batches=0)
     trainer_ref.append(trainer)
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.zeros(steps, 4)), batch_size=1)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from lightning_memopt import (
     AllocatorSettings,
@@ -28,6 +27,7 @@ from lightning_memopt import (
     OOMReporter,
 )
 from lightning_memopt.utilities import namespaces
+from tests.helpers.models import linear_module_class
 from tests.helpers.presets_env import give_back_allocator_settings
 from tests.helpers.subprocess_run import REPO_ROOT, run_script
 
@@ -91,20 +91,6 @@ def test_either_trainer_takes_the_plugin_and_the_preset(pl, tmp_path):
 
 @pytest.mark.parametrize("pl", [lightning_pytorch, pytorch_lightning], ids=lambda m: m.__name__)
 def test_the_plugin_works_through_the_trainer_s_own_namespace(pl, tmp_path):
-    class Model(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch).float().pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
-
     plugin = MemoryPrecision("bf16-mixed")
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -116,7 +102,7 @@ def test_the_plugin_works_through_the_trainer_s_own_namespace(pl, tmp_path):
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
-    trainer.fit(Model())
+    trainer.fit(linear_module_class(pl)())
     assert trainer.global_step == 2
     assert namespaces.namespace_of(trainer) is pl
     assert isinstance(plugin, pl.plugins.precision.MixedPrecision)  # Lightning's plugin of the Trainer's namespace

@@ -67,3 +67,24 @@ class TinyModel(pl.LightningModule):
 
     def predict_dataloader(self):
         return self._loader()
+
+
+def linear_module_class(namespace):
+    """A one-layer LightningModule class of ``namespace`` (``lightning.pytorch`` or ``pytorch_lightning``): 8 random
+    samples of 4 features in batches of 4, SGD; its step's loss stays float32 under any autocast."""
+
+    class LinearModule(namespace.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(torch.randn(8, 4), batch_size=4)
+
+    return LinearModule

@@ -16,7 +16,7 @@ import torch
 from lightning_memopt import MemoryPrecision
 from lightning_memopt.utilities.namespaces import NAMESPACES
 from tests.helpers.lightning import pl
-from tests.helpers.models import TinyModel
+from tests.helpers.models import TinyModel, linear_module_class
 from tests.helpers.trainer import make_trainer
 
 #: The only methods of Lightning's plugins that ``MemoryPrecision`` extends; each calls Lightning's through super().
@@ -235,30 +235,12 @@ def test_a_subclass_keeps_its_methods_through_a_fit(namespace, tmp_path):
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
-    trainer.fit(_model(pl_namespace)())
+    trainer.fit(linear_module_class(pl_namespace)())
     assert trainer.precision_plugin is plugin and isinstance(plugin, _Mine) and isinstance(plugin, MemoryPrecision)
     expected = _lightning_class("MixedPrecision", namespace)  # the Trainer's namespace, for every Lightning method
     assert all(getattr(type(plugin), name) is getattr(expected, name) for name in ("forward_context", "backward"))
     assert plugin.backwards == 2 and plugin.describe() == "mine, bf16-mixed"
     assert pickle.loads(pickle.dumps(plugin)).describe() == "mine, bf16-mixed"
-
-
-def _model(pl_namespace):
-    class Model(pl_namespace.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch).float().pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
-
-    return Model
 
 
 def test_a_subclass_with_its_own_arguments_is_built_for_what_it_passes_on():
