@@ -540,3 +540,11 @@ def test_under_auto_micro_batch_the_tip_lowers_its_smallest_micro_batch_and_keep
     assert not any("double `accumulate_grad_batches`" in a for a in split)
     plain = [t["action"] for t in suggest_fixes(**common, effective_batch_size=2)]
     assert any(a.startswith("Halve the micro-batch and double `accumulate_grad_batches`") for a in plain)
+
+
+def test_a_raw_value_in_the_markdown_is_cut_to_exactly_200_characters_with_its_marker():
+    from lightning_memopt.functional.oom.markdown import _raw
+
+    assert _raw("x" * 198) == json.dumps("x" * 198)  # 200 characters with its quotes: whole
+    cut = _raw("x" * 199)
+    assert len(cut) == 200 and cut.endswith("...") and cut.startswith('"xxx')
