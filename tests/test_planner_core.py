@@ -284,3 +284,14 @@ def test_plan_memory_accepts_a_margin_in_zero_to_one(margin):
 
     with pytest.raises(ValueError, match="`device`"):  # the margin passed: the next argument is the one refused
         plan_memory(nn.Linear(2, 2), lambda b: torch.zeros(b, 2), effective_batch_size=8, margin=margin, device="tpu")
+
+
+def test_the_estimate_table_rules_off_its_header_and_its_peak_row():
+    from lightning_memopt import estimate_memory
+
+    lines = estimate_memory(nn.Linear(64, 64), torch.randn(8, 64), device="cpu").table().splitlines()
+    rule = "-" * len(lines[0])
+    assert lines[0].startswith("at the peak") and lines[1] == rule
+    peak = next(i for i, line in enumerate(lines) if line.startswith("peak ("))
+    assert lines[peak - 1] == rule and lines[peak - 2] not in (rule, lines[0])
+    assert [i for i, line in enumerate(lines) if line == rule] == [1, peak - 1]

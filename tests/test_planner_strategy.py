@@ -193,3 +193,16 @@ def test_an_fsdp2_plan_offers_fsdp2_s_own_mixed_precision_and_the_preset_builds_
     assert ddp.strategy == "ddp" and ddp.policy_estimate is None and "MixedPrecisionPolicy" not in str(ddp)
     with pytest.raises(ValueError, match=r"`mixed_precision_policy=True` is FSDP2's own mixed precision"):
         MemoryPreset.from_plan(ddp, mixed_precision_policy=True)
+
+
+@pytest.mark.parametrize(
+    ("plain", "checkpointed", "expected"), [(4, 8, (8, True)), (4, 6, (4, False)), (None, 2, (2, True))]
+)
+def test_checkpointing_is_chosen_from_exactly_twice_the_micro_batch_without_it(plain, checkpointed, expected):
+    from lightning_memopt.planner.search import _choose
+
+    class Runs:  # what the search found with checkpointing off and on
+        def largest_fitting(self, option, candidates):
+            return checkpointed if option else plain
+
+    assert _choose(Runs(), [1, 2, 4, 6, 8], "auto") == expected

@@ -176,3 +176,14 @@ def test_micro_batch_facts_mark_the_final_error_with_the_whole_batch():
     assert micro_batch_facts(err) is None
     mark_micro_batch(err, 16, 1)
     assert micro_batch_facts(err) == (16, 1)
+
+
+def test_a_note_is_appended_to_the_message_and_keeps_the_error_s_other_arguments():
+    from lightning_memopt.functional.micro_batch.retry import extend_message
+
+    err = OSError(28, "No space left on device")
+    extend_message(err, " [noted]")
+    assert err.args == (28, "No space left on device", " [noted]")
+    err = RuntimeError("CUDA out of memory.", "second", "third")
+    extend_message(err, " [noted]")
+    assert err.args == ("CUDA out of memory. [noted]", "second", "third")
