@@ -27,7 +27,7 @@ from lightning_memopt import (
     OOMReporter,
 )
 from lightning_memopt.utilities import namespaces
-from tests.helpers.models import linear_module_class
+from tests.helpers.models import fit_linear_module
 from tests.helpers.presets_env import give_back_allocator_settings
 from tests.helpers.subprocess_run import REPO_ROOT, run_script
 
@@ -92,17 +92,7 @@ def test_either_trainer_takes_the_plugin_and_the_preset(pl, tmp_path):
 @pytest.mark.parametrize("pl", [lightning_pytorch, pytorch_lightning], ids=lambda m: m.__name__)
 def test_the_plugin_works_through_the_trainer_s_own_namespace(pl, tmp_path):
     plugin = MemoryPrecision("bf16-mixed")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        plugins=[plugin],
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
-    trainer.fit(linear_module_class(pl)())
+    trainer = fit_linear_module(pl, tmp_path, plugins=[plugin])
     assert trainer.global_step == 2
     assert namespaces.namespace_of(trainer) is pl
     assert isinstance(plugin, pl.plugins.precision.MixedPrecision)  # Lightning's plugin of the Trainer's namespace

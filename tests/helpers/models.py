@@ -88,3 +88,20 @@ def linear_module_class(namespace):
             return DataLoader(torch.randn(8, 4), batch_size=4)
 
     return LinearModule
+
+
+def fit_linear_module(namespace, root, **trainer_kwargs):
+    """Fit :func:`linear_module_class` of ``namespace`` for 2 steps on the CPU with a quiet Trainer of that namespace
+    (``trainer_kwargs``: ``plugins=...``, ...); the Trainer."""
+    trainer = namespace.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **trainer_kwargs,
+    )
+    trainer.fit(linear_module_class(namespace)())
+    return trainer

@@ -16,7 +16,7 @@ import torch
 from lightning_memopt import MemoryPrecision
 from lightning_memopt.utilities.namespaces import NAMESPACES
 from tests.helpers.lightning import pl
-from tests.helpers.models import TinyModel, linear_module_class
+from tests.helpers.models import TinyModel, fit_linear_module
 from tests.helpers.trainer import make_trainer
 
 #: The only methods of Lightning's plugins that ``MemoryPrecision`` extends; each calls Lightning's through super().
@@ -225,17 +225,7 @@ def test_a_subclass_keeps_its_methods_through_a_fit(namespace, tmp_path):
     plugin = _Mine("bf16-mixed", device="cpu")
     assert isinstance(plugin, _Mine) and isinstance(plugin, _lightning_class("MixedPrecision"))
     assert type(plugin).__name__ == "_Mine" and repr(plugin) == "_Mine(precision='bf16-mixed')"
-    trainer = pl_namespace.Trainer(
-        accelerator="cpu",
-        plugins=[plugin],
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
-    trainer.fit(linear_module_class(pl_namespace)())
+    trainer = fit_linear_module(pl_namespace, tmp_path, plugins=[plugin])
     assert trainer.precision_plugin is plugin and isinstance(plugin, _Mine) and isinstance(plugin, MemoryPrecision)
     expected = _lightning_class("MixedPrecision", namespace)  # the Trainer's namespace, for every Lightning method
     assert all(getattr(type(plugin), name) is getattr(expected, name) for name in ("forward_context", "backward"))
