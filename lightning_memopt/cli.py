@@ -94,7 +94,13 @@ class _Paragraphs(argparse.RawDescriptionHelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         paragraphs = text.strip("\n").split("\n\n")
-        return "\n\n".join(p if p.startswith(" ") else _fill(p, width, indent) for p in paragraphs) + "\n"
+        filled = []
+        for p in paragraphs:
+            if p.startswith(" "):
+                filled.append(p)  # an indented example stays as it is
+            else:
+                filled.append(_fill(p, width, indent))
+        return "\n\n".join(filled) + "\n"
 
 
 def _fill(paragraph: str, width: int, indent: str) -> str:

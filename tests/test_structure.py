@@ -212,3 +212,70 @@ def test_functional_code_raises():
         if _broad_excepts(p)
     }
     assert found == {}
+
+
+#: Calls that read or convert a value rather than do work: an arm holding only these still picks a value.
+_VALUE_CALLS = frozenset({
+    "abs", "all", "any", "bool", "dict", "float", "frozenset", "getattr", "hasattr", "id", "int", "isinstance",
+    "len", "list", "max", "min", "repr", "round", "set", "sorted", "str", "sum", "tuple", "type",
+})  # fmt: skip
+_WORK = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda, ast.Await, ast.Yield, ast.NamedExpr)
+#: Conditional expressions per 1,000 lines, at most. Lightning's callbacks, loops and trainer: 8-10; this package
+#: at 0.1.0: 26, packing branches into expressions to meet the function limits above.
+CONDITIONAL_EXPRESSIONS_PER_1000_LINES = 15
+
+
+def _does_work(arm: ast.expr) -> bool:
+    for node in ast.walk(arm):
+        if isinstance(node, (*_WORK, ast.IfExp)):
+            return True
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in _VALUE_CALLS):
+            return True
+    return False
+
+
+def branching_expressions(path: Path, root: Path = ROOT) -> list[str]:
+    """``a if c else b`` that is a branch in disguise: nested, spread over lines, or an arm that calls, loops or
+    binds. Such a choice reads better (and counts towards the complexity limits) as an ``if`` statement."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.IfExp):
+            continue
+        in_test = any(isinstance(part, (ast.IfExp, ast.NamedExpr)) for part in ast.walk(node.test))
+        if node.end_lineno != node.lineno or in_test or _does_work(node.body) or _does_work(node.orelse):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def _conditional_expression_density(paths: list[Path]) -> float:
+    lines = expressions = 0
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        lines += text.count("\n")
+        expressions += sum(isinstance(node, ast.IfExp) for node in ast.walk(ast.parse(text)))
+    return 1000 * expressions / max(lines, 1)
+
+
+def test_conditionals_branch_as_statements():
+    """Where a conditional expression branches it is written as a statement, and the package uses them no more
+    often than a bound near Lightning's own code."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    assert [line for path in paths for line in branching_expressions(path)] == []
+    assert _conditional_expression_density(paths) <= CONDITIONAL_EXPRESSIONS_PER_1000_LINES
+
+
+def test_the_conditional_check_bites(tmp_path):
+    code = {
+        "nested.py": "x = 1 if a else 2 if b else 3\n",
+        "spread.py": "x = (\n    1\n    if a\n    else 2\n)\n",
+        "calls.py": "x = load(path) if path else None\n",
+        "loops.py": "x = [i for i in y] if y else []\n",
+        "test.py": "x = 1 if (n := len(y)) else 2\n",
+    }
+    for name, text in code.items():
+        (tmp_path / name).write_text(text)
+    found = {name: len(branching_expressions(tmp_path / name, tmp_path)) for name in code}
+    assert found == dict.fromkeys(code, 1)
+    (tmp_path / "plain.py").write_text("x = 's' if len(y) > 1 else ''\nz = str(v) if v is not None else 'n/a'\n")
+    assert branching_expressions(tmp_path / "plain.py", tmp_path) == []
+    assert _conditional_expression_density([tmp_path / "plain.py"]) == 1000.0

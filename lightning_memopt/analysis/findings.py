@@ -75,8 +75,12 @@ def micro_batch_text(r: Mapping[str, Any]) -> str:
     """
     old, new, n = (int_field(r, k) for k in ("previous_micro_batch_size", "micro_batch_size", "batch_size"))
     reason = r.get("reason")
-    why = [" ".join(reason.split())[:200]] if isinstance(reason, str) and reason.strip() else []
+    why: list[str] = []
+    if isinstance(reason, str) and reason.strip():
+        why.append(" ".join(reason.split())[:200])
     if n is not None:
         why.append(f"batch of {n}")
     text = f"micro-batch {old if old is not None else '?'} -> {new if new is not None else '?'}"
-    return text + (f" ({'; '.join(why)})" if why else "")
+    if why:
+        text += f" ({'; '.join(why)})"
+    return text

@@ -57,7 +57,10 @@ def _blocks(buckets: list[_Bucket], count: int) -> list[_Bucket]:
     current: _Bucket | None = None
     done = 0.0
     for b in buckets:
-        current = b if current is None else _merge(current, b)
+        merged = b
+        if current is not None:
+            merged = _merge(current, b)
+        current = merged
         done += b[0]
         if done * count >= total * (len(blocks) + 1):
             blocks.append(current)
@@ -130,7 +133,10 @@ class StepFit:
         merged: dict[int, _Bucket] = {}
         for key, b in self.buckets.items():
             half = key // 2
-            merged[half] = b if half not in merged else _merge(merged[half], b)
+            if half not in merged:
+                merged[half] = b
+            else:
+                merged[half] = _merge(merged[half], b)
         self.buckets = merged
 
     def growth(self) -> Growth:

@@ -111,7 +111,9 @@ _RANK_IN_NAME = re.compile(r"memory_rank(\d+)\.jsonl$")
 
 def _by_rank(path: Path) -> tuple[int, str]:
     found = _RANK_IN_NAME.search(path.name)
-    return (int(found.group(1)) if found else -1, path.name)
+    if not found:
+        return (-1, path.name)
+    return (int(found.group(1)), path.name)
 
 
 def _directory_logs(given: Path) -> list[Path]:
@@ -174,7 +176,9 @@ def _labels(paths: Sequence[Path]) -> list[str]:
 def _checked_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """The log files ``paths`` name (expanded by :func:`_log_files`), each checked to be a regular file."""
     if isinstance(paths, (str, os.PathLike)) or not isinstance(paths, Iterable):
-        example = os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else "memory_rank0.jsonl"
+        example = "memory_rank0.jsonl"
+        if isinstance(paths, (str, os.PathLike)):
+            example = os.fspath(paths)
         raise ValueError(
             f"`paths` must be a list of memory log paths, got {paths!r} ({type(paths).__name__})."
             f" Pass a list, e.g. `analyze_memory_logs([{example!r}])`."
@@ -217,7 +221,9 @@ def analyze_memory_logs(
         ImportError: ``plot`` is given and matplotlib is not installed.
     """
     files = _checked_files(paths)
-    target = check_plot_path(plot) if plot is not None else None
+    target: tuple[Path, str] | None = None
+    if plot is not None:
+        target = check_plot_path(plot)
     summarizer = LogSummarizer(plot=target is not None)
     sources = RankSources()
     reports = [_read_into(file, summarizer, sources) for file in files]

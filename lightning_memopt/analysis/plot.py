@@ -67,11 +67,20 @@ def check_plot_path(plot: str | os.PathLike[str]) -> tuple[Path, str]:
     return path, fmt
 
 
+def _float64_view(buffer: array) -> Any:
+    """A zero-copy float64 view of ``buffer``; an empty array when it holds nothing."""
+    import numpy as np
+
+    if not len(buffer):
+        return np.empty(0)
+    return np.frombuffer(buffer, dtype=np.float64)
+
+
 def _sorted_by_time(times: array, *columns: Any) -> tuple[Any, ...]:
     import numpy as np
 
     # Zero-copy views of the buffers; stable, so records of equal time keep the order they were written in.
-    t = np.frombuffer(times, dtype=np.float64) if len(times) else np.empty(0)
+    t = _float64_view(times)
     order = np.argsort(t, kind="stable")
     out: list[Any] = [t[order]]
     for column in columns:
@@ -122,7 +131,9 @@ def draw(summarizer: LogSummarizer, labels: Iterable[str], path: Path, fmt: str)
     try:
         several_nodes = len({node_key(panel.node_rank, panel.host) for *_, panel in panels}) > 1
         for ax, (run, rank, t0, panel) in zip(axes[:, 0], panels):
-            title = rank_where(rank, panel.node_rank, panel.host) if several_nodes else f"rank {rank}"
+            title = f"rank {rank}"
+            if several_nodes:
+                title = rank_where(rank, panel.node_rank, panel.host)
             _draw_panel(ax, run, title, t0, panel, summarizer.several_runs)
         axes[-1, 0].set_xlabel("seconds since the first record" + (" of each run" if summarizer.several_runs else ""))
         fig.suptitle("Memory timeline: " + ", ".join(labels), fontsize=11)
@@ -177,16 +188,25 @@ def _draw_panel(ax: Any, run: str | None, rank: str, t0: float, panel: TimelineP
     _draw_findings(ax, t0, panel)
     ax.set_ylabel(f"memory ({unit})")
     off_scale = panel.has_device and total and not total_on_scale
-    note = f", device total {format_bytes(total)} (off the scale)" if off_scale else ""
+    note = ""
+    if off_scale:
+        note = f", device total {format_bytes(total)} (off the scale)"
     unmarked = sum(panel.checks.values()) - len(panel.findings)
     if unmarked:
         note += f"; {unmarked} more warnings not marked"
-    name = rank + ((f", run {run}" if run is not None else ", no run_id") if several_runs else "")
+    name = _panel_name(rank, run, several_runs)
     ax.set_title(f"{name} ({panel.device or '?'}{note})", loc="left", fontsize=10)
     ax.grid(alpha=0.3)
     headroom = 1.6 if panel.findings or panel.changes else 1.2  # room for the warnings' boxes above the lines
     ax.set_ylim(0, (max(top, total) if total_on_scale else top) / scale * headroom)
     ax.legend(loc="lower right", fontsize=8, ncol=3, framealpha=0.9)
+
+
+def _panel_name(rank: str, run: str | None, several_runs: bool) -> str:
+    """A panel's name: ``rank``, followed by its run when the logs hold several runs."""
+    if not several_runs:
+        return rank
+    return rank + (f", run {run}" if run is not None else ", no run_id")
 
 
 def _finding_label(check: str, text: str, width: int = 60, limit: int = 150) -> str:
@@ -200,26 +220,41 @@ def _finding_label(check: str, text: str, width: int = 60, limit: int = 150) -> 
     return "\n".join(textwrap.wrap(label, width=width))
 
 
+def _finding_color(check: str) -> str:
+    """The colour of a finding's line and box: purple for a micro-batch change, dark red for a leak or duplicates."""
+    if check == MICRO_BATCH_EVENT:
+        return "purple"
+    if check in ("leak", "duplicates"):
+        return "darkred"
+    return "darkorange"
+
+
 def _draw_findings(ax: Any, t0: float, panel: TimelinePanel) -> None:
     """Each listed warning that is not a threshold mark, and each micro-batch change: a line at its time and a box
     with its text (dashed for warnings, dotted for micro-batch changes)."""
     if not panel.findings and not panel.changes:
         return
     findings = sorted([*panel.findings, *panel.changes])
-    low, high = ax.get_xlim() if ax.lines or ax.collections else (0.0, 1.0)
+    if ax.lines or ax.collections:
+        low, high = ax.get_xlim()
+    else:
+        low, high = 0.0, 1.0
     low, high = min(low, findings[0][0] - t0), max(high, findings[-1][0] - t0)
     labelled: set[str] = set()
     for i, (t, check, text) in enumerate(findings):
         x = t - t0
         change = check == MICRO_BATCH_EVENT
-        color = "purple" if change else "darkred" if check in ("leak", "duplicates") else "darkorange"
+        color = _finding_color(check)
+        label = None
+        if check not in labelled:
+            label = "micro-batch change" if change else f"{check} warning"
         ax.axvline(
             x,
             color=color,
             linestyle=":" if change else "--",
             linewidth=1.2,
             zorder=4,
-            label=None if check in labelled else "micro-batch change" if change else f"{check} warning",
+            label=label,
         )
         labelled.add(check)
         right = high > low and x > (low + high) / 2

@@ -46,7 +46,9 @@ def rank_where(rank: int, node_rank: int | None, host: str | None) -> str:
     """
     node = [] if node_rank is None else [f"node {node_rank}"]
     node += [] if host is None else [host]
-    return f"rank {rank}" + (f" ({', '.join(node)})" if node else "")
+    if not node:
+        return f"rank {rank}"
+    return f"rank {rank} ({', '.join(node)})"
 
 
 #: A phase is called imbalanced when its highest rank's peak is at least this many times its lowest rank's.
@@ -115,7 +117,9 @@ def _node_peaks(peaks: Sequence[RankPeak]) -> tuple[RankPeak, ...]:
         key = node_key(p.node_rank, p.host)
         if key not in best or p.bytes > best[key].bytes:
             best[key] = p
-    return tuple(best[k] for k in sorted(best)) if len(best) > 1 else ()
+    if len(best) <= 1:
+        return ()
+    return tuple(best[k] for k in sorted(best))
 
 
 def compare_ranks(summaries: Sequence[PhaseSummary]) -> list[RankComparison]:
@@ -262,4 +266,6 @@ def _describe(source: _Source) -> str:
     path, host, node_rank = source
     where = [] if host is None else [f"host {host}"]
     where += [] if node_rank is None else [f"node {node_rank}"]
-    return path + (f" ({', '.join(where)})" if where else "")
+    if not where:
+        return path
+    return path + f" ({', '.join(where)})"

@@ -211,10 +211,14 @@ class _PhaseStats:
                 self.rss_fit.add(step, value)
 
     def summary(self, run_id: str | None, rank: int, phase: str, t0: float) -> PhaseSummary:
-        growth_field = "allocated_bytes" if self.alloc_n else ("host_rss_bytes" if self.rss_n else None)
+        growth_field: str | None = None
         growth = None
-        if growth_field is not None:
-            growth = (self.alloc_fit if growth_field == "allocated_bytes" else self.rss_fit).growth()
+        if self.alloc_n:
+            growth_field = "allocated_bytes"
+            growth = self.alloc_fit.growth()
+        elif self.rss_n:
+            growth_field = "host_rss_bytes"
+            growth = self.rss_fit.growth()
         # No device figures: the peak is the host's.
         where = self.peak_alloc_at if self.peak_alloc_at is not None else self.peak_rss_at
         return PhaseSummary(

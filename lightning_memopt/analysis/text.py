@@ -82,30 +82,12 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     for s in summaries:
         checks = s.warnings_by_check or ({"warning": s.warnings} if s.warnings else {})
         warned = ", ".join(f"{count} {printable(check)}" for check, count in checks.items()) or "0"
-        peak_at = (
-            "n/a"
-            if s.peak_global_step is None
-            else (f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s")
-        )
+        if s.peak_global_step is None:
+            peak_at = "n/a"
+        else:
+            peak_at = f"step {s.peak_global_step}, epoch {s.peak_epoch}, {s.peak_seconds:.1f} s"
         node_cell = "-" if s.node_rank is None else str(s.node_rank)
-        node = (node_cell,) if several_nodes else ()
-        run = (printable(s.run_id or _NO_RUN),) if several_runs else ()
-        micro = (_micro_batch_cell(s),) if with_changes else ()
-        rows.append(
-            (
-                str(s.rank),
-                *node,
-                *run,
-                printable(s.phase),
-                str(s.num_readings),
-                format_bytes(s.peak_allocated_bytes),
-                format_bytes(s.peak_reserved_bytes),
-                format_bytes(s.mean_allocated_bytes),
-                format_bytes(s.peak_host_rss_bytes),
-                warned,
-                *micro,
-            )
-        )
+        rows.append(_row(s, warned, node_cell, several_nodes, several_runs, with_changes))
         rank = f"rank {s.rank}" + (f" (node {node_cell})" if several_nodes else "")
         where = printable(rank + (f", run {s.run_id or _NO_RUN}" if several_runs else "") + f", {s.phase}")
         trend = f"  {where}: growth {_growth_text(s)}; peak at {peak_at}"
@@ -135,6 +117,32 @@ def format_summary(summaries: Sequence[PhaseSummary]) -> str:
     return "\n".join(lines)
 
 
+def _row(
+    s: PhaseSummary, warned: str, node_cell: str, several_nodes: bool, several_runs: bool, with_changes: bool
+) -> tuple[str, ...]:
+    """One row of the table, with the node, run and micro-batch cells where the table has those columns."""
+    node = (node_cell,) if several_nodes else ()
+    run: tuple[str, ...] = ()
+    if several_runs:
+        run = (printable(s.run_id or _NO_RUN),)
+    micro: tuple[str, ...] = ()
+    if with_changes:
+        micro = (_micro_batch_cell(s),)
+    return (
+        str(s.rank),
+        *node,
+        *run,
+        printable(s.phase),
+        str(s.num_readings),
+        format_bytes(s.peak_allocated_bytes),
+        format_bytes(s.peak_reserved_bytes),
+        format_bytes(s.mean_allocated_bytes),
+        format_bytes(s.peak_host_rss_bytes),
+        warned,
+        *micro,
+    )
+
+
 def _footer(summaries: Sequence[PhaseSummary], nodes: dict[tuple[int, str], list[int]]) -> list[str]:
     """The line under the table (devices and their total) and, with several nodes, the node legend."""
     devices = {s.device for s in summaries if s.device}
@@ -142,7 +150,9 @@ def _footer(summaries: Sequence[PhaseSummary], nodes: dict[tuple[int, str], list
     foot = f"device: {printable(', '.join(sorted(devices))) or 'n/a'}"
     if totals:
         foot += f"; device total {format_bytes(max(totals))}"
-    return [foot, _node_legend(nodes)] if len(nodes) > 1 else [foot]
+    if len(nodes) > 1:
+        return [foot, _node_legend(nodes)]
+    return [foot]
 
 
 def _across_ranks(summaries: Sequence[PhaseSummary], several_runs: bool) -> list[str]:
@@ -198,8 +208,11 @@ def _micro_batch_cell(s: PhaseSummary) -> str:
     """The micro-batch cell: first and last size and the number of changes (``16 -> 4 (2 changes)``), or ``-``."""
     if not s.num_micro_batch_changes:
         return "-"
-    first = re.match(r"micro-batch (\S+) ->", s.micro_batch_changes[0].message) if s.micro_batch_changes else None
-    start = printable(first.group(1)) if first else "?"
+    start = "?"
+    if s.micro_batch_changes:
+        first = re.match(r"micro-batch (\S+) ->", s.micro_batch_changes[0].message)
+        if first:
+            start = printable(first.group(1))
     end = "?" if s.micro_batch_size is None else str(s.micro_batch_size)
     count = s.num_micro_batch_changes
     return f"{start} -> {end} ({count} change{'s' if count != 1 else ''})"

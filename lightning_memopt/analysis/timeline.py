@@ -75,8 +75,11 @@ class TimelinePanel:
     def _add_warning(self, r: Mapping[str, Any], t: float) -> None:
         """A threshold warning as a mark at its figure; any other as a finding (the first few of each check)."""
         check = finding_check(r)
-        key = r.get("field") if check == "threshold" else None  # the figure that crossed the threshold
-        value = r.get(key) if isinstance(key, str) else None
+        value = None
+        if check == "threshold":
+            key = r.get("field")  # the figure that crossed the threshold
+            if isinstance(key, str):
+                value = r.get(key)
         if value is not None and is_finite_number(value) and value >= 0:
             self.warn_t.append(t)
             self.warn_v.append(float(value))

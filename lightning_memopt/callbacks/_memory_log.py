@@ -60,11 +60,16 @@ class ArtifactCallback(RunIdCallback):
 
     @dirpath.setter
     def dirpath(self, value: str | os.PathLike[str] | None) -> None:
-        self._dirpath = None if value is None else os.fspath(value)
+        if value is None:
+            self._dirpath = None
+        else:
+            self._dirpath = os.fspath(value)
 
     def _resolve_dirpath(self, trainer: pl.Trainer) -> Path:
         """``dirpath``, or the default directory when it is ``None``. Call from ``setup``: it may communicate."""
-        return Path(self.dirpath if self.dirpath is not None else default_artifact_dir(trainer))
+        if self.dirpath is not None:
+            return Path(self.dirpath)
+        return Path(default_artifact_dir(trainer))
 
 
 class RankLogCallback(ArtifactCallback):

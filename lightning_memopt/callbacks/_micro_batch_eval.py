@@ -79,11 +79,17 @@ class EvaluationSplitter:
     ) -> None:
         self.trainer, self.stage, self.settings, self.state = trainer, stage, settings, state
         self.agreement = agreement
-        self._warn = warn if warn is not None else WarnOnce()
+        if warn is not None:
+            self._warn = warn
+        else:
+            self._warn = WarnOnce()
         self._monitors = list(monitors)
         self._parts: ModuleParts | None = None  # the module's metrics, found once per run
         self._size = 0  # the micro-batch of the running attempt
-        self._fsdp = fsdp_modules(trainer.lightning_module) if agreement.active else []
+        if agreement.active:
+            self._fsdp = fsdp_modules(trainer.lightning_module)
+        else:
+            self._fsdp = []
         #: what the latest micro-batch may change, kept before it ran, with its first sample
         self._kept: tuple[int, RetrySnapshot | None] | None = None
         strategy = trainer.strategy

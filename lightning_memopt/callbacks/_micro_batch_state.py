@@ -114,7 +114,9 @@ def report_halving(
     if trainer.is_global_zero:
         rank_zero_info(halving_line(size, new, reason, samples, trainer.global_step, stage))
     key = "memory/micro_batch_size" if stage == "fit" else f"memory/{stage}/micro_batch_size"
-    log_to_loggers(trainer, {key: float(new)}, warn if warn is not None else WarnOnce(), "AutoMicroBatch")
+    if warn is None:
+        warn = WarnOnce()
+    log_to_loggers(trainer, {key: float(new)}, warn, "AutoMicroBatch")
     phase = "train" if stage == "fit" else stage
     for monitor in monitors:  # each rank writes its own log; no collective
         monitor.record_event(

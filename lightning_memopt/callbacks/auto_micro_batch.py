@@ -121,6 +121,28 @@ class _Batch:
     overlap: OverlappedReduction | None = None  # under DDP: averages the gradients during a whole-batch backward
 
 
+def _loss_weight_of(weight_fn: Callable[[Any], Any] | None, batch: Any, samples: int, where: str) -> float:
+    """The weight of ``batch`` in the loss: its ``samples``, or ``weight_fn(batch)`` (checked by ``loss_weight``)."""
+    if weight_fn is None:
+        return float(samples)
+    return loss_weight(weight_fn(batch), where)
+
+
+def _window_grads(batch: _Batch, params: Callable[[], list[torch.nn.Parameter]]) -> list[Tensor | None] | None:
+    """A copy of the gradients accumulated by the window's earlier batches, when ``batch`` neither zeroes them nor
+    skips backward and the window has more than one batch; else ``None``."""
+    if batch.zero_grad_fn is None and batch.backward_fn is not None and batch.accumulate > 1:
+        return snapshot_grads(params())
+    return None
+
+
+def _combined_extra(parts: Sequence[MicroBatchPart]) -> Any:
+    """The extra outputs of the batch's micro-batches as one (``{}`` without micro-batches)."""
+    if not parts:
+        return {}
+    return combine_outputs([(part.samples, part.extra) for part in parts])
+
+
 #: Copies of in-place-changing buffers per batch from which ``AutoMicroBatch`` says what they cost (once).
 LARGE_BUFFER_COPIES = 64 * 2**20
 
@@ -157,7 +179,10 @@ class MicroBatchOptimization:
         self.optim_progress = original.optim_progress  # checkpointed: the same object keeps counting
         self._skip_backward = original._skip_backward
         self.original, self.settings, self.state = original, settings, state
-        self._warn = warn if warn is not None else WarnOnce()
+        if warn is not None:
+            self._warn = warn
+        else:
+            self._warn = WarnOnce()
         self._monitors = list(monitors)
         self._first_size: int | None = None  # the micro-batch of the fit's first batch (the final error names it)
         self._buffers = BufferKeeper()
@@ -213,23 +238,22 @@ class MicroBatchOptimization:
         comm = self.agreement
         n = count_samples(kwargs["batch"], settings.batch_size_fn)
         size, per_sample = self._micro_batch_size(kwargs["batch"], n)
-        weight = float(n) if settings.weight_fn is None else loss_weight(settings.weight_fn(kwargs["batch"]), "a batch")
+        weight = _loss_weight_of(settings.weight_fn, kwargs["batch"], n, "a batch")
         batch = _Batch(kwargs, n, trainer.accumulate_grad_batches, zero_grad_fn, backward_fn, weight)
         # listed only where a batch needs them (a retry, an accumulation window, DDP's sync): not on every batch
         params = functools.cache(lambda: [p for p in pl_module.parameters() if p.requires_grad])
         # the gradients to go back to after an out-of-memory error: those accumulated by the window's earlier batches
-        saved = (
-            snapshot_grads(params())
-            if zero_grad_fn is None and backward_fn is not None and batch.accumulate > 1
-            else None
-        )
+        saved = _window_grads(batch, params)
         # under DDP every micro-batch runs without the reducer; the stepping batch syncs once, at its end (FSDP2
         # reduce-scatters every micro-batch's gradients itself, as under Lightning's accumulation)
         sync_at_end = (
             comm.active and not self.fsdp_modules and backward_fn is not None and not private.should_accumulate(trainer)
         )
-        reduce = gradient_reduction(trainer.strategy.model) if sync_at_end else None  # DDP's hook, if any
-        batch.overlap = self._overlap(params()) if sync_at_end and reduce is None else None
+        reduce = None
+        if sync_at_end:
+            reduce = gradient_reduction(trainer.strategy.model)  # DDP's hook, if any
+            if reduce is None:
+                batch.overlap = self._overlap(params())
         results = private.logged_results(trainer)
         snapshot = self._keep(pl_module, results, size)  # before the first attempt: what a retry puts back
 
@@ -259,7 +283,7 @@ class MicroBatchOptimization:
                 # after the batch: through the DDP communication hook the user registered, if any (on DDP's own
                 # buckets), else one bucket at a time
                 comm.average_gradients(params(), reduce, self._bucket_bytes())
-            extra = combine_outputs([(part.samples, part.extra) for part in parts]) if parts else {}
+            extra = _combined_extra(parts)
             return self._result_class(combine_losses(parts, batch.weight, batch.accumulate), extra=extra)
         finally:
             give_back_backward()
@@ -326,8 +350,7 @@ class MicroBatchOptimization:
     def _weight(self, micro: Any, samples: int) -> float:
         """A micro-batch's weight in the batch's loss: its samples, or ``weight_fn(micro)`` (a weight of 0, a
         micro-batch with nothing the loss counts, runs no backward: its mean is undefined)."""
-        weight_fn = self.settings.weight_fn
-        return float(samples) if weight_fn is None else loss_weight(weight_fn(micro), "a micro-batch")
+        return _loss_weight_of(self.settings.weight_fn, micro, samples, "a micro-batch")
 
     # ------------------------------------------------------------------------------------------- what a retry needs
 
@@ -362,7 +385,9 @@ class MicroBatchOptimization:
                 self._parts = find_parts(pl_module)
 
     def _restore(self, snapshot: RetrySnapshot | None) -> None:
-        lost = snapshot.restore() if snapshot is not None else []
+        if snapshot is None:
+            return
+        lost = snapshot.restore()
         if lost:
             self._warn.warn(
                 f"lost:{lost}",

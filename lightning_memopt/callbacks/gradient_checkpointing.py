@@ -48,6 +48,17 @@ def _checked_modules(modules: Any) -> list[type[nn.Module] | str] | None:
     return modules
 
 
+def _switch_summary(turned: list[str], already: list[str]) -> str:
+    """What setup did through the model's own switches: those it turned on, and those that were on already."""
+    summary = "GradientCheckpointing: the model's own switch"
+    if turned:
+        summary += f" turned on: {', '.join(turned)}"
+    if already:
+        separator = "; " if turned else " "
+        summary += f"{separator}on already: {', '.join(already)}"
+    return summary + " (pass `checkpoint_modules=` to wrap blocks yourself instead)."
+
+
 class GradientCheckpointing(Callback):
     """Turns activation (gradient) checkpointing on at setup and off again at teardown.
 
@@ -162,32 +173,25 @@ class GradientCheckpointing(Callback):
     def _summary(self, handle: CheckpointingHandle) -> str:
         """What setup did, in one message: the switch turned on, or the modules wrapped (and why those)."""
         if handle.used_switch:
-            turned, already = handle.turned_on, handle.already_on
-            return (
-                "GradientCheckpointing: the model's own switch"
-                + (f" turned on: {', '.join(turned)}" if turned else "")
-                + (f"{'; ' if turned else ' '}on already: {', '.join(already)}" if already else "")
-                + " (pass `checkpoint_modules=` to wrap blocks yourself instead)."
-            )
+            return _switch_summary(handle.turned_on, handle.already_on)
         names = handle.wrapped_names
         if not names:
             return (
                 f"GradientCheckpointing: {len(self.already_wrapped_names)} module(s) were checkpointed already and"
                 f" are left as they are: {', '.join(self.already_wrapped_names)}"
             )
-        why = (
-            f"`checkpoint_modules={self.checkpoint_modules!r}`"
-            if self.checkpoint_modules is not None
-            else "PyTorch transformer layers"
-        )
+        if self.checkpoint_modules is not None:
+            why = f"`checkpoint_modules={self.checkpoint_modules!r}`"
+        else:
+            why = "PyTorch transformer layers"
         own = ", ".join(f"{n or type(m).__name__}.{a.enable}()" for n, m, a in handle.switches)
         over = f", instead of the model's own switch ({own})" if handle.switches else ""
-        cache = (
-            f"; `config.use_cache=False` for the fit on {', '.join(handle.caches)} (a cache filled inside a"
-            " checkpointed block breaks its recomputation)"
-            if handle.caches
-            else ""
-        )
+        cache = ""
+        if handle.caches:
+            cache = (
+                f"; `config.use_cache=False` for the fit on {', '.join(handle.caches)} (a cache filled inside a"
+                " checkpointed block breaks its recomputation)"
+            )
         return f"GradientCheckpointing: wrapped {len(names)} module(s) by {why}{over}: {', '.join(names)}{cache}."
 
     def restore(self) -> None:

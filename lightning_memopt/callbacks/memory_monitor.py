@@ -233,7 +233,10 @@ class MemoryMonitor(RankLogCallback):
 
     def _phase_end(self, trainer: pl.Trainer, phase: str) -> None:
         try:
-            at = position(trainer, None, last_train_epoch(trainer) if phase == "train" else None)
+            epoch: int | None = None
+            if phase == "train":
+                epoch = last_train_epoch(trainer)
+            at = position(trainer, None, epoch)
             records, metrics, reading, peaks = self._core.phase_end(phase, at)
             if reading is None:
                 return

@@ -61,7 +61,9 @@ def parse_batch_shape(specs: list[str]) -> Callable[[int], Any]:
             tensors.append((name, torch.empty(shape, dtype=dtype, device="meta")))
         if names:
             return dict(tensors)
-        return tensors[0][1] if len(tensors) == 1 else tuple(t for _, t in tensors)
+        if len(tensors) == 1:
+            return tensors[0][1]
+        return tuple(t for _, t in tensors)
 
     return make
 
@@ -79,7 +81,9 @@ def _parse_spec(spec: str) -> _Spec:
     if sep and not NAME.match(name):
         raise EstimateInputError(f"{where}: {name!r} is not a name (letters, digits, _).")
     dims_text, colon, dtype_text = rest.partition(":")
-    dtype = _parse_dtype(dtype_text.strip(), where) if colon else None
+    dtype = None
+    if colon:
+        dtype = _parse_dtype(dtype_text.strip(), where)
     return name or None, [_parse_dim(dim.strip(), where) for dim in dims_text.split(",")], dtype
 
 
@@ -144,8 +148,17 @@ def _with_lengths(spec: str, dims: list[int | None], lengths: tuple[int, ...]) -
     head = f"{name}=" if sep else ""
     body = rest if sep else spec
     _, colon, dtype = body.partition(":")
-    text = ",".join("B" if d is None else str(lengths[-1 - d] if d < 0 else d) for d in dims)
+    text = ",".join(_dim_text(d, lengths) for d in dims)
     return f"{head}{text}{colon}{dtype}"
+
+
+def _dim_text(d: int | None, lengths: tuple[int, ...]) -> str:
+    """One dimension of a spec: ``B`` for ``None``, the length a negative ``d`` stands for (-1: L0), else ``d``."""
+    if d is None:
+        return "B"
+    if d < 0:
+        return str(lengths[-1 - d])
+    return str(d)
 
 
 def _check_specs(parsed: list[_Spec]) -> list[str]:
@@ -182,7 +195,10 @@ def batch_bytes(batch: Any) -> int:
     for t in tree_flatten(batch)[0]:
         if isinstance(t, torch.Tensor) and not t.is_sparse:
             storage = t.untyped_storage()  # a meta storage has no address: each tensor counts as its own
-            key = id(t) if t.device.type == "meta" else (t.device, storage.data_ptr())
+            if t.device.type == "meta":
+                key: Any = id(t)
+            else:
+                key = (t.device, storage.data_ptr())
             storages[key] = storage.nbytes()
     return sum(storages.values())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from lightning_memopt.cli_estimate.common import EstimateInputError
@@ -59,7 +60,9 @@ def _values(value: Any, sizes: dict[int, int]) -> int:
         return 1
     if id(value) not in sizes:
         sizes[id(value)] = MAX_CONFIG_VALUES + 1  # a list holding itself expands without end
-        items = value.values() if isinstance(value, dict) else value
+        items: Iterable[Any] = value
+        if isinstance(value, dict):
+            items = value.values()
         sizes[id(value)] = 1 + sum(_values(v, sizes) for v in items)
     return sizes[id(value)]
 

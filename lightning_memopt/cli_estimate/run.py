@@ -162,7 +162,9 @@ def _settings(args: argparse.Namespace, trainer: dict[str, Any], memory: dict[st
             " micro_batch_size, ...); it is not MemoryPresetCLI's and is ignored."
         )
         memory = None
-    preset = None if memory is None else memory_preset(memory, devices, num_nodes, f"--config: {MEMORY_SECTION}")
+    preset = None
+    if memory is not None:
+        preset = memory_preset(memory, devices, num_nodes, f"--config: {MEMORY_SECTION}")
     # when planning, what the memory: section leaves to the preset (null) the plan chooses; what it sets is kept
     written = {k for k, v in (memory or {}).items() if v is not None}
     accumulate, preset_batch = _accumulation(preset, trainer)
@@ -189,7 +191,9 @@ def _strategy(preset: Any, trainer: dict[str, Any], world: int) -> str:
     if preset is not None and preset.strategy is not None:
         return str(preset.strategy)
     given = trainer.get("strategy")
-    text = str(given.get("class_path") if isinstance(given, dict) else given).lower().replace("_", "")
+    if isinstance(given, dict):
+        given = given.get("class_path")
+    text = str(given).lower().replace("_", "")
     return "fsdp2" if "modelparallel" in text else "auto"
 
 
@@ -257,7 +261,9 @@ def _run(args: argparse.Namespace) -> int:
     ]
     run = _Run(args, settings, model, optimizer_setting(specs), batch_fn, source, out)
     batch_size = args.batch_size or settings.preset_batch or own_batch_size
-    return run.plan(batch_size) if settings.planning else run.estimate(batch_size)
+    if settings.planning:
+        return run.plan(batch_size)
+    return run.estimate(batch_size)
 
 
 def _token_budget(args: argparse.Namespace, settings: _Settings, model: Any, optimizer: Any, spec: dict) -> int:
@@ -340,7 +346,7 @@ class _Run:
                 batch,
                 precision="32-true" if settings.precision == "auto" else settings.precision,
                 device=self.args.device,
-                **(self._training() if self.args.stage == "fit" else {"stage": self.args.stage}),
+                **self._stage_arguments(),
             ),
             self.model,
             self.source,
@@ -350,6 +356,12 @@ class _Run:
         lines += [*self._world_line(), str(estimate)]
         print(wrap_to_width("\n".join(lines)))
         return 0
+
+    def _stage_arguments(self) -> dict[str, Any]:
+        """``estimate_memory``'s arguments for the stage: the training ones for ``fit``, else the stage itself."""
+        if self.args.stage == "fit":
+            return self._training()
+        return {"stage": self.args.stage}
 
     def _training(self) -> dict[str, Any]:
         """``estimate_memory``'s training arguments from the flags and the config (an evaluation stage has none)."""

@@ -146,7 +146,10 @@ class TokenBudgetBatchSampler(BatchSampler):
         check_positive_int("num_replicas", num_replicas, allow_none=True)
         check_non_negative_int("rank", 0 if rank is None else rank)
         self.max_tokens, self.budget = max_tokens, budget
-        self.sampler: Any = sampler if sampler is not None else _EpochRelay(self)
+        if sampler is not None:
+            self.sampler: Any = sampler
+        else:
+            self.sampler = _EpochRelay(self)
         self.shuffle, self.seed, self.drop_last, self.longest_first = shuffle, seed, drop_last, longest_first
         self.num_replicas, self.rank = num_replicas, rank
         self.epoch = 0
@@ -165,8 +168,10 @@ class TokenBudgetBatchSampler(BatchSampler):
             world = self.sampler.num_replicas if world is None else world
             rank = self.sampler.rank if rank is None else rank
         elif torch.distributed.is_available() and torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size() if world is None else world
-            rank = torch.distributed.get_rank() if rank is None else rank
+            if world is None:
+                world = torch.distributed.get_world_size()
+            if rank is None:
+                rank = torch.distributed.get_rank()
         world, rank = world or 1, rank or 0
         if rank >= world:
             raise ValueError(f"`rank` ({rank}) must be below `num_replicas` ({world}).")
@@ -174,7 +179,8 @@ class TokenBudgetBatchSampler(BatchSampler):
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
         """Every rank's batches of ``epoch`` (default: the current one), in order, before they are shared out."""
-        epoch = self._epoch() if epoch is None else epoch
+        if epoch is None:
+            epoch = self._epoch()
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         seed = self.seed + epoch if self.shuffle else None

@@ -194,6 +194,13 @@ def apply_allocator_conf(conf: str | None, warn: WarnOnce | None = None) -> Allo
     return state
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one when ``device`` names none."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
+
+
 def apply_memory_fraction(
     fraction: float | None, device: torch.device, state: AllocatorState | None = None, warn: WarnOnce | None = None
 ) -> AllocatorState:
@@ -208,7 +215,7 @@ def apply_memory_fraction(
             "fraction", f"`memory_fraction`={fraction} limits CUDA memory only; ignored on device {device}."
         )
         return state
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     previous = 1.0
     if getter is not None:
@@ -287,7 +294,7 @@ def borrow_memory_fraction(fraction: float | None, device: torch.device, warn: W
     if device.type != "cuda":
         apply_memory_fraction(fraction, device, warn=warn)  # warns that it is ignored here
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
 
     def apply(value: float) -> Restore:
         return _restorer(apply_memory_fraction(value, torch.device("cuda", index), warn=warn))

@@ -156,7 +156,9 @@ def group_batches(lengths: Sequence[Lengths], order: Sequence[int], largest: Lar
     current: list[int] = []
     longest: Lengths = ()
     for i in order:
-        grown = tuple(map(max, longest, lengths[i])) if current else lengths[i]
+        grown = lengths[i]
+        if current:
+            grown = tuple(map(max, longest, grown))
         if current and len(current) + 1 > largest(grown):
             batches.append(current)
             current, grown = [], lengths[i]

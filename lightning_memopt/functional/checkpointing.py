@@ -100,9 +100,13 @@ class _CheckpointedForward:
         if self.module.training and torch.is_grad_enabled():
             # The block's keyword arguments are bound here, never handed to `checkpoint`: it would consume the ones
             # that share a name with its own options (`debug`, `context_fn`, `determinism_check`, ...).
-            forward = functools.partial(self._forward, **kwargs) if kwargs else self._forward
+            forward = self._forward
+            if kwargs:
+                forward = functools.partial(self._forward, **kwargs)
             norms = [m for m in self.module.modules() if _tracks_running_stats(m)]
-            return checkpoint(_StatsOnce(forward, norms) if norms else forward, *args, use_reentrant=False)
+            if norms:
+                forward = _StatsOnce(forward, norms)
+            return checkpoint(forward, *args, use_reentrant=False)
         return self._forward(*args, **kwargs)
 
 
@@ -305,7 +309,9 @@ def wrap_checkpointing(
         (['layers.1'], False)
         >>> handle.restore()
     """
-    switches = find_switches(model) if use_model_switch else []
+    switches: list[tuple[str, nn.Module, _SwitchAPI]] = []
+    if use_model_switch:
+        switches = find_switches(model)
     if switches and checkpoint_modules is None:
         handle = CheckpointingHandle(switches=switches)
         for name, module, api in switches:

@@ -160,7 +160,9 @@ def to_device_and_dtype(
             f"`dtype` must be a floating-point torch.dtype such as torch.bfloat16 or torch.float16, got {dtype!r}."
             " Integer tensors are never cast by a model conversion."
         )
-    target = None if device is None else resolve_device(device)
+    target = None
+    if device is not None:
+        target = resolve_device(device)
     tensors = [*model.parameters(), *model.buffers()]
     pending = [t for t in tensors if _needs(t, target, dtype)]
     before = _bytes_by_device(model)

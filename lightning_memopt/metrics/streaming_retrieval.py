@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,8 +66,12 @@ class _DistributedCollectives(Collectives):
     def __init__(self, group: Any = None) -> None:
         self.group = group
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-        self.rank = dist.get_rank(group) if self.active else 0
-        self.world = dist.get_world_size(group) if self.active else 1
+        if self.active:
+            self.rank = dist.get_rank(group)
+            self.world = dist.get_world_size(group)
+        else:
+            self.rank = 0
+            self.world = 1
         self.device = torch.device("cpu")
         if self.active and dist.get_backend(group) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -301,11 +305,15 @@ class StreamingRetrievalMetric(Metric):
     def _store(self, x: Tensor) -> Tensor:
         x = x.detach()
         if self.accumulate_on == "device":
-            return x.to(self.device).clone() if x.device == self.device else x.to(self.device)
+            if x.device == self.device:
+                return x.to(self.device).clone()
+            return x.to(self.device)
         if torch.cuda.is_available():
             out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             return out.copy_(x)
-        return x.to("cpu").clone() if x.device.type == "cpu" else x.to("cpu")
+        if x.device.type == "cpu":
+            return x.to("cpu").clone()
+        return x.to("cpu")
 
     def _feature_dim(self) -> int | None:
         """The feature dim of the stored rows, read from the state (never cached: states can be replaced)."""
@@ -361,9 +369,11 @@ class StreamingRetrievalMetric(Metric):
             )
         if self.protocol == "dedup" and text_ids is None:
             raise ValueError("`text_ids` is required with protocol='dedup': pass one caption id (int or str) per row.")
-        t_ids = as_id_tensor(text_ids, "text_ids", n) if text_ids is not None else torch.zeros(n, dtype=torch.int64)
-        s_ids = as_id_tensor(sample_ids, "sample_ids", n) if sample_ids is not None else None
-        v_ids = as_id_tensor(video_ids, "video_ids", n) if video_ids is not None else None
+        t_ids = _optional_ids(text_ids, "text_ids", n)
+        if t_ids is None:
+            t_ids = torch.zeros(n, dtype=torch.int64)
+        s_ids = _optional_ids(sample_ids, "sample_ids", n)
+        v_ids = _optional_ids(video_ids, "video_ids", n)
         for name, ids, state in (("sample_ids", s_ids, self.sample_ids), ("video_ids", v_ids, self.video_ids)):
             if (ids is None) != (len(state) == 0) and self.video_features:
                 raise ValueError(f"`{name}` must be given in every update or in none, got a mix.")
@@ -392,11 +402,15 @@ class StreamingRetrievalMetric(Metric):
         rows = torch.tensor([row for row, _ in repeats], dtype=torch.int64, device=text_features.device)
         new = text_features.detach().index_select(0, rows)
         earlier = [tid for _, tid in repeats if tid not in first_rows]
-        stored = iter(self._texts.features(self.text_features, earlier) if earlier else ())
-        kept = [
-            (text_features.detach()[first_rows[tid]] if tid in first_rows else next(stored)).to("cpu", new.dtype)
-            for _, tid in repeats
-        ]
+        stored: Iterator[Tensor] = iter(())
+        if earlier:
+            stored = iter(self._texts.features(self.text_features, earlier))
+        kept = []
+        for _, tid in repeats:
+            if tid in first_rows:
+                kept.append(text_features.detach()[first_rows[tid]].to("cpu", new.dtype))
+            else:
+                kept.append(next(stored).to("cpu", new.dtype))
         ids = torch.tensor([tid for _, tid in repeats], dtype=torch.int64)
         message = repeated_text_message(ids, new.cpu(), torch.stack(kept), "StreamingRetrievalMetric")
         if message is not None:
@@ -468,9 +482,9 @@ class StreamingRetrievalMetric(Metric):
             _cat_state(self, "video_features"),
             _cat_state(self, "row_text_ids"),
             _cat_state(self, "text_features"),
-            None if self.protocol == "paired" else _cat_state(self, "unique_text_ids"),
-            sample_ids=_cat_state(self, "sample_ids") if self.sample_ids else None,
-            video_ids=_cat_state(self, "video_ids") if self.video_ids else None,
+            self._caption_ids(),
+            sample_ids=_cat_state_or_none(self, "sample_ids"),
+            video_ids=_cat_state_or_none(self, "video_ids"),
             protocol=self.protocol,
             v2t_gallery=self.v2t_gallery,
             ties=self.ties,
@@ -497,6 +511,26 @@ class StreamingRetrievalMetric(Metric):
             "stored_feature_bytes": stored,
         }
         return counts
+
+    def _caption_ids(self) -> Tensor | None:
+        """The stored caption ids, one per stored caption; ``None`` under ``protocol="paired"``."""
+        if self.protocol == "paired":
+            return None
+        return _cat_state(self, "unique_text_ids")
+
+
+def _optional_ids(ids: Any, name: str, n: int) -> Tensor | None:
+    """``ids`` as an int64 id tensor (see ``as_id_tensor``), or ``None`` when not given."""
+    if ids is None:
+        return None
+    return as_id_tensor(ids, name, n)
+
+
+def _cat_state_or_none(metric: Metric, name: str) -> Tensor | None:
+    """The state concatenated as :func:`_cat_state` does, or ``None`` when it is empty."""
+    if not getattr(metric, name):
+        return None
+    return _cat_state(metric, name)
 
 
 def _cat_state(metric: Metric, name: str) -> Tensor:

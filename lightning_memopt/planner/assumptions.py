@@ -58,7 +58,10 @@ def cublas_workspace(gpu: str | tuple[int, int] | None, threads: int = 2) -> tup
         >>> cublas_workspace((9, 0))[0] == 2 * 32 * 1024**2
         True
     """
-    capability, label = gpu_compute_capability(gpu) if gpu is not None else (None, "")
+    capability: tuple[int, int] | None = None
+    label = ""
+    if gpu is not None:
+        capability, label = gpu_compute_capability(gpu)
     config = cublas_workspace_config()
     one = cublas_workspace_bytes(capability, config)
     if config is not None:

@@ -182,7 +182,9 @@ class MemoryEstimate(StepCount):
         lines = [f"{a:<{width}}  {b:>11}  {c}".rstrip() for a, b, c in rows]
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
-        unsharded = f", {format_bytes(self.unsharded_parameter_bytes)} unsharded" if self.sharding else ""
+        unsharded = ""
+        if self.sharding:
+            unsharded = f", {format_bytes(self.unsharded_parameter_bytes)} unsharded"
         totals = (
             f"totals{' per rank' if self.sharding else ''}: parameters {format_bytes(self.parameter_bytes)}"
             f" ({format_bytes(self.trainable_parameter_bytes)} trainable{unsharded}),"
@@ -381,10 +383,10 @@ def estimate_memory(
     )
     mode, dtype = hooks.mode, hooks.dtype
     corrections = fake_kernel_outputs("cuda" if cuda else "cpu")
-    capability = gpu_compute_capability(gpu)[0] if gpu is not None else DEFAULT_COMPUTE_CAPABILITY
-    attending: contextlib.AbstractContextManager[dict[str, int]] = (
-        cuda_attention(capability) if cuda and fake else contextlib.nullcontext({})
-    )
+    capability = DEFAULT_COMPUTE_CAPABILITY
+    if gpu is not None:
+        capability = gpu_compute_capability(gpu)[0]
+    attending = _attention_context(cuda and fake, capability)
     trainer = StandInTrainer(
         steps=steps, accumulate_grad_batches=accumulate_grad_batches, world_size=world_size, precision=precision
     )
@@ -405,29 +407,29 @@ def estimate_memory(
         warnings.catch_warnings(),
         _quiet_fake_tensor_log(),
         attending as attention,
-        cuda_autocast() if cuda and mode == "mixed" else contextlib.nullcontext(),
-        cuda_dropout() if cuda and fake else contextlib.nullcontext(),
+        _autocast_context(cuda and mode == "mixed"),
+        _dropout_context(cuda and fake),
         sharded.process_group(),
     ):
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*reference is not registered.*")
         try:
-            counted = (
-                count_training_steps(
+            if stage == "fit":
+                counted = count_training_steps(
                     module,
                     batch,
-                    manual_step_function() if manual else step_function(loss_fn, lightning),
+                    _training_step_function(manual, loss_fn, lightning),
                     make_optimizers(optimizer, lightning, schedulers, trainer),
                     prepare=sharded.prepare(hooks.prepare),
                     prepare_optimizers=hooks.prepare_optimizers,
                     accumulate_grad_batches=accumulate_grad_batches,
-                    manual=manual_optimization(schedulers) if manual else None,
+                    manual=_manual_optimization(manual, schedulers),
                     labels=sharded.labels,
                     apart=sharded.apart,
                     **common,
                 )
-                if stage == "fit"
-                else count_evaluation_steps(
+            else:
+                counted = count_evaluation_steps(
                     module,
                     batch,
                     evaluation_step_function(stage, loss_fn, module),
@@ -435,7 +437,6 @@ def estimate_memory(
                     keep_outputs=stage == "predict" and not cuda,  # trainer.predict moves them to the host
                     **common,
                 )
-            )
         except FakeStepError as err:
             fix = err.hint or "Make that step shape-static there,"
             raise MemoryEstimateError(
@@ -461,7 +462,7 @@ def estimate_memory(
             dtype=dtype,
             workspace=workspace_text,
             accumulate=counted.accumulate_grad_batches,
-            attention=attention_assumption(attention, capability) if attention else None,
+            attention=_attention_text(attention, capability),
             corrections=corrections.assumptions(),
             manual=manual,
             world_size=world_size,
@@ -475,6 +476,52 @@ def estimate_memory(
         sharding=sharded.sharding,
         stage=stage,
     )
+
+
+def _attention_context(on: bool, capability: tuple[int, int]) -> contextlib.AbstractContextManager[dict[str, int]]:
+    """The CUDA attention kernels' memory (:func:`cuda_attention`) when ``on``, else a context giving an empty dict."""
+    if on:
+        return cuda_attention(capability)
+    return contextlib.nullcontext({})
+
+
+def _autocast_context(on: bool) -> contextlib.AbstractContextManager:
+    """CUDA's float32 autocast functions (:func:`cuda_autocast`) when ``on``, else a context doing nothing."""
+    if on:
+        return cuda_autocast()
+    return contextlib.nullcontext()
+
+
+def _dropout_context(on: bool) -> contextlib.AbstractContextManager:
+    """CUDA's dropout mask (:func:`cuda_dropout`) when ``on``, else a context doing nothing."""
+    if on:
+        return cuda_dropout()
+    return contextlib.nullcontext()
+
+
+def _training_step_function(
+    manual: bool, loss_fn: Callable[[nn.Module, Any], Tensor] | None, lightning: bool
+) -> Callable[[nn.Module, Any, int], Tensor]:
+    """The training step to count: the model's own under manual optimization, else :func:`step_function`'s."""
+    if manual:
+        return manual_step_function()
+    return step_function(loss_fn, lightning)
+
+
+def _manual_optimization(
+    manual: bool, schedulers: list[Any]
+) -> Callable[[nn.Module, list[Any], Callable[..., None]], None] | None:
+    """The manual optimization hooks (:func:`manual_optimization`) under manual optimization, else ``None``."""
+    if manual:
+        return manual_optimization(schedulers)
+    return None
+
+
+def _attention_text(attention: dict[str, int], capability: tuple[int, int]) -> str | None:
+    """The assumption on the attention kernels that ran, ``None`` when none ran."""
+    if attention:
+        return attention_assumption(attention, capability)
+    return None
 
 
 def _check_stage(stage: Any, optimizer: Any, checkpointing: Any, accumulate: int, world_size: int) -> None:
@@ -519,7 +566,9 @@ class _ShardedRun:
         self.apart = OFFLOADED_LABELS if on and cpu_offload else ()
 
     def process_group(self) -> contextlib.AbstractContextManager:
-        return self._fake_group() if self.world_size > 1 else contextlib.nullcontext()
+        if self.world_size > 1:
+            return self._fake_group()
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _fake_group(self) -> Any:
@@ -559,7 +608,9 @@ class _ShardedRun:
             blocks = default_shard_blocks(model, self.shard_modules)
             # a training_step calls its submodules more often than `self(...)`: each child of a LightningModule is a
             # root of its own (a root's own parameters are gathered only when it is called)
-            roots = child_roots(model, blocks) if self.lightning else [""]
+            roots = [""]
+            if self.lightning:
+                roots = child_roots(model, blocks)
             reshard = True if self.reshard is None else self.reshard
             shard_model(
                 model,
@@ -656,7 +707,13 @@ class _StepHooks:
         if self.mode != "true" or self.dtype is None:
             return batch
         dtype = self.dtype
-        return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, batch)
+
+        def cast(t: Any) -> Any:
+            if isinstance(t, Tensor) and t.is_floating_point():
+                return t.to(dtype)
+            return t
+
+        return tree_map(cast, batch)
 
     def step_context(self) -> contextlib.AbstractContextManager:
         if self.mode == "mixed" and self.dtype is not None:

@@ -106,7 +106,13 @@ def estimate_generation(
     arguments = {"pad_token_id": None, **generate_kwargs}
     arguments.update(max_new_tokens=max_new_tokens, num_beams=1, eos_token_id=None)
     prompt = {k: _with_values(k, v) for k, v in batch.items()}
-    sequences = tree_map(lambda t: t.repeat_interleave(num_beams, 0) if isinstance(t, Tensor) else t, prompt)
+
+    def per_beam(t: Any) -> Any:
+        if isinstance(t, Tensor):
+            return t.repeat_interleave(num_beams, 0)
+        return t
+
+    sequences = tree_map(per_beam, prompt)
 
     def generate(twin: nn.Module, prompt: dict[str, Any]) -> Any:
         return cast(Any, twin).generate(**prompt, **arguments)

@@ -79,7 +79,9 @@ def _loss_of(output: Any) -> Tensor:
             f"the training step returned {type(output).__name__}, not a loss tensor. Return the loss (or a dict with"
             " 'loss'), or pass `loss_fn=`."
         )
-    return output if output.dim() == 0 else output.float().sum()
+    if output.dim() == 0:
+        return output
+    return output.float().sum()
 
 
 def _call_module(module: nn.Module, batch: Any) -> Any:

@@ -261,8 +261,18 @@ def _resolve_budget(
             f" ({format_bytes(context)}) and the margin are taken off. Pass the device's whole memory."
         )
     if precision == "auto":
-        precision = "32-true" if device == "cpu" else ("16-mixed" if bf16 is False else "bf16-mixed")
+        precision = _auto_precision(device, bf16)
     return _Budget(total, label, usable, gpu, precision)
+
+
+def _auto_precision(device: str, bf16: bool | None) -> str:
+    """The precision ``precision="auto"`` picks: float32 on the CPU, fp16 autocast on a GPU known to lack bf16, else
+    bf16 autocast."""
+    if device == "cpu":
+        return "32-true"
+    if bf16 is False:
+        return "16-mixed"
+    return "bf16-mixed"
 
 
 def _micro_batches(per_device: int, manual: bool, report: Callable[[str], None]) -> list[int]:
@@ -271,12 +281,19 @@ def _micro_batches(per_device: int, manual: bool, report: Callable[[str], None])
     sizes = divisors(per_device)
     if manual:
         sizes = sizes[-1:]  # no accumulation: the whole per-device batch or nothing
-    shown = ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]}"
+    shown = _shown_sizes(sizes)
     report(
         f"per-device batch {per_device}: {len(sizes)} micro-batch{'es' if len(sizes) != 1 else ''} to choose from"
         f" ({shown}); at most {most_estimates(len(sizes))} estimates per checkpointing setting"
     )
     return sizes
+
+
+def _shown_sizes(sizes: list[int]) -> str:
+    """The sizes, comma-separated; past 8 of them, the first 4, an ellipsis and the last."""
+    if len(sizes) <= 8:
+        return ", ".join(map(str, sizes))
+    return f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]}"
 
 
 def _label(estimate: MemoryEstimate, world: int) -> str:
@@ -296,7 +313,9 @@ def _reason(done: list[Stage], world: int, strategy: str) -> str:
             f"{asked}DDP: the whole model fits on each of the {world} ranks at micro-batch {final.chosen}; it"
             " runs no all-gathers, so it is faster than sharding."
         )
-    texts = [asked.strip()] if asked else []
+    texts: list[str] = []
+    if asked:
+        texts.append(asked.strip())
     for stage in done[:-1]:
         name = "DDP" if not stage.runs.sharded else "FSDP2 without CPU offload"
         if stage.floor is not None:
@@ -330,12 +349,13 @@ def _advice(
     how = " and activation checkpointing" if checkpointing else ""
     if world > 1:
         how += f", {_label(estimate, world)}"
-    text = (
-        "manual optimization cannot accumulate gradients over micro-batches (Lightning refuses"
-        " `accumulate_grad_batches` with it), so the whole per-device batch was estimated: "
-        if micro > 1
-        else ""
-    ) + (
+    text = ""
+    if micro > 1:
+        text = (
+            "manual optimization cannot accumulate gradients over micro-batches (Lightning refuses"
+            " `accumulate_grad_batches` with it), so the whole per-device batch was estimated: "
+        )
+    text += (
         f"even micro-batch {micro} with {estimate.precision}{how} needs {format_bytes(needed)}"
         f"{' per rank' if world > 1 else ''}; the model states (parameters, gradients, optimizer states) alone"
         f" take {format_bytes(states)}."
@@ -622,6 +642,8 @@ def _sharding_fields(module: nn.Module, estimate: MemoryEstimate, shard_modules:
     }
     if sharding.source != "configure_model":
         blocks = default_shard_blocks(module, shard_modules)
-        roots = child_roots(module, blocks) if is_lightning_module(module) else [""]
+        roots = [""]
+        if is_lightning_module(module):
+            roots = child_roots(module, blocks)
         fields.update(shard_blocks=tuple(blocks), shard_roots=tuple(roots))
     return fields

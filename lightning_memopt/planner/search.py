@@ -88,8 +88,9 @@ def replicated_floor(module: nn.Module, precision: str, world: int) -> int:
     half = precision.endswith("-true") and not precision.startswith("32")
 
     def nbytes(t: Tensor) -> int:
-        size = 2 if half and t.is_floating_point() else t.element_size()
-        return t.numel() * size
+        if half and t.is_floating_point():
+            return t.numel() * 2
+        return t.numel() * t.element_size()
 
     held = sum(nbytes(t) for t in [*module.parameters(), *module.buffers()])
     gradients = sum(nbytes(p) for p in module.parameters() if p.requires_grad)
@@ -237,7 +238,9 @@ class Trials:
         if fits(predicted[-1]):
             return predicted[-1]
         below = [s for s in candidates if s < predicted[-1]]
-        return largest_fitting(below, fits) if len(below) > 1 else below[0]
+        if len(below) > 1:
+            return largest_fitting(below, fits)
+        return below[0]
 
 
 def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
@@ -315,7 +318,9 @@ def evaluation_batch(
         return ok
 
     chosen = largest_fitting(candidates, fits)
-    return chosen, estimates.get(chosen) if chosen is not None else None, trials
+    if chosen is None:
+        return chosen, None, trials
+    return chosen, estimates.get(chosen), trials
 
 
 def most_estimates(candidates: int) -> int:
@@ -326,7 +331,9 @@ def most_estimates(candidates: int) -> int:
         >>> most_estimates(1), most_estimates(7)
         (1, 5)
     """
-    return 1 if candidates == 1 else 2 + max(0, math.ceil(math.log2(candidates - 1)))
+    if candidates == 1:
+        return 1
+    return 2 + max(0, math.ceil(math.log2(candidates - 1)))
 
 
 @dataclass(frozen=True)
@@ -451,7 +458,9 @@ class PlanSearch:
     def strategies(self, strategy: str) -> Stage:
         """Each strategy in order until one fits (``strategy``: ``"auto"``, ``"ddp"`` or ``"fsdp2"``); the last."""
         order = {"ddp": [(False, False)], "fsdp2": [(True, False), (True, True)]}
-        options = [(False, False)] if self.world == 1 else order.get(strategy, [*order["ddp"], *order["fsdp2"]])
+        options = [(False, False)]  # a single device: nothing to shard
+        if self.world != 1:
+            options = order.get(strategy, [*order["ddp"], *order["fsdp2"]])
         for sharded, offload in options:
             runs = self.runs(self.world, sharded, offload)
             floor = None
@@ -560,10 +569,11 @@ def search_plan(
     search = PlanSearch(settings, effective, world, sizes, gradient_checkpointing)
     final = search.strategies(strategy)
     if final.chosen is None:
-        note = EvaluationPlan(evaluation, note="not planned: no training setting fits.") if evaluation else None
+        note: EvaluationPlan | None = None
+        if evaluation:
+            note = EvaluationPlan(evaluation, note="not planned: no training setting fits.")
         return SearchOutcome(search.done, gpus=search.gpus(), evaluation=note)
-    return SearchOutcome(
-        search.done,
-        evaluation=search.evaluation(evaluation, final.chosen) if evaluation else None,
-        policy=search.policy(final.chosen, final.checkpointed),
-    )
+    planned: EvaluationPlan | None = None
+    if evaluation:
+        planned = search.evaluation(evaluation, final.chosen)
+    return SearchOutcome(search.done, evaluation=planned, policy=search.policy(final.chosen, final.checkpointed))

@@ -93,10 +93,17 @@ class TokenBudgetPlan:
         )
         lines = [head, f"  {'lengths':>16s} {'batch':>7s} {'needs':>11s} {'one more':>11s}"]
         for r in self.rows:
-            needs = "-" if r.needed_bytes is None else format_bytes(r.needed_bytes)
-            more = "-" if r.next_needed_bytes is None else format_bytes(r.next_needed_bytes)
+            needs = _shown_bytes(r.needed_bytes)
+            more = _shown_bytes(r.next_needed_bytes)
             lines.append(f"  {','.join(map(str, r.lengths)):>16s} {r.batch_size:7d} {needs:>11s} {more:>11s}")
         return "\n".join(lines)
+
+
+def _shown_bytes(nbytes: int | None) -> str:
+    """``nbytes`` formatted, or ``-`` when not estimated."""
+    if nbytes is None:
+        return "-"
+    return format_bytes(nbytes)
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,9 @@ def _largest_batch(
         else:
             high = n
         n = _next_try(points, usable, low, high, intercept)
-    line = _line(points[-2:], None) if len(points) >= 2 else None
+    line: tuple[float, float] | None = None
+    if len(points) >= 2:
+        line = _line(points[-2:], None)
     return low, (line[0] if line is not None else intercept)
 
 
@@ -279,7 +288,11 @@ def plan_token_budget(
 
 def _row(needs: _Needs, key: Lengths, n: int, cap: int) -> BucketRow:
     known = needs.known
-    return BucketRow(key, n, known.get((n, key)), known.get((n + 1, key)) if n < cap else None)
+    needed = known.get((n, key))
+    next_needed = None
+    if n < cap:
+        next_needed = known.get((n + 1, key))
+    return BucketRow(key, n, needed, next_needed)
 
 
 def _bucket_keys(lengths: Sequence[int | Sequence[int]] | None, buckets: int | Sequence[int | Sequence[int]]) -> list:

@@ -19,9 +19,14 @@ _TRAINER_KEYS = frozenset({*PRESET_TRAINER_KEYS, "strategy"})
 
 def yaml_keys(message: str, section: str, names: frozenset[str]) -> str:
     """``message`` with each backticked argument (`` `name` `` or `` `name=...` ``) named by its config key."""
-    return re.sub(
-        r"`(\w+)(?=`|=)", lambda m: f"`{section}.{m.group(1)}" if m.group(1) in names else m.group(0), message
-    )
+
+    def keyed(m: re.Match[str]) -> str:
+        """One backticked argument: named by its config key when it is one of ``names``, else as it is."""
+        if m.group(1) in names:
+            return f"`{section}.{m.group(1)}"
+        return m.group(0)
+
+    return re.sub(r"`(\w+)(?=`|=)", keyed, message)
 
 
 def _devices(accelerator: Any, devices: Any) -> int:

@@ -396,6 +396,9 @@ class MemoryPreset:
             )
         asked = {name: overrides.pop(name) for name in PLANNED if name in overrides}
         checkpointing = asked.get("gradient_checkpointing")
+        checkpoint_modules = None
+        if checkpointing is not False:
+            checkpoint_modules = asked.get("checkpoint_modules")
         plan = plan_memory(
             module,
             batch_fn,
@@ -405,7 +408,7 @@ class MemoryPreset:
             num_nodes=asked.get("num_nodes", 1),
             precision=normalize_precision(asked.get("precision") or "auto"),
             gradient_checkpointing="auto" if checkpointing is None else checkpointing,
-            checkpoint_modules=None if checkpointing is False else asked.get("checkpoint_modules"),
+            checkpoint_modules=checkpoint_modules,
         )
         if not plan.feasible:
             raise ValueError(f"No micro-batch fits {plan.budget_label}: {plan.advice}")
@@ -452,7 +455,9 @@ class MemoryPreset:
         block, then the roots, with the preset's options), as text; ``""`` otherwise. Also in ``print(preset)``."""
         if self.strategy != "fsdp2":
             return ""
-        policy = fsdp2_policy(self.precision) if self.mixed_precision_policy else None
+        policy = None
+        if self.mixed_precision_policy:
+            policy = fsdp2_policy(self.precision)
         return configure_model_recipe(
             self.world_size, self.shard_blocks, self.shard_roots, self.reshard_after_forward, self.cpu_offload, policy
         )
@@ -484,8 +489,11 @@ class MemoryPreset:
             >>> MemoryPreset("max-savings").dataloader_kwargs(cpu_count=16, cuda=True)
             {'batch_size': 32, 'num_workers': 2, 'prefetch_factor': 1, 'pin_memory': True, 'persistent_workers': False}
         """
-        cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
-        cuda = torch.cuda.is_available() if cuda is None else cuda
+        cores = cpu_count
+        if cores is None:
+            cores = os.cpu_count() or 1
+        if cuda is None:
+            cuda = torch.cuda.is_available()
         wanted, prefetch = {"max-savings": (2, 1), "balanced": (4, 2), "max-speed": (8, 2)}[self.name]
         workers = max(0, min(wanted, cores // max(1, self.devices) - 1))
         out: dict[str, Any] = {"batch_size": self.batch_size, "num_workers": workers}
@@ -556,7 +564,16 @@ def _describe_rows(preset: MemoryPreset) -> list[tuple[str, Any, str]]:
     auto = preset.auto_micro_batch
     loader = ", ".join(f"{k}={v}" for k, v in preset.dataloader_kwargs().items() if k != "batch_size")
     blocks = preset.checkpoint_modules
-    return [
+    modules = "default"
+    if blocks:
+        modules = ", ".join(b if isinstance(b, str) else b.__name__ for b in blocks)
+    if auto:
+        batch_why = "samples per DataLoader batch and rank (the whole per-device batch)."
+        accumulate_why = "AutoMicroBatch accumulates the micro-batches of each batch itself."
+    else:
+        batch_why = "samples per forward pass and rank: peak memory scales with it."
+        accumulate_why = "effective / (micro x devices x nodes): same gradients as the full batch."
+    rows: list[tuple[str, Any, str]] = [
         (
             "precision",
             preset.precision,
@@ -575,35 +592,22 @@ def _describe_rows(preset: MemoryPreset) -> list[tuple[str, Any, str]]:
         ),
         (
             "checkpoint_modules",
-            ", ".join(b if isinstance(b, str) else b.__name__ for b in blocks) if blocks else "default",
+            modules,
             "which blocks to checkpoint (default: the model's own switch, else nn.Transformer layers).",
         ),
         ("effective_batch_size", preset.effective_batch_size, "samples per optimizer step over all ranks (kept)."),
         (
             "batch_size (per device)" if auto else "batch_size (micro)",
             preset.batch_size,
-            "samples per DataLoader batch and rank (the whole per-device batch)."
-            if auto
-            else "samples per forward pass and rank: peak memory scales with it.",
+            batch_why,
         ),
-        (
-            "accumulate_grad_batches",
-            preset.accumulate_grad_batches,
-            "AutoMicroBatch accumulates the micro-batches of each batch itself."
-            if auto
-            else "effective / (micro x devices x nodes): same gradients as the full batch.",
-        ),
-        *(
-            [
-                (
-                    "eval_batch_size",
-                    preset.eval_batch_size,
-                    "validation/test/predict DataLoader batch per rank (planned).",
-                )
-            ]
-            if preset.eval_batch_size is not None
-            else []
-        ),
+        ("accumulate_grad_batches", preset.accumulate_grad_batches, accumulate_why),
+    ]
+    if preset.eval_batch_size is not None:
+        rows.append(
+            ("eval_batch_size", preset.eval_batch_size, "validation/test/predict DataLoader batch per rank (planned).")
+        )
+    rows += [
         ("devices x num_nodes", f"{preset.devices} x {preset.num_nodes}", "world size used in the arithmetic."),
         ("strategy", preset.strategy or "Trainer's", _strategy_reason(preset)),
         ("auto_micro_batch", preset.auto_micro_batch, _auto_micro_batch_reason(preset)),
@@ -632,6 +636,7 @@ def _describe_rows(preset: MemoryPreset) -> list[tuple[str, Any, str]]:
             " batch of host memory.",
         ),
     ]
+    return rows
 
 
 def _strategy_reason(preset: MemoryPreset) -> str:
@@ -820,7 +825,9 @@ def precision_string(preset: MemoryPreset) -> str:
 def _precision_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, Any]:
     """``precision`` (strategies with their own precision classes) or ``plugins`` with the preset's MemoryPrecision."""
     if has_own_precision(given.get("strategy")):
-        return {} if "precision" in given else {"precision": precision_string(preset)}  # or the user chose for it
+        if "precision" in given:
+            return {}  # the user chose for it
+        return {"precision": precision_string(preset)}
     plugins = given.get("plugins") or []
     plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
     if given.get("precision") is not None:
@@ -850,12 +857,13 @@ def _pinned_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, 
         if yours is None:
             out[key] = value
         elif value is not None and yours != value and not (key == "accumulate_grad_batches" and preset.plan is None):
-            why = (
-                "with `auto_micro_batch=True` the DataLoader yields the whole per-device batch and"
-                " AutoMicroBatch splits it"
-                if preset.auto_micro_batch
-                else "the preset computes it from `effective_batch_size`"
-            )
+            if preset.auto_micro_batch:
+                why = (
+                    "with `auto_micro_batch=True` the DataLoader yields the whole per-device batch and"
+                    " AutoMicroBatch splits it"
+                )
+            else:
+                why = "the preset computes it from `effective_batch_size`"
             raise ValueError(
                 f"`{key}={yours!r}` contradicts the preset's {key}={value!r}. Drop `{key}=` from the Trainer"
                 f" arguments ({why}) or change the preset."
@@ -871,7 +879,9 @@ def _world_kwargs(preset: MemoryPreset, given: Mapping[str, Any]) -> dict[str, A
     for key in ("devices", "num_nodes"):
         value = getattr(preset, key)
         yours = given.get(key)
-        count = device_count(given.get("accelerator", "auto"), yours) if key == "devices" else yours
+        count = yours
+        if key == "devices":
+            count = device_count(given.get("accelerator", "auto"), yours)
         if yours is not None and count == value:
             continue  # the same number, written your way (e.g. devices=[0, 1] or "2")
         if yours is not None and yours != value:

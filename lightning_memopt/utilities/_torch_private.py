@@ -87,8 +87,10 @@ def stop_memory_history() -> bool:
 def _history_enabled() -> bool:
     """Whether allocator history is being recorded now (``False`` where this torch cannot tell)."""
     is_enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if is_enabled is None:
+        return False
     try:
-        return bool(is_enabled()) if is_enabled is not None else False
+        return bool(is_enabled())
     except RuntimeError:
         return False
 
@@ -189,7 +191,9 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     from torch._subclasses import fake_tensor  # the planner's import: callbacks never load fake tensors
 
     unset = getattr(fake_tensor, "unset_fake_temporarily", None)
-    return unset() if unset is not None else contextlib.nullcontext()
+    if unset is None:
+        return contextlib.nullcontext()
+    return unset()
 
 
 @contextlib.contextmanager
@@ -344,8 +348,10 @@ def _default_store() -> Any:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     get_store = getattr(torch.distributed.distributed_c10d, "_get_default_store", None)
+    if not callable(get_store):
+        return None
     try:
-        return get_store() if callable(get_store) else None
+        return get_store()
     except (RuntimeError, ValueError):
         return None
 

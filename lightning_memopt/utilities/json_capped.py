@@ -43,6 +43,13 @@ _LITERALS = {"true": True, "false": False, "null": None, "NaN": float("nan"), "I
 _NUMBER_CHARS = 1000  # longer numbers are kept as a marker (Python refuses to parse > 4300 digits anyway)
 
 
+def _top_level_commas(run: str) -> int:
+    """The commas in ``run`` (text the skipper stepped over) that are not inside a string or a bracket it holds."""
+    if '"' in run or "[" in run or "{" in run:
+        return _NESTED.sub("", run).count(",")
+    return run.count(",")
+
+
 @dataclass(frozen=True)
 class JSONLimits:
     """What :func:`load_json_capped` keeps.
@@ -157,7 +164,9 @@ class _Parser:
         self.s.pos += 1
         limit = max(0, min(max_chars, self.chars_left) if budget else max_chars)
         parts, kept, closed = self._read_string(limit)
-        rest = 0 if closed else self._skip_string()
+        rest = 0
+        if not closed:
+            rest = self._skip_string()
         return self._kept_text(parts, kept, rest, budget)
 
     def _read_string(self, limit: int) -> tuple[list[str], int, bool]:
@@ -266,7 +275,7 @@ class _Parser:
             end = _SKIP.match(s.buf, s.pos).end()  # type: ignore[union-attr]
             if depth == 0 and end > s.pos:
                 run = s.buf[s.pos : end]
-                commas += _NESTED.sub("", run).count(",") if '"' in run or "[" in run or "{" in run else run.count(",")
+                commas += _top_level_commas(run)
             s.pos = end
             if s.pos >= len(s.buf):
                 if not s.fill():

@@ -272,7 +272,9 @@ def rank_log_writer(
     that cannot be stored.
     ``current`` is kept when it already writes that file, so fitting twice appends to one open file.
     """
-    directory = Path(dirpath if dirpath is not None else default_artifact_dir(trainer))
+    if dirpath is None:
+        dirpath = default_artifact_dir(trainer)
+    directory = Path(dirpath)
     try:
         directory = check_writable_dir("dirpath", directory)
     except OSError as err:

@@ -352,14 +352,22 @@ def _is_basic_credential(text: str) -> bool:
     return b":" in decoded
 
 
+def _authority_end(region: str, start: int = 0) -> int:
+    """Where the authority of ``region`` that goes on at ``start`` ends: its first ``/``, ``?`` or ``#``, else the
+    end of ``region``."""
+    found = _AUTHORITY_END.search(region, start)
+    if found:
+        return found.start()
+    return len(region)
+
+
 def _userinfo_end(region: str) -> int | None:
     """Where the userinfo of ``region`` (a URL after ``scheme://``) ends (its ``@``), ``None`` without one.
 
     The standard form ends at the last ``@`` before the first ``/``, ``?`` or ``#``. A password holding one of
     those (``u:pa/ss@host``) is recognised too: ``user:`` followed by something that is not a port, then ``@``.
     """
-    found = _AUTHORITY_END.search(region)
-    authority_end = found.start() if found else len(region)
+    authority_end = _authority_end(region)
     at = region.rfind("@", 0, authority_end)
     if at >= 0:
         return at
@@ -369,8 +377,7 @@ def _userinfo_end(region: str) -> int | None:
     at = region.find("@", authority_end)
     if at < 0:
         return None
-    found = _AUTHORITY_END.search(region, at)
-    return region.rfind("@", 0, found.start() if found else len(region))
+    return region.rfind("@", 0, _authority_end(region, at))
 
 
 def _redact_userinfo(userinfo: str) -> str:
@@ -381,6 +388,15 @@ def _redact_userinfo(userinfo: str) -> str:
     if len(user) >= 16 or (len(user) >= 12 and any(c.isdigit() for c in user)) or user == REDACTED:
         return REDACTED
     return userinfo
+
+
+def _url_end(text: str, start: int) -> int:
+    """Where the URL that goes on at ``start`` ends: at the next URL or the end of this one, else the end of
+    ``text``."""
+    found = _URL_END.search(text, start)
+    if found:
+        return found.start()
+    return len(text)
 
 
 def _redact_urls(text: str) -> str:
@@ -394,8 +410,7 @@ def _redact_urls(text: str) -> str:
             return "".join(out) + text[pos : match.start()] + _rest_not_scanned(text, match.start())
         search = match.end()
         begin = text.index("://", match.start()) + 3
-        found = _URL_END.search(text, match.end())  # the next URL or the end of this one
-        region = text[begin : found.start() if found else len(text)]
+        region = text[begin : _url_end(text, match.end())]
         userinfo_end = _userinfo_end(region)
         if userinfo_end is None:
             continue
@@ -419,12 +434,16 @@ def _sub(pattern: re.Pattern[str], text: str, replace: Callable[[re.Match[str]],
 
 def _bearer(match: re.Match[str]) -> str:
     credential = match.group("credential")
-    return match.group("head") + REDACTED if _looks_like_credential(credential) else match.group(0)
+    if _looks_like_credential(credential):
+        return match.group("head") + REDACTED
+    return match.group(0)
 
 
 def _basic(match: re.Match[str]) -> str:
     credential = match.group("credential")
-    return match.group("head") + REDACTED if _is_basic_credential(credential) else match.group(0)
+    if _is_basic_credential(credential):
+        return match.group("head") + REDACTED
+    return match.group(0)
 
 
 def _authorization(text: str, low: str) -> str:
@@ -452,7 +471,9 @@ def _closing_quote(text: str, start: int, quote: str) -> int:
 
 def _skip_spaces(text: str, i: int) -> int:
     found = _SPACES.match(text, i)
-    return found.end() if found else i
+    if found:
+        return found.end()
+    return i
 
 
 def _value_span(text: str, start: int, style: str) -> tuple[int, int] | None:
@@ -474,7 +495,9 @@ def _value_span(text: str, start: int, style: str) -> tuple[int, int] | None:
     if style == "comma":  # 'token', 'abc': only a quoted value counts
         return None
     found = _VALUE_ENDS[style].search(text, i)
-    end = found.start() if found else n
+    end = n
+    if found:
+        end = found.start()
     if style == "line":
         end = i + len(text[i:end].rstrip(" \t"))
     return i, end
@@ -483,7 +506,9 @@ def _value_span(text: str, start: int, style: str) -> tuple[int, int] | None:
 def _lower(text: str) -> str:
     """``text`` lower-cased, index for index (``str.lower`` lengthens a few non-ASCII letters)."""
     low = text.lower()
-    return low if len(low) == len(text) else text.translate(_ASCII_LOWER)
+    if len(low) == len(text):
+        return low
+    return text.translate(_ASCII_LOWER)
 
 
 @lru_cache(maxsize=4096)
@@ -496,16 +521,23 @@ def _rest_not_scanned(text: str, start: int) -> str:
     return f"{REDACTED}...[{len(text) - start} chars not scanned: more than {_MAX_HITS} candidates]"
 
 
+def _name_end(match: re.Match[str]) -> int:
+    """Where the name of a ``name<sep>`` match ends: at its closing quote, else where the spaces after it start."""
+    if match.group("close"):
+        return match.start("close")
+    return match.start("space")
+
+
 def _pair(match: re.Match[str], text: str, search: int) -> str | None:
     """How the value after a ``name<sep>`` match is delimited, when the name is secret; ``None`` to leave it."""
     start = match.start()
     if start > search and text[start - 1] in _NAME_CHARS:  # the word is inside the name: find where it starts
         found = _NAME_TAIL.search(text, search, start)
-        start = found.start() if found else start
+        if found:
+            start = found.start()
     if text[max(0, start - 3) : start] == "://" and text.startswith(REDACTED, match.end()):
         return None  # a URL's user (https://x-access-token:<redacted>@host): its password went with the URL's
-    close = match.group("close")
-    if not _is_secret_key(text[start : match.start("close") if close else match.start("space")]):
+    if not _is_secret_key(text[start : _name_end(match)]):
         return None
     sep = match.group("sep")
     if sep == ",":
@@ -545,7 +577,9 @@ def _scan(text: str, pattern: re.Pattern[str], decide: Callable[[re.Match[str], 
             return "".join(out) + text[pos : match.start()] + _rest_not_scanned(text, match.start())
         style = decide(match, text, search)
         search = match.end()
-        span = None if style is None else _value_span(text, match.end(), style)
+        if style is None:
+            continue
+        span = _value_span(text, match.end(), style)
         if span is None or text[span[0] : span[1]] in _CONSTANTS:
             continue
         out += [text[pos : span[0]], REDACTED]
@@ -725,12 +759,19 @@ def _secret_value_keys(mapping: dict[Any, Any]) -> bool:
 
 def _mapping(obj: Mapping[Any, Any], depth: int, walk: _Walk) -> dict[Any, Any]:
     items = list(obj.items())
-    named = _secret_value_keys(dict(items[:_MAX_ITEMS])) if len(items) <= 16 else False
+    named = False
+    if len(items) <= 16:
+        named = _secret_value_keys(dict(items[:_MAX_ITEMS]))
     out: dict[Any, Any] = {}
     for key, value in items[:_MAX_ITEMS]:
-        new_key = _redact(key, depth + 1, walk) if isinstance(key, str) else key
+        new_key = key
+        if isinstance(key, str):
+            new_key = _redact(key, depth + 1, walk)
         secret = is_secret_name(key) or (named and isinstance(key, str) and key.lower() in _VALUE_KEYS)
-        out[new_key] = _scalar_under_secret_name(value) if secret else _redact(value, depth + 1, walk)
+        if secret:
+            out[new_key] = _scalar_under_secret_name(value)
+        else:
+            out[new_key] = _redact(value, depth + 1, walk)
     if len(items) > _MAX_ITEMS:
         out["..."] = f"[truncated {len(items) - _MAX_ITEMS} items]"
     return out

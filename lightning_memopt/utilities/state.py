@@ -119,7 +119,13 @@ def as_list(item: Callable[[Any], Any], max_len: int | None = None) -> Callable[
 
 def as_optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A converter that also accepts ``None``."""
-    return lambda value: None if value is None else convert(value)
+
+    def convert_or_none(value: Any) -> Any:
+        if value is None:
+            return None
+        return convert(value)
+
+    return convert_or_none
 
 
 def state_error(owner: str, key: str, expected: str, value: Any) -> ValueError:

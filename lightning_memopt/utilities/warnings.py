@@ -14,6 +14,13 @@ from lightning_memopt.utilities.formatting import printable
 __all__ = ["WarnOnce", "log", "warn_every_time"]
 
 
+def _printable_arg(arg: Any) -> Any:
+    """A text or path argument of a log record as one printable line; any other argument as it is."""
+    if isinstance(arg, (str, os.PathLike)):
+        return printable(os.fspath(arg))
+    return arg
+
+
 class _PrintableRecords(logging.Filter):
     """Escapes what a record would print (:func:`~lightning_memopt.utilities.formatting.printable`).
 
@@ -25,7 +32,7 @@ class _PrintableRecords(logging.Filter):
         try:
             args = record.args
             if isinstance(args, tuple) and args:
-                record.args = tuple(printable(os.fspath(a)) if isinstance(a, (str, os.PathLike)) else a for a in args)
+                record.args = tuple(_printable_arg(a) for a in args)
             record.msg, record.args = printable(record.getMessage(), keep_newlines=True), ()
         except Exception:  # a record that cannot be formatted: let logging report it as it always does
             pass
@@ -38,6 +45,13 @@ log = logging.getLogger("lightning_memopt")
 log.addFilter(_PrintableRecords())
 
 
+def _warning_registry(module_globals: dict[str, Any], every_time: bool) -> dict[Any, Any]:
+    """The module's once-per-place registry of warnings; a fresh, empty one when ``every_time``."""
+    if every_time:
+        return {}
+    return module_globals.setdefault("__warningregistry__", {})
+
+
 def _warn_from(frame: FrameType, message: str, category: type[Warning], every_time: bool) -> None:
     """Warn with ``message`` as if ``frame``'s line had called ``warnings.warn`` (its file, line and module).
 
@@ -46,7 +60,7 @@ def _warn_from(frame: FrameType, message: str, category: type[Warning], every_ti
     registry; otherwise a repeated warning is shown as Python's default filter shows it.
     """
     module_globals = frame.f_globals
-    registry: dict[Any, Any] = {} if every_time else module_globals.setdefault("__warningregistry__", {})
+    registry = _warning_registry(module_globals, every_time)
     warnings.warn_explicit(
         printable(message),
         category,

@@ -191,17 +191,31 @@ def _container_ends(values: Any) -> list[Any]:
     return ends
 
 
+def _grad_fn_tensor(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(1, bytes)`` for a tensor with a ``grad_fn``, ``(0, 0)`` for one without."""
+    if tensor.grad_fn is not None:
+        return 1, storage_bytes(tensor)
+    return 0, 0
+
+
+def _walked_values(obj: Any) -> Any:
+    """The values of a mapping, any other container itself."""
+    if isinstance(obj, Mapping):
+        return obj.values()
+    return obj
+
+
 def _grad_fn_tensors_sampled(value: Any, max_depth: int) -> tuple[int, int]:
     """``(count, bytes)`` of tensors with a ``grad_fn`` in ``value``, looking at the ends of large containers first."""
     seen: set[int] = set()
 
     def count(obj: Any, depth: int, sampled: bool) -> tuple[int, int]:
         if isinstance(obj, torch.Tensor):
-            return (1, storage_bytes(obj)) if obj.grad_fn is not None else (0, 0)
+            return _grad_fn_tensor(obj)
         if depth >= max_depth or not isinstance(obj, _WALKED) or (not sampled and id(obj) in seen):
             return 0, 0  # (the sampling look-ahead is bounded by the depth and marks nothing as seen)
         try:
-            values = obj.values() if isinstance(obj, Mapping) else obj
+            values = _walked_values(obj)
             if sampled and len(obj) > 2 * _SAMPLE_ENDS:  # look at the ends first
                 ends = _container_ends(values)
                 if not any(count(v, depth + 1, True)[0] for v in ends if type(v) not in _NEVER_HOLD):
@@ -464,11 +478,11 @@ def leak_message(rank: int, what: str, holders: Sequence[GradFnHolder]) -> str:
         >>> leak_message(0, "X grows.", [])[:60]
         'MemoryAudit [rank 0]: X grows. No attribute of the Lightning'
     """
-    where = (
-        "Attributes holding tensors with autograd history: "
-        + "; ".join(f"{h.path} ({h.num_tensors} tensors with grad_fn)" for h in holders[:5])
-        + "."
-        if holders
-        else "No attribute of the LightningModule holds tensors with autograd history."
-    )
+    where = "No attribute of the LightningModule holds tensors with autograd history."
+    if holders:
+        where = (
+            "Attributes holding tensors with autograd history: "
+            + "; ".join(f"{h.path} ({h.num_tensors} tensors with grad_fn)" for h in holders[:5])
+            + "."
+        )
     return f"MemoryAudit [rank {rank}]: {what} {where} Usual causes: {LEAK_CAUSES}."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +67,15 @@ class LoaderMemory:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def summary(self) -> str:
-        held = "unknown (no batch seen yet)" if self.host_bytes is None else format_bytes(self.host_bytes)
-        pinned = f", {format_bytes(self.pinned_bytes)} of it pinned" if self.pinned_bytes else ""
-        batch = "?" if self.batch_bytes is None else format_bytes(self.batch_bytes)
+        held = "unknown (no batch seen yet)"
+        if self.host_bytes is not None:
+            held = format_bytes(self.host_bytes)
+        pinned = ""
+        if self.pinned_bytes:
+            pinned = f", {format_bytes(self.pinned_bytes)} of it pinned"
+        batch = "?"
+        if self.batch_bytes is not None:
+            batch = format_bytes(self.batch_bytes)
         return (
             f"{self.name}: batch_size={self.batch_size}, num_workers={self.num_workers},"
             f" prefetch_factor={self.prefetch_factor}, pin_memory={self.pin_memory},"
@@ -86,11 +93,21 @@ def _python_object_attributes(dataset: Any) -> list[tuple[str, int]]:
         if target is None or id(target) in seen:
             break
         seen.add(id(target))
-        for name, value in vars(target).items() if hasattr(target, "__dict__") else ():
+        attributes: Iterable[tuple[str, Any]] = ()
+        if hasattr(target, "__dict__"):
+            attributes = vars(target).items()
+        for name, value in attributes:
             if isinstance(value, (list, tuple, dict)) and len(value) >= PYTHON_OBJECTS_THRESHOLD:
                 found.append((f"{prefix}.{name}", len(value)))
         target, prefix = getattr(target, "dataset", None), f"{prefix}.dataset"
     return found
+
+
+def _cpu_cores(cpu_count: int | None) -> int:
+    """``cpu_count`` when given, else this machine's CPU count (at least 1)."""
+    if cpu_count is not None:
+        return cpu_count
+    return os.cpu_count() or 1
 
 
 def loader_memory(
@@ -134,7 +151,7 @@ def loader_memory(
     pinned = None if one_batch is None else one_batch * pinned_batches
     if host is not None and pinned:
         host += pinned
-    cpu_count = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    cpu_count = _cpu_cores(cpu_count)
     findings = []
     if workers > cpu_count:
         findings.append(
@@ -201,11 +218,10 @@ def _padding_findings(name: str, padding: list[dict[str, Any]]) -> list[str]:
     if share < PADDING_SHARE:
         return []
     beyond = isinstance(padded_to, int) and isinstance(longest, int) and longest < padded_to
-    fix = (
-        "Pad each batch to its longest sample, not to `max_length`, and batch samples of similar length"
-        if beyond
-        else "Batch samples of similar length"
-    )
+    if beyond:
+        fix = "Pad each batch to its longest sample, not to `max_length`, and batch samples of similar length"
+    else:
+        fix = "Batch samples of similar length"
     return [
         f"{name}: {100 * share:.0f} % of the first batch is padding (`{worst.get('path')}`: {worst.get('samples')}"
         f" samples padded to {padded_to}, the longest {longest}, the median {worst.get('median')}): memory and"

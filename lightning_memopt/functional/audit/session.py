@@ -86,7 +86,7 @@ class ModelAudit:
 
     def fields(self, when: str, max_listed: int) -> dict[str, Any]:
         """The keys of an ``audit`` record after the reading (``docs/memory-log.md``)."""
-        return {
+        record: dict[str, Any] = {
             "audit": when,
             "footprint": self.footprint.as_dict(),
             "footprint_device_bytes": self.footprint.total_bytes(self.device),
@@ -94,8 +94,12 @@ class ModelAudit:
             "unowned_tensor_bytes": sum(t.bytes for t in self.unowned),
             "num_unowned_tensors": len(self.unowned),
             "largest_unowned": [t.as_dict(with_name=False) for t in self.unowned[:max_listed]],
-            "duplicates": self.duplicates.as_dict() if self.duplicates.num_tensors else None,
         }
+        if self.duplicates.num_tensors:
+            record["duplicates"] = self.duplicates.as_dict()
+        else:
+            record["duplicates"] = None
+        return record
 
     def metrics(self, with_duplicates: bool) -> dict[str, float]:
         """The logged ``memory/audit/*`` metrics; ``duplicate_bytes`` counts only when the copies are warned about."""
@@ -507,12 +511,21 @@ class AuditSession:
     def leak_sample(self, module: torch.nn.Module, step: int, batch_idx: int, emit: Emit) -> None:
         """One memory sample (allocated bytes; on CPU live tensor bytes); a leak warning when the window grows."""
         memory = self.memory
-        value = memory.read().allocated_bytes if memory.has_device_memory else self.sampler.live_bytes(memory.device)
-        growth = None if value is None else self.sampler.add(step, value)
+        value = self._sampled_bytes()
+        growth = None
+        if value is not None:
+            growth = self.sampler.add(step, value)
         if growth is not None:
             steps = [s for s, _ in self.sampler.samples]
             what = growth_message(growth, steps, memory.device, allocated=memory.has_device_memory)
             self._report_leak(batch_idx, growth, grad_fn_holders(module), what, emit)
+
+    def _sampled_bytes(self) -> int | None:
+        """The bytes a leak sample reads: allocated bytes where the device has them, else live tensor bytes."""
+        memory = self.memory
+        if memory.has_device_memory:
+            return memory.read().allocated_bytes
+        return self.sampler.live_bytes(memory.device)
 
     def _report_leak(self, batch_idx: int, growth: Growth, holders: list[GradFnHolder], what: str, emit: Emit) -> None:
         self.leak_reported, self.leak = True, growth

@@ -102,9 +102,15 @@ class Footprint:
         lines.append(("total", "", "", str(sum(r.num_tensors for r in self.rows)), str(total), format_bytes(total)))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         return "\n".join(
-            "  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-            for line in lines
+            "  ".join(_align_cell(i, cell, w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines
         )
+
+
+def _align_cell(column: int, cell: str, width: int) -> str:
+    """``cell`` padded to ``width``: the three text columns left-aligned, the numbers right-aligned."""
+    if column < 3:
+        return cell.ljust(width)
+    return cell.rjust(width)
 
 
 #: A tensor the model or its optimizers own: ``(category, name, tensor)``.

@@ -144,7 +144,9 @@ def _data_parallel_size(mesh: Any) -> int | None:
     for wanted in _DATA_PARALLEL_NAMES:
         if wanted in names:
             return int(mesh.size(names.index(wanted)))
-    return int(mesh.size()) if mesh.ndim == 1 else None
+    if mesh.ndim == 1:
+        return int(mesh.size())
+    return None
 
 
 def _policies(units: list[tuple[str, torch.nn.Module, str]]) -> tuple[bool | None, list[str], bool | None, str | None]:
@@ -237,12 +239,21 @@ def model_sharding(module: torch.nn.Module) -> Sharding:
             mesh = getattr(param, "device_mesh", None) if mesh is None else mesh
     units = list(fsdp_units(module))
     kinds = {kind for _, _, kind in units}
-    kind = "fsdp1" if "fsdp1" in kinds else "fsdp2" if (kinds or num_dtensors) else None
+    kind: str | None = None
+    if "fsdp1" in kinds:
+        kind = "fsdp1"
+    elif kinds or num_dtensors:
+        kind = "fsdp2"
     reshard, kept, offload, param_dtype = _policies(units)
+    data_parallel_size = None
+    mesh_shape: list[int] = []
+    if mesh is not None:
+        data_parallel_size = _data_parallel_size(mesh)
+        mesh_shape = [int(s) for s in mesh.shape]
     return Sharding(
         kind=kind,
-        data_parallel_size=None if mesh is None else _data_parallel_size(mesh),
-        mesh_shape=[] if mesh is None else [int(s) for s in mesh.shape],
+        data_parallel_size=data_parallel_size,
+        mesh_shape=mesh_shape,
         num_parameters=num,
         num_dtensor_parameters=num_dtensors,
         num_units=len(units),

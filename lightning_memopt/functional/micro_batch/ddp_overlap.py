@@ -275,7 +275,9 @@ class OverlappedReduction:
         """Each gradient of bucket ``b`` becomes its averaged part (plus the average of the late parts if ``late``)."""
         bucket = self._buckets[b]
         assert bucket.flat is not None
-        extra = self._late_average(b, world) if late else None
+        extra = None
+        if late:
+            extra = self._late_average(b, world)
         offset = 0
         for i in bucket.indices:
             p = self.params[i]
@@ -284,7 +286,10 @@ class OverlappedReduction:
                 part = part + extra[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
             if has_any[i]:
-                p.grad = part if p.is_contiguous() else torch.empty_like(p).copy_(part)
+                if p.is_contiguous():
+                    p.grad = part
+                else:
+                    p.grad = torch.empty_like(p).copy_(part)
 
     def _late_average(self, b: int, world: int) -> Tensor:
         """The average over the ranks of what came in after bucket ``b``'s all-reduce started (zeros where nothing)."""

@@ -95,7 +95,9 @@ def comm_hook_name(module: Any) -> str | None:
         >>> comm_hook_name(torch.nn.Linear(2, 2)) is None
         True
     """
-    return ddp_comm_hook_name(module) if _is_ddp(module) else None
+    if _is_ddp(module):
+        return ddp_comm_hook_name(module)
+    return None
 
 
 def check_ddp_for_micro_batches(module: Any) -> None:

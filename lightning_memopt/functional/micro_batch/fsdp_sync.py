@@ -213,11 +213,19 @@ class _Agreeing:
     def __init__(self, agreement: Agreement, generation: int = 0, watch: _Watch | None = None) -> None:
         self.agreement = agreement
         self.generation = generation
-        self.watch = _Watch() if watch is None else watch
+        if watch is None:
+            watch = _Watch()
+        self.watch = watch
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """FSDP2's default allocation (before the agreement point: an out-of-memory error here can be retried)."""
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def _watching(self, key: str, peers: int) -> contextlib.AbstractContextManager[None]:
+        """The watch around a collective that has peers to hang with; nothing around one without."""
+        if peers:
+            return self.watch.inside(key, self.what)
+        return contextlib.nullcontext()
 
     def _run(self, collective: Any, **kwargs: Any) -> Any:
         self.agreement.before_collective()
@@ -225,7 +233,7 @@ class _Agreeing:
             return collective(**kwargs)
         key = f"{_STORE_PREFIX}/{self.generation}/{self.agreement.points}"
         peers = _peers(kwargs.get("group"))
-        watching = self.watch.inside(key, self.what) if peers else contextlib.nullcontext()
+        watching = self._watching(key, peers)
         try:
             with watching:
                 return collective(**kwargs)

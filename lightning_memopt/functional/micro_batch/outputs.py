@@ -56,7 +56,9 @@ def _combine(values: list[Any], samples: list[int]) -> Any:
         return first
     if isinstance(first, Mapping) and all(isinstance(v, Mapping) and v.keys() == first.keys() for v in values):
         items = {key: _combine([v[key] for v in values], samples) for key in first}
-        return items if type(first) is dict else _rebuild(type(first), items)
+        if type(first) is dict:
+            return items
+        return _rebuild(type(first), items)
     if dataclasses.is_dataclass(first) and not isinstance(first, type) and _same_type(values):
         names = [f.name for f in dataclasses.fields(first) if f.init]
         combined = {name: _combine([getattr(v, name) for v in values], samples) for name in names}

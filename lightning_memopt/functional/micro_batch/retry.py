@@ -87,7 +87,9 @@ def loss_weight(value: Any, where: str) -> float:
         >>> loss_weight(torch.tensor(12), "the batch"), loss_weight(3, "a micro-batch")
         (12.0, 3.0)
     """
-    number = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    number = value
+    if isinstance(value, Tensor) and value.numel() == 1:
+        number = value.item()
     if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number < 0:
         raise ValueError(
             f"AutoMicroBatch: `weight_fn` must return a non-negative, finite number (or a 1-element tensor) for"
@@ -188,14 +190,24 @@ def is_unrecoverable(err: BaseException) -> bool:
 
 def snapshot_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor | None]:
     """A copy of every parameter's gradient (``None`` where there is none), for :func:`restore_grads`."""
-    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+    return [_grad_copy(p) for p in params]
+
+
+def _grad_copy(param: torch.nn.Parameter) -> Tensor | None:
+    """A detached copy of ``param``'s gradient; ``None`` when it has none."""
+    if param.grad is None:
+        return None
+    return param.grad.detach().clone()
 
 
 def restore_grads(params: Sequence[torch.nn.Parameter], saved: Sequence[Tensor | None] | None, zeroed: bool) -> None:
     """Put the gradients back to the batch's start: ``saved``, or ``None`` when the batch zeroed them (``zeroed``)."""
     if saved is not None:
         for p, g in zip(params, saved):
-            p.grad = None if g is None else g.clone()
+            if g is None:
+                p.grad = None
+            else:
+                p.grad = g.clone()
     elif zeroed:  # the window starts with this batch: back to "just zeroed"
         for p in params:
             p.grad = None
@@ -327,7 +339,9 @@ class Agreement:
 
     def no_sync(self) -> AbstractContextManager[Any]:
         """Backward without the DDP reducer's sync (only when active)."""
-        return self._no_sync() if self.active and self._no_sync is not None else contextlib.nullcontext()
+        if self.active and self._no_sync is not None:
+            return self._no_sync()
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

@@ -81,8 +81,15 @@ def collect_rng_states() -> RngStates:
         torch=torch.get_rng_state(),
         accelerators={name: module.get_rng_state_all() for name, module in _initialised_accelerators()},
         python=random.getstate(),
-        numpy=numpy.random.get_state() if numpy is not None else None,
+        numpy=_numpy_rng_state(numpy),
     )
+
+
+def _numpy_rng_state(numpy: Any) -> Any:
+    """NumPy's global random state; ``None`` when NumPy is not imported (``numpy`` is ``None``)."""
+    if numpy is None:
+        return None
+    return numpy.random.get_state()
 
 
 def set_rng_states(states: RngStates) -> None:
@@ -248,7 +255,9 @@ class BufferKeeper:
         changed)."""
         copy = self._copies.get(key)
         host = tensor.numel() * tensor.element_size() >= HOST_COPY_BYTES or tensor.device.type == "cpu"
-        device = torch.device("cpu") if host else tensor.device
+        device = tensor.device
+        if host:
+            device = torch.device("cpu")
         if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype or copy.device != device:
             pin = host and tensor.device.type == "cuda"
             copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
@@ -343,7 +352,9 @@ class RetrySnapshot:
         buffers: BufferKeeper | None = None,
         parts: ModuleParts | None = None,
     ) -> None:
-        self._rng = collect_rng_states() if rng else None
+        self._rng: RngStates | None = None
+        if rng:
+            self._rng = collect_rng_states()
         self._results = results
         self._keys: dict[str, Any] | None = None
         self._metrics: MetricStates | None = None
@@ -357,7 +368,9 @@ class RetrySnapshot:
                 found += [m for m in self._keys.values() if isinstance(m, Metric)]
             self._metrics = MetricStates(found)
         self._keeper = buffers
-        self._buffers = buffers.keep(parts.buffers) if buffers is not None and parts is not None else []
+        self._buffers: list[_Buffer] = []
+        if buffers is not None and parts is not None:
+            self._buffers = buffers.keep(parts.buffers)
 
     def restore(self) -> list[str]:
         """Put everything back; returns the buffers that could not be (see :meth:`BufferKeeper.restore`)."""
@@ -372,7 +385,9 @@ class RetrySnapshot:
                     self._results[key] = value
         if self._metrics is not None:
             self._metrics.restore()
-        return self._keeper.restore(self._buffers) if self._keeper is not None else []
+        if self._keeper is None:
+            return []
+        return self._keeper.restore(self._buffers)
 
     def tensor_bytes(self) -> int:
         """Bytes of the tensors this snapshot copied: the torch random states, the metric tensor states (list states are

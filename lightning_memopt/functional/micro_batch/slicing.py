@@ -179,7 +179,8 @@ def slice_batch(batch: Any, start: int, stop: int, size: int | None = None) -> A
         >>> part["x"].tolist(), part["text"], part["scale"]
         ([2, 3], ['c', 'd'], 2.0)
     """
-    size = batch_size_of(batch) if size is None else size
+    if size is None:
+        size = batch_size_of(batch)
     return _slice(batch, start, stop, size, "batch")
 
 
@@ -189,7 +190,9 @@ def count_samples(batch: Any, batch_size_fn: Callable[[Any], int] | None = None)
     Raises:
         ValueError: when that is not a positive int.
     """
-    size = batch_size_fn(batch) if batch_size_fn is not None else batch_size_of(batch)
+    if batch_size_fn is None:
+        batch_size_fn = batch_size_of
+    size = batch_size_fn(batch)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"AutoMicroBatch: the batch size of a batch must be a positive int, got {size!r}.")
     return size

@@ -64,7 +64,10 @@ def collect_environment(
     for name in sorted(environ):
         if not (name.startswith(tuple(prefixes)) or name in _ENV_NAMES):
             continue
-        kept[name] = REDACTED if is_secret_name(name) else redact_text(str(environ[name]))
+        if is_secret_name(name):
+            kept[name] = REDACTED
+        else:
+            kept[name] = redact_text(str(environ[name]))
     return kept
 
 

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from lightning_memopt.functional.oom.schema import OOMReport
 from lightning_memopt.functional.oom.sections import json_default
@@ -40,6 +40,13 @@ def report_json(report: OOMReport | Mapping[str, Any]) -> str:
     return json.dumps(report, indent=2, default=json_default) + "\n"
 
 
+def _read_json(file: IO[str], limits: JSONLimits | None) -> Any:
+    """The JSON document in ``file``: read whole without ``limits``, streamed and capped with them."""
+    if limits is None:
+        return json.load(file)
+    return load_json_capped(file, limits)
+
+
 def load_report(path: str | os.PathLike[str], limits: JSONLimits | None = None) -> dict[str, Any]:
     """Read an ``oom_report_rank{r}.json`` file written by ``OOMReporter``.
 
@@ -63,7 +70,7 @@ def load_report(path: str | os.PathLike[str], limits: JSONLimits | None = None) 
         raise ValueError(f"{name}: {problem}. {hint}")
     try:
         with open(name, encoding="utf-8") as f:
-            report = json.load(f) if limits is None else load_json_capped(f, limits)
+            report = _read_json(f, limits)
     except FileNotFoundError:
         raise ValueError(f"{name}: no such file. {hint}") from None
     except IsADirectoryError:

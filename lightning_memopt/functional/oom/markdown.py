@@ -25,7 +25,9 @@ def _cell(value: Any) -> str:
 
 def _size(value: Any) -> str:
     """Bytes as text; a value that is not a number (a hand-edited report) is shown as it is."""
-    return format_bytes(value) if value is None or is_finite_number(value) else _cell(value)
+    if value is None or is_finite_number(value):
+        return format_bytes(value)
+    return _cell(value)
 
 
 def _shape(value: Any) -> Any:
@@ -135,10 +137,13 @@ def _title(when: Mapping[str, Any]) -> Lines:
 def _when(when: Mapping[str, Any]) -> Lines:
     if not when:
         return []
-    rows = [
+    rows: list[tuple[str, Any]] = [
         ("time (UTC)", _iso(when.get("time"))),
         ("rank / world size", f"{when.get('rank')} / {when.get('world_size')}"),
-        *([("node / host", f"{when.get('node_rank')} / {when.get('host')}")] if "host" in when else []),
+    ]
+    if "host" in when:
+        rows.append(("node / host", f"{when.get('node_rank')} / {when.get('host')}"))
+    rows += [
         ("trainer function", when.get("fn")),
         ("stage", when.get("stage")),
         ("epoch", when.get("epoch")),
@@ -177,7 +182,9 @@ def _suggestions(suggestions: list[Mapping[str, Any]]) -> Lines:
     lines = ["## Suggestions (try in this order)", ""]
     for tip in suggestions:
         saves = tip.get("saves_bytes")
-        estimate = f" (frees about {format_bytes(saves)})" if is_finite_number(saves) and saves else ""
+        estimate = ""
+        if is_finite_number(saves) and saves:
+            estimate = f" (frees about {format_bytes(saves)})"
         lines.append(printable(f"{tip.get('rank')}. **{tip.get('action')}**{estimate}. {tip.get('why')}"))
     return [*lines, ""]
 
@@ -226,11 +233,18 @@ def _percent(share: Any) -> str:
     return f"{100 * share:.0f} %" if isinstance(share, (int, float)) and not isinstance(share, bool) else "n/a"
 
 
+def _memory_value(key: Any, value: Any) -> Any:
+    """A memory field as shown: a ``*_bytes`` field as a size, any other as it is."""
+    if str(key).endswith("_bytes"):
+        return _size(value)
+    return value
+
+
 def _memory(memory: Mapping[str, Any]) -> Lines:
     if not memory:
         return []
     rows = [
-        (key, _size(value) if str(key).endswith("_bytes") else value)
+        (key, _memory_value(key, value))
         for key, value in memory.items()
         if key not in ("summary", "time") and not isinstance(value, (Mapping, list, tuple))
     ]
@@ -293,15 +307,20 @@ def _config(config: Mapping[str, Any], shape: _Shape) -> Lines:
     return lines
 
 
+def _sharding_value(key: Any, value: Any) -> Any:
+    """A sharding field as shown: a ``*_bytes`` field as a size, a list as compact JSON, any other as it is."""
+    if str(key).endswith("_bytes"):
+        return _size(value)
+    if isinstance(value, list):
+        return _raw(value)
+    return value
+
+
 def _sharding(sharding: Mapping[str, Any]) -> Lines:
     if not sharding:
         return []
     local, whole = sharding.get("local_parameter_bytes"), sharding.get("unsharded_parameter_bytes")
-    rows = [
-        (key, _size(value) if str(key).endswith("_bytes") else _raw(value) if isinstance(value, list) else value)
-        for key, value in sharding.items()
-        if not isinstance(value, Mapping)
-    ]
+    rows = [(key, _sharding_value(key, value)) for key, value in sharding.items() if not isinstance(value, Mapping)]
     lines = ["## Sharding", ""]
     if sharding.get("sharded"):
         lines += [

@@ -50,5 +50,8 @@ def parse_oom_message(message: str) -> dict[str, int | None]:
     result: dict[str, int | None] = {}
     for field, pattern in _PATTERNS.items():
         match = re.search(pattern, message or "", flags=re.IGNORECASE)
-        result[field] = _to_bytes(match.group(1), match.group(2)) if match else None
+        if match:
+            result[field] = _to_bytes(match.group(1), match.group(2))
+        else:
+            result[field] = None
     return result

@@ -19,7 +19,7 @@ from torch import nn
 from typing_extensions import TypedDict
 
 from lightning_memopt.functional import footprint as fp
-from lightning_memopt.functional.micro_batch.retry import micro_batch_facts
+from lightning_memopt.functional.micro_batch.retry import MicroBatchFacts, micro_batch_facts
 from lightning_memopt.functional.oom.environment import allocator_settings, collect_environment, collect_versions
 from lightning_memopt.functional.oom.message import parse_oom_message
 from lightning_memopt.functional.oom.schema import (
@@ -184,7 +184,8 @@ def _no_memory(err: Exception) -> MemorySection:
 def failure_memory(read: Callable[[], MemoryReading], guard: SectionGuard | None = None) -> MemorySection:
     """The ``memory`` part as ``read()`` gives it (empty if that fails and ``guard`` catches it). Read it first:
     gathering the rest of the report allocates."""
-    guard = SectionGuard() if guard is None else guard
+    if guard is None:
+        guard = SectionGuard()
     return guard("memory reading", lambda: memory_section(read()), _no_memory)
 
 
@@ -202,7 +203,8 @@ def failure_position(
     If ``read_position`` fails (and ``guard`` catches it), ``when`` keeps ``time``, ``rank`` 0, ``world_size`` 1
     and ``run_id``.
     """
-    guard = SectionGuard() if guard is None else guard
+    if guard is None:
+        guard = SectionGuard()
     when: WhenSection = {"time": clock(), "rank": 0, "world_size": 1, "run_id": run_id}
 
     def read() -> None:
@@ -256,6 +258,13 @@ def _config(
     return config
 
 
+def _checkpointing_on(checkpointing: CheckpointingState | None) -> bool | None:
+    """Whether the reported activation checkpointing is on; ``None`` when it was not reported."""
+    if checkpointing is None:
+        return None
+    return checkpointing.get("on")
+
+
 def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
     """:func:`~lightning_memopt.functional.oom.suggestions.suggest_fixes` fed from the parts of ``report``."""
     memory = report.get("memory", {})
@@ -264,7 +273,9 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
     allocator = config.get("allocator") or {}
     checkpointing = config.get("activation_checkpointing")
     sharding = report.get("sharding")
-    data_parallel = sharding.get("data_parallel_size") if sharding else None
+    data_parallel = None
+    if sharding:
+        data_parallel = sharding.get("data_parallel_size")
     return suggest_fixes(
         stage=report["when"].get("stage"),
         allocated_bytes=memory.get("allocated_bytes"),
@@ -281,7 +292,7 @@ def suggestions_for(report: OOMReport, device_type: str) -> list[Suggestion]:
         precision=config.get("precision"),
         allocator_conf=allocator.get("PYTORCH_ALLOC_CONF") or allocator.get("PYTORCH_CUDA_ALLOC_CONF"),
         device_type=device_type,
-        activation_checkpointing=None if checkpointing is None else checkpointing.get("on"),
+        activation_checkpointing=_checkpointing_on(checkpointing),
         sharding=report.get("sharding"),
         lengths=report.get("batch", {}).get("lengths"),
         data_lengths=report.get("batch", {}).get("data_lengths"),
@@ -324,6 +335,13 @@ def _message_numbers(text: str, chain: list[ChainedError]) -> dict[str, int | No
     return numbers
 
 
+def _micro_batch_size(facts: MicroBatchFacts | None, report: OOMReport) -> int | None:
+    """The size of the micro-batch that failed: AutoMicroBatch's when it ran one, else the failing batch's."""
+    if facts is not None:
+        return facts.micro_batch_size
+    return report["batch"].get("micro_batch_size")
+
+
 def build_oom_report(
     exception: BaseException,
     *,
@@ -358,7 +376,8 @@ def build_oom_report(
             ``seen="at train start"``) when it is off at the failure of a training step but was on then.
         guard: Reads each part; its ``problems`` become ``report_errors``. Default: failures raise.
     """
-    guard = SectionGuard() if guard is None else guard
+    if guard is None:
+        guard = SectionGuard()
     text = str(exception) if message is None else message
     memory = cast(MemorySection, dict(memory))
     # The other required keys are set below, in the order of `OOMReport`; a part is read where its key goes.
@@ -399,7 +418,7 @@ def build_oom_report(
     )
     report["holders"] = holders
     facts = micro_batch_facts(exception)  # AutoMicroBatch's last micro-batch: the frames hold only its slice
-    micro = facts.micro_batch_size if facts is not None else report["batch"].get("micro_batch_size")
+    micro = _micro_batch_size(facts, report)
     whole = facts.batch_size if facts is not None else None
     sharding = guard("sharding", lambda: sources.sharding(module), _nothing)
     data_parallel = sharding.data_parallel_size if sharding is not None and sharding.sharded else None

@@ -160,7 +160,9 @@ def lengths_from(tb: TracebackType | None, lengths_fn: Callable[[Any], Any]) -> 
     """``batch.lengths`` from ``lengths_fn(batch)`` (a padding mask) of the local ``batch`` the ``batch`` part read;
     empty without one."""
     found = find_in_traceback(tb, "batch")
-    return [] if found is None else mask_lengths("lengths_fn(batch)", lengths_fn(found.value))
+    if found is None:
+        return []
+    return mask_lengths("lengths_fn(batch)", lengths_fn(found.value))
 
 
 def memory_section(reading: MemoryReading) -> MemorySection:

@@ -196,13 +196,21 @@ def mixed_precision(f: Facts) -> Iterator[Tip]:
         yield Tip(
             _share_of_activations(f, 0.5),
             4,
-            f"Train in mixed precision: `fully_shard(..., mp_policy={fsdp2_policy('bf16-mixed')})` in"
-            " `configure_model`, or `Trainer(precision='bf16-mixed')`, not both"
-            if f.sharded and not f.fsdp1
-            else "Train in mixed precision: `Trainer(precision='bf16-mixed')` (or '16-mixed' on GPUs without bf16)",
+            _mixed_precision_action(f),
             f"Precision is {precision!r}: activations are stored in 32 bits; mixed precision stores most of them"
             " in 16.",
         )
+
+
+def _mixed_precision_action(f: Facts) -> str:
+    """How to turn mixed precision on: FSDP2's ``mp_policy`` or the trainer when sharded (not by FSDP1), else the
+    trainer."""
+    if f.sharded and not f.fsdp1:
+        return (
+            f"Train in mixed precision: `fully_shard(..., mp_policy={fsdp2_policy('bf16-mixed')})` in"
+            " `configure_model`, or `Trainer(precision='bf16-mixed')`, not both"
+        )
+    return "Train in mixed precision: `Trainer(precision='bf16-mixed')` (or '16-mixed' on GPUs without bf16)"
 
 
 def evaluation_batch(f: Facts) -> Iterator[Tip]:
@@ -245,13 +253,16 @@ def optimizer_state(f: Facts) -> Iterator[Tip]:
         )
         return
     sharded = f.opt * (1 - 1 / f.world_size) if f.world_size > 1 else f.opt / 2
-    action = (
-        "Shard the optimizer state across ranks: `strategy='fsdp'` or `strategy='deepspeed_stage_2'`,"
-        " or use a lighter optimizer"
-        if f.world_size > 1
-        else "Use an optimizer with less state: SGD with momentum (1 state per parameter instead of Adam's 2),"
-        " Adafactor, or an 8-bit Adam; with several GPUs, shard it (`strategy='fsdp'`)"
-    )
+    if f.world_size > 1:
+        action = (
+            "Shard the optimizer state across ranks: `strategy='fsdp'` or `strategy='deepspeed_stage_2'`,"
+            " or use a lighter optimizer"
+        )
+    else:
+        action = (
+            "Use an optimizer with less state: SGD with momentum (1 state per parameter instead of Adam's 2),"
+            " Adafactor, or an 8-bit Adam; with several GPUs, shard it (`strategy='fsdp'`)"
+        )
     yield Tip(
         sharded,
         5,
@@ -276,13 +287,19 @@ def parameters_and_gradients(f: Facts) -> Iterator[Tip]:
             f" {f.basis}).",
         )
         return
+    if f.world_size > 1:
+        action = (
+            "Shard parameters and gradients (`strategy='fsdp'`), or train fewer parameters (freeze layers, adapters)"
+        )
+    else:
+        action = (
+            "Train fewer parameters (freeze layers, use adapters/LoRA) or keep weights in 16 bits"
+            " (`precision='bf16-true'`)"
+        )
     yield Tip(
         held * (1 - 1 / f.world_size) if f.world_size > 1 else None,
         7,
-        "Shard parameters and gradients (`strategy='fsdp'`), or train fewer parameters (freeze layers, adapters)"
-        if f.world_size > 1
-        else "Train fewer parameters (freeze layers, use adapters/LoRA) or keep weights in 16 bits"
-        " (`precision='bf16-true'`)",
+        action,
         f"Parameters and gradients hold {format_bytes(held)} ({percent(held, f.total)} of {f.basis}).",
     )
 
@@ -316,6 +333,13 @@ def reshard_after_forward(f: Facts) -> Iterator[Tip]:
     )
 
 
+def _unsharded_size(f: Facts) -> str:
+    """The model's unsharded parameter size in parentheses, empty when the report does not give it."""
+    if isinstance(f.sharding.get("unsharded_parameter_bytes"), int):
+        return f" ({format_bytes(f.sharding['unsharded_parameter_bytes'])} unsharded)"
+    return ""
+
+
 def units_per_block(f: Facts) -> Iterator[Tip]:
     """FSDP2 with the whole model as one unit: every parameter is gathered at once; shard per block."""
     if not (f.sharded and f.training and f.sharding.get("kind") == "fsdp2" and f.sharding.get("num_units") == 1):
@@ -326,11 +350,7 @@ def units_per_block(f: Facts) -> Iterator[Tip]:
         "Apply `fully_shard` to each block (transformer layer, residual block) in `configure_model`, then to the"
         " root: each unit then gathers only its own parameters",
         "The model is one FSDP unit: forward and backward gather all of its parameters at once"
-        + (
-            f" ({format_bytes(f.sharding['unsharded_parameter_bytes'])} unsharded)"
-            if isinstance(f.sharding.get("unsharded_parameter_bytes"), int)
-            else ""
-        )
+        + _unsharded_size(f)
         + ", so sharding saves nothing at the peak.",
     )
 

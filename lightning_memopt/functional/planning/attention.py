@@ -86,7 +86,7 @@ def attention_kernel(
         and (heads_equal or enable_gqa)
     ):
         return "flash"
-    alignment = 8 if dtype in _HALF else (4 if compute_capability >= (8, 0) else 1)
+    alignment = _efficient_alignment(dtype, compute_capability)
     if (
         dtype in (torch.float32, *_HALF)
         and compute_capability >= (5, 0)
@@ -97,6 +97,15 @@ def attention_kernel(
     ):
         return "efficient"
     return "math"
+
+
+def _efficient_alignment(dtype: torch.dtype, compute_capability: tuple[int, int]) -> int:
+    """The multiple of elements the memory-efficient kernel needs head sizes in."""
+    if dtype in _HALF:
+        return 8
+    if compute_capability >= (8, 0):
+        return 4
+    return 1
 
 
 def _cudnn_first(
@@ -186,6 +195,20 @@ def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @torch.autocast("cpu", enabled=False)  # a kernel's own ops: autocast acted on the call, not inside it
+def _floating_to(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` when it holds floating-point values; other tensors as they are."""
+    if t.is_floating_point():
+        return t.to(dtype)
+    return t
+
+
+def _scale_magnitude(scale: float | None, query: Tensor) -> float:
+    """The size of the softmax scale: ``|scale|`` when given, else ``1 / sqrt(head size)``."""
+    if scale is not None:
+        return abs(scale)
+    return 1.0 / math.sqrt(query.size(-1))
+
+
 def _cuda_math(
     query: Tensor,
     key: Tensor,
@@ -203,7 +226,7 @@ def _cuda_math(
     origin = query.dtype
     if origin in _HALF and not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed():
         query, key, value = query.float(), key.float(), value.float()
-    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(query.size(-1)))
+    factor = math.sqrt(_scale_magnitude(scale, query))
     query = query * (-factor if scale is not None and scale < 0 else factor)
     if is_causal:
         length, source = query.size(-2), key.size(-2)
@@ -264,7 +287,7 @@ def cuda_attention(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABIL
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
         if torch.is_autocast_enabled("cpu"):  # CUDA's autocast runs attention in the lower precision, mask included
             low = torch.get_autocast_dtype("cpu")
-            query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
+            query, key, value = (_floating_to(t, low) for t in (query, key, value))
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.to(low)
         kernel = attention_kernel(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, compute_capability)
@@ -272,7 +295,9 @@ def cuda_attention(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABIL
         if kernel == "math":
             return _cuda_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if kernel == "efficient":
-            bias = None if attn_mask is None else _efficient_bias(attn_mask, query, key)
+            bias = None
+            if attn_mask is not None:
+                bias = _efficient_bias(attn_mask, query, key)
             return _EfficientAttention.apply(query, key, value, bias)
         if query.size(1) != key.size(1):
             repeat = query.size(1) // key.size(1)

@@ -138,6 +138,13 @@ _NORMS = (
 )
 
 
+def _float32_statistic(t: Tensor) -> Tensor:
+    """``t`` when it is float32 already, else an empty float32 tensor of its shape."""
+    if t.dtype == torch.float32:
+        return t
+    return torch.empty(t.shape, dtype=torch.float32)
+
+
 def _norm_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """A half-precision input normalized with float32 weights (mixed precision): the kernel keeps its mean and
     inverse standard deviation in float32 (the fake kernel: in the input's dtype)."""
@@ -147,7 +154,7 @@ def _norm_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         return out
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != torch.float32:
         return out
-    stats = [t if t.dtype == torch.float32 else torch.empty(t.shape, dtype=torch.float32) for t in out[1:3]]
+    stats = [_float32_statistic(t) for t in out[1:3]]
     return (out[0], *stats, *out[3:])
 
 

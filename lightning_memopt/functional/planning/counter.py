@@ -234,7 +234,9 @@ class LiveBytes(TorchDispatchMode):
     def info(self, tensor: Tensor) -> tuple[int, str, int, int] | None:
         """(bytes, label, creation number, step) of ``tensor``'s storage, if it is counted and alive."""
         storages = tensor_storages(tensor)
-        found = self._info.get(id(storages[0])) if storages else None
+        if not storages:
+            return None
+        found = self._info.get(id(storages[0]))
         if found is None:
             return None
         nbytes, label, seq, step = found
@@ -275,13 +277,19 @@ class LiveBytes(TorchDispatchMode):
         finally:
             _unwatch_resizes(self, self._resizes)
 
+    def _run_operator(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)``, through ``run`` when one is given."""
+        if self.run is None:
+            return func(*args, **kwargs)
+        return self.run(func, args, kwargs)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a DTensor runs its local operators, which are counted
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
-        out = func(*args, **kwargs) if self.run is None else self.run(func, args, kwargs)
+        out = self._run_operator(func, args, kwargs)
         if self.outputs is not None:
             out = self.outputs(func, args, kwargs, out)
         for value in tree_flatten(out)[0]:

@@ -53,6 +53,13 @@ def _written(func: Any) -> tuple[int, ...]:
     return tuple(i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
+def _argument(func: Any, args: tuple, kwargs: dict, index: int) -> Any:
+    """Argument ``index`` of a call of ``func``: positional, else by its schema name (``None`` when not passed)."""
+    if index < len(args):
+        return args[index]
+    return kwargs.get(func._schema.arguments[index].name)
+
+
 def _answer_hf_fake_checks(still_fake: Callable[[Tensor], bool]) -> Callable[[], None]:
     """Have Hugging Face's ``is_fake_tensor`` (asked by its ``is_tracing`` before a data-dependent check) answer
     ``still_fake`` for fake tensors; returns the function that puts the original back. Nothing where transformers is
@@ -186,6 +193,12 @@ class KnownValues:
             return not any(isinstance(a, fake_tensor.FakeTensor) for a in (*args, *kwargs.values()))
         return all(map(self._known, args)) and all(map(self._known, kwargs.values()))
 
+    def _as_fake(self, value: Any) -> Any:
+        """A tensor as a fake tensor of this mode; any other value as it is."""
+        if isinstance(value, Tensor):
+            return self.mode.from_tensor(value)
+        return value
+
     def _answer(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any] | None:
         """A check fake tensors could not answer, computed on the real values (as a 1-tuple); ``None``: unknown."""
         real = self._real_arguments(args, kwargs)
@@ -194,7 +207,7 @@ class KnownValues:
         with outside_fake_mode():
             out = func(*real[0], **real[1])
         # a data-sized output (nonzero, masked_select) becomes a fake tensor of its real shape, known itself
-        fake = tree_map(lambda t: self.mode.from_tensor(t) if isinstance(t, Tensor) else t, out)
+        fake = tree_map(self._as_fake, out)
         for f, r in zip(tree_flatten(fake)[0], tree_flatten(out)[0]):
             if isinstance(f, Tensor):
                 self.remember(f, r)
@@ -217,7 +230,7 @@ class KnownValues:
 
     def _after_write(self, func: Any, args: tuple, kwargs: dict, written: tuple[int, ...]) -> None:
         """Follow an in-place write: computed on the real values when they are known, else its storage forgotten."""
-        targets = [args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name) for i in written]
+        targets = [_argument(func, args, kwargs, i) for i in written]
         rest_known = all(map(self._known, args[1:])) and all(map(self._known, kwargs.values()))
         if rest_known and self._known(args[0] if args else None):
             real = self._real_arguments(args, kwargs)

@@ -47,7 +47,9 @@ class CountedOptimizer:
         """The optimizer's ``step``, counted as the ``optimizer step`` phase."""
         phase, self._counter.phase = self._counter.phase, "optimizer step"
         try:
-            return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+            if closure is not None:
+                return self.optimizer.step(closure, **kwargs)
+            return self.optimizer.step(**kwargs)
         finally:
             self._states()
             self._counter.phase = phase

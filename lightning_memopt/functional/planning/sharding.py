@@ -207,6 +207,13 @@ class PlannedSharding:
         )
 
 
+def _inner_units_first(name: str) -> int:
+    """A sort key putting units nested deeper (more dotted parts in the name) first and the root (``""``) last."""
+    if name:
+        return -len(name.split("."))
+    return 0
+
+
 def describe_sharding(
     model: nn.Module,
     world_size: int,
@@ -221,7 +228,7 @@ def describe_sharding(
     return PlannedSharding(
         world_size=world_size,
         # inner units before the units around them, the order fully_shard is applied in
-        units=tuple(sorted(fsdp2_units(model), key=lambda name: -len(name.split(".")) if name else 0)),
+        units=tuple(sorted(fsdp2_units(model), key=_inner_units_first)),
         source=source,
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,

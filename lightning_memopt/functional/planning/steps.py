@@ -89,7 +89,9 @@ def _where(err: BaseException) -> tuple[str | None, str | None]:
     hint = _CAUSAL_HINT if any(f.name == "_detect_is_causal_mask" for f in frames) else None
     for frame in reversed(frames):
         if not frame.filename.startswith(_LIBRARY_DIRS):
-            code = f": `{frame.line.strip()}`" if frame.line else ""
+            code = ""
+            if frame.line:
+                code = f": `{frame.line.strip()}`"
             return f"{frame.filename}:{frame.lineno} in {frame.name}{code}", hint
     return None, hint
 
@@ -182,7 +184,9 @@ def fake_tensor_of(tensor: Tensor, mode: Any) -> Tensor:
         return mode.from_tensor(tensor)
     with mode:
         fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-    return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf and tensor.requires_grad else fake
+    if tensor.is_leaf and tensor.requires_grad:
+        return fake.requires_grad_(tensor.requires_grad)
+    return fake
 
 
 def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = None) -> nn.Module:
@@ -216,13 +220,20 @@ def fake_twin(module: nn.Module, mode: Any | None, dtype: torch.dtype | None = N
     return copy.deepcopy(module, memo)
 
 
+def _copy_of(tensor: Tensor, mode: Any | None) -> Tensor:
+    """A fake tensor of ``mode`` like ``tensor``; a real copy of it without ``mode``."""
+    if mode is None:
+        return tensor.detach().clone()
+    return fake_tensor_of(tensor, mode)
+
+
 def _twin_tensor(tensor: Tensor, mode: Any | None, dtype: torch.dtype | None) -> Tensor:
     """A parameter's or buffer's twin: fake (or a real copy without ``mode``), cast to ``dtype``, still a Parameter."""
     if tensor.device.type == "meta" and mode is None:
         raise FakeStepError(
             "a model on the meta device has no data to run a real step with; estimate it on fake tensors (fake=True)"
         )
-    twin = tensor.detach().clone() if mode is None else fake_tensor_of(tensor, mode)
+    twin = _copy_of(tensor, mode)
     if dtype is not None and twin.is_floating_point():
         twin = twin.to(dtype)
     if isinstance(tensor, nn.Parameter) and not isinstance(twin, nn.Parameter):
@@ -398,10 +409,7 @@ def _ready(
     counter.run = known.run if known else None
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
     try:
-        with (
-            mode if mode is not None else contextlib.nullcontext(),
-            known.library_checks() if known else contextlib.nullcontext(),
-        ):
+        with _mode_or_nothing(mode), _library_checks(known):
             if prepare is not None:
                 prepare(model)
             if batch_fn is not None:
@@ -413,6 +421,27 @@ def _ready(
         raise _fake_step_error(err) from err
 
 
+def _mode_or_nothing(mode: Any) -> contextlib.AbstractContextManager[Any]:
+    """The fake tensor mode to run in; a context that does nothing for a real run (``None``)."""
+    if mode is not None:
+        return mode
+    return contextlib.nullcontext()
+
+
+def _library_checks(known: KnownValues | None) -> contextlib.AbstractContextManager[Any]:
+    """``known``'s answers to the library checks fake tensors cannot answer; nothing for a real run (``None``)."""
+    if known:
+        return known.library_checks()
+    return contextlib.nullcontext()
+
+
+def _fake_leaf(value: Any, mode: Any) -> Any:
+    """A tensor of a batch as a fake tensor of ``mode``; any other value as it is."""
+    if isinstance(value, Tensor):
+        return fake_tensor_of(value, mode)
+    return value
+
+
 def _fake_batch(batch: Any, fake: bool) -> tuple[Any, Any]:
     """The fake tensor mode (``None`` for a real step) and the batch in it."""
     if not fake:
@@ -422,7 +451,7 @@ def _fake_batch(batch: Any, fake: bool) -> tuple[Any, Any]:
             )
         return None, batch
     mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
-    return mode, tree_map(lambda t: fake_tensor_of(t, mode) if isinstance(t, Tensor) else t, batch)
+    return mode, tree_map(functools.partial(_fake_leaf, mode=mode), batch)
 
 
 def _known_values(mode: Any, given: Any, batch: Any) -> KnownValues | None:

@@ -127,7 +127,9 @@ def resolve_device(device: torch.device | str | int | None = None) -> torch.devi
         device(type='cpu')
     """
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = "cpu"
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
     check_device("device", device)
     if isinstance(device, int):
         device = torch.device("cuda", device)

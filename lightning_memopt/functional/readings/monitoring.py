@@ -296,7 +296,9 @@ class MonitorRecords:
     def phase_start(self, phase: str, at: Position) -> list[dict[str, Any]]:
         """Open ``phase`` (see :class:`PhasePeaks`): its ``phase_start`` record."""
         reading = self.phases.start(phase)
-        return [] if reading is None else [self.record(reading, phase, "phase_start", at)]
+        if reading is None:
+            return []
+        return [self.record(reading, phase, "phase_start", at)]
 
     def phase_end(
         self, phase: str, at: Position

@@ -20,6 +20,7 @@ from lightning_memopt.functional.retrieval.options import (
     Protocol,
     Ties,
     V2TGallery,
+    blocks_device,
     check_features,
     repeated_text_message,
 )
@@ -87,8 +88,12 @@ def retrieval_ranks(
     n = video_features.shape[0]
     if n == 0:
         raise ValueError("No rows to rank: `video_features` is empty. Pass at least one sample.")
-    sample_keys = as_id_tensor(sample_ids, "sample_ids", n) if sample_ids is not None else None
-    video_keys = as_id_tensor(video_ids, "video_ids", n) if video_ids is not None else None
+    sample_keys = None
+    if sample_ids is not None:
+        sample_keys = as_id_tensor(sample_ids, "sample_ids", n)
+    video_keys = None
+    if video_ids is not None:
+        video_keys = as_id_tensor(video_ids, "video_ids", n)
     if protocol == "paired":
         text_keys = torch.zeros(n, dtype=torch.int64)  # unused: a row's text is the row itself
     elif text_ids is None:
@@ -108,7 +113,7 @@ def retrieval_ranks(
         video_block_size=video_block_size,
         text_block_size=text_block_size,
         memory_budget_bytes=memory_budget_bytes,
-        device=torch.device(device) if device is not None else video_features.device,
+        device=blocks_device(device, video_features),
         collectives=LOCAL,
     )
     return counts.ranks()

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_memopt.functional.retrieval.options import DEFAULT_MEMORY_BUDGET_BYTES, TIES, Ties
+from lightning_memopt.functional.retrieval.options import DEFAULT_MEMORY_BUDGET_BYTES, TIES, Ties, blocks_device
 from lightning_memopt.functional.retrieval.scores import full_fp32_matmul, pair_scores
 from lightning_memopt.functional.retrieval.ties import TieCells
 from lightning_memopt.utilities.checks import check_choice, check_positive_int
@@ -172,11 +172,9 @@ class _BlockCounter:
         self.flag_buf = torch.empty(
             self.rows_per_pass * min(layout.text_block, layout.n_text), dtype=torch.float32, device=device
         )
-        self.group_hits = (
-            torch.empty(layout.video_block, n_groups, dtype=torch.float32, device=device)
-            if memberships is not None
-            else None
-        )
+        self.group_hits = None
+        if memberships is not None:
+            self.group_hits = torch.empty(layout.video_block, n_groups, dtype=torch.float32, device=device)
 
     def count_video_block(self, i: int, positives: _PositivesByBlock, tie_cells: TieCells) -> None:
         """Count video block ``i`` against every text block: its v2t counts, and its share of the t2v counts."""
@@ -301,7 +299,7 @@ def count_ranks(
         (tensor([0, 0]), tensor([0, 0]))
     """
     check_choice("ties", ties, TIES)
-    device = torch.device(device) if device is not None else video.device
+    device = blocks_device(device, video)
     n_video, dim = video.shape
     n_text = text.shape[0]
     if video_groups is not None and group_pairs is None:
@@ -319,7 +317,9 @@ def count_ranks(
 
     pair_video, pair_text = pair_video.to(torch.int64).cpu(), pair_text.to(torch.int64).cpu()
     with torch.no_grad():
-        scores = positive_scores if positive_scores is not None else pair_scores(video, text, pair_video, pair_text)
+        scores = positive_scores
+        if scores is None:
+            scores = pair_scores(video, text, pair_video, pair_text)
         scores = scores.float().cpu()
         tie_cells = TieCells(video, text, pair_video, pair_text, scores, positive_video_keys)
     positives = _PositivesByBlock(pair_video, pair_text, scores, layout, device)

@@ -45,6 +45,13 @@ FEATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _float64_warned = False
 
 
+def blocks_device(device: torch.device | str | None, video: Tensor) -> torch.device:
+    """Where blocks are computed: ``device`` when given, else where ``video`` is."""
+    if device is not None:
+        return torch.device(device)
+    return video.device
+
+
 def _warn_if_float64(*features: Tensor) -> None:
     """Say once per process that float64 features are ranked in float32 (the blocks are float32 products)."""
     global _float64_warned
@@ -128,6 +135,13 @@ def repeated_text_message(ids: Tensor, repeated: Tensor, kept: Tensor, owner: st
     )
 
 
+def _has_state_dims(part: Tensor, features: bool) -> bool:
+    """Whether a tensor of a list state has its dims: 2-D in a feature dtype for ``*features`` states, else 1-D."""
+    if features:
+        return part.dim() == 2 and part.dtype in FEATURE_DTYPES
+    return part.dim() == 1
+
+
 def check_state_tensors(owner: str, key: str, value: Any) -> None:
     """Raise a ``ValueError`` naming ``owner``, ``key`` and the value unless a loaded list state holds its tensors.
 
@@ -143,6 +157,6 @@ def check_state_tensors(owner: str, key: str, value: Any) -> None:
     if not isinstance(parts, (list, tuple)) or not all(isinstance(part, Tensor) for part in parts):
         raise state_error(owner, key, expected, value)
     for part in parts:
-        good = part.dim() == 2 and part.dtype in FEATURE_DTYPES if features else part.dim() == 1
+        good = _has_state_dims(part, features)
         if not good or (not features and part.dtype != torch.int64):
             raise state_error(owner, key, expected, value)

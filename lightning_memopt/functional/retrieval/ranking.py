@@ -119,7 +119,9 @@ class RankCounts(NamedTuple):
 
 def _gather(collectives: Collectives, values: Tensor, width: int | None = None) -> Tensor:
     """:meth:`Collectives.all_gather_rows` of a 1-D (one column) or 2-D tensor of ``width`` columns."""
-    rows = values.unsqueeze(1) if values.dim() == 1 else values
+    rows = values
+    if values.dim() == 1:
+        rows = values.unsqueeze(1)
     if width is not None and rows.shape[1] != width:
         rows = rows.reshape(0, width)
     return collectives.all_gather_rows(rows)
@@ -183,6 +185,34 @@ def _positive_video_keys(
     return plan.pair_text[shared], video_key[plan.pair_video[shared]]
 
 
+def _rows_of_width(rows: Tensor, dim: int) -> Tensor:
+    """``rows`` as they are, or as ``(0, dim)`` when they hold no row (an empty tensor of any shape)."""
+    if rows.shape[0]:
+        return rows
+    return rows.reshape(0, dim)
+
+
+def _video_keys(video_ids_given: bool, video_ids: Tensor | None, row_keys: Tensor, empty_ids: Tensor) -> Tensor:
+    """The video key of each local row: its video id where the processes give them (none without local rows), else
+    its row key."""
+    if not video_ids_given:
+        return row_keys
+    if video_ids is not None:
+        return video_ids
+    return empty_ids
+
+
+def _text_keys(
+    protocol: RetrievalProtocol, row_keys: Tensor, row_text_ids: Tensor, n_local: int, empty_ids: Tensor
+) -> Tensor:
+    """The text key of each local row: its row key for ``protocol="paired"``, else its caption id."""
+    if protocol == "paired":
+        return row_keys
+    if n_local:
+        return row_text_ids
+    return empty_ids
+
+
 def rank_rows(
     video: Tensor,
     row_text_ids: Tensor,
@@ -234,13 +264,13 @@ def rank_rows(
     dim, rank = shapes.dim, collectives.rank
     n_local, offset = video.shape[0], sum(shapes.rows_per_rank[:rank])
     empty_ids = torch.empty(0, dtype=torch.int64)
-    video = video if n_local else video.reshape(0, dim)
+    video = _rows_of_width(video, dim)
     if not shapes.sample_ids_given:
         row_keys = torch.arange(offset, offset + n_local)
     else:
         row_keys = sample_ids if sample_ids is not None else empty_ids
-    video_keys = (video_ids if video_ids is not None else empty_ids) if shapes.video_ids_given else row_keys
-    text_keys = row_keys if protocol == "paired" else (row_text_ids if n_local else empty_ids)
+    video_keys = _video_keys(shapes.video_ids_given, video_ids, row_keys, empty_ids)
+    text_keys = _text_keys(protocol, row_keys, row_text_ids, n_local, empty_ids)
 
     # global id tables (ints only), in rank order
     table = _gather(collectives, torch.stack([row_keys, video_keys, text_keys], 1))
@@ -252,7 +282,7 @@ def rank_rows(
         kept_here = plan.kept_rows[offset : offset + n_local].nonzero().squeeze(1)
         text_ids = text_keys[kept_here]
         text_features = text_features.index_select(0, kept_here.to(text_features.device))
-    text_features = text_features if text_features.shape[0] else text_features.reshape(0, dim)
+    text_features = _rows_of_width(text_features, dim)
     text = _text_gallery(collectives, plan, text_ids, text_features, dim)
 
     # this process's videos: those whose first kept row lives here

@@ -61,7 +61,9 @@ def summarize_rank_histogram(
     cumulative = hist.cumsum(0)
     out: dict[str, Tensor] = {}
     for k in top_k:
-        hits = int(cumulative[min(k, hist.numel()) - 1].item()) if k > 0 else 0
+        hits = 0
+        if k > 0:
+            hits = int(cumulative[min(k, hist.numel()) - 1].item())
         out[f"{prefix}R@{k}"] = torch.tensor(hits / n, dtype=torch.float32)
     lower = _value_at(cumulative, (n - 1) // 2)
     upper = _value_at(cumulative, n // 2)
@@ -87,5 +89,7 @@ def summarize_ranks(
         {'R@1': tensor(0.2500), 'MedR': tensor(2.5000), 'MeanR': tensor(2.5000)}
     """
     ranks = ranks.detach().to(device="cpu", dtype=torch.int64)
-    size = int(ranks.max().item()) + 1 if ranks.numel() else 1
+    size = 1
+    if ranks.numel():
+        size = int(ranks.max().item()) + 1
     return summarize_rank_histogram(torch.bincount(ranks, minlength=size), top_k, median, prefix)

@@ -109,7 +109,9 @@ class TieCells:
         self.v2t = (empty, empty, torch.empty(0))
         self.t2v = (empty, empty, torch.empty(0))
         self.text_codes, self.video_codes = empty, empty
-        text_groups = exact_groups(text, embedding_keys(text)) if n_text else None
+        text_groups = None
+        if n_text:
+            text_groups = exact_groups(text, embedding_keys(text))
         if text_groups is not None and pair_video.numel():
             multi = text_groups.size[text_groups.gid[pair_text]] > 1
             q, g = pair_video[multi], text_groups.gid[pair_text[multi]]
@@ -131,8 +133,10 @@ class TieCells:
         if keys is None:
             keys = embedding_keys(video)
         groups = exact_groups(video, keys)
-        gid = groups.gid if groups is not None else torch.arange(n_video)
-        rep = groups.rep if groups is not None else torch.arange(n_video)
+        if groups is not None:
+            gid, rep = groups.gid, groups.rep
+        else:
+            gid, rep = torch.arange(n_video), torch.arange(n_video)
         group_key = keys[rep]
         by_key = torch.argsort(group_key)
         sorted_keys = group_key[by_key]
