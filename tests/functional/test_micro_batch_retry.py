@@ -187,3 +187,31 @@ def test_a_note_is_appended_to_the_message_and_keeps_the_error_s_other_arguments
     err = RuntimeError("CUDA out of memory.", "second", "third")
     extend_message(err, " [noted]")
     assert err.args == ("CUDA out of memory. [noted]", "second", "third")
+
+
+class _PeerWithMoreSamples(Agreement):
+    """This rank's agreement with one peer that has ``peer_rounds`` micro-batch rounds; every call is counted."""
+
+    def __init__(self, peer_rounds: int) -> None:
+        super().__init__(active=False)
+        self.peer_left, self.calls = peer_rounds, 0
+
+    def agree(self, value, more=0):
+        self.calls += 1
+        self.peer_left -= 1
+        return value, max(more, int(self.peer_left > 0))
+
+
+def test_a_rank_with_fewer_samples_idles_through_every_round_of_its_peers():
+    """Every rank agrees once per round, also in the rounds where it has no samples left: a rank that stopped
+    agreeing early would leave its peers waiting in the all-reduce."""
+    comm = _PeerWithMoreSamples(peer_rounds=3)
+    ran = []
+
+    def step(start, stop):
+        ran.append((start, stop))
+        return MicroBatchPart(stop - start, None, {})
+
+    parts, size = run_micro_batches(2, 2, 1, step, agreement=comm)
+    assert ran == [(0, 2)] and [p.samples for p in parts] == [2] and size == 2
+    assert comm.calls == 3
