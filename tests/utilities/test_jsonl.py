@@ -187,3 +187,16 @@ def test_a_hard_link_to_another_file_is_not_appended_to(tmp_path):
         assert writer.write(_record(1)) is False
     writer.close()
     assert target.read_text() == "precious\n"
+
+
+def test_a_rank_log_writer_is_kept_for_its_own_path_and_replaced_for_another(tmp_path):
+    """Fitting twice into one directory appends through the writer already open; another directory gets a new writer
+    and the old one lets go of its file."""
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path))
+    first = jsonl.rank_log_writer(trainer, tmp_path / "a", 0, None, "MemoryMonitor")
+    assert first.write(_record(1))
+    assert jsonl.rank_log_writer(trainer, tmp_path / "a", 0, first, "MemoryMonitor") is first
+    assert first._file is not None  # still open: the second fit appends to it
+    other = jsonl.rank_log_writer(trainer, tmp_path / "b", 0, first, "MemoryMonitor")
+    assert other is not first and other.path == tmp_path / "b" / "memory_rank0.jsonl"
+    assert first._file is None  # let go
