@@ -72,3 +72,19 @@ def test_report_help_says_what_it_prints_and_what_a_directory_means(capsys):
         "exit codes: 0 printed; 2 bad input",
     ):
         assert words in text
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "shown"),
+    [
+        ({"class_path": "pkg.Model", "init_args": [1, 2]}, "init_args", "[1, 2]"),
+        ({"class_path": "pkg.Model", "init_args": {"width": 8}, "dict_kwargs": "width=8"}, "dict_kwargs", "'width=8'"),
+    ],
+)
+def test_a_config_section_whose_arguments_are_not_a_mapping_is_refused_naming_it(section, key, shown):
+    from lightning_memopt.cli_estimate import EstimateInputError
+    from lightning_memopt.cli_estimate.config import class_spec
+
+    with pytest.raises(EstimateInputError) as raised:
+        class_spec(section, "model")
+    assert str(raised.value) == f"model.{key}: must be a mapping, got {shown}."

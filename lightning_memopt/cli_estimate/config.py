@@ -117,8 +117,9 @@ def class_spec(value: Any, where: str) -> dict[str, Any] | None:
         return {"init_args": dict(value)}  # LightningCLI with a fixed class: the section holds the init args
     init_args = value.get("init_args") or {}
     extra = value.get("dict_kwargs") or {}
-    if not isinstance(init_args, dict) or not isinstance(extra, dict):
-        raise EstimateInputError(f"{where}.init_args: must be a mapping, got {init_args!r}.")
+    for key, args in (("init_args", init_args), ("dict_kwargs", extra)):
+        if not isinstance(args, dict):
+            raise EstimateInputError(f"{where}.{key}: must be a mapping, got {args!r}.")
     rest = {k: v for k, v in value.items() if k not in ("class_path", "init_args", "dict_kwargs")}
     return {"class_path": value["class_path"], "init_args": {**rest, **init_args, **extra}}
 
