@@ -65,6 +65,8 @@ def test_a_batch_padded_to_its_longest_but_mostly_padding_is_told_to_group_by_le
     tips = _tips(describe_batch(batch)["lengths"])
     group = [t for t in tips if t["action"].startswith("Batch samples of similar length")]
     assert len(group) == 1 and "TokenBudgetBatchSampler" in group[0]["action"]
+    padding = 1 - sum(LENGTHS) / (len(LENGTHS) * 40)  # padded to the longest, 40
+    assert group[0]["why"].endswith(f"{100 * padding:.0f} % of the batch's positions are padding.")
     assert not any(t["action"].startswith("Pad each batch") for t in tips)
 
 
