@@ -241,8 +241,8 @@ def test_attention_with_a_mask_that_requires_grad_is_estimated_for_cuda_without_
 def test_the_memory_efficient_stand_in_gives_every_input_its_gradient():
     from lightning_memopt.functional.planning import cuda_attention
 
-    q, k, v = _qkv(grad=True)
-    bias = torch.zeros(1, 4, 16, 16, requires_grad=True)
+    q, k, v = _qkv(grad=True, length=(16, 24))  # cross-attention: the bias is 16 x 24, not square
+    bias = torch.zeros(1, 4, 16, 24, requires_grad=True)
     with cuda_attention() as kernels:
         out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     out.sum().backward()

@@ -256,3 +256,15 @@ def test_batches_all_padded_far_beyond_the_p99_length_are_told_to_cap_max_length
     assert "each of the first 16 batches is padded to 128 or more (`batch['attention_mask']`)" in finding
     assert "99 % of their 128 samples are at most 24 long" in finding and "Cap `max_length` at 24" in finding
     assert audit._session.length_sample.done  # sampled once, then left alone
+
+
+@pytest.mark.parametrize("extra", [0, -1])
+def test_a_python_container_is_named_from_the_threshold_on(extra):
+    from lightning_memopt.functional.audit.loaders import PYTHON_OBJECTS_THRESHOLD
+
+    dataset = TensorDataset(torch.zeros(8, 2))
+    dataset.ids = list(range(PYTHON_OBJECTS_THRESHOLD + extra))  # type: ignore[attr-defined]
+    loader = DataLoader(dataset, batch_size=4, num_workers=2)
+    info = loader_memory(loader, "train", "cuda", cpu_count=8, host_total_bytes=64 * 2**30, batch_bytes=64)
+    named = [f for f in info.findings if "`dataset.ids` is a Python container" in f]
+    assert len(named) == (1 if extra == 0 else 0)

@@ -323,3 +323,22 @@ def test_fsdp1_tips_name_the_strategy_settings_not_fully_shard():
     assert "fully_shard" not in fsdp1 and "MixedPrecisionPolicy" not in fsdp1 and "ModelParallelStrategy" not in fsdp1
     activations = dict(busy, unexplained_bytes=9000, bytes_by_category={"parameters": 100})
     assert "activation_checkpointing_policy" in _actions(**activations, sharding=dict(_SHARDED, kind="fsdp1"))
+
+
+@pytest.mark.parametrize(
+    ("shape", "placements"),
+    [((2,), ("replicate",)), ((2,), ("shard1",)), ((2, 2), ("shard0", "replicate"))],
+)
+def test_shard_rows_reads_only_first_dimension_shards_on_a_one_dimensional_mesh(shape, placements):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from lightning_memopt.functional.footprint.sharding import shard_rows
+
+    kinds = {"replicate": Replicate(), "shard0": Shard(0), "shard1": Shard(1)}
+    names = ("data_parallel",) if len(shape) == 1 else ("replicate", "shard")
+    with fake_mesh(math.prod(shape), shape=shape, names=names) as mesh:
+        other = DTensor.from_local(torch.zeros(4, 6), mesh, [kinds[p] for p in placements], run_check=False)
+        assert shard_rows(other) is None
+        first_dimension = mesh if len(shape) == 1 else mesh["shard"]
+        whole, rows = shard_rows(DTensor.from_local(torch.zeros(4, 6), first_dimension, [Shard(0)], run_check=False))
+    assert whole == (8, 6) and (rows.start, rows.stop) == (0, 4)  # rank 0 holds the first half
