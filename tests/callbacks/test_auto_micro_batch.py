@@ -218,6 +218,11 @@ def test_bad_arguments(kwargs, match):
         AutoMicroBatch(**kwargs)
 
 
+def test_a_micro_batch_equal_to_the_smallest_allowed_is_accepted():
+    amb = AutoMicroBatch(micro_batch_size=4, min_micro_batch_size=4)
+    assert (amb.micro_batch_size, amb.min_micro_batch_size) == (4, 4)
+
+
 def test_manual_optimization_is_refused_in_setup(tmp_path):
     class Manual(Net):
         def __init__(self):
