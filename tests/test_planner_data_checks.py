@@ -247,3 +247,42 @@ def test_what_the_stand_in_trainer_does_not_have_is_named_with_the_fix():
     batch = {"input_ids": _tokens(2, 8), "labels": _tokens(2) % 2}
     with pytest.raises(MemoryEstimateError, match=r"no `train_dataloader`.*Pass `optimizer`"):
         estimate_memory(ReadsTheData(), batch, device="cpu")
+
+
+class _PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.lstm = nn.Embedding(100, 16), nn.LSTM(16, 32, batch_first=True)
+
+    def forward(self, ids, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(ids), lengths, batch_first=True, enforce_sorted=False)
+        return self.lstm(packed)[1][0].sum()
+
+
+class _CTC(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.project = nn.Linear(16, 10)
+
+    def forward(self, frames, targets, frame_lengths, target_lengths):
+        log_probs = self.project(frames).log_softmax(-1).transpose(0, 1)
+        return nn.functional.ctc_loss(log_probs, targets, frame_lengths, target_lengths)
+
+
+@pytest.mark.parametrize(
+    ("model", "batch", "operator", "line"),
+    [
+        (_PackedLSTM, (torch.randint(1, 100, (4, 12)), torch.tensor([12, 8, 5, 3])), "_pack_padded_sequence",
+         "packed ="),
+        (_CTC, (torch.randn(4, 20, 16), torch.randint(1, 10, (4, 5)), torch.full((4,), 20), torch.full((4,), 5)),
+         "_ctc_loss", "return nn.functional.ctc_loss"),
+    ],
+    ids=["pack_padded_sequence", "ctc_loss"],
+)  # fmt: skip
+def test_operators_whose_sizes_read_the_lengths_are_named_with_the_fallback(model, batch, operator, line):
+    """Packed sequences and CTC read their lengths' values inside the kernel: no fake step runs them."""
+    with pytest.raises(MemoryEstimateError) as err:
+        estimate_memory(model(), batch, device="cpu")
+    message = str(err.value)
+    assert f"`aten.{operator}" in message and line in message and "fake=False" in message
+    assert estimate_memory(model(), batch, device="cpu", fake=False).peak_bytes > 0  # the fallback named runs

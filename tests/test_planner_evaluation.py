@@ -10,7 +10,7 @@ from torch import nn
 from lightning_memopt.planner import MemoryEstimateError, estimate_memory
 from tests.helpers.lightning import pl
 from tests.helpers.measured_step import trainer_evaluation_peak
-from tests.helpers.zoo import ZOO, zoo_params
+from tests.helpers.zoo import ZOO, _Samples, zoo_params
 
 
 @pytest.mark.parametrize("entry", zoo_params())
@@ -161,3 +161,43 @@ def test_a_bad_evaluation_stage_is_named(bad):
                     evaluation=bad)  # fmt: skip
     with pytest.raises(ValueError, match=r"`eval_batch_size`"):
         MemoryPreset(eval_batch_size=0)
+
+
+class PaddedEncoder(pl.LightningModule):
+    """torch's TransformerEncoder over padded token batches: in evaluation its fast path packs them into nested
+    tensors."""
+
+    def __init__(self, batch_size=8):
+        super().__init__()
+        self.batch_size = batch_size
+        self.embed = nn.Embedding(100, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)  # enable_nested_tensor=True, torch's default
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids, padding):
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=padding).mean(1))
+
+    def validation_step(self, batch, batch_idx):
+        ids, padding, labels = batch
+        return nn.functional.cross_entropy(self(ids, padding), labels)
+
+    def val_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, 100, (4 * self.batch_size, 24), generator=generator)
+        lengths = torch.randint(6, 25, (4 * self.batch_size,), generator=generator)
+        padding = torch.arange(24) >= lengths[:, None]  # True where padded: a third of the positions
+        labels = torch.randint(0, 5, (4 * self.batch_size,), generator=generator)
+        return torch.utils.data.DataLoader(_Samples((ids, padding, labels)), self.batch_size)
+
+
+def test_torch_s_transformer_encoder_is_estimated_in_evaluation_without_its_nested_tensors(tmp_path):
+    """The padded path is estimated (fake tensors cannot hold nested ones) and said: a little above the real
+    ``trainer.validate``, whose nested tensors skip the padded positions."""
+    module = PaddedEncoder()
+    batch = next(iter(module.val_dataloader()))
+    est = estimate_memory(module, batch, device="cpu", stage="validate")
+    real = trainer_evaluation_peak(PaddedEncoder(), tmp_path, "validate")
+    assert real < est.peak_bytes <= 1.1 * real
+    assert any(a.startswith("nn.TransformerEncoder without its nested-tensor fast path") for a in est.assumptions)
+    assert module.encoder.use_nested_tensor  # the user's module is not changed

@@ -469,7 +469,8 @@ def estimate_memory(
             cpu_offload=cpu_offload,
             stage=stage,
             param_dtype=param_dtype,
-        ),
+        )
+        + tuple(hooks.notes),
         seconds=seconds,
         steps=steps,
         world_size=world_size,
@@ -681,6 +682,13 @@ def _check_sharding(world_size: Any, reshard_after_forward: Any, cpu_offload: An
         )
 
 
+#: Said where an evaluation estimate ran ``nn.TransformerEncoder`` without its nested-tensor fast path.
+NESTED_TENSOR_NOTE = (
+    "nn.TransformerEncoder without its nested-tensor fast path (evaluation with a padding mask): padded positions"
+    " are counted, which the real step's nested tensors skip (the estimate is that much higher)"
+)
+
+
 class _StepHooks:
     """How each simulated step is prepared for ``precision`` on the target: the model's mode and checkpointing, the
     batch's dtype, autocast around the step and (for CUDA) the ``foreach`` optimizers."""
@@ -697,11 +705,24 @@ class _StepHooks:
         self.dtype = _DTYPES.get(kind)
         self.cuda, self.checkpoint, self.sharded, self.training = cuda, checkpoint, sharded, training
         self.foreach_set: list[bool] = []
+        #: what preparing the model changed from the real step, said among the estimate's assumptions
+        self.notes: list[str] = []
 
     def prepare(self, model: nn.Module) -> None:
         model.train(self.training)  # Lightning's evaluation loops run the model in eval mode
+        if not self.training:
+            self._without_nested_tensors(model)
         if self.checkpoint is not None:
             self.checkpoint(model)
+
+    def _without_nested_tensors(self, model: nn.Module) -> None:
+        """``nn.TransformerEncoder`` in evaluation packs a padded batch into nested tensors (its fast path), which
+        fake tensors cannot hold: the model that runs keeps the padded batch instead, and the assumptions say so."""
+        encoders = [m for m in model.modules() if isinstance(m, nn.TransformerEncoder) and m.use_nested_tensor]
+        for encoder in encoders:
+            encoder.use_nested_tensor = False
+        if encoders and NESTED_TENSOR_NOTE not in self.notes:
+            self.notes.append(NESTED_TENSOR_NOTE)
 
     def cast_batch(self, batch: Any) -> Any:
         if self.mode != "true" or self.dtype is None:
