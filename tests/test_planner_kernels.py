@@ -345,3 +345,32 @@ def test_cuda_s_math_attention_computes_half_precision_in_float32_and_keeps_a_bo
             if isinstance(getattr(node, name, None), torch.Tensor):
                 saved[type(node).__name__] = getattr(node, name).dtype
     assert saved == {"SafeSoftmaxBackward0": torch.float32, "NativeDropoutBackward0": torch.bool}
+
+
+class _Distilled(nn.Module):
+    """A student regressed onto a frozen teacher: the loss's inputs are the student's and teacher's outputs."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.student, self.teacher, self.loss = nn.Linear(16, 64), nn.Linear(16, 64), loss
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        return self.loss(self.student(x), target)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [nn.functional.mse_loss, nn.functional.smooth_l1_loss, lambda a, b: nn.functional.mse_loss(a, b, reduction="sum")],
+    ids=["mse-mean", "smooth-l1", "mse-sum"],
+)
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_reduced_mse_or_smooth_l1_loss_keeps_the_elementwise_loss_storage_as_the_real_kernel(loss, stage):
+    """The CPU kernel reduces into the elementwise loss's storage: the scalar it returns holds batch x 64 floats."""
+    x = torch.randn(64, 16)
+    kwargs = {"loss_fn": lambda m, b: m(b)} if stage == "fit" else {}
+    fake = estimate_memory(_Distilled(loss), x, device="cpu", stage=stage, **kwargs)
+    real = estimate_memory(_Distilled(loss), x, device="cpu", stage=stage, fake=False, **kwargs)
+    assert fake.peak_bytes == real.peak_bytes
+    assert any(a.startswith("mse_loss/smooth_l1_loss reduced to a scalar") for a in fake.assumptions)
