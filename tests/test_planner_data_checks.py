@@ -286,3 +286,27 @@ def test_operators_whose_sizes_read_the_lengths_are_named_with_the_fallback(mode
     message = str(err.value)
     assert f"`aten.{operator}" in message and line in message and "fake=False" in message
     assert estimate_memory(model(), batch, device="cpu", fake=False).peak_bytes > 0  # the fallback named runs
+
+
+_SCALE = torch.linspace(0.5, 1.5, 64)  # a module-level tensor the step reads: not a parameter, buffer or attribute
+_POS_WEIGHT = torch.full((5,), 2.0)
+
+
+class _ReadsTensorsOutsideTheModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 64), nn.Linear(64, 5)
+
+    def forward(self, x, y):
+        logits = self.head(self.body(x) * _SCALE)
+        return nn.functional.binary_cross_entropy_with_logits(logits, y, pos_weight=_POS_WEIGHT)
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_tensors_the_step_reads_from_outside_the_module_are_constants_as_in_the_real_step(stage):
+    batch = (torch.randn(8, 16), torch.rand(8, 5))
+    kwargs = {"loss_fn": lambda m, b: m(*b)} if stage == "fit" else {}
+    fake = estimate_memory(_ReadsTensorsOutsideTheModule(), batch, device="cpu", stage=stage, **kwargs)
+    real = estimate_memory(_ReadsTensorsOutsideTheModule(), batch, device="cpu", stage=stage, fake=False, **kwargs)
+    assert fake.peak_bytes == real.peak_bytes
+    assert estimate_memory(_ReadsTensorsOutsideTheModule(), batch, stage=stage, **kwargs).peak_bytes > 0  # CUDA too

@@ -450,7 +450,9 @@ def _fake_batch(batch: Any, fake: bool) -> tuple[Any, Any]:
                 "a batch on the meta device has no data to run a real step with; estimate it on fake tensors"
             )
         return None, batch
-    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
+    # a real tensor the step reads from outside the module (a module-level constant, a captured `pos_weight`) is a
+    # constant, there before the step as in the real one: faked where it is used, its bytes not the step's
+    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     return mode, tree_map(functools.partial(_fake_leaf, mode=mode), batch)
 
 
