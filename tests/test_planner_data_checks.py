@@ -310,3 +310,29 @@ def test_tensors_the_step_reads_from_outside_the_module_are_constants_as_in_the_
     real = estimate_memory(_ReadsTensorsOutsideTheModule(), batch, device="cpu", stage=stage, fake=False, **kwargs)
     assert fake.peak_bytes == real.peak_bytes
     assert estimate_memory(_ReadsTensorsOutsideTheModule(), batch, stage=stage, **kwargs).peak_bytes > 0  # CUDA too
+
+
+class _SparseEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(500, 16, sparse=True), nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1)).sum()
+
+
+def test_sparse_embedding_gradients_are_refused_on_fake_tensors_and_counted_in_a_real_step():
+    from lightning_memopt.functional.planning.counter import tensor_storages
+
+    ids, sgd = torch.randint(0, 500, (8, 12)), lambda params: SGD(params, lr=0.1)
+    with pytest.raises(MemoryEstimateError, match=r"^`embed` \(Embedding with sparse=True\) makes sparse gradients"):
+        estimate_memory(_SparseEmbedding(), ids, device="cpu", loss_fn=lambda m, b: m(b), optimizer=sgd)
+    real = estimate_memory(_SparseEmbedding(), ids, device="cpu", loss_fn=lambda m, b: m(b), optimizer=sgd, fake=False)
+    dense = _SparseEmbedding()
+    dense.embed.sparse = False
+    whole = estimate_memory(dense, ids, device="cpu", loss_fn=lambda m, b: m(b), optimizer=sgd, fake=False)
+    assert 0 < real.peak_bytes < whole.peak_bytes  # 96 rows of gradient, not 500
+    evaluation = estimate_memory(_SparseEmbedding(), ids, device="cpu", stage="validate")  # no gradients: estimated
+    assert evaluation.peak_bytes > 0
+    grad = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.ones(2, 16), (500, 16)).coalesce()
+    assert sum(s.nbytes() for s in tensor_storages(grad)) == 2 * 8 + 2 * 16 * 4  # its indices and values

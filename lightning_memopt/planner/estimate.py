@@ -366,6 +366,8 @@ def estimate_memory(
     manual = stage == "fit" and loss_fn is None and is_manual_optimization(module)
     _check_arguments(module, batch, precision, optimizer, device, steps, fake, accumulate_grad_batches, manual)
     _check_stage(stage, optimizer, gradient_checkpointing, accumulate_grad_batches, world_size)
+    if fake and stage == "fit":
+        _refuse_sparse_gradients(module)
     lightning = is_lightning_module(module)
     param_dtype = _policy_dtype(mixed_precision_policy, precision, world_size)
     sharded = _ShardedRun(world_size, reshard_after_forward, cpu_offload, shard_modules, lightning, param_dtype)
@@ -523,6 +525,18 @@ def _attention_text(attention: dict[str, int], capability: tuple[int, int]) -> s
     if attention:
         return attention_assumption(attention, capability)
     return None
+
+
+def _refuse_sparse_gradients(module: nn.Module) -> None:
+    """An embedding with ``sparse=True`` makes sparse gradients, which the fake step does not model: the estimate
+    stops naming it and the real-step fallback."""
+    sparse = [name for name, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise MemoryEstimateError(
+            f"`{sparse[0]}` ({type(module.get_submodule(sparse[0])).__name__} with sparse=True) makes sparse"
+            " gradients, which the fake training step does not model. Estimate with a real CPU step at a small"
+            " batch: `estimate_memory(..., fake=False, device='cpu')` (it allocates the memory)."
+        )
 
 
 def _check_stage(stage: Any, optimizer: Any, checkpointing: Any, accumulate: int, world_size: int) -> None:

@@ -56,11 +56,25 @@ def tensor_storages(tensor: Tensor) -> list[torch.UntypedStorage]:
         >>> [s.nbytes() for s in tensor_storages(torch.ones(3))]
         [12]
     """
+    if tensor.layout != torch.strided:  # a sparse tensor (``nn.Embedding(sparse=True)``'s gradient): its parts
+        return [s for t in _sparse_parts(tensor) for s in tensor_storages(t)]
     if not is_traceable_wrapper_subclass(tensor):
         return [tensor.untyped_storage()]
     names, _ = tensor.__tensor_flatten__()
     inner = [getattr(tensor, name) for name in names]
     return [s for t in inner if isinstance(t, Tensor) for s in tensor_storages(t)]
+
+
+def _sparse_parts(tensor: Tensor) -> list[Tensor]:
+    """The strided tensors a sparse one is made of: COO's indices and values, compressed rows' or columns' indices
+    and values."""
+    if tensor.layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return []
 
 
 def unique_storages(tensors: Iterable[Tensor]) -> list[Tensor]:

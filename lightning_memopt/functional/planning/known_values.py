@@ -60,6 +60,12 @@ def _argument(func: Any, args: tuple, kwargs: dict, index: int) -> Any:
     return kwargs.get(func._schema.arguments[index].name)
 
 
+def _strided(tensor: Tensor) -> bool:
+    """Whether ``tensor`` has a storage of its own to keep values for (a sparse one, such as the gradient of
+    ``nn.Embedding(sparse=True)``, has none)."""
+    return tensor.layout == torch.strided
+
+
 def _answer_hf_fake_checks(still_fake: Callable[[Tensor], bool]) -> Callable[[], None]:
     """Have Hugging Face's ``is_fake_tensor`` (asked by its ``is_tracing`` before a data-dependent check) answer
     ``still_fake`` for fake tensors; returns the function that puts the original back. Nothing where transformers is
@@ -125,6 +131,8 @@ class KnownValues:
         """Say that ``fake`` holds ``real``'s values (copied: ``real`` is never written to); too large: not kept."""
         if real.device.type != "cpu" or real.numel() > self.numel_limit or fake.shape != real.shape:
             return
+        if not (_strided(fake) and _strided(real)):
+            return
         with outside_fake_mode():
             copy = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype).copy_(real)
         storage = fake.untyped_storage()
@@ -133,7 +141,7 @@ class KnownValues:
 
     def value(self, fake: Tensor) -> Tensor | None:
         """``fake``'s real values, or ``None`` where they are not known."""
-        if not isinstance(fake, fake_tensor.FakeTensor) or fake.fake_mode is not self.mode:
+        if not isinstance(fake, fake_tensor.FakeTensor) or fake.fake_mode is not self.mode or not _strided(fake):
             return None
         storage = self._values.get(id(fake.untyped_storage()))
         if storage is None:
@@ -148,7 +156,7 @@ class KnownValues:
         self._values[key] = real
 
     def _forget(self, value: Any) -> None:
-        if isinstance(value, Tensor):
+        if isinstance(value, Tensor) and _strided(value):
             self._values.pop(id(value.untyped_storage()), None)
 
     def _real_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -167,7 +175,7 @@ class KnownValues:
     def _known(self, value: Any) -> bool:
         """Whether every fake tensor in ``value`` (an argument: a tensor, a list of them, anything else) is known."""
         if isinstance(value, fake_tensor.FakeTensor):
-            return value.fake_mode is self.mode and id(value.untyped_storage()) in self._values
+            return value.fake_mode is self.mode and _strided(value) and id(value.untyped_storage()) in self._values
         if isinstance(value, (list, tuple)):
             return all(self._known(v) for v in value)
         return not (isinstance(value, Tensor) and is_traceable_wrapper_subclass_type(type(value)))
@@ -215,7 +223,7 @@ class KnownValues:
 
     def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Compute ``func`` (whose arguments are known) for real where its outputs are new and small enough."""
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and _strided(t)]
         fresh = [t for t in outputs if id(t.untyped_storage()) not in self._values]  # views of known ones are known
         if not fresh or any(t.numel() > self.numel_limit for t in fresh):
             return
