@@ -336,3 +336,37 @@ def test_sparse_embedding_gradients_are_refused_on_fake_tensors_and_counted_in_a
     assert evaluation.peak_bytes > 0
     grad = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.ones(2, 16), (500, 16)).coalesce()
     assert sum(s.nbytes() for s in tensor_storages(grad)) == 2 * 8 + 2 * 16 * 4  # its indices and values
+
+
+class _KeepsLabelledTokens(nn.Module):
+    """A language-model loss over the labelled tokens only: the logits indexed by a mask of the batch's labels."""
+
+    def __init__(self, select):
+        super().__init__()
+        self.embed, self.head, self.select = nn.Embedding(100, 32), nn.Linear(32, 100), select
+
+    def forward(self, ids, labels):
+        logits, keep = self.head(self.embed(ids)), labels != -100
+        if self.select == "index":
+            return nn.functional.cross_entropy(logits[keep], labels[keep])
+        if self.select == "masked_select":
+            return logits.masked_select(keep[..., None]).logsumexp(0)
+        return logits[logits > 0].sum()  # a mask of the model's own values: unknown
+
+
+@pytest.mark.parametrize("select", ["index", "masked_select"])
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_mask_of_the_batch_s_labels_selects_as_in_the_real_step(select, stage):
+    ids = torch.randint(0, 100, (4, 16))
+    labels = ids.masked_fill(torch.arange(16) >= torch.tensor([[16], [11], [7], [3]]), -100)
+    kwargs = {"loss_fn": lambda m, b: m(*b)} if stage == "fit" else {}
+    fake = estimate_memory(_KeepsLabelledTokens(select), (ids, labels), device="cpu", stage=stage, **kwargs)
+    real = estimate_memory(_KeepsLabelledTokens(select), (ids, labels), device="cpu", stage=stage, fake=False, **kwargs)
+    assert fake.peak_bytes == real.peak_bytes
+    assert estimate_memory(_KeepsLabelledTokens(select), (ids, labels), stage=stage, **kwargs).peak_bytes > 0  # CUDA
+
+
+def test_a_mask_of_the_model_s_own_values_still_names_the_line():
+    ids = torch.randint(0, 100, (4, 16))
+    with pytest.raises(MemoryEstimateError, match=r"logits\[logits > 0\]"):
+        estimate_memory(_KeepsLabelledTokens("own"), (ids, ids), device="cpu", loss_fn=lambda m, b: m(*b))

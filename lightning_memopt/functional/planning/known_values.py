@@ -35,6 +35,8 @@ aten = torch.ops.aten
 _UNINITIALISED = frozenset(
     {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_permuted}
 )
+#: Operators that index by a list of tensors (argument 1), where a boolean mask stands for the positions it holds.
+_INDEXING = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 #: In-place operators that overwrite the whole of their first argument, whatever it held.
 _OVERWRITES = frozenset({aten.fill_, aten.zero_, aten.copy_})
 #: What fake tensors raise for a check they cannot answer; a known tensor answers it.
@@ -187,6 +189,8 @@ class KnownValues:
         except _NEEDS_VALUES:
             answer = self._answer(func, args, kwargs)
             if answer is None:
+                answer = self._indexed_by_known_masks(func, args, kwargs)
+            if answer is None:
                 raise
             return answer[0]
         written = _written(func)
@@ -220,6 +224,44 @@ class KnownValues:
             if isinstance(f, Tensor):
                 self.remember(f, r)
         return (fake,)
+
+    def _indexed_by_known_masks(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any] | None:
+        """Indexing by boolean masks whose values are known (``logits[labels != -100]``; its backward's
+        ``index_put``): run with the masks' positions as integer indices, the output's size the real one. ``None``
+        for another operator or an unknown mask."""
+        if func.overloadpacket is aten.masked_select:
+            return self._masked_select(_argument(func, args, kwargs, 0), _argument(func, args, kwargs, 1))
+        if func.overloadpacket not in _INDEXING or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+            return None
+        indices: list[Any] = []
+        for index in args[1]:
+            if isinstance(index, Tensor) and index.dtype in (torch.bool, torch.uint8):
+                mask = self.value(index)
+                if mask is None:
+                    return None
+                with outside_fake_mode():
+                    positions = mask.nonzero().unbind(1)
+                indices.extend(self._as_known_fake(p) for p in positions)
+            else:
+                indices.append(index)
+        return (func(args[0], indices, *args[2:], **kwargs),)
+
+    def _masked_select(self, x: Tensor, mask: Tensor) -> tuple[Any] | None:
+        """``x.masked_select(mask)`` for a known ``mask``: the elements it selects, as many as it holds."""
+        real = self.value(mask)
+        if real is None:
+            return None
+        with outside_fake_mode():
+            count = int(real.expand(torch.broadcast_shapes(x.shape, real.shape)).sum())
+        return (torch.empty((count,), dtype=x.dtype, device=x.device),)
+
+    def _as_known_fake(self, real: Tensor) -> Tensor:
+        """A fake tensor of this mode holding ``real``'s values (known)."""
+        with outside_fake_mode():
+            real = real.contiguous()
+        fake = self.mode.from_tensor(real)
+        self.remember(fake, real)
+        return fake
 
     def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Compute ``func`` (whose arguments are known) for real where its outputs are new and small enough."""
