@@ -370,3 +370,16 @@ def test_a_mask_of_the_model_s_own_values_still_names_the_line():
     ids = torch.randint(0, 100, (4, 16))
     with pytest.raises(MemoryEstimateError, match=r"logits\[logits > 0\]"):
         estimate_memory(_KeepsLabelledTokens("own"), (ids, ids), device="cpu", loss_fn=lambda m, b: m(*b))
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_step_reading_an_integer_buffer_gets_its_value(stage):
+    """``BatchNorm2d(momentum=None)`` averages over ``num_batches_tracked``, read with ``.item()`` in training."""
+
+    def build():
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None), nn.Flatten(), nn.Linear(1568, 4))
+
+    x = torch.randn(4, 3, 16, 16)
+    kwargs = {"loss_fn": lambda m, b: m(b).sum()} if stage == "fit" else {}
+    fake = estimate_memory(build(), x, device="cpu", stage=stage, **kwargs)
+    assert fake.peak_bytes == estimate_memory(build(), x, device="cpu", stage=stage, fake=False, **kwargs).peak_bytes

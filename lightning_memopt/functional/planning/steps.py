@@ -408,6 +408,8 @@ def _ready(
     known = _known_values(mode, given, batch)
     counter.run = known.run if known else None
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
+    if known is not None:
+        _remember_integer_buffers(known, module, model)
     try:
         with _mode_or_nothing(mode), _library_checks(known):
             if prepare is not None:
@@ -419,6 +421,16 @@ def _ready(
         if not fake:
             raise
         raise _fake_step_error(err) from err
+
+
+def _remember_integer_buffers(known: KnownValues, module: nn.Module, twin: nn.Module) -> None:
+    """The module's integer and boolean buffers on the CPU (BatchNorm's ``num_batches_tracked``, position ids) are
+    known in the twin: a step that reads them gets their values."""
+    twins = dict(twin.named_buffers())
+    for name, real in module.named_buffers():
+        fake = twins.get(name)
+        if fake is not None and real.device.type == "cpu" and not (real.is_floating_point() or real.is_complex()):
+            known.remember(fake, real)
 
 
 def _mode_or_nothing(mode: Any) -> contextlib.AbstractContextManager[Any]:
