@@ -383,3 +383,24 @@ def test_a_step_reading_an_integer_buffer_gets_its_value(stage):
     kwargs = {"loss_fn": lambda m, b: m(b).sum()} if stage == "fit" else {}
     fake = estimate_memory(build(), x, device="cpu", stage=stage, **kwargs)
     assert fake.peak_bytes == estimate_memory(build(), x, device="cpu", stage=stage, fake=False, **kwargs).peak_bytes
+
+
+class _GaussianHead(nn.Module):
+    def __init__(self, validate_args=None):
+        super().__init__()
+        self.mean, self.scale, self.validate_args = nn.Linear(8, 4), nn.Linear(8, 4), validate_args
+
+    def forward(self, x, y):
+        scale = nn.functional.softplus(self.scale(x)) + 1e-3
+        normal = torch.distributions.Normal(self.mean(x), scale, validate_args=self.validate_args)
+        return -normal.log_prob(y).mean()
+
+
+def test_a_distribution_checking_its_arguments_is_named_with_validate_args_false():
+    batch, loss = (torch.randn(4, 8), torch.randn(4, 4)), lambda m, b: m(*b)
+    with pytest.raises(MemoryEstimateError) as err:
+        estimate_memory(_GaussianHead(), batch, device="cpu", loss_fn=loss)
+    assert "normal = torch.distributions.Normal(" in str(err.value) and "pass `validate_args=False`" in str(err.value)
+    fake = estimate_memory(_GaussianHead(False), batch, device="cpu", loss_fn=loss)
+    real = estimate_memory(_GaussianHead(False), batch, device="cpu", loss_fn=loss, fake=False)
+    assert fake.peak_bytes == real.peak_bytes

@@ -82,11 +82,27 @@ _CAUSAL_HINT = (
 )
 
 
+_DISTRIBUTION_HINT = (
+    "A torch.distributions object checks its arguments' values when it is built (`validate_args`), and they are not"
+    " known here: pass `validate_args=False` to it (or call"
+    " `torch.distributions.Distribution.set_default_validate_args(False)` before estimating),"
+)
+
+
+def _hint(frames: traceback.StackSummary) -> str | None:
+    """The fix for a known check that reads values, by where it was asked for; ``None`` for any other."""
+    if any(f.name == "_detect_is_causal_mask" for f in frames):
+        return _CAUSAL_HINT
+    if any(f.name == "__init__" and f"torch{os.sep}distributions{os.sep}" in f.filename for f in frames):
+        return _DISTRIBUTION_HINT
+    return None
+
+
 def _where(err: BaseException) -> tuple[str | None, str | None]:
     """The innermost frame of ``err`` outside torch and this package (``file:line in function: `code```), and the hint
     for a known check."""
     frames = traceback.extract_tb(err.__traceback__)
-    hint = _CAUSAL_HINT if any(f.name == "_detect_is_causal_mask" for f in frames) else None
+    hint = _hint(frames)
     for frame in reversed(frames):
         if not frame.filename.startswith(_LIBRARY_DIRS):
             code = ""
