@@ -374,3 +374,26 @@ def test_a_reduced_mse_or_smooth_l1_loss_keeps_the_elementwise_loss_storage_as_t
     real = estimate_memory(_Distilled(loss), x, device="cpu", stage=stage, fake=False, **kwargs)
     assert fake.peak_bytes == real.peak_bytes
     assert any(a.startswith("mse_loss/smooth_l1_loss reduced to a scalar") for a in fake.assumptions)
+
+
+class _Bag(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(50, 8, mode=mode), nn.Linear(8, 2)
+
+    def forward(self, ids, offsets=None):
+        return self.head(self.bag(ids, offsets)).sum()
+
+
+@pytest.mark.parametrize("mode", ["mean", "max", "sum"])
+@pytest.mark.parametrize(
+    "batch",
+    [(torch.randint(0, 50, (4, 6)),), (torch.randint(0, 50, (10,)), torch.tensor([0, 3, 7]))],
+    ids=["bags-of-rows", "offsets"],
+)
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_an_embedding_bag_s_index_to_bag_map_is_one_element_longer_as_the_real_kernel_s(mode, batch, stage):
+    kwargs = {"loss_fn": lambda m, b: m(*b)} if stage == "fit" else {}
+    fake = estimate_memory(_Bag(mode), batch, device="cpu", stage=stage, **kwargs)
+    real = estimate_memory(_Bag(mode), batch, device="cpu", stage=stage, fake=False, **kwargs)
+    assert fake.peak_bytes == real.peak_bytes

@@ -20,6 +20,8 @@ counter and comparing operator by operator (``tests/test_planner_kernels.py`` ke
   loss's storage, so the scalar it returns holds the broadcast inputs' size; the fake kernel's holds one element.
   Corrected exactly on the CPU (a distillation loss onto a frozen teacher was up to 28 % low); ``l1_loss`` and
   ``huber_loss`` return a scalar of their own.
+* ``aten._embedding_bag`` (and its forward-only and ``padding_idx`` forms): the real kernel makes ``offset2bag`` one
+  element longer than it returns (an ``EmbeddingBag`` in mean or max mode was 8 bytes low); corrected exactly.
 * ``scaled_dot_product_attention`` for a CUDA target: the CPU runs its own kernels (math, with the ``L x L`` scores,
   whenever there is a mask or dropout); CUDA's dispatcher picks flash, memory-efficient or math by dtype, mask and
   GPU: :func:`~.attention.cuda_attention`.
@@ -174,6 +176,23 @@ _SAID = {
     " kernel; the same ATen code on CUDA, not measured on a GPU)",
 }
 
+#: Embedding bags, whose output 1 (``offset2bag``, each index's bag) the real kernel makes one element longer and trims.
+_EMBEDDING_BAGS = ("_embedding_bag", "_embedding_bag_forward_only", "embedding_bag")
+
+
+def _offset2bag(out: Any) -> Any:
+    """An embedding bag's outputs with ``offset2bag`` in a storage one element longer than its size, as the real
+    kernel leaves it (the fake kernel: exactly its size)."""
+    if not (isinstance(out, tuple) and len(out) == 4 and isinstance(out[1], Tensor)):
+        return out
+    bags = out[1]
+    size = bags.numel()
+    if size == 0 or bags.untyped_storage().nbytes() > size * bags.element_size():
+        return out
+    longer = torch.empty(size + 1, dtype=bags.dtype, device=bags.device)[:size]
+    return (out[0], longer, *out[2:])
+
+
 #: Losses whose reduced (mean or sum) output, a scalar, keeps the storage of the elementwise loss it was reduced from.
 _REDUCED_IN_PLACE = ("mse_loss", "smooth_l1_loss")
 
@@ -211,6 +230,7 @@ class KernelOutputs:
         self._rnn_layer = getattr(aten, "mkldnn_rnn_layer", None)
         self._norms = {getattr(aten, name, None) for name in _NORMS} - {None}
         self._losses = {getattr(aten, name, None) for name in _REDUCED_IN_PLACE} - {None}
+        self._bags = {getattr(aten, name, None) for name in _EMBEDDING_BAGS} - {None}
 
     def assumptions(self) -> list[str]:
         """The corrections made, in words (for an estimate's assumptions)."""
@@ -231,6 +251,8 @@ class KernelOutputs:
             if fixed is not out:
                 self._count("loss")
             return fixed
+        if packet in self._bags:
+            return _offset2bag(out)
         if self._rnn_layer is None or packet is not self._rnn_layer:
             return out
         workspace = out[3] if isinstance(out, tuple) and len(out) == 4 else None
