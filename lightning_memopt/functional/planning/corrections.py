@@ -29,7 +29,7 @@ counter and comparing operator by operator (``tests/test_planner_kernels.py`` ke
 Operators compared and found exact on torch 2.13 (fake == real to the byte over training steps in fp32 and
 bf16-mixed): ``nn.GRU``, ``nn.RNN`` and the cells (native CPU kernels, no workspace), ``nn.LSTM`` with ``proj_size``
 (native), 1-3d and transposed convolutions, grouped convolutions, batch / instance / group / layer / RMS norm in one
-dtype, pooling, interpolation, pixel shuffle, embedding (``padding_idx``, ``max_norm``) and embedding bags,
+dtype, pooling, interpolation, pixel shuffle, embedding (``padding_idx``, ``max_norm``),
 multi-head and scaled-dot-product attention (math and flash CPU kernels), GELU / SiLU / softplus, cross entropy,
 dropout. ``ctc_loss`` cannot run on fake tensors (data-dependent shapes): the estimate says so and names the fallback.
 
