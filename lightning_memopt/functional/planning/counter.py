@@ -19,6 +19,10 @@ from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 
 __all__ = ["LiveBytes", "kernel_scratch", "tensor_storages", "unique_storages"]
 
+#: Operators that read a tensor's metadata and create nothing: run past the counter (autograd's engine asks a fake
+#: tensor's device for every gradient it passes on, half the operators of a fake training step).
+_METADATA = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+
 
 def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
     """Bytes a softmax kernel holds inside itself: a contiguous copy of each non-contiguous input.
@@ -230,9 +234,13 @@ class LiveBytes(TorchDispatchMode):
             if info is None:
                 self._track_storage(storage, label)
             elif info[1] != label:
+                self._relabelled(id(storage), info, label)
                 self._add(info[1], -info[0])
                 self._add(label, info[0])
                 info[1] = label
+
+    def _relabelled(self, key: int, info: list[Any], label: str) -> None:
+        """Called before a counted storage (``key``, its ``[bytes, label, seq, step]``) is relabelled ``label``."""
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """A counted storage changed its size in place: count its new bytes (unknown storages are ignored)."""
@@ -301,7 +309,7 @@ class LiveBytes(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # a DTensor runs its local operators, which are counted
         kwargs = kwargs or {}
-        if self._paused:
+        if self._paused or func in _METADATA:
             return func(*args, **kwargs)
         out = self._run_operator(func, args, kwargs)
         if self.outputs is not None:

@@ -147,16 +147,24 @@ class StepCount:
 
 
 class _StepBytes(LiveBytes):
-    """:class:`LiveBytes` that also notes the micro-batch of the peak."""
+    """:class:`LiveBytes` that also notes the micro-batch of the peak and, while ``passes`` is a :class:`_Passes`,
+    what :class:`_StepLoop` needs to replay the step's passes."""
 
     micro_batch = 0
     peak_micro_batch = 0
+    passes: _Passes | None = None
 
     def _record(self, level: int, totals: dict[str, int]) -> None:
         before = self.peak
         super()._record(level, totals)
         if self.peak != before:
             self.peak_micro_batch = self.micro_batch
+        if self.passes is not None:
+            self.passes.note((self.micro_batch, self.phase), level, totals, self._seq)
+
+    def _relabelled(self, key: int, info: list[Any], label: str) -> None:
+        if self.passes is not None:
+            self.passes.relabels.append((key, info[2], info[0], info[1], label))
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -285,6 +293,7 @@ def count_training_steps(
     manual: Callable[[nn.Module, list[CountedOptimizer], Callable[..., None]], None] | None = None,
     labels: Callable[[Any, tuple, dict], Iterable[tuple[Tensor, str]]] | None = None,
     apart: Iterable[str] = (),
+    replay: bool = True,
 ) -> StepCount:
     """Run ``steps`` training steps in Lightning's order and count the bytes alive at every moment.
 
@@ -294,6 +303,12 @@ def count_training_steps(
     micro-batches (forward, backward of the loss divided by it, as Lightning does); the first micro-batch's
     ``zero_grad`` frees the gradients, later ones add into them, so their backward holds the gradients and new ones
     at once. Micro-batches from the third on repeat the second's memory exactly: two per optimizer step are run.
+
+    The second step's forward and backward passes run the first's operators on tensors of the same sizes, so they
+    are replayed rather than run (``replay``): the first step's count at each micro-batch and phase, plus the
+    optimizer states it created and, until the first ``zero_grad``, its gradients; its optimizer step runs. A first
+    step that leaves anything else behind (a tensor kept for the next step) has its second step run, as has a
+    manually optimized one or one with ``apart`` labels.
 
     With ``manual``, the step is manually optimized: ``manual(model, optimizers, backward)`` is called once the
     optimizers exist, with :class:`CountedOptimizer` wrappers and a counted ``backward(loss, *args, **kwargs)``, to
@@ -320,6 +335,7 @@ def count_training_steps(
         labels: says what operators' arguments are (see :class:`LiveBytes`), e.g. FSDP2's collective buffers.
         apart: labels counted apart from the peak (see :class:`LiveBytes`), e.g. what CPU offload keeps on the host:
             their peak is ``StepCount.apart_peak_bytes``, and ``at_peak`` leaves them out.
+        replay: replay the second step's passes where they repeat the first's (``False``: run every step).
 
     Returns:
         a :class:`StepCount`.
@@ -336,7 +352,7 @@ def count_training_steps(
         (True, 'forward')
     """
     counter = _StepBytes(block_bytes, scratch, outputs, labels, apart)
-    loop = _StepLoop(counter, step_fn, steps, accumulate_grad_batches, step_context, manual)
+    loop = _StepLoop(counter, step_fn, steps, accumulate_grad_batches, step_context, manual, replay)
     handles: list[Any] = []
     try:
         with _ready(counter, module, batch, fake, dtype, prepare, batch_fn) as (model, batch, sizes):
@@ -552,8 +568,9 @@ class _StepLoop:
         accumulate_grad_batches: int,
         step_context: Callable[[], contextlib.AbstractContextManager] | None,
         manual: Callable[[nn.Module, list[CountedOptimizer], Callable[..., None]], None] | None,
+        replay: bool = True,
     ) -> None:
-        self.counter, self.step_fn, self.steps = counter, step_fn, steps
+        self.counter, self.step_fn, self.steps, self.replay = counter, step_fn, steps, replay
         self.step_context = step_context or contextlib.nullcontext
         self.manual = manual
         #: micro-batches per optimizer step (a manually optimized step does its own)
@@ -567,16 +584,44 @@ class _StepLoop:
         if self.manual is not None:
             counted = [CountedOptimizer(o, counter, label_states) for o in optimizers]
             self.manual(model, counted, functools.partial(counted_backward, counter))
+        replay = self.replay and self.manual is None and self.steps > 1 and not counter.apart
+        first: _Passes | None = None
         for step in range(self.steps):
             counter.step = step
-            for micro_batch in range(self.micro_batches):
-                self._micro_batch(model, batch, optimizers, step, micro_batch)
+            if first is None or not self._replayed(first):
+                first = _Passes(dict(counter.totals))
+                counter.passes = first if replay and step == 0 else None
+                for micro_batch in range(self.micro_batches):
+                    self._micro_batch(model, batch, optimizers, step, micro_batch)
+                counter.passes = None
             if self.manual is None:
                 counter.phase = "optimizer step"
                 for optimizer in optimizers:
                     optimizer.step()
                 label_states()
             counter.phase = "setup"
+            if step > 0 or not replay:
+                first = None
+
+    def _replayed(self, first: _Passes) -> bool:
+        """Count the second step's forward and backward passes without running them, if the first step left only
+        optimizer states and gradients: the first step's counts, with those states alive throughout and its
+        gradients alive until the first micro-batch's ``zero_grad`` frees them (see :class:`_Passes`); whether it
+        did. Halves the operators an estimate runs."""
+        counter = self.counter
+        carried = first.carried(counter.totals)
+        if carried is None:
+            return False
+        for micro_batch, phase in list(first.peaks):
+            extra = dict(carried)
+            if micro_batch > 0 or phase != "forward":  # after the first zero_grad: the old gradients are gone
+                extra.pop("gradients", None)
+            totals = first.totals_then((micro_batch, phase), counter._info)
+            for label, nbytes in extra.items():
+                totals[label] = totals.get(label, 0) + nbytes
+            counter.micro_batch, counter.phase = micro_batch, phase
+            counter._record(first.peaks[micro_batch, phase][0] + sum(extra.values()), totals)
+        return True
 
     def _micro_batch(
         self, model: nn.Module, batch: Any, optimizers: list[torch.optim.Optimizer], step: int, micro_batch: int
@@ -598,6 +643,53 @@ class _StepLoop:
         counter.phase = "backward"
         backward_outside_torch_function(loss)  # CUDA modes stay on for checkpointed recomputes
         del loss
+
+
+#: What a training step leaves to the next one when it keeps nothing else.
+_CARRIED = ("optimizer_states", "gradients")
+
+
+@dataclass
+class _Passes:
+    """The first training step's passes, for :meth:`_StepLoop._replay_passes`: the totals by label before them; per
+    (micro-batch, phase) their highest count, what it was made of, the last storage created by then and how many
+    relabels had happened; and the relabels, as ``(key, creation number, bytes, old label, new label)``.
+
+    A later step runs the same operators on tensors of the same sizes. What differs is what the first step left: its
+    optimizer states (alive throughout the next step), its gradients (alive until the next step's first
+    ``zero_grad``), and the labels of the storages it made to keep (FSDP2's all-gather outputs are made as
+    activations and said to be unsharded parameters once filled). Anything else it kept (a cache filled once) is in
+    its own counts from the moment it was made."""
+
+    started: dict[str, int]
+    peaks: dict[tuple[int, str], tuple[int, dict[str, int], int, int]] = field(default_factory=dict)
+    relabels: list[tuple[int, int, int, str, str]] = field(default_factory=list)
+
+    def note(self, key: tuple[int, str], level: int, totals: dict[str, int], seq: int) -> None:
+        """A count during the passes: kept if it is the highest of its (micro-batch, phase)."""
+        if level > self.peaks.get(key, (-1,))[0]:
+            self.peaks[key] = (level, dict(totals), seq, len(self.relabels))
+
+    def carried(self, now: dict[str, int]) -> dict[str, int] | None:
+        """The bytes of optimizer states and gradients alive now (the step's end) that were not before its passes;
+        ``None`` when the step left anything else (a tensor kept to the next step, replaced there: not replayed)."""
+        grown = {label: now.get(label, 0) - self.started.get(label, 0) for label in {*now, *self.started}}
+        if any(nbytes for label, nbytes in grown.items() if label not in _CARRIED):
+            return None
+        return {label: grown[label] for label in _CARRIED if grown.get(label, 0) > 0}
+
+    def totals_then(self, key: tuple[int, str], alive: dict[int, list[Any]]) -> dict[str, int]:
+        """What the highest count of ``key`` was made of, with the labels given since to storages that are still
+        alive (``alive``: the counter's storages)."""
+        _, totals, seq, seen = self.peaks[key]
+        totals = dict(totals)
+        for storage, created, nbytes, old, new in self.relabels[seen:]:
+            info = alive.get(storage)
+            if created <= seq and info is not None and info[2] == created:
+                moved = min(nbytes, totals.get(old, 0))
+                totals[old] = totals.get(old, 0) - moved
+                totals[new] = totals.get(new, 0) + moved
+        return totals
 
 
 def _label_states(counter: LiveBytes, optimizers: list[torch.optim.Optimizer]) -> None:
