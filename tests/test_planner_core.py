@@ -265,6 +265,39 @@ def test_the_search_predicts_between_the_ends_and_verifies_one_size():
     assert 100 + chosen * chosen <= 300 and len(tried) <= 3
 
 
+def _choose_over(need, usable, sizes=(1, 2, 4, 8)):
+    """``_choose`` with checkpointing ``"auto"`` over a made-up ``need(size, checkpointing)``; the trials run."""
+    from lightning_memopt.planner.search import PlanTrial, Trials, _choose
+
+    class Runs(Trials):
+        def fits(runs, size, checkpointing):
+            if any((t.micro_batch_size, t.gradient_checkpointing) == (size, checkpointing) for t in runs.trials):
+                return need(size, checkpointing) <= usable
+            ok = need(size, checkpointing) <= usable
+            runs.trials.append(PlanTrial(size, "32-true", checkpointing, int(need(size, checkpointing)), ok, 0.0))
+            return ok
+
+    runs = Runs(
+        nn.Linear(2, 2), lambda b: None, batch_per_device=8, usable=usable, world=1, precision="32-true",
+        optimizer=None, device="cpu", loss_fn=None,
+    )  # fmt: skip
+    chosen = _choose(runs, list(sizes), "auto")
+    return chosen, [(t.micro_batch_size, t.gradient_checkpointing) for t in runs.trials]
+
+
+def test_the_size_the_line_predicts_without_checkpointing_is_estimated_only_if_chosen():
+    # without checkpointing 1 and 2 fit (the line says 2); checkpointed, 8 fits: 2 is never estimated
+    chosen, tried = _choose_over(lambda s, ckpt: 40 + (5 if ckpt else 25) * s, usable=100)
+    assert (chosen, tried) == ((8, True), [(8, False), (1, False), (8, True)])
+    # checkpointing does not double it: the predicted 2 is chosen, so it is estimated
+    chosen, tried = _choose_over(lambda s, ckpt: 40 + (20 if ckpt else 25) * s, usable=100)
+    assert chosen == (2, False) and tried[-1] == (2, False)
+    # the line promised 2 but it does not fit: 1 is chosen without, and checkpointing is searched again from 2
+    chosen, tried = _choose_over(lambda s, ckpt: (60 if ckpt else 40) * s + (70 if s == 2 and not ckpt else 0),
+                                 usable=130)  # fmt: skip
+    assert chosen == (2, True) and (2, False) in tried and tried[-1] == (2, True)
+
+
 # ------------------------------------------------------------------------------------------------- arguments
 
 

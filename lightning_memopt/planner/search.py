@@ -184,6 +184,9 @@ class Trials:
     def fits(self, size: int, checkpointing: bool) -> bool:
         """Estimate micro-batch ``size`` with activation checkpointing on or off (off: the model as it is) and the
         accumulation it needs; whether it fits."""
+        known = self.estimates.get((size, checkpointing))
+        if known is not None:  # estimated before in this search
+            return needed_bytes(known, self.world) <= self.usable
         accumulate = max(1, self.batch_per_device // size)
         est = _estimate(self, size, checkpointing, accumulate, **self._sharding())
         needed = needed_bytes(est, self.world)
@@ -212,34 +215,46 @@ class Trials:
             "shard_modules": self.shard_modules,
         }
 
-    def largest_fitting(self, checkpointing: bool, candidates: list[int]) -> int | None:
+    def largest_fitting(self, checkpointing: bool, candidates: list[int], verify: bool = True) -> int | None:
         """The largest of ``candidates`` that fits with checkpointing on or off.
 
         The largest is estimated first, then the smallest (as :func:`largest_fitting`). Between them the need is
         taken as affine in the micro-batch (activations grow with the samples, the model states do not): the largest
-        size predicted to fit is estimated to verify it, and only where it does not fit does a binary search below
-        it run. A plan over many divisors (a per-device batch of 64: 7) costs one estimate instead of a search.
+        size predicted to fit is estimated to verify it (:meth:`confirm`; ``verify=False`` returns it unverified, for
+        a caller that may not choose it), and only where it does not fit does a binary search below it run. A plan
+        over many divisors (a per-device batch of 64: 7) costs one estimate instead of a search.
         """
-
-        def fits(size: int) -> bool:
-            return self.fits(size, checkpointing)
-
-        if fits(candidates[-1]):
+        if self.fits(candidates[-1], checkpointing):
             return candidates[-1]
-        if len(candidates) == 1 or not fits(candidates[0]):
+        if len(candidates) == 1 or not self.fits(candidates[0], checkpointing):
             return None
         low, high = candidates[0], candidates[-1]
-        need_low = self.trials[-1].needed_bytes
-        need_high = next(t.needed_bytes for t in reversed(self.trials) if t.micro_batch_size == high)
+        need_low, need_high = self._needed(low, checkpointing), self._needed(high, checkpointing)
         slope = (need_high - need_low) / (high - low)
         predicted = [s for s in candidates[1:-1] if need_low + slope * (s - low) <= self.usable]
         if not predicted:
             return low
-        if fits(predicted[-1]):
+        if not verify:
             return predicted[-1]
-        below = [s for s in candidates if s < predicted[-1]]
+        return self.confirm(checkpointing, predicted[-1], candidates)
+
+    def _needed(self, size: int, checkpointing: bool) -> int:
+        """The bytes the trial of ``size`` with checkpointing on or off needed."""
+        return next(
+            t.needed_bytes
+            for t in reversed(self.trials)
+            if (t.micro_batch_size, t.gradient_checkpointing) == (size, checkpointing)
+        )
+
+    def confirm(self, checkpointing: bool, size: int, candidates: list[int]) -> int:
+        """``size`` if its estimate fits (estimated unless it was), else the largest of ``candidates`` below it that
+        does (the smallest is known to fit)."""
+        if self.fits(size, checkpointing):
+            return size
+        below = [s for s in candidates if s < size]
         if len(below) > 1:
-            return largest_fitting(below, fits)
+            found = largest_fitting(below, lambda s: self.fits(s, checkpointing))
+            return below[0] if found is None else found
         return below[0]
 
 
@@ -365,28 +380,41 @@ def _choose(runs: Trials, sizes: list[int], gradient_checkpointing: bool | Liter
     """The chosen micro-batch (``None`` when nothing fits) and whether it is checkpointed.
 
     Checkpointing is chosen only where it at least doubles the micro-batch that fits without it; with ``"auto"`` a
-    model where the default blocks match nothing is planned without.
+    model where the default blocks match nothing is planned without. Under ``"auto"`` the largest micro-batch the
+    line predicts to fit without checkpointing is estimated only if it is chosen: where checkpointing doubles it,
+    checkpointing doubles whatever fits below it too.
     """
-    options = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
-    best: dict[bool, int | None] = {}
-    for option in options:
-        plain = best.get(False)
-        candidates = [s for s in sizes if plain is None or not option or s >= 2 * plain]
-        if not candidates:
-            break
-        try:
-            best[option] = runs.largest_fitting(option, candidates)
-        except MemoryEstimateError as err:
-            if gradient_checkpointing != "auto" or "matched no submodule" not in str(err):
-                raise
-            options = [False]  # nothing to checkpoint: the plan is made without
-            break
-    plain, checkpointed = best.get(False), best.get(True)
-    if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
+    if gradient_checkpointing != "auto":
+        option = bool(gradient_checkpointing)
+        return runs.largest_fitting(option, sizes), option
+    predicted = runs.largest_fitting(False, sizes, verify=False)
+    checkpointed, available = _checkpointed(runs, sizes, predicted)
+    if checkpointed is not None and (predicted is None or checkpointed >= 2 * predicted):
         return checkpointed, True
+    plain = predicted
+    if predicted is not None:
+        plain = runs.confirm(False, predicted, sizes)
+    if available and plain != predicted:  # the line promised more than fits: checkpointing may double what does
+        checkpointed, _ = _checkpointed(runs, sizes, plain)
+        if checkpointed is not None and (plain is None or checkpointed >= 2 * plain):
+            return checkpointed, True
     if plain is not None:
         return plain, False
-    return None, options[-1]
+    return None, available
+
+
+def _checkpointed(runs: Trials, sizes: list[int], plain: int | None) -> tuple[int | None, bool]:
+    """The largest checkpointed micro-batch that fits and is at least twice ``plain`` (``None``: none), and whether
+    the model has blocks to checkpoint."""
+    candidates = [s for s in sizes if plain is None or s >= 2 * plain]
+    if not candidates:
+        return None, True
+    try:
+        return runs.largest_fitting(True, candidates), True
+    except MemoryEstimateError as err:
+        if "matched no submodule" not in str(err):
+            raise
+        return None, False  # nothing to checkpoint: the plan is made without
 
 
 class Stage(NamedTuple):
