@@ -138,3 +138,17 @@ def test_a_table_for_one_rank_of_a_model_sharded_with_fsdp2():
     assert sharded.table[64] >= whole.table[64]  # a rank holds half the weights and states: room for more samples
     with pytest.raises(ValueError, match=r"`devices=2` \(DDP\) and `world_size=2` \(FSDP2\) both given"):
         plan_token_budget(model, batch, devices=2, world_size=2, **kwargs)
+
+
+def test_a_bucket_s_first_try_is_where_the_fitted_bytes_per_sample_meet_the_budget():
+    from lightning_memopt.planner.token_budget import _guess
+
+    def per_sample(key):  # affine in each length: what the fit recovers
+        return 1000 + 10 * key[0] + 30 * key[1]
+
+    seen = [(k, per_sample(k)) for k in [(16, 8), (16, 32), (64, 8)]]
+    usable, intercept = 10**6, 2 * 10**5
+    assert _guess((64, 32), seen, intercept, usable, (40, 24)) == (usable - intercept) // per_sample((64, 32))
+    # fewer buckets than lengths + 1: the batch before scaled by the padded tokens
+    assert _guess((64, 32), seen[:2], intercept, usable, (40, 24)) == 40 * 24 // 96
+    assert _guess((16, 8), [], None, usable, None) == 1  # the first bucket

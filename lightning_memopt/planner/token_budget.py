@@ -144,9 +144,9 @@ class _Needs:
 
 def _largest_batch(
     needs: _Needs, lengths: Lengths, usable: int, guess: int, cap: int, intercept: float | None
-) -> tuple[int, float | None]:
+) -> tuple[int, tuple[float, float] | None]:
     """The largest ``n`` in ``[1, cap]`` with ``needs(n, lengths) <= usable`` (0: none), starting from ``guess``, and
-    the bytes a batch of 0 would need by the line through this bucket's last two estimates (for the next bucket).
+    the line through this bucket's last two estimates (bytes at a batch of 0, bytes per sample; for the next buckets).
 
     A step grows about linearly with the batch: the next try is where the line through the last two estimates meets
     ``usable`` (with one estimate, the line through it and ``intercept``, the previous bucket's), kept strictly
@@ -165,7 +165,7 @@ def _largest_batch(
     line: tuple[float, float] | None = None
     if len(points) >= 2:
         line = _line(points[-2:], None)
-    return low, (line[0] if line is not None else intercept)
+    return low, line
 
 
 def _line(points: list[tuple[int, int]], intercept: float | None) -> tuple[float, float] | None:
@@ -266,12 +266,16 @@ def plan_token_budget(
     rows: list[BucketRow] = []
     previous: tuple[int, int] | None = None  # (largest batch, padded tokens) of the bucket before
     intercept: float | None = None  # what a batch of 0 needs, by the bucket before's line (the model's fixed bytes)
+    slopes: list[tuple[Lengths, float]] = []  # bytes per sample of the buckets before, by their lengths
     for key in sorted(keys, key=sum):
-        guess = 1 if previous is None else max(1, previous[0] * previous[1] // sum(key))
-        n, intercept = _largest_batch(needs, key, resolved.usable, guess, max_batch_size, intercept)
+        guess = _guess(key, slopes, intercept, resolved.usable, previous)
+        n, line = _largest_batch(needs, key, resolved.usable, guess, max_batch_size, intercept)
         rows.append(_row(needs, key, n, max_batch_size))
         if progress is not None:
             progress(f"lengths {key}: largest batch {n} ({len(needs.known)} estimates so far)")
+        if line is not None and line[1] > 0:
+            intercept = line[0]
+            slopes.append((key, line[1]))
         if n:
             previous = (n, sum(key))
     return TokenBudgetPlan(
@@ -284,6 +288,25 @@ def plan_token_budget(
         len(needs.known),
         time.perf_counter() - started,
     )
+
+
+def _guess(
+    key: Lengths, slopes: list[tuple[Lengths, float]], intercept: float | None, usable: int,
+    previous: tuple[int, int] | None,
+) -> int:  # fmt: skip
+    """The first batch to estimate for the bucket ``key``: where the model's fixed bytes (``intercept``) and the bytes
+    per sample, fitted as affine in each length over the buckets before (``slopes``), meet ``usable``; before there
+    are enough buckets, the batch before scaled by the padded tokens (1 for the first bucket)."""
+    if intercept is not None and len(slopes) > len(key):
+        lengths = torch.tensor([[1.0, *k] for k, _ in slopes], dtype=torch.float64)
+        per_sample = torch.tensor([[b] for _, b in slopes], dtype=torch.float64)
+        weights = torch.linalg.lstsq(lengths, per_sample).solution
+        predicted = float(torch.tensor([1.0, *key], dtype=torch.float64) @ weights[:, 0])
+        if predicted > 0 and usable > intercept:
+            return max(1, math.floor((usable - intercept) / predicted))
+    if previous is None:
+        return 1
+    return max(1, previous[0] * previous[1] // sum(key))
 
 
 def _row(needs: _Needs, key: Lengths, n: int, cap: int) -> BucketRow:
