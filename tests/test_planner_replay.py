@@ -1,5 +1,5 @@
-"""The second training step's passes are replayed from the first's counts, not run: the same estimate as running
-them, in half the operators; a step that keeps a tensor for the next one has its second step run."""
+"""The second training step is replayed from the first's counts, not run: the same estimate as running it, in half
+the operators; a step that keeps a tensor for the next one has its second step run."""
 
 from __future__ import annotations
 
@@ -45,6 +45,21 @@ CASES = {
         lambda: torch.randn(16, 32),
         {"device": "cpu", "accumulate_grad_batches": 3, "optimizer": lambda p: torch.optim.SGD(p, 0.1, momentum=0.9)},
     ),
+    "cuda, foreach SGD momentum": (
+        lambda: _Tiny(),
+        lambda: torch.randn(16, 32),
+        {"optimizer": lambda p: torch.optim.SGD(p, 0.1, momentum=0.9, nesterov=True)},
+    ),
+    "Adam, amsgrad, weight decay": (
+        lambda: _Tiny(),
+        lambda: torch.randn(4, 32),
+        {"device": "cpu", "optimizer": lambda p: torch.optim.Adam(p, amsgrad=True, weight_decay=0.1)},
+    ),
+    "cpu, SGD nesterov: states made as it goes": (
+        lambda: _Tiny(),
+        lambda: torch.randn(2, 32),
+        {"device": "cpu", "optimizer": lambda p: torch.optim.SGD(p, 0.1, momentum=0.9, nesterov=True)},
+    ),
     "checkpointing": (
         lambda: _Tiny(),
         lambda: torch.randn(16, 32),
@@ -78,22 +93,26 @@ def test_a_replayed_second_step_equals_running_it(case, monkeypatch):
 
 
 def _calls(module, replay):
+    """The count, and what ran: the training step's indices, then ``"optimizer step"`` per optimizer step."""
     calls = []
+
+    class AdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            calls.append("optimizer step")
+            return super().step(closure)
 
     def step(model, batch, index):
         calls.append(index)
         return model(batch)
 
-    count = count_training_steps(
-        module, torch.randn(16, 32), step, lambda m: [torch.optim.AdamW(m.parameters())], replay=replay
-    )
+    count = count_training_steps(module, torch.randn(16, 32), step, lambda m: [AdamW(m.parameters())], replay=replay)
     return count, calls
 
 
 def test_the_replay_runs_the_training_step_once_and_counts_what_running_it_twice_counts():
     replayed, calls = _calls(_Tiny(), replay=True)
     run, all_calls = _calls(_Tiny(), replay=False)
-    assert calls == [0] and all_calls == [0, 1]
+    assert calls == [0, "optimizer step"] and all_calls == [0, "optimizer step", 1, "optimizer step"]
     assert replayed == run
     first_only = count_training_steps(
         _Tiny(), torch.randn(16, 32), lambda m, b, i: m(b), lambda m: [torch.optim.AdamW(m.parameters())], steps=1
@@ -104,7 +123,7 @@ def test_the_replay_runs_the_training_step_once_and_counts_what_running_it_twice
 def test_a_step_that_keeps_a_tensor_for_the_next_one_has_its_second_step_run():
     kept, calls = _calls(_KeepsAnOutput(), replay=True)
     run, _ = _calls(_KeepsAnOutput(), replay=False)
-    assert calls == [0, 1]  # not replayed: the kept tensor is alive in the next forward until replaced
+    assert calls == [0, "optimizer step", 1, "optimizer step"]  # run: the kept tensor is alive in the next forward
     assert kept == run
     plain, _ = _calls(_Tiny(), replay=True)
     assert kept.peak_bytes > plain.peak_bytes

@@ -153,6 +153,8 @@ class _StepBytes(LiveBytes):
     micro_batch = 0
     peak_micro_batch = 0
     passes: _Passes | None = None
+    #: every count of an optimizer step, with what it is made of and the last storage created by then
+    moments: list[tuple[int, dict[str, int], int]] | None = None
 
     def _record(self, level: int, totals: dict[str, int]) -> None:
         before = self.peak
@@ -161,6 +163,8 @@ class _StepBytes(LiveBytes):
             self.peak_micro_batch = self.micro_batch
         if self.passes is not None:
             self.passes.note((self.micro_batch, self.phase), level, totals, self._seq)
+        if self.moments is not None:
+            self.moments.append((level, dict(totals), self._seq))
 
     def _relabelled(self, key: int, info: list[Any], label: str) -> None:
         if self.passes is not None:
@@ -304,11 +308,12 @@ def count_training_steps(
     ``zero_grad`` frees the gradients, later ones add into them, so their backward holds the gradients and new ones
     at once. Micro-batches from the third on repeat the second's memory exactly: two per optimizer step are run.
 
-    The second step's forward and backward passes run the first's operators on tensors of the same sizes, so they
-    are replayed rather than run (``replay``): the first step's count at each micro-batch and phase, plus the
-    optimizer states it created and, until the first ``zero_grad``, its gradients; its optimizer step runs. A first
-    step that leaves anything else behind (a tensor kept for the next step) has its second step run, as has a
-    manually optimized one or one with ``apart`` labels.
+    The second step runs the first's operators on tensors of the same sizes, so it is replayed rather than run
+    (``replay``): its forward and backward are the first step's counts at each micro-batch and phase plus the
+    optimizer states the first step created and, until the first ``zero_grad``, its gradients; its optimizer step is
+    the first's counts with every state alive from the start. A first step that leaves anything else behind (a
+    tensor kept for the next step) has its second step run, as has a manually optimized one or one with ``apart``
+    labels.
 
     With ``manual``, the step is manually optimized: ``manual(model, optimizers, backward)`` is called once the
     optimizers exist, with :class:`CountedOptimizer` wrappers and a counted ``backward(loss, *args, **kwargs)``, to
@@ -586,28 +591,56 @@ class _StepLoop:
             self.manual(model, counted, functools.partial(counted_backward, counter))
         replay = self.replay and self.manual is None and self.steps > 1 and not counter.apart
         first: _Passes | None = None
+        moments: list[tuple[int, dict[str, int], int]] = []  # the first optimizer step's counts
         for step in range(self.steps):
             counter.step = step
-            if first is None or not self._replayed(first):
+            replayed = first is not None and self._replayed(first)
+            if not replayed:
                 first = _Passes(dict(counter.totals))
                 counter.passes = first if replay and step == 0 else None
                 for micro_batch in range(self.micro_batches):
                     self._micro_batch(model, batch, optimizers, step, micro_batch)
                 counter.passes = None
-            if self.manual is None:
+            if replayed:
+                self._replay_optimizer_step(moments, optimizers)
+            elif self.manual is None:
                 counter.phase = "optimizer step"
+                counter.moments = [] if replay and step == 0 else None
                 for optimizer in optimizers:
                     optimizer.step()
                 label_states()
+                moments, counter.moments = counter.moments or [], None
             counter.phase = "setup"
             if step > 0 or not replay:
                 first = None
+
+    def _replay_optimizer_step(
+        self, moments: list[tuple[int, dict[str, int], int]], optimizers: list[torch.optim.Optimizer]
+    ) -> None:
+        """Count the second optimizer step from the first's counts: the same operators, with every optimizer state
+        alive from the start (the first step created them as it went, counted as its temporaries until then)."""
+        counter = self.counter
+        created = sorted(
+            (info[2], info[0])
+            for info in map(counter.info, unique_storages(_optimizer_state_tensors(optimizers)))
+            if info is not None
+        )
+        states = sum(nbytes for _, nbytes in created)
+        counter.phase = "optimizer step"
+        for level, totals, seq in moments:
+            made = sum(nbytes for when, nbytes in created if when <= seq)
+            totals = dict(totals)
+            totals["optimizer step"] = totals.get("optimizer step", 0) - made
+            totals["optimizer_states"] = totals.get("optimizer_states", 0) + made
+            totals["optimizer_states"] += states - made
+            counter._record(level - made + states, totals)
 
     def _replayed(self, first: _Passes) -> bool:
         """Count the second step's forward and backward passes without running them, if the first step left only
         optimizer states and gradients: the first step's counts, with those states alive throughout and its
         gradients alive until the first micro-batch's ``zero_grad`` frees them (see :class:`_Passes`); whether it
-        did. Halves the operators an estimate runs."""
+        did (the optimizer step is then replayed too: :meth:`_replay_optimizer_step`). Halves the operators an
+        estimate runs."""
         counter = self.counter
         carried = first.carried(counter.totals)
         if carried is None:
