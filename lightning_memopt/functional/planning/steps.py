@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import functools
+import itertools
 import os
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -625,10 +627,12 @@ class _StepLoop:
             for info in map(counter.info, unique_storages(_optimizer_state_tensors(optimizers)))
             if info is not None
         )
-        states = sum(nbytes for _, nbytes in created)
+        when = [seq for seq, _ in created]
+        made_by = [0, *itertools.accumulate(nbytes for _, nbytes in created)]  # states made by the k-th creation
+        states = made_by[-1]
         counter.phase = "optimizer step"
         for level, totals, seq in moments:
-            made = sum(nbytes for when, nbytes in created if when <= seq)
+            made = made_by[bisect.bisect_right(when, seq)]
             totals = dict(totals)
             totals["optimizer step"] = totals.get("optimizer step", 0) - made
             totals["optimizer_states"] = totals.get("optimizer_states", 0) + made
