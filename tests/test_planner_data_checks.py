@@ -274,18 +274,71 @@ class _CTC(nn.Module):
     [
         (_PackedLSTM, (torch.randint(1, 100, (4, 12)), torch.tensor([12, 8, 5, 3])), "_pack_padded_sequence",
          "packed ="),
-        (_CTC, (torch.randn(4, 20, 16), torch.randint(1, 10, (4, 5)), torch.full((4,), 20), torch.full((4,), 5)),
-         "_ctc_loss", "return nn.functional.ctc_loss"),
     ],
-    ids=["pack_padded_sequence", "ctc_loss"],
+    ids=["pack_padded_sequence"],
 )  # fmt: skip
 def test_operators_whose_sizes_read_the_lengths_are_named_with_the_fallback(model, batch, operator, line):
-    """Packed sequences and CTC read their lengths' values inside the kernel: no fake step runs them."""
+    """Packed sequences read their lengths' values inside the kernel: no fake step runs them."""
     with pytest.raises(MemoryEstimateError) as err:
         estimate_memory(model(), batch, device="cpu")
     message = str(err.value)
     assert f"`aten.{operator}" in message and line in message and "fake=False" in message
     assert estimate_memory(model(), batch, device="cpu", fake=False).peak_bytes > 0  # the fallback named runs
+
+
+class _CTCVariants(nn.Module):
+    """CTC over padded (2-D) or concatenated (1-D) targets, lengths as tensors or lists, any reduction."""
+
+    def __init__(self, reduction="mean", zero_infinity=False, as_lists=False, module=False):
+        super().__init__()
+        self.project = nn.Linear(16, 10)
+        self.options, self.as_lists = {"reduction": reduction, "zero_infinity": zero_infinity}, as_lists
+        self.loss = nn.CTCLoss(**self.options) if module else None
+
+    def forward(self, frames, targets, frame_lengths, target_lengths):
+        log_probs = self.project(frames).log_softmax(-1).transpose(0, 1)
+        if self.as_lists:
+            frame_lengths, target_lengths = frame_lengths.tolist(), target_lengths.tolist()
+        if self.loss is not None:
+            loss = self.loss(log_probs, targets, frame_lengths, target_lengths)
+        else:
+            loss = nn.functional.ctc_loss(log_probs, targets, frame_lengths, target_lengths, **self.options)
+        return loss.sum()
+
+
+def _ctc_batch(concatenated=False):
+    generator = torch.Generator().manual_seed(0)
+    target_lengths = torch.tensor([5, 2, 7, 4])
+    targets = torch.randint(1, 10, (4, 7), generator=generator)
+    if concatenated:
+        targets = torch.cat([t[:n] for t, n in zip(targets, target_lengths)])
+    return torch.randn(4, 20, 16, generator=generator), targets, torch.tensor([20, 18, 20, 9]), target_lengths
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "predict"])
+@pytest.mark.parametrize(
+    ("options", "concatenated"),
+    [({}, False), ({"reduction": "none", "zero_infinity": True}, True), ({"reduction": "sum", "as_lists": True}, False),
+     ({"module": True}, True)],
+    ids=["padded, mean", "concatenated, none", "lists, sum", "nn.CTCLoss"],
+)  # fmt: skip
+def test_ctc_loss_estimates_on_fake_tensors_as_the_real_step(options, concatenated, stage):
+    """``_ctc_loss``'s ``log_alpha`` is sized by the longest target: known from the batch's target lengths."""
+    batch = _ctc_batch(concatenated)
+    fake = estimate_memory(_CTCVariants(**options), batch, device="cpu", stage=stage)
+    real = estimate_memory(_CTCVariants(**options), batch, device="cpu", stage=stage, fake=False)
+    assert fake.peak_bytes == real.peak_bytes and fake.at_peak == real.at_peak
+    log_alpha = 4 * 20 * (2 * 7 + 1) * 4  # batch x frames x (2 x the longest target + 1), float32
+    assert fake.phase_peaks["forward"] - fake.batch_bytes - fake.parameter_bytes >= log_alpha
+
+
+def test_ctc_loss_backward_holds_its_log_beta_inside_the_kernel():
+    from lightning_memopt.functional.planning import kernel_scratch
+
+    log_probs, log_alpha = torch.zeros(20, 4, 10), torch.zeros(4, 20, 15)
+    args = (torch.ones(4), log_probs, torch.zeros(4, 7, dtype=torch.long), [20] * 4, [7] * 4, torch.zeros(4),
+            log_alpha, 0)  # fmt: skip
+    assert kernel_scratch(torch.ops.aten._ctc_loss_backward.default, args, {}) == log_alpha.nbytes
 
 
 _SCALE = torch.linspace(0.5, 1.5, 64)  # a module-level tensor the step reads: not a parameter, buffer or attribute

@@ -21,6 +21,7 @@ from lightning_memopt.utilities.warnings import WarnOnce
 __all__: list[str] = [
     "backward_outside_torch_function",
     "ddp_comm_hook_name",
+    "decomposed_in_mode",
     "outside_fake_mode",
     "ddp_delays_all_reduce",
     "ddp_gradient_buckets",
@@ -194,6 +195,22 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     if unset is None:
         return contextlib.nullcontext()
     return unset()
+
+
+def decomposed_in_mode(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func``'s own decomposition (a composite operator) from inside ``mode``'s ``__torch_dispatch__`` with
+    ``mode`` active again, so that ``mode`` sees the operators it is made of; ``func`` as it is where torch has no
+    way to re-activate a mode."""
+    from torch.utils import _python_dispatch
+
+    push, pop = getattr(_python_dispatch, "_push_mode", None), getattr(_python_dispatch, "_pop_mode", None)
+    if push is None or pop is None:
+        return func(*args, **kwargs)
+    push(mode)
+    try:
+        return func.decompose(*args, **kwargs)
+    finally:
+        pop()
 
 
 @contextlib.contextmanager

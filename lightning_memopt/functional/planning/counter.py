@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
+from lightning_memopt.utilities._torch_private import decomposed_in_mode
 from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 
 __all__ = ["LiveBytes", "kernel_scratch", "tensor_storages", "unique_storages"]
@@ -22,15 +23,20 @@ __all__ = ["LiveBytes", "kernel_scratch", "tensor_storages", "unique_storages"]
 #: Operators that read a tensor's metadata and create nothing: run past the counter (autograd's engine asks a fake
 #: tensor's device for every gradient it passes on, half the operators of a fake training step).
 _METADATA = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+#: Composite operators that reach the counter whole (under ``inference_mode``) although what they hold is in the
+#: operators they are made of: counted as those (CTC loss's ``log_alpha``).
+_DECOMPOSED = frozenset({torch.ops.aten.ctc_loss.Tensor, torch.ops.aten.ctc_loss.IntList})
 
 
 def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
-    """Bytes a softmax kernel holds inside itself: a contiguous copy of each non-contiguous input.
+    """Bytes a kernel holds inside itself: a softmax's contiguous copy of each non-contiguous input, CTC loss's
+    backward its ``log_beta``.
 
     ``softmax``/``log_softmax`` and their backward make their inputs contiguous inside the kernel, on the CPU and on
     CUDA alike (``F.cross_entropy(logits.T, ...)`` in a CLIP loss copies the whole logits matrix; its backward
     copies the gradient and the output). No operator shows these copies, so they are counted while the kernel runs.
-    Measured as process RSS on torch 2.13 (``benchmarks/planner.py``).
+    Measured as process RSS on torch 2.13 (``benchmarks/planner.py``). ``_ctc_loss_backward`` allocates a
+    ``log_beta`` the size of the forward's ``log_alpha`` on both devices (torch's ``LossCTC.cpp``, ``LossCTC.cu``).
 
     Examples:
         >>> x = torch.randn(4, 8)
@@ -41,6 +47,8 @@ def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
     """
     packet = getattr(func, "overloadpacket", None)
     aten = torch.ops.aten
+    if packet is aten._ctc_loss_backward:  # its log_beta, the size of the forward's log_alpha (argument 6)
+        return args[6].numel() * args[6].element_size()
     if packet in (aten._softmax, aten._log_softmax):
         tensors = args[:1]
     elif packet in (aten._softmax_backward_data, aten._log_softmax_backward_data):
@@ -311,6 +319,8 @@ class LiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._paused or func in _METADATA:
             return func(*args, **kwargs)
+        if func in _DECOMPOSED:
+            return decomposed_in_mode(self, func, args, kwargs)
         out = self._run_operator(func, args, kwargs)
         if self.outputs is not None:
             out = self.outputs(func, args, kwargs, out)

@@ -187,12 +187,11 @@ class KnownValues:
         try:
             out = func(*args, **kwargs)
         except _NEEDS_VALUES:
-            answer = self._answer(func, args, kwargs)
-            if answer is None:
-                answer = self._indexed_by_known_masks(func, args, kwargs)
-            if answer is None:
-                raise
-            return answer[0]
+            for rule in (self._answer, self._indexed_by_known_masks, self._ctc_loss):
+                answer = rule(func, args, kwargs)
+                if answer is not None:
+                    return answer[0]
+            raise
         written = _written(func)
         if written:
             self._after_write(func, args, kwargs, written)
@@ -254,6 +253,22 @@ class KnownValues:
         with outside_fake_mode():
             count = int(real.expand(torch.broadcast_shapes(x.shape, real.shape)).sum())
         return (torch.empty((count,), dtype=x.dtype, device=x.device),)
+
+    def _ctc_loss(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any] | None:
+        """``_ctc_loss`` with known target lengths: the loss per sample and ``log_alpha`` (batch x input length x (2 x
+        the longest target + 1)), as the CPU and CUDA kernels make them. ``None`` for another operator or unknown
+        lengths."""
+        if func.overloadpacket is not aten._ctc_loss:
+            return None
+        log_probs, lengths = _argument(func, args, kwargs, 0), _argument(func, args, kwargs, 3)
+        if isinstance(lengths, Tensor):
+            lengths = self.value(lengths)
+            if lengths is None:
+                return None
+            with outside_fake_mode():
+                lengths = lengths.tolist()
+        longest, batch = max(lengths, default=0), log_probs.size(1)
+        return ((log_probs.new_empty((batch,)), log_probs.new_empty((batch, log_probs.size(0), 2 * longest + 1))),)
 
     def _as_known_fake(self, real: Tensor) -> Tensor:
         """A fake tensor of this mode holding ``real``'s values (known)."""
