@@ -249,16 +249,6 @@ def test_what_the_stand_in_trainer_does_not_have_is_named_with_the_fix():
         estimate_memory(ReadsTheData(), batch, device="cpu")
 
 
-class _PackedLSTM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed, self.lstm = nn.Embedding(100, 16), nn.LSTM(16, 32, batch_first=True)
-
-    def forward(self, ids, lengths):
-        packed = nn.utils.rnn.pack_padded_sequence(self.embed(ids), lengths, batch_first=True, enforce_sorted=False)
-        return self.lstm(packed)[1][0].sum()
-
-
 class _CTC(nn.Module):
     def __init__(self):
         super().__init__()
@@ -269,21 +259,64 @@ class _CTC(nn.Module):
         return nn.functional.ctc_loss(log_probs, targets, frame_lengths, target_lengths)
 
 
+class _PackedRNN(nn.Module):
+    """An RNN over ``pack_padded_sequence``, its output padded back (``pad_packed_sequence``) or its last state."""
+
+    def __init__(self, kind="LSTM", batch_first=True, enforce_sorted=False, pad_back=False, **rnn):
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(100, 16), getattr(nn, kind)(16, 32, batch_first=batch_first, **rnn)
+        self.batch_first, self.enforce_sorted, self.pad_back = batch_first, enforce_sorted, pad_back
+
+    def forward(self, ids, lengths):
+        x = self.embed(ids if self.batch_first else ids.T)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, self.batch_first, self.enforce_sorted)
+        out, state = self.rnn(packed)
+        if self.pad_back:
+            padded, _ = nn.utils.rnn.pad_packed_sequence(out, self.batch_first, total_length=ids.shape[1])
+            return padded.pow(2).mean()
+        return (state[0] if isinstance(state, tuple) else state).sum()
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
 @pytest.mark.parametrize(
-    ("model", "batch", "operator", "line"),
-    [
-        (_PackedLSTM, (torch.randint(1, 100, (4, 12)), torch.tensor([12, 8, 5, 3])), "_pack_padded_sequence",
-         "packed ="),
-    ],
-    ids=["pack_padded_sequence"],
+    ("options", "lengths"),
+    [({}, torch.tensor([12, 8, 5, 3])),
+     ({"kind": "GRU", "batch_first": False, "num_layers": 2, "bidirectional": True}, torch.tensor([9, 12, 3, 5])),
+     ({"kind": "RNN", "enforce_sorted": True}, [12, 8, 5, 3])],
+    ids=["lstm", "gru, 2 layers, bidirectional", "rnn, sorted list"],
 )  # fmt: skip
-def test_operators_whose_sizes_read_the_lengths_are_named_with_the_fallback(model, batch, operator, line):
-    """Packed sequences read their lengths' values inside the kernel: no fake step runs them."""
+def test_an_rnn_over_a_packed_sequence_estimates_on_fake_tensors_as_the_real_step(options, lengths, stage):
+    """Packing reads the lengths' values, the RNN kernels read ``batch_sizes``' values in C++: the lengths are known,
+    so the packed data is sized from them and ``batch_sizes`` is the real one."""
+    ids = torch.randint(1, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    fake = estimate_memory(_PackedRNN(**options), (ids, lengths), device="cpu", stage=stage)
+    real = estimate_memory(_PackedRNN(**options), (ids, lengths), device="cpu", stage=stage, fake=False)
+    assert fake.peak_bytes == real.peak_bytes and fake.at_peak == real.at_peak
+    assert fake.phase_peaks == real.phase_peaks
+
+
+def test_padding_a_packed_sequence_back_is_named_with_the_fallback():
+    """``pad_packed_sequence`` writes the lengths it returns in C++, into a tensor the fake mode made: no fake step."""
+    batch = (torch.randint(1, 100, (4, 12)), torch.tensor([12, 8, 5, 3]))
     with pytest.raises(MemoryEstimateError) as err:
-        estimate_memory(model(), batch, device="cpu")
+        estimate_memory(_PackedRNN(pad_back=True), batch, device="cpu")
     message = str(err.value)
-    assert f"`aten.{operator}" in message and line in message and "fake=False" in message
-    assert estimate_memory(model(), batch, device="cpu", fake=False).peak_bytes > 0  # the fallback named runs
+    assert "a C++ kernel reads the values of a tensor it made" in message and "fake=False" in message
+    assert "padded, _ = nn.utils.rnn.pad_packed_sequence" in message
+    assert estimate_memory(_PackedRNN(pad_back=True), batch, device="cpu", fake=False).peak_bytes > 0
+
+
+def test_packing_by_lengths_the_model_computes_still_names_the_fallback():
+    class LengthsFromScores(_PackedRNN):  # lengths from the model's own values: not known
+        def forward(self, ids, lengths):
+            x = self.embed(ids)
+            computed = (x.sum(-1) > 0).sum(1).clamp(min=1).cpu()
+            return self.rnn(nn.utils.rnn.pack_padded_sequence(x, computed, True, False))[1][0].sum()
+
+    batch = (torch.randint(1, 100, (4, 12)), torch.tensor([12, 8, 5, 3]))
+    with pytest.raises(MemoryEstimateError) as err:
+        estimate_memory(LengthsFromScores(), batch, device="cpu")
+    assert "fake=False" in str(err.value) and "pack_padded_sequence(x, computed" in str(err.value)
 
 
 class _CTCVariants(nn.Module):

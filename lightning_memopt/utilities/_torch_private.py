@@ -19,6 +19,7 @@ from lightning_memopt.utilities.shared_state import Lease, Restore, borrow
 from lightning_memopt.utilities.warnings import WarnOnce
 
 __all__: list[str] = [
+    "active_fake_mode",
     "backward_outside_torch_function",
     "ddp_comm_hook_name",
     "decomposed_in_mode",
@@ -195,6 +196,14 @@ def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
     if unset is None:
         return contextlib.nullcontext()
     return unset()
+
+
+def active_fake_mode() -> Any:
+    """The fake tensor mode operators run in now (``None``: none, or inside :func:`outside_fake_mode`)."""
+    get, keys = getattr(torch._C, "_get_dispatch_mode", None), getattr(torch._C, "_TorchDispatchModeKey", None)
+    if get is None or keys is None:
+        return None
+    return get(keys.FAKE)
 
 
 def decomposed_in_mode(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:

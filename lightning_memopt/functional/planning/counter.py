@@ -24,8 +24,18 @@ __all__ = ["LiveBytes", "kernel_scratch", "tensor_storages", "unique_storages"]
 #: tensor's device for every gradient it passes on, half the operators of a fake training step).
 _METADATA = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 #: Composite operators that reach the counter whole (under ``inference_mode``) although what they hold is in the
-#: operators they are made of: counted as those (CTC loss's ``log_alpha``).
-_DECOMPOSED = frozenset({torch.ops.aten.ctc_loss.Tensor, torch.ops.aten.ctc_loss.IntList})
+#: operators they are made of: counted as those (CTC loss's ``log_alpha``; an RNN over a packed sequence, whose
+#: decomposition reads ``batch_sizes``' values).
+_DECOMPOSED = frozenset(
+    {
+        torch.ops.aten.ctc_loss.Tensor,
+        torch.ops.aten.ctc_loss.IntList,
+        torch.ops.aten.lstm.data,
+        torch.ops.aten.gru.data,
+        torch.ops.aten.rnn_tanh.data,
+        torch.ops.aten.rnn_relu.data,
+    }
+)
 
 
 def kernel_scratch(func: Any, args: tuple, kwargs: dict) -> int:
@@ -200,6 +210,8 @@ class LiveBytes(TorchDispatchMode):
         self._seq = 0
         self._info: dict[int, list[Any]] = {}  # id(storage) -> [bytes, label, seq, step]
         self._paused = 0
+        #: ids of storages that are not the step's memory (fake twins of real constants the step reads)
+        self.uncounted: set[int] | frozenset[int] = frozenset()
 
     def pause(self) -> None:
         """Stop counting new storages until :meth:`resume` (nested pauses count): for tensors that are not memory of
@@ -226,7 +238,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _track_storage(self, storage: torch.UntypedStorage, label: str) -> None:
         key = id(storage)
-        if key in self._info:
+        if key in self._info or key in self.uncounted:
             return
         nbytes = self.rounded(storage.nbytes())
         self._seq += 1
@@ -321,7 +333,10 @@ class LiveBytes(TorchDispatchMode):
             return func(*args, **kwargs)
         if func in _DECOMPOSED:
             return decomposed_in_mode(self, func, args, kwargs)
-        out = self._run_operator(func, args, kwargs)
+        return self._count(func, args, kwargs, self._run_operator(func, args, kwargs))
+
+    def _count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Count what an operator made (its outputs, as corrected; its labels; its scratch); its outputs."""
         if self.outputs is not None:
             out = self.outputs(func, args, kwargs, out)
         for value in tree_flatten(out)[0]:

@@ -23,7 +23,7 @@ from torch._subclasses import fake_tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_memopt.utilities._torch_private import outside_fake_mode
+from lightning_memopt.utilities._torch_private import active_fake_mode, outside_fake_mode
 
 __all__ = ["KNOWN_NUMEL_LIMIT", "KnownValues"]
 
@@ -39,6 +39,11 @@ _UNINITIALISED = frozenset(
 _INDEXING = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 #: In-place operators that overwrite the whole of their first argument, whatever it held.
 _OVERWRITES = frozenset({aten.fill_, aten.zero_, aten.copy_})
+#: Operators that reorganise a sequence's data by its lengths' values: how many leading dimensions of the data
+#: (argument 0) they reorganise; the rest (the features) they carry over.
+_PACKING = {aten._pack_padded_sequence: 2, aten._pad_packed_sequence: 1}
+#: How a tensor literal (``torch.tensor(0.0)``) enters a fake mode: new memory, not a constant read.
+_LITERALS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
 #: What fake tensors raise for a check they cannot answer; a known tensor answers it.
 _NEEDS_VALUES = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException)
 
@@ -118,6 +123,8 @@ class KnownValues:
         self.mode = mode
         self.numel_limit = numel_limit
         self._values: dict[int, torch.UntypedStorage] = {}  # id(fake storage) -> real storage of the same layout
+        #: ids of the storages of fake twins of real tensors the step reads (a real constant's memory is not new)
+        self.constants: set[int] = set()
 
     @contextlib.contextmanager
     def library_checks(self) -> Iterator[None]:
@@ -184,10 +191,12 @@ class KnownValues:
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` on the fake tensors, followed on the known values (see the class)."""
+        if func not in _LITERALS and any(type(arg) is Tensor for arg in args):
+            args = self._with_constants(args)
         try:
             out = func(*args, **kwargs)
         except _NEEDS_VALUES:
-            for rule in (self._answer, self._indexed_by_known_masks, self._ctc_loss):
+            for rule in (self._answer, self._indexed_by_known_masks, self._ctc_loss, self._packed):
                 answer = rule(func, args, kwargs)
                 if answer is not None:
                     return answer[0]
@@ -269,6 +278,47 @@ class KnownValues:
                 lengths = lengths.tolist()
         longest, batch = max(lengths, default=0), log_probs.size(1)
         return ((log_probs.new_empty((batch,)), log_probs.new_empty((batch, log_probs.size(0), 2 * longest + 1))),)
+
+    def _with_constants(self, args: tuple) -> tuple:
+        """``args`` with each real tensor an operator in the fake mode reads (a constant, or ``batch_sizes`` of a
+        packed sequence) as its known fake twin (:meth:`_constant`); as they are where the operator runs for real."""
+        if active_fake_mode() is not self.mode:
+            return args
+        return tuple(map(self._constant, args))
+
+    def _constant(self, real: Any) -> Any:
+        """A real tensor an operator reads (a constant, or ``batch_sizes`` of a packed sequence): the fake tensor the
+        mode makes of it (the same one each time), its values known, so the operator's output is known too
+        (``batch_sizes[0]``); ``real`` itself where it is not a small CPU tensor (or not a real tensor)."""
+        if type(real) is not Tensor or real.device.type != "cpu" or real.numel() > self.numel_limit:
+            return real
+        if not _strided(real):
+            return real
+        fake = self.mode.from_tensor(real)
+        storage = fake.untyped_storage()
+        if id(storage) not in self._values:
+            self.remember(fake, real)
+            self.constants.add(id(storage))
+            weakref.finalize(storage, self.constants.discard, id(storage))
+        return fake
+
+    def _packed(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any] | None:
+        """Packing and padding a sequence (``_pack_padded_sequence``, ``_pad_packed_sequence``) with known lengths:
+        run for real on a stand-in for the data with one feature (the op reads only the lengths), the data's output
+        a fake tensor of that size with the data's features, the rest real CPU tensors, as the real op makes them
+        (``batch_sizes``: the RNN kernels and the backward read its values in C++, where a fake tensor has none).
+        ``None`` for another operator or unknown lengths."""
+        leading = _PACKING.get(func.overloadpacket)
+        if leading is None:
+            return None
+        data = _argument(func, args, kwargs, 0)
+        real = self._real_arguments((None, *args[1:]), kwargs)
+        if real is None:
+            return None
+        with outside_fake_mode():
+            stand_in = torch.zeros((*data.shape[:leading], 1))
+            rows, *rest = func(stand_in, *real[0][1:], **real[1])
+        return ((data.new_empty((*rows.shape[:-1], *data.shape[leading:])), *rest),)
 
     def _as_known_fake(self, real: Tensor) -> Tensor:
         """A fake tensor of this mode holding ``real``'s values (known)."""

@@ -55,6 +55,10 @@ _FAKE_FAILURES: dict[type[Exception], str] = {
     fake_tensor.UnsupportedOperatorException: "it has no fake (meta) implementation (a custom C++/CUDA op?)",
 }
 _FAKE_EXCEPTIONS: tuple[type[Exception], ...] = (*_FAKE_FAILURES, fake_tensor.UnsupportedFakeTensorException)
+#: What torch says when C++ code reads the data of a fake tensor (one made inside a composite kernel).
+_READS_FAKE_DATA = "its data is not allocated yet"
+#: What a fake run catches to name: the failures above, and the RuntimeError of C++ code reading a fake's data.
+_CAUGHT: tuple[type[Exception], ...] = (*_FAKE_EXCEPTIONS, RuntimeError)
 
 
 class FakeStepError(RuntimeError):
@@ -192,6 +196,9 @@ def _fake_step_error(err: Exception) -> FakeStepError:
         if isinstance(err, kind):
             op = str(getattr(err, "func", "?"))
             return FakeStepError(f"operator `{op}` cannot run on fake tensors: {why}.{at}", op, where, hint)
+    if _READS_FAKE_DATA in str(err):
+        why = "a C++ kernel reads the values of a tensor it made (e.g. `pad_packed_sequence`'s lengths)"
+        return FakeStepError(f"the step cannot run on fake tensors: {why}.{at}", None, where, hint)
     return FakeStepError(f"the step cannot run on fake tensors: {err}{at}", None, where, hint)
 
 
@@ -446,6 +453,8 @@ def _ready(
     mode, batch = _fake_batch(batch, fake)
     known = _known_values(mode, given, batch)
     counter.run = known.run if known else None
+    if known is not None:
+        counter.uncounted = known.constants  # a real constant is there before the step, as in the real one
     model = fake_twin(module, mode, dtype)  # with fake=False a real copy: the user's module is never trained
     if known is not None:
         _remember_integer_buffers(known, module, model)
@@ -456,8 +465,8 @@ def _ready(
             if batch_fn is not None:
                 batch = batch_fn(batch)
             yield model, batch, _track_inputs(counter, model, batch)
-    except _FAKE_EXCEPTIONS as err:
-        if not fake:
+    except _CAUGHT as err:
+        if not fake or not (isinstance(err, _FAKE_EXCEPTIONS) or _READS_FAKE_DATA in str(err)):
             raise
         raise _fake_step_error(err) from err
 
