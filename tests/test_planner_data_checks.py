@@ -280,30 +280,20 @@ class _PackedRNN(nn.Module):
 @pytest.mark.parametrize("stage", ["fit", "validate"])
 @pytest.mark.parametrize(
     ("options", "lengths"),
-    [({}, torch.tensor([12, 8, 5, 3])),
-     ({"kind": "GRU", "batch_first": False, "num_layers": 2, "bidirectional": True}, torch.tensor([9, 12, 3, 5])),
+    [({}, torch.tensor([12, 8, 5, 3])), ({"pad_back": True}, torch.tensor([12, 8, 5, 3])),
+     ({"kind": "GRU", "batch_first": False, "num_layers": 2, "bidirectional": True, "pad_back": True},
+      torch.tensor([9, 12, 3, 5])),
      ({"kind": "RNN", "enforce_sorted": True}, [12, 8, 5, 3])],
-    ids=["lstm", "gru, 2 layers, bidirectional", "rnn, sorted list"],
+    ids=["lstm", "lstm, padded back", "gru, 2 layers, bidirectional, padded back", "rnn, sorted list"],
 )  # fmt: skip
 def test_an_rnn_over_a_packed_sequence_estimates_on_fake_tensors_as_the_real_step(options, lengths, stage):
-    """Packing reads the lengths' values, the RNN kernels read ``batch_sizes``' values in C++: the lengths are known,
-    so the packed data is sized from them and ``batch_sizes`` is the real one."""
+    """Packing reads the lengths' values, the RNN kernels and padding back read ``batch_sizes``' values in C++: the
+    lengths are known, so the packed data is sized from them and ``batch_sizes`` is the real one."""
     ids = torch.randint(1, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     fake = estimate_memory(_PackedRNN(**options), (ids, lengths), device="cpu", stage=stage)
     real = estimate_memory(_PackedRNN(**options), (ids, lengths), device="cpu", stage=stage, fake=False)
     assert fake.peak_bytes == real.peak_bytes and fake.at_peak == real.at_peak
     assert fake.phase_peaks == real.phase_peaks
-
-
-def test_padding_a_packed_sequence_back_is_named_with_the_fallback():
-    """``pad_packed_sequence`` writes the lengths it returns in C++, into a tensor the fake mode made: no fake step."""
-    batch = (torch.randint(1, 100, (4, 12)), torch.tensor([12, 8, 5, 3]))
-    with pytest.raises(MemoryEstimateError) as err:
-        estimate_memory(_PackedRNN(pad_back=True), batch, device="cpu")
-    message = str(err.value)
-    assert "a C++ kernel reads the values of a tensor it made" in message and "fake=False" in message
-    assert "padded, _ = nn.utils.rnn.pad_packed_sequence" in message
-    assert estimate_memory(_PackedRNN(pad_back=True), batch, device="cpu", fake=False).peak_bytes > 0
 
 
 def test_packing_by_lengths_the_model_computes_still_names_the_fallback():
@@ -490,3 +480,25 @@ def test_a_distribution_checking_its_arguments_is_named_with_validate_args_false
     fake = estimate_memory(_GaussianHead(False), batch, device="cpu", loss_fn=loss)
     real = estimate_memory(_GaussianHead(False), batch, device="cpu", loss_fn=loss, fake=False)
     assert fake.peak_bytes == real.peak_bytes
+
+
+def test_a_packed_sequence_built_from_the_batch_is_named_with_the_fallback():
+    """``batch_sizes`` given in the batch is a fake tensor: the C++ kernels that read its values cannot run."""
+
+    class PadsGivenPacks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.project = nn.Linear(16, 8)
+
+        def forward(self, data, batch_sizes):
+            packed = nn.utils.rnn.PackedSequence(self.project(data), batch_sizes)
+            padded, _ = nn.utils.rnn.pad_packed_sequence(packed)
+            return padded.sum()
+
+    batch = (torch.randn(10, 16), torch.tensor([4, 3, 2, 1]))
+    with pytest.raises(MemoryEstimateError) as err:
+        estimate_memory(PadsGivenPacks(), batch, device="cpu")
+    message = str(err.value)
+    assert "a C++ kernel reads the values of a fake tensor" in message and "fake=False" in message
+    assert "padded, _ = nn.utils.rnn.pad_packed_sequence(packed)" in message
+    assert estimate_memory(PadsGivenPacks(), batch, device="cpu", fake=False).peak_bytes > 0

@@ -43,6 +43,7 @@ __all__: list[str] = [
     "supports_memory_history",
     "tensor_version",
     "uncounted_dtensor_metadata",
+    "without_subclass_functions",
 ]
 
 
@@ -204,6 +205,15 @@ def active_fake_mode() -> Any:
     if get is None or keys is None:
         return None
     return get(keys.FAKE)
+
+
+def without_subclass_functions() -> contextlib.AbstractContextManager[Any]:
+    """A context where a tensor subclass's ``__torch_function__`` is not called (its operators run as a plain
+    tensor's, their results not wrapped in the subclass); nothing, where torch has no such switch."""
+    disable = getattr(torch._C, "DisableTorchFunctionSubclass", None)
+    if disable is None:
+        return contextlib.nullcontext()
+    return disable()
 
 
 def decomposed_in_mode(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:

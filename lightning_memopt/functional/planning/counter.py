@@ -24,8 +24,8 @@ __all__ = ["LiveBytes", "kernel_scratch", "tensor_storages", "unique_storages"]
 #: tensor's device for every gradient it passes on, half the operators of a fake training step).
 _METADATA = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 #: Composite operators that reach the counter whole (under ``inference_mode``) although what they hold is in the
-#: operators they are made of: counted as those (CTC loss's ``log_alpha``; an RNN over a packed sequence, whose
-#: decomposition reads ``batch_sizes``' values).
+#: operators they are made of: counted as those (CTC loss's ``log_alpha``; an RNN over a packed sequence and its
+#: padding back, whose decompositions read ``batch_sizes``' values).
 _DECOMPOSED = frozenset(
     {
         torch.ops.aten.ctc_loss.Tensor,
@@ -34,6 +34,7 @@ _DECOMPOSED = frozenset(
         torch.ops.aten.gru.data,
         torch.ops.aten.rnn_tanh.data,
         torch.ops.aten.rnn_relu.data,
+        torch.ops.aten._pad_packed_sequence.default,
     }
 )
 

@@ -23,7 +23,11 @@ from torch._subclasses import fake_tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_memopt.utilities._torch_private import active_fake_mode, outside_fake_mode
+from lightning_memopt.utilities._torch_private import (
+    active_fake_mode,
+    outside_fake_mode,
+    without_subclass_functions,
+)
 
 __all__ = ["KNOWN_NUMEL_LIMIT", "KnownValues"]
 
@@ -91,6 +95,38 @@ def _answer_hf_fake_checks(still_fake: Callable[[Tensor], bool]) -> Callable[[],
         module.is_fake_tensor = original
 
     return restore
+
+
+class _BatchSizes(Tensor):
+    """A packed sequence's ``batch_sizes``: the real tensor (the RNN kernels read its values in C++), which also has
+    ``pad_packed_sequence`` run outside the fake mode, where its C++ kernel can write the lengths it returns into a
+    real tensor (the data stays fake). ``plain``: the same tensor as a plain one."""
+
+    plain: Tensor
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch._VF._pad_packed_sequence:
+            with outside_fake_mode(), without_subclass_functions():
+                return func(*args, **kwargs)
+        with without_subclass_functions():
+            return func(*args, **kwargs)
+
+
+#: The types of real tensors a step reads in the fake mode.
+_REAL = frozenset({Tensor, _BatchSizes})
+
+
+def _batch_sizes(real: Tensor) -> _BatchSizes:
+    wrapped = real.as_subclass(_BatchSizes)
+    wrapped.plain = real
+    return wrapped
+
+
+def _plain(value: Any) -> Any:
+    """A real tensor the step reads as the plain tensor it is (a :class:`_BatchSizes` unwrapped)."""
+    return getattr(value, "plain", value) if type(value) is _BatchSizes else value
 
 
 class KnownValues:
@@ -191,7 +227,7 @@ class KnownValues:
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` on the fake tensors, followed on the known values (see the class)."""
-        if func not in _LITERALS and any(type(arg) is Tensor for arg in args):
+        if func not in _LITERALS and any(type(arg) in _REAL for arg in args):
             args = self._with_constants(args)
         try:
             out = func(*args, **kwargs)
@@ -282,6 +318,7 @@ class KnownValues:
     def _with_constants(self, args: tuple) -> tuple:
         """``args`` with each real tensor an operator in the fake mode reads (a constant, or ``batch_sizes`` of a
         packed sequence) as its known fake twin (:meth:`_constant`); as they are where the operator runs for real."""
+        args = tuple(map(_plain, args))
         if active_fake_mode() is not self.mode:
             return args
         return tuple(map(self._constant, args))
@@ -318,6 +355,8 @@ class KnownValues:
         with outside_fake_mode():
             stand_in = torch.zeros((*data.shape[:leading], 1))
             rows, *rest = func(stand_in, *real[0][1:], **real[1])
+        if func.overloadpacket is aten._pack_padded_sequence:
+            rest = [_batch_sizes(rest[0])]
         return ((data.new_empty((*rows.shape[:-1], *data.shape[leading:])), *rest),)
 
     def _as_known_fake(self, real: Tensor) -> Tensor:

@@ -197,7 +197,7 @@ def _fake_step_error(err: Exception) -> FakeStepError:
             op = str(getattr(err, "func", "?"))
             return FakeStepError(f"operator `{op}` cannot run on fake tensors: {why}.{at}", op, where, hint)
     if _READS_FAKE_DATA in str(err):
-        why = "a C++ kernel reads the values of a tensor it made (e.g. `pad_packed_sequence`'s lengths)"
+        why = "a C++ kernel reads the values of a fake tensor (`pad_packed_sequence` of a hand-built `PackedSequence`?)"
         return FakeStepError(f"the step cannot run on fake tensors: {why}.{at}", None, where, hint)
     return FakeStepError(f"the step cannot run on fake tensors: {err}{at}", None, where, hint)
 
