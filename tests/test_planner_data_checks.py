@@ -502,3 +502,29 @@ def test_a_packed_sequence_built_from_the_batch_is_named_with_the_fallback():
     assert "a C++ kernel reads the values of a fake tensor" in message and "fake=False" in message
     assert "padded, _ = nn.utils.rnn.pad_packed_sequence(packed)" in message
     assert estimate_memory(PadsGivenPacks(), batch, device="cpu", fake=False).peak_bytes > 0
+
+
+class _GaussianHead(nn.Module):
+    """A mean and a variance from the model: ``F.gaussian_nll_loss`` checks ``var < 0`` on the values."""
+
+    def __init__(self, own_check=False):
+        super().__init__()
+        self.head, self.own_check = nn.Linear(8, 2), own_check
+
+    def forward(self, x, y):
+        mean, log_var = self.head(x).unbind(-1)
+        var = log_var.exp()
+        if self.own_check and torch.any(var > 1e6):  # the user's own check on the model's values
+            raise ValueError("variance too large")
+        return nn.functional.gaussian_nll_loss(mean, y, var)
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_gaussian_nll_loss_s_variance_check_is_answered_as_passing(stage):
+    batch = (torch.randn(16, 8), torch.randn(16))
+    fake = estimate_memory(_GaussianHead(), batch, device="cpu", stage=stage)
+    real = estimate_memory(_GaussianHead(), batch, device="cpu", stage=stage, fake=False)
+    assert fake.peak_bytes == real.peak_bytes and fake.at_peak == real.at_peak
+    with pytest.raises(MemoryEstimateError) as err:  # a check of the user's own still names its line
+        estimate_memory(_GaussianHead(own_check=True), batch, device="cpu", stage=stage)
+    assert "if self.own_check and torch.any(var > 1e6)" in str(err.value)
