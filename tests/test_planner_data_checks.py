@@ -504,7 +504,7 @@ def test_a_packed_sequence_built_from_the_batch_is_named_with_the_fallback():
     assert estimate_memory(PadsGivenPacks(), batch, device="cpu", fake=False).peak_bytes > 0
 
 
-class _GaussianHead(nn.Module):
+class _GaussianNLL(nn.Module):
     """A mean and a variance from the model: ``F.gaussian_nll_loss`` checks ``var < 0`` on the values."""
 
     def __init__(self, own_check=False):
@@ -522,9 +522,9 @@ class _GaussianHead(nn.Module):
 @pytest.mark.parametrize("stage", ["fit", "validate"])
 def test_gaussian_nll_loss_s_variance_check_is_answered_as_passing(stage):
     batch = (torch.randn(16, 8), torch.randn(16))
-    fake = estimate_memory(_GaussianHead(), batch, device="cpu", stage=stage)
-    real = estimate_memory(_GaussianHead(), batch, device="cpu", stage=stage, fake=False)
+    fake = estimate_memory(_GaussianNLL(), batch, device="cpu", stage=stage)
+    real = estimate_memory(_GaussianNLL(), batch, device="cpu", stage=stage, fake=False)
     assert fake.peak_bytes == real.peak_bytes and fake.at_peak == real.at_peak
     with pytest.raises(MemoryEstimateError) as err:  # a check of the user's own still names its line
-        estimate_memory(_GaussianHead(own_check=True), batch, device="cpu", stage=stage)
+        estimate_memory(_GaussianNLL(own_check=True), batch, device="cpu", stage=stage)
     assert "if self.own_check and torch.any(var > 1e6)" in str(err.value)
